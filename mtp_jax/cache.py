@@ -1,0 +1,72 @@
+"""The paged MLA cache: per layer, pages of [page_size, kv_lora + rope] latent rows.
+
+Device side it is a dict ``{stack: [L, num_pages, page_size, kv_lora + rope]}`` (one entry per
+layer stack of the model), plus a page table [B, pages_per_row] naming each row's pages in
+position order. Host side, :class:`PageAllocator` hands pages out and takes them back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.models.deepseek_v3 import stack_sizes
+
+
+def latent_width(cfg: DeepseekV3Config) -> int:
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def init_pages(
+    cfg: DeepseekV3Config, num_pages: int, page_size: int, dtype: jnp.dtype
+) -> dict[str, jax.Array]:
+    """Zeroed latent pages for every layer stack."""
+    return {
+        name: jnp.zeros((n, num_pages, page_size, latent_width(cfg)), dtype)
+        for name, n in stack_sizes(cfg).items()
+    }
+
+
+def cache_bytes(cfg: DeepseekV3Config, num_pages: int, page_size: int, dtype: jnp.dtype) -> int:
+    return cfg.num_hidden_layers * num_pages * page_size * latent_width(cfg) * jnp.dtype(dtype).itemsize
+
+
+class PageAllocator:
+    """A free list of page ids. Pages are handed out in any order; the page table hides it."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"out of KV pages: need {n}, {len(self._free)} free of {self.num_pages}")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+def slots_for(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:
+    """Flat cache slots [b, t] for tokens at positions [b, t]; invalid tokens get an out-of-range
+    slot, which the cache write drops."""
+    num_pages_sentinel = jnp.iinfo(jnp.int32).max
+    page = jnp.take_along_axis(
+        page_table, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1), axis=1
+    )
+    slots = page * page_size + positions % page_size
+    return jnp.where(valid, slots, num_pages_sentinel)
+
+
+def page_table_array(rows: list[list[int]], width: int) -> np.ndarray:
+    """A [len(rows), width] int32 page table; unused entries point at page 0 (never read unmasked)."""
+    table = np.zeros((len(rows), width), np.int32)
+    for i, pages in enumerate(rows):
+        table[i, : len(pages)] = pages
+    return table

@@ -1,0 +1,250 @@
+"""A strict safetensors reader (memory-mapped, tensor by tensor) and an atomic writer.
+
+We parse the format ourselves instead of going through ``safetensors.numpy`` because numpy has no
+bfloat16/float8 of its own (``ml_dtypes``, which JAX ships, does), and because a truncated or
+corrupt file must fail with a message that names the file and the tensor. Only safetensors are
+read; there is no pickle path anywhere.
+
+Format: 8-byte little-endian header length N, N bytes of JSON header
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the data
+block; offsets are relative to the start of the data block.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from mtp_jax.errors import CheckpointError, CheckpointNotFoundError
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+INDEX_NAME = "model.safetensors.index.json"
+
+
+class SafetensorsFile:
+    """One safetensors file, memory-mapped; :meth:`get` returns a read-only view, no copy."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise CheckpointNotFoundError(f"safetensors file not found: {self.path}")
+        size = os.path.getsize(self.path)
+        if size < 8:
+            raise CheckpointError(f"{self.path}: truncated safetensors file ({size} bytes, no header)")
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_HEADER or 8 + n > size:
+                raise CheckpointError(
+                    f"{self.path}: corrupt or truncated safetensors file "
+                    f"(header of {n} bytes, file of {size})"
+                )
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: {e}") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (not a JSON object)")
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self._data_start = 8 + n
+        data_size = size - self._data_start
+        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        for name, entry in header.items():
+            self._entries[name] = self._check_entry(name, entry, data_size)
+        self._mmap: mmap.mmap | None = None
+
+    def _check_entry(
+        self, name: str, entry: object, data_size: int
+    ) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise CheckpointError(f"{self.path}: tensor '{name}' has a malformed header entry")
+        if entry["dtype"] not in DTYPES:
+            raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {entry['dtype']!r}")
+        dtype = DTYPES[entry["dtype"]]
+        shape = tuple(entry["shape"])
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CheckpointError(f"{self.path}: tensor '{name}' has a malformed shape {entry['shape']!r}")
+        begin, end = entry["data_offsets"]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if end - begin != nbytes or begin < 0:
+            raise CheckpointError(
+                f"{self.path}: tensor '{name}' claims {end - begin} bytes but shape {list(shape)} of "
+                f"{entry['dtype']} needs {nbytes}"
+            )
+        if end > data_size:
+            raise CheckpointError(
+                f"{self.path}: truncated file: tensor '{name}' ends at byte {end} "
+                f"of a {data_size}-byte data block"
+            )
+        return dtype, shape, begin, end
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._entry(name)[0]
+
+    def _entry(self, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor named '{name}'") from None
+
+    def get(self, name: str) -> np.ndarray:
+        dtype, shape, begin, end = self._entry(name)
+        if self._mmap is None:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        start = self._data_start + begin
+        return np.frombuffer(
+            self._mmap, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start
+        ).reshape(shape)
+
+    def close(self) -> None:
+        # Views handed out keep the map alive through their buffer; dropping our reference is enough.
+        self._mmap = None
+
+
+class CheckpointReader:
+    """All tensors of a hub-layout checkpoint directory: one file, several, or index-sharded."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.fspath(directory)
+        if not os.path.isdir(self.directory):
+            raise CheckpointNotFoundError(f"checkpoint directory not found: {self.directory}")
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, str] = {}
+        index_path = os.path.join(self.directory, INDEX_NAME)
+        if os.path.isfile(index_path):
+            self._read_index(index_path)
+        else:
+            names = sorted(n for n in os.listdir(self.directory) if n.endswith(".safetensors"))
+            if not names:
+                raise CheckpointNotFoundError(f"no *.safetensors files in {self.directory}")
+            for fname in names:
+                for key in self._file(fname).keys():
+                    if key in self._where:
+                        raise CheckpointError(
+                            f"tensor '{key}' appears in both {self._where[key]} and {fname} "
+                            f"in {self.directory}"
+                        )
+                    self._where[key] = fname
+
+    def _read_index(self, index_path: str) -> None:
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index_path}: not valid JSON: {e}") from e
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: missing the 'weight_map' object")
+        root = os.path.realpath(self.directory)
+        for key, fname in weight_map.items():
+            if not isinstance(fname, str):
+                raise CheckpointError(f"{index_path}: file name of tensor '{key}' is not a string")
+            full = os.path.realpath(os.path.join(root, fname))
+            if os.path.isabs(fname) or os.path.commonpath([root, full]) != root:
+                raise CheckpointError(
+                    f"{index_path}: tensor '{key}' points at '{fname}', outside the checkpoint directory"
+                )
+            self._where[key] = fname
+        for fname in sorted(set(self._where.values())):
+            f = self._file(fname)
+            for key, where in self._where.items():
+                if where == fname and key not in f:
+                    raise CheckpointError(
+                        f"{index_path}: tensor '{key}' is listed in {fname} but not stored there"
+                    )
+
+    def _file(self, fname: str) -> SafetensorsFile:
+        if fname not in self._files:
+            self._files[fname] = SafetensorsFile(os.path.join(self.directory, fname))
+        return self._files[fname]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def _locate(self, key: str) -> SafetensorsFile:
+        if key not in self._where:
+            raise CheckpointError(f"checkpoint {self.directory} has no tensor '{key}'")
+        return self._file(self._where[key])
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._locate(key).shape(key)
+
+    def dtype(self, key: str) -> np.dtype:
+        return self._locate(key).dtype(key)
+
+    def get(self, key: str) -> np.ndarray:
+        return self._locate(key).get(key)
+
+    def items(self) -> Iterator[tuple[str, np.ndarray]]:
+        for key in self._where:
+            yield key, self.get(key)
+
+
+def save_safetensors(
+    path: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+) -> int:
+    """Write ``tensors`` to ``path`` atomically (temporary name, then rename). Returns bytes written."""
+    path = os.fspath(path)
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    arrays = []
+    for name, value in tensors.items():
+        arr = np.ascontiguousarray(value)
+        if arr.dtype not in _NAMES:
+            raise CheckpointError(f"cannot store tensor '{name}' of dtype {arr.dtype} in safetensors")
+        header[name] = {
+            "dtype": _NAMES[arr.dtype],
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
+        offset += arr.nbytes
+        arrays.append(arr)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for arr in arrays:
+                f.write(arr.tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return 8 + len(blob) + offset

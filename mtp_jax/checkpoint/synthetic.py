@@ -1,0 +1,142 @@
+"""Random checkpoints in the exact hub layout, for tests, benchmarks and the placeholder default.
+
+``hub_tensors`` draws every tensor a DeepSeek-V3 checkpoint has (MTP layers included when the
+config asks for them) and ``write_hub_checkpoint`` writes a directory the way the hub does:
+config.json plus one safetensors file, or several with a ``model.safetensors.index.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
+from mtp_jax.config import DeepseekV3Config
+
+
+def _layer_tensors(
+    cfg: DeepseekV3Config, i: int, rng: np.random.Generator, std: float
+) -> dict[str, np.ndarray]:
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    pre = f"model.layers.{i}."
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    t = {f"{pre}input_layernorm.weight": norm(d), f"{pre}post_attention_layernorm.weight": norm(d)}
+    a = f"{pre}self_attn."
+    if cfg.q_lora_rank is None:
+        t[f"{a}q_proj.weight"] = w(h * cfg.qk_head_dim, d)
+    else:
+        t[f"{a}q_a_proj.weight"] = w(cfg.q_lora_rank, d)
+        t[f"{a}q_a_layernorm.weight"] = norm(cfg.q_lora_rank)
+        t[f"{a}q_b_proj.weight"] = w(h * cfg.qk_head_dim, cfg.q_lora_rank)
+    t[f"{a}kv_a_proj_with_mqa.weight"] = w(cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
+    t[f"{a}kv_a_layernorm.weight"] = norm(cfg.kv_lora_rank)
+    t[f"{a}kv_b_proj.weight"] = w(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    t[f"{a}o_proj.weight"] = w(d, h * cfg.v_head_dim)
+    m = f"{pre}mlp."
+    if i < cfg.first_k_dense_replace:
+        f = cfg.intermediate_size
+        t.update(
+            {f"{m}gate_proj.weight": w(f, d), f"{m}up_proj.weight": w(f, d), f"{m}down_proj.weight": w(d, f)}
+        )
+        return t
+    f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
+    t[f"{m}gate.weight"] = w(e, d)
+    t[f"{m}gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(e)).astype(np.float32)
+    for j in range(e):
+        x = f"{m}experts.{j}."
+        t.update(
+            {f"{x}gate_proj.weight": w(f, d), f"{x}up_proj.weight": w(f, d), f"{x}down_proj.weight": w(d, f)}
+        )
+    if cfg.n_shared_experts:
+        fs, x = f * cfg.n_shared_experts, f"{m}shared_experts."
+        t.update(
+            {
+                f"{x}gate_proj.weight": w(fs, d),
+                f"{x}up_proj.weight": w(fs, d),
+                f"{x}down_proj.weight": w(d, fs),
+            }
+        )
+    return t
+
+
+def hub_tensors(cfg: DeepseekV3Config, seed: int = 0, std: float = 0.1) -> dict[str, np.ndarray]:
+    """Every tensor of a float32 DeepSeek-V3 hub checkpoint, drawn from a seeded normal."""
+    rng = np.random.default_rng(seed)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((v, d)).astype(np.float32)}
+    for i in range(cfg.num_hidden_layers):
+        tensors.update(_layer_tensors(cfg, i, rng, std))
+    tensors["model.norm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = (rng.standard_normal((v, d)) * std).astype(np.float32)
+    for k in range(cfg.num_nextn_predict_layers):
+        n = cfg.num_hidden_layers + k
+        pre = f"model.layers.{n}."
+        mtp = _layer_tensors(cfg, max(n, cfg.first_k_dense_replace), rng, std)
+        tensors.update(
+            {
+                k2.replace(f"model.layers.{max(n, cfg.first_k_dense_replace)}.", pre): x
+                for k2, x in mtp.items()
+            }
+        )
+        tensors[f"{pre}enorm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        tensors[f"{pre}hnorm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        tensors[f"{pre}eh_proj.weight"] = (rng.standard_normal((d, 2 * d)) * std).astype(np.float32)
+        tensors[f"{pre}shared_head.norm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        tensors[f"{pre}shared_head.head.weight"] = tensors.get(
+            "lm_head.weight", tensors["model.embed_tokens.weight"]
+        )
+        tensors[f"{pre}embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
+
+
+def write_hub_checkpoint(
+    directory: str | os.PathLike[str],
+    config: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray],
+    *,
+    shards: int = 1,
+    extra_files: Mapping[str, str] | None = None,
+) -> None:
+    """Write config.json, the tensors (split over ``shards`` files with an index when > 1) and any
+    ``extra_files`` (name -> source path) into a new directory, atomically: everything goes to a
+    temporary sibling first, which is renamed into place at the end."""
+    directory = os.fspath(directory)
+    if os.path.exists(directory):
+        raise FileExistsError(f"refusing to overwrite existing checkpoint directory {directory}")
+    tmp = f"{directory}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(config), f, indent=2)
+            f.write("\n")
+        keys = list(tensors)
+        if shards == 1:
+            save_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for s, part in enumerate(np.array_split(np.arange(len(keys)), shards)):
+                name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+                chunk = {keys[j]: tensors[keys[j]] for j in part}
+                save_safetensors(os.path.join(tmp, name), chunk, {"format": "pt"})
+                weight_map.update({k: name for k in chunk})
+                total += sum(x.nbytes for x in chunk.values())
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, os.path.join(tmp, name))
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""Small building blocks shared by the models: RMSNorm, rotary embeddings, SwiGLU MLP.
+
+Shape letters used in einsum strings across the package: b batch, t query tokens, s key positions,
+d hidden, h heads, k per-head dim, r low-rank (lora) dim, c latent (kv_lora + rope), e experts,
+f feed-forward dim, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.config import YarnRopeScaling, yarn_mscale
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back to x's dtype before the weight (as DeepSeek does)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def rope_frequencies(dim: int, theta: float, scaling: YarnRopeScaling | None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [dim/2] and the cos/sin magnitude factor for a rotary slice of width dim.
+
+    Under YaRN, frequencies between the beta_fast/beta_slow correction dims are blended linearly
+    between extrapolation (original) and interpolation (divided by factor); the cos/sin factor is
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim). Computed on the host in float64.
+    """
+    exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+    inv_freq = 1.0 / theta**exponents
+    if scaling is None:
+        return inv_freq.astype(np.float32), 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            dim
+            * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolate = 1.0 - ramp
+    inv_freq = inv_freq / scaling.factor * (1.0 - extrapolate) + inv_freq * extrapolate
+    if scaling.mscale and scaling.mscale_all_dim:
+        magnitude = yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(
+            scaling.factor, scaling.mscale_all_dim
+        )
+    else:
+        magnitude = yarn_mscale(scaling.factor)
+    # Rounded through float32 like the reference implementations, so tables agree bit for bit.
+    return inv_freq.astype(np.float32), float(np.float32(magnitude))
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, magnitude: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [..., dim/2] in float32 for integer positions [...]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles) * magnitude, jnp.sin(angles) * magnitude
+
+
+def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of the last axis.
+
+    x: [b, t, ..., dim]; cos/sin: [b, t, dim/2], broadcast over the axes between. The result is in
+    the same interleaved layout; queries and keys only meet through dot products, so any fixed
+    permutation of the rope slice (transformers de-interleaves) gives identical attention.
+    """
+    extra = x.ndim - cos.ndim
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """down(silu(x·gate) * (x·up)); x [..., d], gate/up [d, f], down [f, d]."""
+    g = jnp.einsum("...d,df->...f", x, gate)
+    u = jnp.einsum("...d,df->...f", x, up)
+    return jnp.einsum("...f,fd->...d", jax.nn.silu(g) * u, down)

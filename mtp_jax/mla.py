@@ -1,0 +1,117 @@
+"""Multi-head latent attention (MLA), DeepSeek-V2/V3 style.
+
+Per token the attention keeps a compressed latent ``c_kv`` [kv_lora] plus one rope key [rope]
+shared by all heads; that [kv_lora + rope] row is all the paged cache stores. Two evaluations:
+
+- :func:`mla_dense`: the expanded form (keys/values up-projected per head), causal over a whole
+  sequence, no cache. Used for teacher-forced scoring and training.
+- :func:`mla_paged`: the absorbed form. ``q_nope·W_UK`` turns each head's query into latent space,
+  attention runs directly against the cached latents, and ``W_UV`` is applied after the weighted
+  sum. Writes the new tokens' rows into the paged cache first, then attends over the cache.
+
+Parameters of one layer (weights stored [in, out]):
+``q_a`` [d, r], ``q_a_norm`` [r], ``q_b`` [r, h, qk] (or ``q`` [d, h, qk] without q-lora),
+``kv_a`` [d, kv_lora + rope], ``kv_a_norm`` [kv_lora], ``k_b`` [kv_lora, h, nope],
+``v_b`` [kv_lora, h, v], ``o`` [h, v, d].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.layers import apply_rope_interleaved, rms_norm
+
+# DeepSeek's reference code builds q_a/kv_a norms with RMSNorm's default eps, not rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+NEG_INF = float("-inf")
+
+
+def _queries(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array):
+    """Per-head queries split into (nope [b,t,h,nope], rope [b,t,h,rope]), rope applied."""
+    if cfg.q_lora_rank is None:
+        q = jnp.einsum("btd,dhk->bthk", x, p["q"])
+    else:
+        q_lat = rms_norm(jnp.einsum("btd,dr->btr", x, p["q_a"]), p["q_a_norm"], LORA_NORM_EPS)
+        q = jnp.einsum("btr,rhk->bthk", q_lat, p["q_b"])
+    q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+    return q_nope, apply_rope_interleaved(q_rope, cos, sin)
+
+
+def latent_rows(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """The cache rows [b, t, kv_lora + rope] of x: normed latent, then the rotated shared rope key."""
+    ckv = jnp.einsum("btd,dc->btc", x, p["kv_a"])
+    latent = rms_norm(ckv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LORA_NORM_EPS)
+    k_rope = apply_rope_interleaved(ckv[..., cfg.kv_lora_rank :], cos, sin)
+    return jnp.concatenate([latent, k_rope], axis=-1)
+
+
+def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    scores = jnp.where(mask, scores, NEG_INF)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def mla_dense(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Causal self-attention over x [b, t, d] (positions 0..t-1 encoded in cos/sin); returns [b, t, d]."""
+    q_nope, q_rope = _queries(p, x, cfg, cos, sin)
+    rows = latent_rows(p, x, cfg, cos, sin)
+    latent, k_rope = rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank :]
+    k_nope = jnp.einsum("bsr,rhk->bshk", latent, p["k_b"])
+    v = jnp.einsum("bsr,rhk->bshk", latent, p["v_b"])
+    f32 = jnp.float32
+    scores = jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=f32)
+    scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=f32)
+    t = x.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    probs = _softmax(scores * cfg.softmax_scale, causal).astype(x.dtype)
+    out = jnp.einsum("bhts,bshk->bthk", probs, v)
+    return jnp.einsum("bthk,hkd->btd", out, p["o"])
+
+
+def write_rows(pages: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter rows [b, t, c] into pages [P, page, c] at flat slots [b, t]; slots >= P·page are dropped."""
+    num_pages, page_size, width = pages.shape
+    flat = pages.reshape(num_pages * page_size, width)
+    flat = flat.at[slots.reshape(-1)].set(rows.reshape(-1, width).astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)
+
+
+def gather_rows(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """A row's cache in position order: pages [P, page, c], page_table [b, n] -> [b, n·page, c]."""
+    seq = pages[page_table]
+    return seq.reshape(seq.shape[0], -1, seq.shape[-1])
+
+
+def mla_paged(
+    p: dict,
+    x: jax.Array,
+    cfg: DeepseekV3Config,
+    cos: jax.Array,
+    sin: jax.Array,
+    positions: jax.Array,
+    slots: jax.Array,
+    pages: jax.Array,
+    page_table: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Absorbed attention for x [b, t, d] at absolute positions [b, t] against the paged cache.
+
+    Writes the new rows at ``slots`` first, so a token sees itself and every earlier position of
+    its row; cache entries at later positions (stale drafts, unused pages) are masked out.
+    Returns (out [b, t, d], updated pages).
+    """
+    q_nope, q_rope = _queries(p, x, cfg, cos, sin)
+    pages = write_rows(pages, latent_rows(p, x, cfg, cos, sin), slots)
+    kv = gather_rows(pages, page_table).astype(x.dtype)
+    latent, k_rope = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
+    f32 = jnp.float32
+    q_latent = jnp.einsum("bthk,rhk->bthr", q_nope, p["k_b"])
+    scores = jnp.einsum("bthr,bsr->bhts", q_latent, latent, preferred_element_type=f32)
+    scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=f32)
+    key_pos = jnp.arange(kv.shape[1], dtype=positions.dtype)
+    visible = key_pos[None, None, None, :] <= positions[:, None, :, None]
+    probs = _softmax(scores * cfg.softmax_scale, visible).astype(x.dtype)
+    out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent)
+    out = jnp.einsum("bthr,rhk->bthk", out_latent, p["v_b"])
+    return jnp.einsum("bthk,hkd->btd", out, p["o"]), pages

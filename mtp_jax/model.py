@@ -1,0 +1,210 @@
+"""The user-facing model object: ``mtp_jax.load(path)`` and its methods."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.checkpoint.deepseek_v3 import load_params
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.config import DeepseekV3Config, read_json
+from mtp_jax.engine import GenerateResult, TokenCallback, generate_plain
+from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
+from mtp_jax.models.deepseek_v3 import Hidden, check_capture, forward, lm_head
+from mtp_jax.sampling import SamplingParams
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+    """Log-probability of each token given the ones before it (the first token has none)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-sum(self.logprobs) / len(self.logprobs))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capture"))
+def _teacher_forced(params: dict, cfg: DeepseekV3Config, tokens: jax.Array, capture: tuple[int, ...]):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    hidden, _ = forward(params, cfg, tokens, positions, capture=capture)
+    return lm_head(params, hidden.post_norm), hidden
+
+
+class Model:
+    """A loaded DeepSeek-V3 model: parameters on device plus what generation needs."""
+
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        params: dict,
+        *,
+        dtype: str = "bfloat16",
+        path: str | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        page_size: int = 16,
+    ) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.config = config
+        self.params = params
+        self.dtype = dtype
+        self.path = path
+        self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.page_size = page_size
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        if self.path is None:
+            return None
+        candidate = os.path.join(self.path, "tokenizer.json")
+        return candidate if os.path.isfile(candidate) else None
+
+    # --- validation -------------------------------------------------------------------------
+    def _check_tokens(self, ids: Sequence[int], where: str) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+            raise InvalidRequestError(f"{where} must be a list of token ids, got {type(ids).__name__}")
+        out = []
+        for j, tok in enumerate(ids):
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                raise InvalidRequestError(f"{where}: token {j} is {tok!r}, not an integer id")
+            if not 0 <= tok < self.config.vocab_size:
+                raise InvalidRequestError(
+                    f"{where}: token id {int(tok)} at index {j} is outside [0, {self.config.vocab_size})"
+                )
+            out.append(int(tok))
+        if not out:
+            raise InvalidRequestError(f"{where} is empty; at least one token is needed")
+        return out
+
+    def _check_batch(self, token_ids: object) -> np.ndarray:
+        arr = np.asarray(token_ids)
+        if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] == 0:
+            raise InvalidRequestError(
+                f"token_ids must be a non-empty [batch, length] array, got shape {arr.shape}"
+            )
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidRequestError(f"token_ids must hold integers, got dtype {arr.dtype}")
+        bad = np.argwhere((arr < 0) | (arr >= self.config.vocab_size))
+        if len(bad):
+            b, t = bad[0]
+            raise InvalidRequestError(
+                f"token id {int(arr[b, t])} at [{b}, {t}] is outside [0, {self.config.vocab_size})"
+            )
+        if arr.shape[1] > self.config.max_position_embeddings:
+            raise InvalidRequestError(
+                f"sequence length {arr.shape[1]} exceeds max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+        return arr.astype(np.int32)
+
+    # --- teacher-forced ---------------------------------------------------------------------
+    def logits(self, token_ids: object) -> np.ndarray:
+        """Teacher-forced logits: int [B, T] -> float32 [B, T, V]."""
+        logits, _ = _teacher_forced(self.params, self.config, self._check_batch(token_ids), ())
+        return np.asarray(logits)
+
+    def hidden_states(self, token_ids: object, layers: Sequence[int] = ()) -> Hidden:
+        """Hidden states [B, T, d] before and after the final norm, plus the outputs of ``layers``
+        (layer i = output of decoder layer i, 0-based) stacked as [len(layers), B, T, d]."""
+        capture = tuple(int(i) for i in layers)
+        try:
+            check_capture(self.config, capture)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from None
+        _, hidden = _teacher_forced(self.params, self.config, self._check_batch(token_ids), capture)
+        return Hidden(*(None if h is None else np.asarray(h) for h in hidden))
+
+    def score(self, token_ids: Sequence[int]) -> ScoreResult:
+        """Per-token log-probabilities of one sequence (at least two tokens)."""
+        ids = self._check_tokens(token_ids, "token_ids")
+        if len(ids) < 2:
+            raise InvalidRequestError("scoring needs at least two tokens (the first one is only context)")
+        logits = self.logits([ids])[0]
+        logp = jax.nn.log_softmax(jnp.asarray(logits[:-1]), axis=-1)
+        picked = np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids[1:])[:, None], axis=-1))[:, 0]
+        return ScoreResult(token_ids=ids, logprobs=[float(x) for x in picked])
+
+    # --- generation -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 32,
+        temperature: float | Sequence[float] = 0.0,
+        top_k: int | Sequence[int] = 0,
+        top_p: float | Sequence[float] = 1.0,
+        min_p: float | Sequence[float] = 0.0,
+        seed: int | Sequence[int] = 0,
+        *,
+        ignore_eos: bool = False,
+        on_token: TokenCallback | None = None,
+    ) -> GenerateResult:
+        """Generate up to ``max_new_tokens`` per prompt (stopping at EOS unless ``ignore_eos``).
+
+        Sampling parameters and seeds are scalars or one value per prompt; temperature 0 is greedy.
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
+        checked = [self._check_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise InvalidRequestError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.config.max_position_embeddings
+        for i, p in enumerate(checked):
+            if len(p) + max_new_tokens > limit:
+                raise InvalidRequestError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would reach "
+                    f"{len(p) + max_new_tokens}, beyond the model's maximum length {limit}"
+                )
+        sampling = SamplingParams.build(len(checked), temperature, top_k, top_p, min_p, seed)
+        return generate_plain(
+            self.params,
+            self.config,
+            prompts=checked,
+            max_new_tokens=int(max_new_tokens),
+            sampling=sampling,
+            eos_token_ids=() if ignore_eos else self.eos_token_ids,
+            page_size=self.page_size,
+            cache_dtype=DTYPES[self.dtype],
+            on_token=on_token,
+        )
+
+
+def load(path: str | os.PathLike[str], dtype: str = "bfloat16", *, page_size: int = 16) -> Model:
+    """Load a Hugging Face layout checkpoint directory (config.json + *.safetensors).
+
+    ``dtype`` ("bfloat16" or "float32") is the parameter and activation dtype; routers, softmax
+    and sampling always run in float32. EOS ids come from generation_config.json when present,
+    else from config.json.
+    """
+    path = os.fspath(path)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"model directory not found: {path}")
+    config = DeepseekV3Config.from_json_file(os.path.join(path, "config.json"))
+    eos = None
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        gen = read_json(gen_path, what="generation config")
+        if gen.get("eos_token_id") is not None:
+            raw = gen["eos_token_id"]
+            eos = raw if isinstance(raw, list) else [raw]
+            if not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in eos):
+                raise ConfigError(
+                    f"{gen_path}: eos_token_id {raw!r} must be token ids in [0, {config.vocab_size})"
+                )
+    params = load_params(CheckpointReader(path), config, DTYPES[dtype])
+    return Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, page_size=page_size)

@@ -1,0 +1,1 @@
+"""Model math: pure functions over parameter pytrees."""

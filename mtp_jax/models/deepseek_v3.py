@@ -1,0 +1,125 @@
+"""DeepSeek-V3 forward pass over a parameter pytree.
+
+Parameters (weights [in, out]; a leading L axis on everything in a layer stack)::
+
+    embed [V, d]
+    dense: {input_norm [L, d], post_attn_norm [L, d], attn: {...mla...}, mlp: {gate, up, down}}
+    moe:   {input_norm, post_attn_norm, attn: {...}, mlp: {router, bias, gate, up, down, shared_*}}
+    final_norm [d]
+    lm_head [d, V]
+
+The first ``first_k_dense_replace`` layers form the dense stack and the rest the MoE stack; each
+stack runs under ``lax.scan`` so compile time does not grow with depth. A stack with no layers is
+absent from the pytree.
+
+Layer numbering for captured hidden states: layer i (0-based) means the output of decoder layer i,
+i.e. ``transformers``' ``hidden_states[i + 1]`` (its entry 0 is the embedding output).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
+from mtp_jax.mla import mla_dense, mla_paged
+from mtp_jax.moe import moe
+
+STACKS = ("dense", "moe")
+
+
+class Hidden(NamedTuple):
+    """Hidden states of a forward pass, all [b, t, d] (``layers``: [n_captured, b, t, d])."""
+
+    post_norm: jax.Array
+    pre_norm: jax.Array
+    layers: jax.Array | None
+
+
+class PagedAttention(NamedTuple):
+    """Where a forward pass reads and writes the paged latent cache.
+
+    pages: {"dense": [L, P, page, c], "moe": [L, P, page, c]} (stacks present in the params);
+    slots: flat cache slot [b, t] of each new token (>= P·page: not written);
+    page_table: [b, n] page ids of each row, in position order.
+    """
+
+    pages: dict[str, jax.Array]
+    slots: jax.Array
+    page_table: jax.Array
+
+
+def stack_sizes(cfg: DeepseekV3Config) -> dict[str, int]:
+    sizes = {"dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers}
+    return {name: n for name, n in sizes.items() if n}
+
+
+def check_capture(cfg: DeepseekV3Config, capture: tuple[int, ...]) -> None:
+    for i in capture:
+        if not 0 <= i < cfg.num_hidden_layers:
+            raise ValueError(f"captured layer {i} is outside [0, {cfg.num_hidden_layers})")
+
+
+def forward(
+    params: dict,
+    cfg: DeepseekV3Config,
+    tokens: jax.Array,
+    positions: jax.Array,
+    paged: PagedAttention | None = None,
+    capture: tuple[int, ...] = (),
+) -> tuple[Hidden, dict[str, jax.Array] | None]:
+    """Run the decoder on tokens [b, t] at absolute positions [b, t].
+
+    Without ``paged``: teacher-forced over whole sequences (positions must be 0..t-1), expanded
+    attention, no cache. With ``paged``: absorbed attention against the paged latent cache, which
+    is returned updated. ``capture`` (static) selects layer outputs to return in ``Hidden.layers``.
+    """
+    check_capture(cfg, capture)
+    inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq), magnitude)
+    h = params["embed"][tokens]
+    captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
+    slot_of = np.full(cfg.num_hidden_layers, len(capture), np.int32)
+    slot_of[list(capture)] = np.arange(len(capture), dtype=np.int32)
+
+    def attention(p: dict, x: jax.Array, pages: jax.Array | None):
+        if paged is None:
+            return mla_dense(p, x, cfg, cos, sin), pages
+        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table)
+
+    new_pages = {}
+    first = 0
+    for name, n in stack_sizes(cfg).items():
+        is_moe = name == "moe"
+
+        def layer(carry, xs, is_moe=is_moe):
+            h, captured = carry
+            p, pages, slot = xs
+            attn_out, pages = attention(p["attn"], rms_norm(h, p["input_norm"], cfg.rms_norm_eps), pages)
+            h = h + attn_out
+            x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+            h = h + (moe(p["mlp"], x, cfg) if is_moe else swiglu(x, **p["mlp"]))
+            if captured is not None:
+                captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
+            return (h, captured), pages
+
+        pages_in = None if paged is None else paged.pages[name]
+        xs = (params[name], pages_in, jnp.asarray(slot_of[first : first + n]))
+        (h, captured), pages_out = jax.lax.scan(layer, (h, captured), xs)
+        new_pages[name] = pages_out
+        first += n
+    hidden = Hidden(
+        post_norm=rms_norm(h, params["final_norm"], cfg.rms_norm_eps),
+        pre_norm=h,
+        layers=None if captured is None else captured[: len(capture)],
+    )
+    return hidden, (None if paged is None else new_pages)
+
+
+def lm_head(params: dict, h: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] from post-norm hidden states [..., d]."""
+    return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)

@@ -1,0 +1,68 @@
+"""DeepSeek-V3 mixture of experts: group-limited sigmoid routing and the routed + shared experts.
+
+Parameters of one layer: ``router`` [d, e] (float32), ``bias`` [e] (float32 correction bias),
+``gate``/``up`` [e, d, f], ``down`` [e, f, d], and when the config has shared experts
+``shared_gate``/``shared_up`` [d, f_s], ``shared_down`` [f_s, d].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.layers import swiglu
+
+
+def route(
+    x: jax.Array, router: jax.Array, bias: jax.Array, cfg: DeepseekV3Config
+) -> tuple[jax.Array, jax.Array]:
+    """Expert choice for tokens x [n, d]: (weights [n, k] float32, expert ids [n, k] int32).
+
+    Selection uses the biased scores s + bias; the weights come from the unbiased sigmoid scores s.
+    Groups: each scored by the sum of its two best biased scores; only the topk_group best groups
+    stay eligible (the others are set to -inf, never 0, so a negative score cannot beat them).
+    """
+    scores = jax.nn.sigmoid(jnp.einsum("nd,de->ne", x.astype(jnp.float32), router))
+    choice = scores + bias
+    if cfg.n_group > 1:
+        n = x.shape[0]
+        grouped = choice.reshape(n, cfg.n_group, -1)
+        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        _, keep = jax.lax.top_k(group_score, cfg.topk_group)
+        kept = jnp.zeros((n, cfg.n_group), dtype=bool).at[jnp.arange(n)[:, None], keep].set(True)
+        choice = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(n, -1)
+    _, idx = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, idx.astype(jnp.int32)
+
+
+def routed_experts(
+    x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """Σ_k weights[n,k] · expert_{idx[n,k]}(x[n]) for x [n, d], dropless.
+
+    Token copies are sorted by expert so each expert's rows are contiguous, then one grouped
+    matmul (``lax.ragged_dot``) per projection; the results are scattered back with their weights.
+    """
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    xs = x[token]
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    ys = jax.lax.ragged_dot(h, down, sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(ys).astype(x.dtype)
+
+
+def moe(p: dict, x: jax.Array, cfg: DeepseekV3Config) -> jax.Array:
+    """The MoE block for x [b, t, d]."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, idx = route(flat, p["router"], p["bias"], cfg)
+    out = routed_experts(flat, weights, idx, p["gate"], p["up"], p["down"])
+    if cfg.n_shared_experts:
+        out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
+    return out.reshape(x.shape)

@@ -1,0 +1,129 @@
+"""Logits processing and sampling with per-row parameters and per-row randomness.
+
+Processing order (the one ``transformers`` uses): temperature, then top-k, then top-p on what
+top-k kept, then min-p. Rows with temperature 0 are greedy (argmax of the raw logits).
+
+Randomness: the key of row b sampling the token at absolute position p is
+``fold_in(key(seed_b), p)``, so a row's tokens never depend on its batch neighbours or its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.errors import InvalidRequestError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling parameters, each [B]: temperature (0 = greedy), top_k (0 = off),
+    top_p (1 = off), min_p (0 = off), seed (uint32)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    seed: jax.Array
+
+    @classmethod
+    def build(
+        cls,
+        batch: int,
+        temperature: float | Sequence[float] = 0.0,
+        top_k: int | Sequence[int] = 0,
+        top_p: float | Sequence[float] = 1.0,
+        min_p: float | Sequence[float] = 0.0,
+        seed: int | Sequence[int] = 0,
+    ) -> SamplingParams:
+        """Validate scalar-or-per-row values and broadcast them to [batch]."""
+        temperature = _per_row("temperature", temperature, batch, float)
+        top_k = _per_row("top_k", top_k, batch, int)
+        top_p = _per_row("top_p", top_p, batch, float)
+        min_p = _per_row("min_p", min_p, batch, float)
+        seed = _per_row("seed", seed, batch, int)
+        for i in range(batch):
+            t, k, p, m, s = temperature[i], top_k[i], top_p[i], min_p[i], seed[i]
+            where = f" (row {i})" if batch > 1 else ""
+            if not math.isfinite(t) or t < 0:
+                raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t}{where}")
+            if k < 0:
+                raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {k}{where}")
+            if not (0.0 < p <= 1.0):
+                raise InvalidRequestError(f"top_p must lie in (0, 1], got {p}{where}")
+            if not (0.0 <= m < 1.0):
+                raise InvalidRequestError(f"min_p must lie in [0, 1), got {m}{where}")
+            if not 0 <= s < 2**32:
+                raise InvalidRequestError(f"seed must lie in [0, 2**32), got {s}{where}")
+        return cls(
+            temperature=jnp.asarray(temperature, jnp.float32),
+            top_k=jnp.asarray(top_k, jnp.int32),
+            top_p=jnp.asarray(top_p, jnp.float32),
+            min_p=jnp.asarray(min_p, jnp.float32),
+            seed=jnp.asarray(np.asarray(seed, np.uint32)),
+        )
+
+    def pad(self, batch: int) -> SamplingParams:
+        """Extend to ``batch`` rows by repeating the last row (padding rows are discarded)."""
+        extra = batch - self.temperature.shape[0]
+        return jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], extra)]), self)
+
+
+def _per_row(name: str, value: object, batch: int, kind: type) -> list:
+    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * batch
+    if len(values) != batch:
+        raise InvalidRequestError(f"{name} has {len(values)} values for {batch} prompts")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise InvalidRequestError(f"{name} must be a number, got {v!r}")
+        if kind is int and float(v) != int(v):
+            raise InvalidRequestError(f"{name} must be an integer, got {v!r}")
+        out.append(kind(v))
+    return out
+
+
+def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Log-probabilities [B, V] (float32) of the processed distribution; removed tokens are -inf.
+
+    Rows with temperature 0 are processed as temperature 1 (callers take the argmax for them).
+    Ties at a top-k/top-p boundary keep every tied token.
+    """
+    logits = logits.astype(jnp.float32)
+    temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    x = logits / temp[:, None]
+    vocab = x.shape[-1]
+    ordered = -jnp.sort(-x, axis=-1)  # descending
+    # top-k: keep values >= the k-th largest
+    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
+    # top-p on the top-k survivors: keep the shortest prefix whose mass reaches p
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.maximum(jnp.sum(before < params.top_p[:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)
+    # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p)
+    mth = jnp.where(params.min_p > 0, ordered[:, 0] + jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)
+    threshold = jnp.maximum(jnp.maximum(kth, pth), mth[:, None])
+    x = jnp.where(x >= threshold, x, -jnp.inf)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
+    """Typed PRNG keys [B] from seeds [B] and absolute positions [B]."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, positions)
+
+
+def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
+    """Next tokens [B] (int32) for logits [B, V]; ``positions`` [B] are the new tokens' positions."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logp = processed_logprobs(logits, params)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(params.seed, positions), logp).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)
