@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny DeepSeek-V3 configs and random checkpoints in the exact hub layout."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
+from mtp_jax.config import DeepseekV3Config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARITY_DIR = os.path.join(REPO, "tests", "fixtures", "parity")
+EMBEDDED_MODEL = os.path.join(REPO, "checkpoints", "tiny-random-deepseek-v3")
+
+TINY_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
+    "q_lora_rank": 12,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "hidden_act": "silu",
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 32,
+    },
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+@pytest.fixture
+def tiny_config() -> dict:
+    """A fresh copy of the tiny hub config.json dict (mutate freely)."""
+    return copy.deepcopy(TINY_CONFIG)
+
+
+@pytest.fixture
+def make_checkpoint(tmp_path):
+    """make_checkpoint(config_dict=None, name="ckpt", seed=0, shards=1, tensors=None) -> directory."""
+
+    def make(
+        config: dict | None = None, name: str = "ckpt", seed: int = 0, shards: int = 1, tensors=None
+    ) -> str:
+        config = copy.deepcopy(TINY_CONFIG) if config is None else config
+        if tensors is None:
+            tensors = hub_tensors(DeepseekV3Config.from_dict(config), seed=seed)
+        path = str(tmp_path / name)
+        write_hub_checkpoint(path, config, tensors, shards=shards)
+        return path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A float32 model on the tiny config with page_size 4 (many page boundaries), shared per session."""
+    import mtp_jax
+
+    path = str(tmp_path_factory.mktemp("tiny") / "ckpt")
+    write_hub_checkpoint(path, TINY_CONFIG, hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0))
+    return mtp_jax.load(path, dtype="float32", page_size=4)

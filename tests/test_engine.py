@@ -1,0 +1,170 @@
+"""Plain decoding: cached decode == teacher-forced forward, batching invariance, one compilation,
+stop conditions and input validation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.cache import PageAllocator, init_pages, page_table_array
+from mtp_jax.model import Model
+from mtp_jax.sampling import SamplingParams
+from mtp_jax.step import decode_step, prefill
+
+RNG = np.random.default_rng(1234)
+
+
+def random_prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
+    return [RNG.integers(2, vocab, n).tolist() for n in lengths]
+
+
+def test_decode_logits_equal_teacher_forced(tiny_model):
+    """Prefill ragged prompts, then feed a fixed continuation token by token: every step's logits
+    equal the teacher-forced logits at that position (page size 4: many page boundaries)."""
+    m, cfg, page = tiny_model, tiny_model.config, 4
+    lengths, steps = [3, 9, 14], 11
+    seqs = random_prompts(cfg.vocab_size, [n + steps for n in lengths])
+    b, bucket = len(lengths), 16
+    width = -(-(max(lengths) + steps) // page)
+    alloc = PageAllocator(b * width + 5)
+    alloc.allocate(5)  # rows get pages that do not start at 0
+    table = jnp.asarray(page_table_array([alloc.allocate(width) for _ in range(b)], width))
+    pages = init_pages(cfg, alloc.num_pages, page, jnp.float32)
+    tokens = np.zeros((b, bucket), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = seqs[i][:n]
+    sampling = SamplingParams.build(b)
+    _, logits, pages = prefill(m.params, pages, cfg, page, tokens, jnp.asarray(lengths), table, sampling)
+    got = [np.asarray(logits)]
+    seq_lens = np.asarray(lengths, np.int32)
+    for _ in range(steps):
+        feed = np.array([seqs[i][seq_lens[i]] for i in range(b)], np.int32)
+        _, logits, pages = decode_step(m.params, pages, cfg, page, feed, seq_lens, table, sampling)
+        got.append(np.asarray(logits))
+        seq_lens = seq_lens + 1
+    for i, n in enumerate(lengths):
+        want = m.logits([seqs[i]])[0, n - 1 : n + steps]
+        np.testing.assert_allclose(np.stack([g[i] for g in got]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_generate_equals_argmax_of_teacher_forced(tiny_model):
+    prompts = random_prompts(tiny_model.config.vocab_size, [5, 12, 1])
+    result = tiny_model.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    for prompt, new in zip(prompts, result.tokens, strict=True):
+        assert len(new) == 10
+        logits = tiny_model.logits([prompt + new])[0]
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == new
+
+
+def test_row_output_same_alone_and_in_batch(tiny_model):
+    prompts = random_prompts(tiny_model.config.vocab_size, [7, 3, 11, 6, 2])
+    batch = tiny_model.generate(prompts, max_new_tokens=9, ignore_eos=True)
+    for i in (0, 2, 4):
+        alone = tiny_model.generate([prompts[i]], max_new_tokens=9, ignore_eos=True)
+        assert alone.tokens[0] == batch.tokens[i]
+
+
+def test_decoding_compiles_once(tiny_model):
+    prompts = random_prompts(tiny_model.config.vocab_size, [4, 6])
+    before = decode_step._cache_size()
+    result = tiny_model.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    assert result.stats["decode_steps"] == 11
+    assert decode_step._cache_size() - before <= 1  # 11 steps, at most one new executable
+    seen = (decode_step._cache_size(), prefill._cache_size())
+    # 20 new tokens need 7 pages of 4 per row, the same power-of-two bucket (8) as 12 did
+    result = tiny_model.generate(prompts, max_new_tokens=20, ignore_eos=True)
+    assert result.stats["decode_steps"] == 19
+    assert (decode_step._cache_size(), prefill._cache_size()) == seen
+
+
+def test_cache_pages_are_donated(tiny_model):
+    cfg, page = tiny_model.config, 4
+    pages = init_pages(cfg, 4, page, jnp.float32)
+    table = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    sampling = SamplingParams.build(2)
+    _, _, new_pages = decode_step(
+        tiny_model.params, pages, cfg, page, jnp.array([3, 4]), jnp.array([0, 0]), table, sampling
+    )
+    jax.block_until_ready(new_pages)
+    assert all(x.is_deleted() for x in jax.tree.leaves(pages))
+
+
+def test_stops_at_eos_and_drops_nothing_before_it(tiny_model):
+    prompt = random_prompts(tiny_model.config.vocab_size, [6])
+    free = tiny_model.generate(prompt, max_new_tokens=12, ignore_eos=True).tokens[0]
+    eos = free[4]
+    stop_at = free.index(eos)
+    m = Model(tiny_model.config, tiny_model.params, dtype="float32", eos_token_ids=[eos], page_size=4)
+    result = m.generate(prompt + random_prompts(m.config.vocab_size, [3]), max_new_tokens=12)
+    assert result.tokens[0] == free[: stop_at + 1]
+    assert result.finish_reasons[0] == "eos"
+    assert m.generate(prompt, max_new_tokens=12, ignore_eos=True).finish_reasons == ["length"]
+
+
+def test_max_new_tokens_one(tiny_model):
+    prompt = random_prompts(tiny_model.config.vocab_size, [4])
+    result = tiny_model.generate(prompt, max_new_tokens=1)
+    assert len(result.tokens[0]) == 1 and result.stats["decode_steps"] == 0
+    assert result.tokens[0][0] == int(tiny_model.logits(prompt)[0, -1].argmax())
+
+
+def test_stats(tiny_model):
+    result = tiny_model.generate(
+        random_prompts(tiny_model.config.vocab_size, [3, 4, 5]), max_new_tokens=6, ignore_eos=True
+    )
+    st = result.stats
+    assert st["new_tokens"] == 18 and st["prompt_tokens"] == 12 and st["steps"] == 6
+    assert st["tokens_per_second"] > 0 and st["acceptance_length"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("prompts", "kwargs", "match"),
+    [
+        ([[1, 2, 97]], {}, "token id 97"),
+        ([[1, -1]], {}, "token id -1"),
+        ([[1, 2], []], {}, "prompt 1 is empty"),
+        ([], {}, "non-empty"),
+        ("hello", {}, "non-empty list"),
+        ([[1, 2.5]], {}, "not an integer"),
+        ([[1, 2]], {"max_new_tokens": 0}, "max_new_tokens"),
+        ([[1] * 200], {"max_new_tokens": 57}, "maximum length 256"),
+        ([[1, 2]], {"temperature": -0.5}, "temperature"),
+        ([[1, 2]], {"top_p": 0.0}, "top_p"),
+        ([[1, 2]], {"top_k": -1}, "top_k"),
+        ([[1, 2]], {"min_p": 1.0}, "min_p"),
+        ([[1, 2], [3]], {"seed": [1, 2, 3]}, "seed has 3 values for 2 prompts"),
+    ],
+)
+def test_bad_requests_are_named_and_model_stays_usable(tiny_model, prompts, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_model.generate(prompts, **kwargs)
+    assert len(tiny_model.generate([[5, 6]], max_new_tokens=2).tokens[0]) >= 1
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "match"),
+    [
+        ([[1, 2, 400]], "token id 400"),
+        ([], "non-empty"),
+        ([[1.0, 2.0]], "integers"),
+        ([[1] * 257], "exceeds"),
+    ],
+)
+def test_bad_logits_input(tiny_model, token_ids, match):
+    with pytest.raises(mtp_jax.InvalidRequestError, match=match):
+        tiny_model.logits(token_ids)
+
+
+def test_bfloat16_model_generates(make_checkpoint):
+    path = make_checkpoint()
+    m16 = mtp_jax.load(path, dtype="bfloat16", page_size=4)
+    m32 = mtp_jax.load(path, dtype="float32", page_size=4)
+    ids = [[5, 9, 13, 2, 40, 41, 42]]
+    l16, l32 = m16.logits(ids), m32.logits(ids)
+    assert l16.dtype == np.float32
+    assert np.linalg.norm(l16 - l32) / np.linalg.norm(l32) < 0.05
+    result = m16.generate(ids, max_new_tokens=5, ignore_eos=True)
+    assert len(result.tokens[0]) == 5
