@@ -160,7 +160,7 @@ def _parse_rope_scaling(raw: Mapping[str, Any]) -> YarnRopeScaling | None:
     if rs is None:
         # transformers >= 5 writes rope_parameters instead; a plain default rope has no scaling.
         rs = raw.get("rope_parameters")
-        if rs is not None and rs.get("rope_type", rs.get("type", "default")) == "default":
+        if isinstance(rs, Mapping) and rs.get("rope_type", rs.get("type", "default")) == "default":
             return None
     if rs is None:
         return None
@@ -254,6 +254,11 @@ def _parse_deepseek_v3(raw: Mapping[str, Any]) -> DeepseekV3Config:
     topk_method = raw.get("topk_method", "noaux_tc")
     if topk_method != "noaux_tc":
         raise ConfigError(f"topk_method {topk_method!r} is not supported (DeepSeek-V3 uses 'noaux_tc')")
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(
+            f"moe_layer_freq {raw['moe_layer_freq']!r} is not supported (only 1: every layer after "
+            "first_k_dense_replace is MoE, as in DeepSeek-V3 and Kimi-K2)"
+        )
     if raw.get("attention_bias", False):
         raise ConfigError("attention_bias=true is not supported (DeepSeek-V3 projections have no bias)")
 

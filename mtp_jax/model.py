@@ -202,7 +202,9 @@ def load(path: str | os.PathLike[str], dtype: str = "bfloat16", *, page_size: in
         if gen.get("eos_token_id") is not None:
             raw = gen["eos_token_id"]
             eos = raw if isinstance(raw, list) else [raw]
-            if not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in eos):
+            if not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size for i in eos
+            ):
                 raise ConfigError(
                     f"{gen_path}: eos_token_id {raw!r} must be token ids in [0, {config.vocab_size})"
                 )

@@ -38,6 +38,12 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def _is_index(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 _MAX_HEADER = 100 * 1024 * 1024
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -71,6 +77,7 @@ class SafetensorsFile:
         self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         for name, entry in header.items():
             self._entries[name] = self._check_entry(name, entry, data_size)
+        self._check_coverage(data_size)
         self._mmap: mmap.mmap | None = None
 
     def _check_entry(
@@ -78,15 +85,18 @@ class SafetensorsFile:
     ) -> tuple[np.dtype, tuple[int, ...], int, int]:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
             raise CheckpointError(f"{self.path}: tensor '{name}' has a malformed header entry")
-        if entry["dtype"] not in DTYPES:
-            raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {entry['dtype']!r}")
-        dtype = DTYPES[entry["dtype"]]
-        shape = tuple(entry["shape"])
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CheckpointError(f"{self.path}: tensor '{name}' has a malformed shape {entry['shape']!r}")
-        begin, end = entry["data_offsets"]
+        kind, dims, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(kind, str) or kind not in DTYPES:
+            raise CheckpointError(f"{self.path}: tensor '{name}' has unsupported dtype {kind!r}")
+        dtype = DTYPES[kind]
+        if not isinstance(dims, list) or not all(_is_index(d) for d in dims):
+            raise CheckpointError(f"{self.path}: tensor '{name}' has a malformed shape {dims!r}")
+        shape = tuple(dims)
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(o) for o in offsets):
+            raise CheckpointError(f"{self.path}: tensor '{name}' has malformed data_offsets {offsets!r}")
+        begin, end = offsets
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
+        if end - begin != nbytes:
             raise CheckpointError(
                 f"{self.path}: tensor '{name}' claims {end - begin} bytes but shape {list(shape)} of "
                 f"{entry['dtype']} needs {nbytes}"
@@ -97,6 +107,21 @@ class SafetensorsFile:
                 f"of a {data_size}-byte data block"
             )
         return dtype, shape, begin, end
+
+    def _check_coverage(self, data_size: int) -> None:
+        """The format requires the data block to be tiled by the tensors: no overlaps, no holes."""
+        pos = 0
+        for name, (_, _, begin, end) in sorted(self._entries.items(), key=lambda kv: kv[1][2:]):
+            if begin != pos:
+                what = (
+                    "overlaps the previous tensor" if begin < pos else f"leaves a gap of {begin - pos} bytes"
+                )
+                raise CheckpointError(f"{self.path}: corrupt data offsets: tensor '{name}' {what}")
+            pos = end
+        if pos != data_size:
+            raise CheckpointError(
+                f"{self.path}: corrupt file: tensors cover {pos} bytes of a {data_size}-byte data block"
+            )
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -224,7 +249,7 @@ def save_safetensors(
     offset = 0
     arrays = []
     for name, value in tensors.items():
-        arr = np.ascontiguousarray(value)
+        arr = np.asarray(value, order="C")
         if arr.dtype not in _NAMES:
             raise CheckpointError(f"cannot store tensor '{name}' of dtype {arr.dtype} in safetensors")
         header[name] = {
