@@ -48,19 +48,21 @@ class SamplingParams:
         top_p = _per_row("top_p", top_p, batch, float)
         min_p = _per_row("min_p", min_p, batch, float)
         seed = _per_row("seed", seed, batch, int)
-        for i in range(batch):
-            t, k, p, m, s = temperature[i], top_k[i], top_p[i], min_p[i], seed[i]
-            where = f" (row {i})" if batch > 1 else ""
-            if not math.isfinite(t) or t < 0:
-                raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t}{where}")
-            if k < 0:
-                raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {k}{where}")
-            if not (0.0 < p <= 1.0):
-                raise InvalidRequestError(f"top_p must lie in (0, 1], got {p}{where}")
-            if not (0.0 <= m < 1.0):
-                raise InvalidRequestError(f"min_p must lie in [0, 1), got {m}{where}")
-            if not 0 <= s < 2**32:
-                raise InvalidRequestError(f"seed must lie in [0, 2**32), got {s}{where}")
+        checks = [
+            ("temperature", temperature, lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"),
+            ("top_k", top_k, lambda k: k >= 0, ">= 0 (0 disables it)"),
+            ("top_p", top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1]"),
+            ("min_p", min_p, lambda m: 0.0 <= m < 1.0, "in [0, 1)"),
+            ("seed", seed, lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+        ]
+        for name, (values, per_row), ok, want in checks:
+            for i, v in enumerate(values):
+                if not ok(v):
+                    where = f" (row {i})" if per_row else ""
+                    raise InvalidRequestError(f"{name} must be {want}, got {v}{where}")
+        temperature, top_k, top_p, min_p, seed = (x[0] for x in (temperature, top_k, top_p, min_p, seed))
+        # any k >= the vocabulary keeps everything, so huge values clamp safely into int32
+        top_k = [min(k, 2**31 - 1) for k in top_k]
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),
@@ -75,18 +77,21 @@ class SamplingParams:
         return jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], extra)]), self)
 
 
-def _per_row(name: str, value: object, batch: int, kind: type) -> list:
-    values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * batch
+def _per_row(name: str, value: object, batch: int, kind: type) -> tuple[list, bool]:
+    """(values broadcast to [batch], whether they were given per row)."""
+    per_row = isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0)
+    values = list(value) if per_row else [value.item() if isinstance(value, np.ndarray) else value] * batch
     if len(values) != batch:
         raise InvalidRequestError(f"{name} has {len(values)} values for {batch} prompts")
     out = []
-    for v in values:
+    for i, v in enumerate(values):
+        where = f" (row {i})" if per_row else ""
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise InvalidRequestError(f"{name} must be a number, got {v!r}")
-        if kind is int and float(v) != int(v):
-            raise InvalidRequestError(f"{name} must be an integer, got {v!r}")
+            raise InvalidRequestError(f"{name} must be a number, got {v!r}{where}")
+        if kind is int and (not math.isfinite(v) or float(v) != int(v)):
+            raise InvalidRequestError(f"{name} must be an integer, got {v!r}{where}")
         out.append(kind(v))
-    return out
+    return out, per_row
 
 
 def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
@@ -108,6 +113,8 @@ def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     probs = jax.nn.softmax(ordered, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs
     n_keep = jnp.maximum(jnp.sum(before < params.top_p[:, None], axis=-1), 1)
+    # the float32 running sum can reach 1 before the tail; top_p == 1 must keep the tail anyway
+    n_keep = jnp.where(params.top_p >= 1.0, vocab, n_keep)
     pth = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)
     # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p)
     mth = jnp.where(params.min_p > 0, ordered[:, 0] + jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)

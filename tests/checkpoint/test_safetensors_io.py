@@ -526,6 +526,7 @@ def test_reader_corrupt_shard_names_the_shard(tmp_path):
 
 def test_overlapping_or_gapped_offsets_are_refused(tmp_path):
     """The data block must be tiled by the tensors, as the format requires."""
+
     def write(entries: dict, data: bytes) -> str:
         header = json.dumps(entries).encode()
         header += b" " * (-len(header) % 8)
