@@ -18,6 +18,12 @@ from mtp_jax.models.deepseek_v3 import PagedAttention, forward, lm_head
 from mtp_jax.sampling import SamplingParams, sample
 
 
+def _paged_forward(params, pages, cfg, page_size, tokens, positions, valid, page_table):
+    """Write tokens [b, t] at positions [b, t] (only where valid) and run the model over the cache."""
+    paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
+    return forward(params, cfg, tokens, positions, paged)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "page_size"), donate_argnames=("pages",))
 def prefill(
     params: dict,
@@ -35,9 +41,9 @@ def prefill(
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = positions < lengths[:, None]
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
-    hidden, pages = forward(params, cfg, tokens, positions, paged)
+    hidden, pages = _paged_forward(
+        params, pages, cfg, page_size, tokens, positions, positions < lengths[:, None], page_table
+    )
     last = jnp.take_along_axis(hidden.post_norm, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = lm_head(params, last)
     return sample(logits, sampling, lengths), logits, pages
@@ -60,7 +66,8 @@ def decode_step(
     """
     positions = seq_lens[:, None]
     valid = jnp.ones_like(positions, dtype=bool)
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
-    hidden, pages = forward(params, cfg, tokens[:, None], positions, paged)
+    hidden, pages = _paged_forward(
+        params, pages, cfg, page_size, tokens[:, None], positions, valid, page_table
+    )
     logits = lm_head(params, hidden.post_norm[:, 0])
     return sample(logits, sampling, seq_lens + 1), logits, pages
