@@ -2,6 +2,8 @@
 
     mtp-jax generate [--model DIR] --prompt TEXT [sampling options]
     mtp-jax score [--model DIR] --text TEXT
+    mtp-jax convert SRC DST [--weights bf16|fp32|fp8] [--strict] [--no-mtp] [--dry-run]
+    mtp-jax inspect (DIR | --config config.json) [--weights ...] [--mesh data=1,expert=8]
 
 Without --model, the embedded default in ``checkpoints/`` is used (or $MTP_JAX_MODEL).
 """
@@ -76,7 +78,38 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of a text")
     _add_common(s)
     s.add_argument("--text", required=True)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to an orbax checkpoint")
+    c.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
+    c.add_argument("dst", help="destination directory (must not exist)")
+    c.add_argument(
+        "--weights",
+        default="bf16",
+        choices=["bf16", "fp32", "fp8"],
+        help="stored weights: dense bf16/fp32 (FP8 sources dequantised) or FP8 kept with scales",
+    )
+    c.add_argument("--strict", action="store_true", help="refuse unexpected tensors instead of warning")
+    c.add_argument("--no-mtp", action="store_true", help="leave out the MTP/NextN layers")
+    c.add_argument("--dry-run", action="store_true", help="print the estimates from config.json and stop")
+    _add_estimate_options(c)
+
+    i = sub.add_parser("inspect", help="parameter counts and memory estimates from config.json alone")
+    i.add_argument("model", nargs="?", help="checkpoint directory (reads its config.json)")
+    i.add_argument("--config", help="a config.json file instead of a directory")
+    i.add_argument("--weights", default="bf16", choices=["bf16", "fp32", "fp8"])
+    _add_estimate_options(i)
     return parser
+
+
+def _add_estimate_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", default="data=1,expert=1", help="mesh axes, e.g. data=1,expert=8")
+    p.add_argument("--kv-tokens", type=int, default=0, help="KV-cache tokens in total over all devices")
+    p.add_argument(
+        "--device-memory-gb",
+        type=float,
+        default=None,
+        help="memory per device, to check the fit (e.g. 141 for an H200)",
+    )
 
 
 def _encode(tok, text: str, bos: int | None) -> list[int]:
@@ -146,12 +179,63 @@ def _score(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_mesh(text: str) -> dict[str, int]:
+    mesh = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise CliError(f"--mesh must look like data=1,expert=8; got {text!r}")
+        mesh[name.strip()] = int(value)
+    return mesh
+
+
+def _print_estimates(config_path: str, weights: str, args: argparse.Namespace) -> None:
+    from mtp_jax.checkpoint.estimate import format_report
+    from mtp_jax.config import DeepseekV3Config
+
+    cfg = DeepseekV3Config.from_json_file(config_path)
+    try:
+        print(format_report(cfg, weights, _parse_mesh(args.mesh), args.kv_tokens, args.device_memory_gb))
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from mtp_jax.checkpoint.convert import convert
+
+    if not os.path.isdir(args.src):
+        raise CliError(f"source directory not found: {args.src}")
+    if args.dry_run:
+        _print_estimates(os.path.join(args.src, "config.json"), args.weights, args)
+        return 0
+    try:
+        report = convert(args.src, args.dst, weights=args.weights, mtp=not args.no_mtp, strict=args.strict)
+    except FileExistsError as e:
+        raise CliError(str(e)) from None
+    rate = report.bytes_read / max(report.seconds, 1e-9) / 1e6
+    resumed = f", {report.groups_resumed} resumed" if report.groups_resumed else ""
+    print(
+        f"wrote {report.dst}: {report.groups} groups{resumed}, {report.tensors} tensors, "
+        f"{report.bytes_read / 1e6:.1f} MB read in {report.seconds:.1f}s ({rate:.1f} MB/s)"
+    )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    if (args.model is None) == (args.config is None):
+        raise CliError("give either a checkpoint directory or --config FILE")
+    path = args.config or os.path.join(args.model, "config.json")
+    _print_estimates(path, args.weights, args)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     from mtp_jax.errors import MtpJaxError
 
     try:
-        return {"generate": _generate, "score": _score}[args.command](args)
+        commands = {"generate": _generate, "score": _score, "convert": _convert, "inspect": _inspect}
+        return commands[args.command](args)
     except (CliError, MtpJaxError) as e:
         print(f"mtp-jax {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from mtp_jax.config import YarnRopeScaling, yarn_mscale
 
 
@@ -81,8 +82,11 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     return out.reshape(x.shape).astype(x.dtype)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+Weight = jax.Array | Fp8Weight
+
+
+def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
     """down(silu(x·gate) * (x·up)); x [..., d], gate/up [d, f], down [f, d]."""
-    g = jnp.einsum("...d,df->...f", x, gate)
-    u = jnp.einsum("...d,df->...f", x, up)
-    return jnp.einsum("...f,fd->...d", jax.nn.silu(g) * u, down)
+    g = jnp.einsum("...d,df->...f", x, materialize(gate, x.dtype))
+    u = jnp.einsum("...d,df->...f", x, materialize(up, x.dtype))
+    return jnp.einsum("...f,fd->...d", jax.nn.silu(g) * u, materialize(down, x.dtype))

@@ -12,7 +12,8 @@ shared by all heads; that [kv_lora + rope] row is all the paged cache stores. Tw
 Parameters of one layer (weights stored [in, out]):
 ``q_a`` [d, r], ``q_a_norm`` [r], ``q_b`` [r, h, qk] (or ``q`` [d, h, qk] without q-lora),
 ``kv_a`` [d, kv_lora + rope], ``kv_a_norm`` [kv_lora], ``k_b`` [kv_lora, h, nope],
-``v_b`` [kv_lora, h, v], ``o`` [h, v, d].
+``v_b`` [kv_lora, h, v], ``o`` [h, v, d]. Projections may be :class:`Fp8Weight` (dequantised on
+use); ``k_b``/``v_b`` are always dense.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import apply_rope_interleaved, rms_norm
 
@@ -32,17 +34,18 @@ NEG_INF = float("-inf")
 def _queries(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array):
     """Per-head queries split into (nope [b,t,h,nope], rope [b,t,h,rope]), rope applied."""
     if cfg.q_lora_rank is None:
-        q = jnp.einsum("btd,dhk->bthk", x, p["q"])
+        q = jnp.einsum("btd,dhk->bthk", x, materialize(p["q"], x.dtype))
     else:
-        q_lat = rms_norm(jnp.einsum("btd,dr->btr", x, p["q_a"]), p["q_a_norm"], LORA_NORM_EPS)
-        q = jnp.einsum("btr,rhk->bthk", q_lat, p["q_b"])
+        q_lat = jnp.einsum("btd,dr->btr", x, materialize(p["q_a"], x.dtype))
+        q_lat = rms_norm(q_lat, p["q_a_norm"], LORA_NORM_EPS)
+        q = jnp.einsum("btr,rhk->bthk", q_lat, materialize(p["q_b"], x.dtype))
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope_interleaved(q_rope, cos, sin)
 
 
 def latent_rows(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """The cache rows [b, t, kv_lora + rope] of x: normed latent, then the rotated shared rope key."""
-    ckv = jnp.einsum("btd,dc->btc", x, p["kv_a"])
+    ckv = jnp.einsum("btd,dc->btc", x, materialize(p["kv_a"], x.dtype))
     latent = rms_norm(ckv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LORA_NORM_EPS)
     k_rope = apply_rope_interleaved(ckv[..., cfg.kv_lora_rank :], cos, sin)
     return jnp.concatenate([latent, k_rope], axis=-1)
@@ -67,7 +70,7 @@ def mla_dense(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin:
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     probs = _softmax(scores * cfg.softmax_scale, causal).astype(x.dtype)
     out = jnp.einsum("bhts,bshk->bthk", probs, v)
-    return jnp.einsum("bthk,hkd->btd", out, p["o"])
+    return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype))
 
 
 def write_rows(pages: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
@@ -114,4 +117,4 @@ def mla_paged(
     probs = _softmax(scores * cfg.softmax_scale, visible).astype(x.dtype)
     out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent)
     out = jnp.einsum("bthr,rhk->bthk", out_latent, p["v_b"])
-    return jnp.einsum("bthk,hkd->btd", out, p["o"]), pages
+    return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), pages

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.checkpoint.deepseek_v3 import load_params
+from mtp_jax.checkpoint.convert import is_converted, load_converted
+from mtp_jax.checkpoint.deepseek_v3 import WEIGHT_MODES, load_params
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DeepseekV3Config, read_json
 from mtp_jax.engine import GenerateResult, TokenCallback, generate_plain
@@ -182,16 +183,30 @@ class Model:
         )
 
 
-def load(path: str | os.PathLike[str], dtype: str = "bfloat16", *, page_size: int = 16) -> Model:
-    """Load a Hugging Face layout checkpoint directory (config.json + *.safetensors).
+def load(
+    path: str | os.PathLike[str],
+    dtype: str = "bfloat16",
+    *,
+    weights: str = "dense",
+    mtp: bool = True,
+    strict: bool = False,
+    page_size: int = 16,
+) -> Model:
+    """Load a checkpoint directory: Hugging Face layout (config.json + *.safetensors, one file or
+    index-sharded) or one written by ``mtp-jax convert`` (orbax).
 
     ``dtype`` ("bfloat16" or "float32") is the parameter and activation dtype; routers, softmax
-    and sampling always run in float32. EOS ids come from generation_config.json when present,
-    else from config.json.
+    and sampling always run in float32. ``weights="fp8"`` keeps an FP8 checkpoint's block-quantised
+    weights in FP8 on device (dequantised on use); ``"dense"`` dequantises them at load. ``mtp``
+    loads the checkpoint's MTP/NextN layers (the draft of speculative decoding) when it has them.
+    Unexpected tensors are logged, or refused with ``strict``. EOS ids come from
+    generation_config.json when present, else from config.json.
     """
     path = os.fspath(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"model directory not found: {path}")
     config = DeepseekV3Config.from_json_file(os.path.join(path, "config.json"))
@@ -208,5 +223,9 @@ def load(path: str | os.PathLike[str], dtype: str = "bfloat16", *, page_size: in
                 raise ConfigError(
                     f"{gen_path}: eos_token_id {raw!r} must be token ids in [0, {config.vocab_size})"
                 )
-    params = load_params(CheckpointReader(path), config, DTYPES[dtype])
+    if is_converted(path):
+        params = load_converted(path, config, DTYPES[dtype], weights=weights, mtp=mtp)
+    else:
+        reader = CheckpointReader(path)
+        params = load_params(reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict)
     return Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, page_size=page_size)

@@ -2,7 +2,8 @@
 
 Parameters of one layer: ``router`` [d, e] (float32), ``bias`` [e] (float32 correction bias),
 ``gate``/``up`` [e, d, f], ``down`` [e, f, d], and when the config has shared experts
-``shared_gate``/``shared_up`` [d, f_s], ``shared_down`` [f_s, d].
+``shared_gate``/``shared_up`` [d, f_s], ``shared_down`` [f_s, d]. Expert and shared weights may be
+:class:`Fp8Weight` (dequantised on use; a grouped FP8 matmul kernel is future work).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.layers import swiglu
+from mtp_jax.layers import Weight, swiglu
 
 
 def route(
@@ -40,7 +42,7 @@ def route(
 
 
 def routed_experts(
-    x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+    x: jax.Array, weights: jax.Array, idx: jax.Array, gate: Weight, up: Weight, down: Weight
 ) -> jax.Array:
     """Σ_k weights[n,k] · expert_{idx[n,k]}(x[n]) for x [n, d], dropless.
 
@@ -51,6 +53,7 @@ def routed_experts(
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
+    gate, up, down = (materialize(w, x.dtype) for w in (gate, up, down))
     sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
     xs = x[token]
     h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)

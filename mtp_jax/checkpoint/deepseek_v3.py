@@ -1,36 +1,81 @@
 """Hub-layout DeepSeek-V3 tensors -> the parameter pytree of :mod:`mtp_jax.models.deepseek_v3`.
 
 Hub weights are [out, in] (``nn.Linear``); ours are [in, out], with per-head axes split out and
-the layers of each stack (dense, MoE) stacked along a leading axis.
+the layers of each stack (dense, MoE, MTP) stacked along a leading axis.
+
+Loading streams: :func:`param_groups` reads one group at a time (the embedding, one decoder
+layer, the final norm, the head, one MTP layer) into host arrays of the target dtype, and
+:func:`assemble` moves each group to the device and writes it into the preallocated stacked
+arrays in place. Host memory therefore peaks near the largest group (one MoE layer), never the
+whole model; the same groups are what ``mtp-jax convert`` writes.
+
+FP8 checkpoints (``quantization_config.quant_method == "fp8"``) are dequantised block-wise with
+``weight_scale_inv`` (``weights="dense"``), or kept as :class:`Fp8Weight` (``weights="fp8"``).
+``kv_b_proj`` is always dequantised: it is small and used in absorbed form every step.
+
+MTP/NextN layers (``model.layers.{N + k}``) go to ``params["mtp"]``: ``enorm``, ``hnorm``,
+``eh_proj`` [2d, d] (input order: embedding first, then hidden), ``head_norm`` (shared_head.norm),
+``layer`` (a MoE decoder layer), and ``embed`` / ``head`` only when the checkpoint's copies differ
+from the main embedding / lm_head (normally they are identical and stored once).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from mtp_jax.checkpoint.fp8 import Fp8Weight, dequantize
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
-_FLOAT_KINDS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype("bfloat16"), np.dtype(np.float64)}
+WEIGHT_MODES = ("dense", "fp8")
+STACKED_GROUPS = ("dense", "moe", "mtp")
+# Leaves kept in float32 whatever the model dtype (routing decisions are made in float32).
+FLOAT32_LEAVES = ("router", "bias")
+_FLOATS = {np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float64)}
+_FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+Group = tuple[str, int | None, Any]
+"""(name, index within its stack or None, host pytree)."""
 
 
-class _Tensors:
-    """Reads hub tensors by key with shape checks; remembers which keys were used."""
+def host_dtype(dtype: Any) -> np.dtype:
+    return (
+        np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(jnp.dtype(dtype).name)
+    )
 
-    def __init__(self, reader: CheckpointReader, cfg: DeepseekV3Config) -> None:
+
+class HubTensors:
+    """Reads hub tensors by key, with shape checks, into host arrays of the target dtype."""
+
+    def __init__(
+        self, reader: CheckpointReader, cfg: DeepseekV3Config, dtype: Any, weights: str = "dense"
+    ) -> None:
+        if weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+        if weights == "fp8" and cfg.quantization_config is None:
+            raise CheckpointError(
+                f"weights='fp8' needs an FP8 checkpoint, but {reader.directory}/config.json has no "
+                "quantization_config"
+            )
         self.reader = reader
         self.cfg = cfg
-        self.used: set[str] = set()
+        self.dtype = host_dtype(dtype)
+        self.weights = weights
+        self.used: list[str] = []
 
-    def get(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+    def _check(self, key: str, shape: tuple[int, ...]) -> np.dtype:
         if key not in self.reader:
             raise CheckpointError(f"checkpoint {self.reader.directory} is missing tensor '{key}'")
         got = self.reader.shape(key)
@@ -39,42 +84,83 @@ class _Tensors:
                 f"tensor '{key}' has shape {list(got)} but config.json implies {list(shape)}"
             )
         dtype = self.reader.dtype(key)
-        if dtype.name.startswith("float8"):
-            raise CheckpointError(
-                f"tensor '{key}' is {dtype.name}: FP8 block-quantised weights are not loadable yet "
-                "(only BF16/FP16/FP32 safetensors)"
-            )
-        if dtype not in _FLOAT_KINDS:
+        if dtype not in _FLOATS and dtype != _FP8:
             raise CheckpointError(f"tensor '{key}' has dtype {dtype}, expected a floating-point type")
-        self.used.add(key)
-        return self.reader.get(key).astype(np.float32)
+        self.used.append(key)
+        return dtype
 
-    def linear(self, key: str, out_dim: int, in_dim: int) -> np.ndarray:
-        return self.get(key, (out_dim, in_dim)).T
+    def get(self, key: str, shape: tuple[int, ...], dtype: Any = None) -> np.ndarray:
+        """An unquantised tensor (norms, embeddings, router) cast to ``dtype`` (default: the model's)."""
+        if self._check(key, shape) == _FP8:
+            raise CheckpointError(f"tensor '{key}' is FP8, but this tensor is never quantised in DeepSeek-V3")
+        return self.reader.get(key).astype(dtype or self.dtype)
+
+    def linear(
+        self,
+        key: str,
+        out_dim: int,
+        in_dim: int,
+        shape: tuple[int, ...] | None = None,
+        *,
+        dense: bool = False,
+    ) -> np.ndarray | Fp8Weight:
+        """A projection [out, in] as [in, out] reshaped to ``shape``; FP8 stays FP8 in fp8 mode."""
+        shape = shape or (in_dim, out_dim)
+        if self._check(key, (out_dim, in_dim)) != _FP8:
+            return self.reader.get(key).astype(self.dtype).T.reshape(shape)
+        quant = self.cfg.quantization_config
+        if quant is None:
+            raise CheckpointError(
+                f"tensor '{key}' is float8_e4m3fn but config.json has no quantization_config to describe it"
+            )
+        b0, b1 = quant.weight_block_size
+        scale_key = f"{key}_scale_inv"
+        if scale_key not in self.reader:
+            raise CheckpointError(f"FP8 tensor '{key}' has no block scales: '{scale_key}' is missing")
+        scale_shape = (math.ceil(out_dim / b0), math.ceil(in_dim / b1))
+        if self.reader.shape(scale_key) != scale_shape:
+            raise CheckpointError(
+                f"tensor '{scale_key}' has shape {list(self.reader.shape(scale_key))}, but a "
+                f"[{out_dim}, {in_dim}] weight in {b0}x{b1} blocks needs {list(scale_shape)}"
+            )
+        self.used.append(scale_key)
+        fp8, scale = self.reader.get(key), self.reader.get(scale_key).astype(np.float32)
+        if self.weights == "fp8" and not dense:
+            return Fp8Weight.from_hub(fp8, scale, (b0, b1), shape)
+        return dequantize(fp8, scale, (b0, b1), self.dtype).T.reshape(shape)
+
+    def same(self, key: str, main_key: str) -> bool:
+        """Whether a duplicated tensor (MTP embed/head) is bit-identical to the main one."""
+        a, b = self.reader.get(key), self.reader.get(main_key)
+        return (
+            a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        )
 
 
-def _attention(t: _Tensors, pre: str) -> dict[str, np.ndarray]:
+def _attention(t: HubTensors, pre: str) -> dict:
     c = t.cfg
-    d, h = c.hidden_size, c.num_attention_heads
-    p: dict[str, np.ndarray] = {}
+    d, h, qk = c.hidden_size, c.num_attention_heads, c.qk_head_dim
+    p: dict = {}
     if c.q_lora_rank is None:
-        p["q"] = t.linear(f"{pre}q_proj.weight", h * c.qk_head_dim, d).reshape(d, h, c.qk_head_dim)
+        p["q"] = t.linear(f"{pre}q_proj.weight", h * qk, d, (d, h, qk))
     else:
         r = c.q_lora_rank
         p["q_a"] = t.linear(f"{pre}q_a_proj.weight", r, d)
         p["q_a_norm"] = t.get(f"{pre}q_a_layernorm.weight", (r,))
-        p["q_b"] = t.linear(f"{pre}q_b_proj.weight", h * c.qk_head_dim, r).reshape(r, h, c.qk_head_dim)
+        p["q_b"] = t.linear(f"{pre}q_b_proj.weight", h * qk, r, (r, h, qk))
     p["kv_a"] = t.linear(f"{pre}kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, d)
     p["kv_a_norm"] = t.get(f"{pre}kv_a_layernorm.weight", (c.kv_lora_rank,))
-    kv_b = t.linear(f"{pre}kv_b_proj.weight", h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-    kv_b = kv_b.reshape(c.kv_lora_rank, h, c.qk_nope_head_dim + c.v_head_dim)
-    p["k_b"] = kv_b[..., : c.qk_nope_head_dim]
-    p["v_b"] = kv_b[..., c.qk_nope_head_dim :]
-    p["o"] = t.linear(f"{pre}o_proj.weight", d, h * c.v_head_dim).reshape(h, c.v_head_dim, d)
+    nope_v = c.qk_nope_head_dim + c.v_head_dim
+    kv_b = t.linear(
+        f"{pre}kv_b_proj.weight", h * nope_v, c.kv_lora_rank, (c.kv_lora_rank, h, nope_v), dense=True
+    )
+    p["k_b"] = np.ascontiguousarray(kv_b[..., : c.qk_nope_head_dim])
+    p["v_b"] = np.ascontiguousarray(kv_b[..., c.qk_nope_head_dim :])
+    p["o"] = t.linear(f"{pre}o_proj.weight", d, h * c.v_head_dim, (h, c.v_head_dim, d))
     return p
 
 
-def _swiglu(t: _Tensors, pre: str, d: int, f: int) -> dict[str, np.ndarray]:
+def _swiglu(t: HubTensors, pre: str, d: int, f: int) -> dict:
     return {
         "gate": t.linear(f"{pre}gate_proj.weight", f, d),
         "up": t.linear(f"{pre}up_proj.weight", f, d),
@@ -82,14 +168,19 @@ def _swiglu(t: _Tensors, pre: str, d: int, f: int) -> dict[str, np.ndarray]:
     }
 
 
-def _moe(t: _Tensors, pre: str) -> dict[str, np.ndarray]:
+def stack_leaves(items: list) -> Any:
+    """Stack a list of identical pytrees (Fp8Weight leaves included) along a new leading axis."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *items)
+
+
+def _moe(t: HubTensors, pre: str) -> dict:
     c = t.cfg
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
-    experts = [_swiglu(t, f"{pre}experts.{i}.", d, f) for i in range(e)]
+    experts = stack_leaves([_swiglu(t, f"{pre}experts.{i}.", d, f) for i in range(e)])
     p = {
-        "router": t.linear(f"{pre}gate.weight", e, d),
-        "bias": t.get(f"{pre}gate.e_score_correction_bias", (e,)),
-        **{name: np.stack([x[name] for x in experts]) for name in ("gate", "up", "down")},
+        "router": np.ascontiguousarray(t.get(f"{pre}gate.weight", (e, d), np.float32).T),
+        "bias": t.get(f"{pre}gate.e_score_correction_bias", (e,), np.float32),
+        **experts,
     }
     if c.n_shared_experts:
         shared = _swiglu(t, f"{pre}shared_experts.", d, f * c.n_shared_experts)
@@ -97,7 +188,7 @@ def _moe(t: _Tensors, pre: str) -> dict[str, np.ndarray]:
     return p
 
 
-def _layer(t: _Tensors, i: int) -> dict:
+def _layer(t: HubTensors, i: int) -> dict:
     pre = f"model.layers.{i}."
     d = t.cfg.hidden_size
     is_moe = i >= t.cfg.first_k_dense_replace
@@ -109,53 +200,149 @@ def _layer(t: _Tensors, i: int) -> dict:
     }
 
 
-def _stack(layers: list[dict], convert: Callable[[tuple[str, ...], np.ndarray], object]) -> dict:
-    def walk(path: tuple[str, ...], items: list) -> object:
-        if isinstance(items[0], dict):
-            return {k: walk(path + (k,), [x[k] for x in items]) for k in items[0]}
-        return convert(path, np.stack(items))
-
-    return walk((), layers)  # type: ignore[return-value]
-
-
-def load_params(reader: CheckpointReader, cfg: DeepseekV3Config, dtype: jnp.dtype) -> dict:
-    """Read every target-model tensor of a hub checkpoint into the parameter pytree.
-
-    Router weights and correction biases stay float32 whatever ``dtype`` is; everything else is
-    cast to ``dtype``. Tensors of the MTP layers (index >= num_hidden_layers) are left to the draft.
-    """
-    t = _Tensors(reader, cfg)
+def _mtp_layer(t: HubTensors, k: int) -> dict:
+    cfg = t.cfg
+    n = cfg.num_hidden_layers + k
+    pre = f"model.layers.{n}."
     d, v = cfg.hidden_size, cfg.vocab_size
+    p = {
+        "enorm": t.get(f"{pre}enorm.weight", (d,)),
+        "hnorm": t.get(f"{pre}hnorm.weight", (d,)),
+        "eh_proj": t.linear(f"{pre}eh_proj.weight", d, 2 * d),
+        "head_norm": t.get(f"{pre}shared_head.norm.weight", (d,)),
+        "layer": _layer(t, n),
+    }
+    main_head = "lm_head.weight" if "lm_head.weight" in t.reader else "model.embed_tokens.weight"
+    for name, key, main in (
+        ("embed", f"{pre}embed_tokens.weight", "model.embed_tokens.weight"),
+        ("head", f"{pre}shared_head.head.weight", main_head),
+    ):
+        if key not in t.reader:
+            continue  # absent copies mean "shared with the main model"
+        if t.same(key, main):
+            t._check(key, (v, d))
+            continue
+        log.info("%s differs from %s; keeping a separate copy for the MTP layer", key, main)
+        p[name] = t.get(key, (v, d)) if name == "embed" else np.ascontiguousarray(t.get(key, (v, d)).T)
+    return p
 
-    def convert(path: tuple[str, ...], x: np.ndarray) -> object:
-        keep_f32 = path[-1] in ("router", "bias")
-        return jnp.asarray(x, jnp.float32 if keep_f32 else dtype)
 
-    params: dict = {"embed": convert(("embed",), t.get("model.embed_tokens.weight", (v, d)))}
-    first = 0
-    for name, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
-        if n:
-            params[name] = _stack([_layer(t, i) for i in range(first, first + n)], convert)
-        first += n
-    params["final_norm"] = convert(("final_norm",), t.get("model.norm.weight", (d,)))
+def param_groups(
+    reader: CheckpointReader,
+    cfg: DeepseekV3Config,
+    dtype: Any,
+    *,
+    weights: str = "dense",
+    mtp: bool = True,
+    strict: bool = False,
+    skip: Mapping[tuple[str, int | None], list[str]] | None = None,
+) -> Iterator[tuple[Group, list[str]]]:
+    """Yield ((name, index, host pytree), hub keys consumed) one group at a time, in a fixed order.
+
+    Groups in ``skip`` (mapped to the keys they consumed before, e.g. by an interrupted conversion)
+    are yielded with a ``None`` tree and not read. After the last group, tensors nobody asked for
+    are reported: a warning, or with ``strict`` a :class:`CheckpointError` naming them.
+    """
+    t = HubTensors(reader, cfg, dtype, weights)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    skip = skip or {}
+    all_used: set[str] = set()
+
+    def emit(name: str, index: int | None, read: Callable[[], Any]) -> tuple[Group, list[str]]:
+        if (name, index) in skip:
+            used, tree = list(skip[(name, index)]), None
+        else:
+            tree = read()
+            used, t.used = t.used, []
+        all_used.update(used)
+        return (name, index, tree), used
+
+    yield emit("embed", None, lambda: t.get("model.embed_tokens.weight", (v, d)))
+    for i in range(cfg.num_hidden_layers):
+        if i < cfg.first_k_dense_replace:
+            yield emit("dense", i, lambda i=i: _layer(t, i))
+        else:
+            yield emit("moe", i - cfg.first_k_dense_replace, lambda i=i: _layer(t, i))
+    yield emit("final_norm", None, lambda: t.get("model.norm.weight", (d,)))
     if "lm_head.weight" in reader or not cfg.tie_word_embeddings:
-        params["lm_head"] = convert(("lm_head",), t.linear("lm_head.weight", v, d))
-    else:
+        yield emit("lm_head", None, lambda: np.ascontiguousarray(t.linear("lm_head.weight", v, d)))
+    if mtp:
+        for k in range(cfg.num_nextn_predict_layers):
+            yield emit("mtp", k, lambda k=k: _mtp_layer(t, k))
+    _report_unused(reader, all_used, cfg, skip_mtp=not mtp, strict=strict)
+
+
+def group_sizes(cfg: DeepseekV3Config, mtp: bool = True) -> dict[str, int]:
+    sizes = {
+        "dense": cfg.num_dense_layers,
+        "moe": cfg.num_moe_layers,
+        "mtp": cfg.num_nextn_predict_layers if mtp else 0,
+    }
+    return {k: n for k, n in sizes.items() if n}
+
+
+def _set_layer(stack: Any, layer: Any, i: int) -> Any:
+    return jax.tree.map(lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, i, 0), stack, layer)
+
+
+_set_layer_jit = jax.jit(_set_layer, donate_argnums=0)
+
+
+def assemble(
+    groups: Iterator[Group],
+    cfg: DeepseekV3Config,
+    dtype: Any,
+    *,
+    mtp: bool = True,
+    put: Callable[[Any], Any] = jax.device_put,
+) -> dict:
+    """Build the device parameter pytree from host groups, stacking layers in place on device."""
+    sizes = group_sizes(cfg, mtp)
+    params: dict = {}
+    for name, index, tree in groups:
+        device_tree = put(tree)
+        if name not in STACKED_GROUPS:
+            params[name] = device_tree
+            continue
+        if name not in params:
+            n = sizes[name]
+            params[name] = jax.tree.map(lambda x, n=n: jnp.zeros((n,) + x.shape, x.dtype), device_tree)
+        params[name] = _set_layer_jit(params[name], device_tree, index)
+    if "lm_head" not in params:
         params["lm_head"] = params["embed"].T
-    _report_unused(reader, t.used, cfg)
     return params
 
 
-def _report_unused(reader: CheckpointReader, used: set[str], cfg: DeepseekV3Config) -> None:
-    mtp = re.compile(r"model\.layers\.(\d+)\.")
+def load_params(
+    reader: CheckpointReader,
+    cfg: DeepseekV3Config,
+    dtype: Any,
+    *,
+    weights: str = "dense",
+    mtp: bool = True,
+    strict: bool = False,
+) -> dict:
+    """Read a hub checkpoint into device parameters (see the module docstring)."""
+    groups = (g for g, _ in param_groups(reader, cfg, dtype, weights=weights, mtp=mtp, strict=strict))
+    return assemble(groups, cfg, dtype, mtp=mtp)
+
+
+def _report_unused(
+    reader: CheckpointReader, used: set[str], cfg: DeepseekV3Config, *, skip_mtp: bool, strict: bool
+) -> None:
+    layer_key = re.compile(r"model\.layers\.(\d+)\.")
+    mtp_layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
     unexpected = []
     for key in reader.keys():
         if key in used:
             continue
-        m = mtp.match(key)
-        if m and int(m.group(1)) >= cfg.num_hidden_layers:
-            continue  # MTP/NextN layers belong to the draft
+        m = layer_key.match(key)
+        if skip_mtp and m and int(m.group(1)) in mtp_layers:
+            continue  # MTP layers were not asked for
         unexpected.append(key)
-    if unexpected:
-        shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
-        log.warning("ignoring %d unexpected tensors in %s: %s", len(unexpected), reader.directory, shown)
+    if not unexpected:
+        return
+    shown = ", ".join(unexpected[:5]) + (" ..." if len(unexpected) > 5 else "")
+    if strict:
+        raise CheckpointError(f"{len(unexpected)} unexpected tensors in {reader.directory}: {shown}")
+    log.warning("ignoring %d unexpected tensors in %s: %s", len(unexpected), reader.directory, shown)

@@ -1,0 +1,280 @@
+"""``mtp-jax convert``: a hub checkpoint -> an orbax checkpoint in our parameter layout.
+
+Layout of a converted directory::
+
+    config.json, generation_config.json, tokenizer files   (copied from the source)
+    mtp_jax_manifest.json                                   (format, options, groups, FP8 leaves)
+    params/<group>/                                         (one orbax checkpoint per group)
+
+A group is what :func:`mtp_jax.checkpoint.deepseek_v3.param_groups` yields: the embedding, one
+decoder layer, the final norm, the head, one MTP layer. Weights are already transposed, split per
+head, dequantised or kept FP8, so loading is a plain restore.
+
+Safety: everything is written under ``<dst>.partial`` and renamed to ``<dst>`` at the very end,
+so an interrupted conversion never leaves something that looks finished. ``progress.json`` inside
+the partial directory records finished groups; re-running the same command resumes after the
+last finished group (a changed source or different options start over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from mtp_jax.checkpoint.deepseek_v3 import FLOAT32_LEAVES, assemble, param_groups
+from mtp_jax.checkpoint.fp8 import Fp8Weight
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.errors import CheckpointError, CheckpointNotFoundError
+from mtp_jax.progress import Progress
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mtp-jax-orbax"
+FORMAT_VERSION = 1
+MANIFEST = "mtp_jax_manifest.json"
+PROGRESS = "progress.json"
+CONVERT_WEIGHTS = ("bf16", "fp32", "fp8")
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertReport:
+    dst: str
+    groups: int
+    groups_resumed: int
+    tensors: int
+    bytes_read: int
+    seconds: float
+
+
+def is_converted(path: str | os.PathLike[str]) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def _group_dir(name: str, index: int | None) -> str:
+    return name if index is None else f"{name}_{index:03d}"
+
+
+def _write_json(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _fingerprint(src: str, reader: CheckpointReader, options: dict) -> str:
+    h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    names = sorted({"config.json"} | {f for f in os.listdir(src) if f.endswith((".safetensors", ".json"))})
+    for name in names:
+        st = os.stat(os.path.join(src, name))
+        h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _to_storable(tree: Any, prefix: str, fp8_meta: dict[str, dict]) -> Any:
+    """Fp8Weight leaves -> {"fp8", "scale_inv"} dicts (their static fields go to the manifest)."""
+    if isinstance(tree, Fp8Weight):
+        fp8_meta[prefix] = {"shape": list(tree.shape), "block": list(tree.block)}
+        return {"fp8": tree.w, "scale_inv": tree.scale_inv}
+    if isinstance(tree, dict):
+        return {k: _to_storable(v, f"{prefix}/{k}", fp8_meta) for k, v in tree.items()}
+    return tree
+
+
+def _from_storable(tree: Any, prefix: str, fp8_meta: dict[str, dict]) -> Any:
+    if prefix in fp8_meta:
+        meta = fp8_meta[prefix]
+        return Fp8Weight(
+            w=tree["fp8"], scale_inv=tree["scale_inv"], shape=tuple(meta["shape"]), block=tuple(meta["block"])
+        )
+    if isinstance(tree, dict):
+        return {k: _from_storable(v, f"{prefix}/{k}", fp8_meta) for k, v in tree.items()}
+    return tree
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    weights: str = "bf16",
+    mtp: bool = True,
+    strict: bool = False,
+    progress: bool = True,
+    on_group: Callable[[str], None] | None = None,
+) -> ConvertReport:
+    """Convert the hub checkpoint ``src`` into an orbax checkpoint at ``dst``.
+
+    weights: "bf16" or "fp32" (dense, FP8 checkpoints dequantised) or "fp8" (keep FP8 weights and
+    their block scales; other tensors bf16). ``on_group`` is called with each finished group's
+    name (tests use it to interrupt a conversion).
+    """
+    import orbax.checkpoint as ocp
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    if weights not in CONVERT_WEIGHTS:
+        raise ValueError(f"weights must be one of {CONVERT_WEIGHTS}, got {weights!r}")
+    if not os.path.isdir(src):
+        raise CheckpointNotFoundError(f"source checkpoint directory not found: {src}")
+    if is_converted(src):
+        raise CheckpointError(f"{src} is already a converted mtp-jax checkpoint")
+    if os.path.exists(dst):
+        raise FileExistsError(f"destination {dst} already exists; remove it or choose another path")
+    cfg = DeepseekV3Config.from_json_file(os.path.join(src, "config.json"))
+    reader = CheckpointReader(src)
+    if weights == "fp8" and cfg.quantization_config is None:
+        raise CheckpointError(
+            f"--weights fp8 needs an FP8 source checkpoint; {src}/config.json has no quantization_config"
+        )
+    dtype = "float32" if weights == "fp32" else "bfloat16"
+    mode = "fp8" if weights == "fp8" else "dense"
+    options = {"weights": weights, "mtp": mtp, "format_version": FORMAT_VERSION}
+
+    work = f"{dst}.partial"
+    fingerprint = _fingerprint(src, reader, options)
+    state = {"fingerprint": fingerprint, "done": {}, "fp8": {}}
+    if os.path.isdir(work):
+        try:
+            with open(os.path.join(work, PROGRESS), encoding="utf-8") as f:
+                previous = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            previous = {}
+        if previous.get("fingerprint") == fingerprint:
+            state = previous
+            log.info("resuming %s: %d groups already converted", work, len(state["done"]))
+        else:
+            log.info("discarding %s: it was started from a different source or options", work)
+            shutil.rmtree(work)
+    os.makedirs(os.path.join(work, "params"), exist_ok=True)
+
+    done: dict[str, dict] = state["done"]
+    skip = {(g["name"], g["index"]): g["keys"] for g in done.values()}
+    total_bytes = sum(int(np.prod(reader.shape(k))) * reader.dtype(k).itemsize for k in reader.keys())
+    bar = (
+        Progress(f"convert {os.path.basename(src.rstrip('/'))}", len(reader.keys()), total_bytes)
+        if progress
+        else None
+    )
+    checkpointer = ocp.StandardCheckpointer()
+    order: list[str] = []
+    resumed = len(done)
+    t0 = time.perf_counter()
+    bytes_read = 0
+    for (name, index, tree), keys in param_groups(
+        reader, cfg, dtype, weights=mode, mtp=mtp, strict=strict, skip=skip
+    ):
+        gdir = _group_dir(name, index)
+        order.append(gdir)
+        nbytes = sum(int(np.prod(reader.shape(k))) * reader.dtype(k).itemsize for k in keys)
+        if tree is not None:
+            target = os.path.join(work, "params", gdir)
+            if os.path.exists(target):  # a group that was being written when interrupted
+                shutil.rmtree(target)
+            storable = _to_storable(tree, gdir, state["fp8"])
+            checkpointer.save(target, storable)
+            checkpointer.wait_until_finished()
+            done[gdir] = {"name": name, "index": index, "keys": keys}
+            _write_json(os.path.join(work, PROGRESS), state)
+            bytes_read += nbytes
+            if on_group is not None:
+                on_group(gdir)
+        if bar is not None:
+            bar.update(len(keys), nbytes, gdir)
+    checkpointer.close()
+
+    for fname in COPIED_FILES:
+        if os.path.isfile(os.path.join(src, fname)):
+            shutil.copyfile(os.path.join(src, fname), os.path.join(work, fname))
+    _write_json(
+        os.path.join(work, MANIFEST),
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "weights": weights,
+            "dtype": dtype,
+            "mtp": mtp,
+            "groups": [{"dir": g, "name": done[g]["name"], "index": done[g]["index"]} for g in order],
+            "fp8": state["fp8"],
+            "source": os.path.abspath(src),
+            "source_tensors": len(reader.keys()),
+            "source_bytes": total_bytes,
+        },
+    )
+    os.remove(os.path.join(work, PROGRESS))
+    os.replace(work, dst)
+    return ConvertReport(
+        dst=dst,
+        groups=len(order),
+        groups_resumed=resumed,
+        tensors=len(reader.keys()),
+        bytes_read=bytes_read,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _cast_host(tree: Any, prefix: str, dtype: np.dtype, keep_fp8: bool) -> Any:
+    if isinstance(tree, Fp8Weight):
+        return tree if keep_fp8 else tree.dequantize_host(dtype)
+    if isinstance(tree, dict):
+        return {k: _cast_host(v, k, dtype, keep_fp8) for k, v in tree.items()}
+    return np.asarray(tree, np.float32 if prefix in FLOAT32_LEAVES else dtype)
+
+
+def load_converted(
+    path: str, cfg: DeepseekV3Config, dtype: Any, *, weights: str = "dense", mtp: bool = True
+) -> dict:
+    """Restore a converted checkpoint into device parameters, one group at a time."""
+    import orbax.checkpoint as ocp
+
+    with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}/{MANIFEST}: unsupported format {manifest.get('format')!r} version "
+            f"{manifest.get('format_version')!r} (this mtp-jax reads {FORMAT} version {FORMAT_VERSION})"
+        )
+    if weights == "fp8" and manifest["weights"] != "fp8":
+        raise CheckpointError(
+            f"weights='fp8' needs a checkpoint converted with --weights fp8; {path} has "
+            f"{manifest['weights']!r} weights"
+        )
+    if mtp and cfg.num_nextn_predict_layers and not manifest["mtp"]:
+        log.warning("%s was converted without its MTP layers", path)
+    host = (
+        np.dtype(ml_dtypes.bfloat16) if jax.numpy.dtype(dtype) == jax.numpy.bfloat16 else np.dtype(np.float32)
+    )
+    checkpointer = ocp.StandardCheckpointer()
+
+    def groups():
+        for g in manifest["groups"]:
+            if g["name"] == "mtp" and not mtp:
+                continue
+            gdir = os.path.join(path, "params", g["dir"])
+            if not os.path.isdir(gdir):
+                raise CheckpointError(f"converted checkpoint {path} is missing group {g['dir']}")
+            tree = _from_storable(checkpointer.restore(gdir), g["dir"], manifest["fp8"])
+            yield g["name"], g["index"], _cast_host(tree, g["name"], host, weights == "fp8")
+
+    try:
+        return assemble(groups(), cfg, dtype, mtp=mtp and manifest["mtp"])
+    finally:
+        checkpointer.close()

@@ -1,0 +1,480 @@
+"""Parameter, weight-byte and memory estimates from ``config.json`` alone (no weights are read).
+
+These back ``mtp-jax inspect`` and ``mtp-jax convert --dry-run``. Everything is derived from one
+enumeration of the hub tensors (:func:`_specs`), grouped by shape with a multiplicity, so the
+numbers for DeepSeek-V3 come out in microseconds and stay consistent with each other.
+
+Conventions (all counts are numbers of scalar parameters, all sizes are bytes; ``GB`` is 10^9 bytes):
+
+* **Norms** hold every RMSNorm weight of the main model: ``input_layernorm``,
+  ``post_attention_layernorm``, ``q_a_layernorm``, ``kv_a_layernorm`` of every layer and the final
+  ``model.norm``. Attention counts only the projection matrices.
+* **Routers** are the MoE gate weights [E, H] plus the float32 ``e_score_correction_bias`` [E].
+* **MTP** (``num_nextn_predict_layers``) counts, per nextn layer, a full MoE decoder layer plus
+  ``enorm``, ``hnorm``, ``eh_proj`` [H, 2H] and ``shared_head.norm``. The layer's own
+  ``embed_tokens`` and ``shared_head.head`` [V, H] are copies of the main embedding / lm_head in the
+  hub files; our loader keeps them once, so they are counted apart in ``mtp_duplicates``.
+  DeepSeek's published "14B MTP" (671B + 14B = 685B in the model card) *includes* those copies:
+  ``mtp + mtp_duplicates`` ≈ 13.5B for DeepSeek-V3, ``mtp`` alone ≈ 11.6B.
+* **Active per token** is the main model (no MTP) minus the routed experts, plus
+  ``num_experts_per_tok`` routed experts in each MoE layer; the embedding and lm_head are counted in
+  full (DeepSeek-V3: ≈ 37.5B, published "37B").
+* Byte estimates describe what our loader holds in memory (MTP duplicates stored once, ``kv_b_proj``
+  dequantised in FP8 mode) unless ``hub_layout=True`` asks for the hub files' size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+
+from mtp_jax.config import DeepseekV3Config
+
+WEIGHT_FORMATS = ("bf16", "fp32", "fp8")
+MESH_AXES = ("data", "expert", "tensor")
+DEFAULT_FP8_BLOCK = (128, 128)
+GB = 10**9
+
+# Spec kinds: how a tensor is stored.
+_LINEAR = "linear"  # a projection matrix; FP8-quantised (with block scales) in the hub FP8 layout
+_PLAIN = "plain"  # never quantised: embeddings, lm_head, norms, router gate, eh_proj, shared_head
+_FP32 = "fp32"  # kept float32 in every format: the router's e_score_correction_bias
+
+COMPONENTS = (
+    "embedding",
+    "attention",
+    "dense_mlp",
+    "routers",
+    "routed_experts",
+    "shared_experts",
+    "norms",
+    "lm_head",
+    "mtp",
+    "mtp_duplicates",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """``count`` hub tensors of one shape; ``shape`` is (out, in) for matrices, (n,) for vectors."""
+
+    component: str
+    shape: tuple[int, ...]
+    count: int
+    kind: str
+    routed: bool = False  # a routed expert's weight (split over the mesh's expert axis)
+    absorbed: bool = False  # kv_b_proj: our loader dequantises it to bf16 even in FP8 mode
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) * self.count
+
+
+def _layer_specs(cfg: DeepseekV3Config, *, dense: bool, count: int, mtp: bool) -> Iterator[_Spec]:
+    """The tensors of ``count`` identical decoder layers (dense MLP or MoE)."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+
+    def comp(name: str) -> str:
+        return "mtp" if mtp else name
+
+    yield _Spec(comp("norms"), (d,), 2 * count, _PLAIN)  # input / post_attention layernorms
+    if cfg.q_lora_rank is None:
+        yield _Spec(comp("attention"), (h * cfg.qk_head_dim, d), count, _LINEAR)
+    else:
+        yield _Spec(comp("attention"), (cfg.q_lora_rank, d), count, _LINEAR)
+        yield _Spec(comp("norms"), (cfg.q_lora_rank,), count, _PLAIN)
+        yield _Spec(comp("attention"), (h * cfg.qk_head_dim, cfg.q_lora_rank), count, _LINEAR)
+    yield _Spec(comp("attention"), (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d), count, _LINEAR)
+    yield _Spec(comp("norms"), (cfg.kv_lora_rank,), count, _PLAIN)
+    yield _Spec(
+        comp("attention"),
+        (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        count,
+        _LINEAR,
+        absorbed=True,
+    )
+    yield _Spec(comp("attention"), (d, h * cfg.v_head_dim), count, _LINEAR)
+    if dense:
+        f = cfg.intermediate_size
+        yield _Spec(comp("dense_mlp"), (f, d), 2 * count, _LINEAR)  # gate_proj, up_proj
+        yield _Spec(comp("dense_mlp"), (d, f), count, _LINEAR)  # down_proj
+        return
+    f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
+    yield _Spec(comp("routers"), (e, d), count, _PLAIN)
+    yield _Spec(comp("routers"), (e,), count, _FP32)
+    yield _Spec(comp("routed_experts"), (f, d), 2 * e * count, _LINEAR, routed=True)
+    yield _Spec(comp("routed_experts"), (d, f), e * count, _LINEAR, routed=True)
+    if cfg.n_shared_experts:
+        fs = f * cfg.n_shared_experts
+        yield _Spec(comp("shared_experts"), (fs, d), 2 * count, _LINEAR)
+        yield _Spec(comp("shared_experts"), (d, fs), count, _LINEAR)
+
+
+def _specs(cfg: DeepseekV3Config) -> Iterator[_Spec]:
+    """Every tensor of the hub checkpoint (MTP duplicates under ``mtp_duplicates``)."""
+    d, v, n_mtp = cfg.hidden_size, cfg.vocab_size, cfg.num_nextn_predict_layers
+    yield _Spec("embedding", (v, d), 1, _PLAIN)
+    if cfg.num_dense_layers:
+        yield from _layer_specs(cfg, dense=True, count=cfg.num_dense_layers, mtp=False)
+    if cfg.num_moe_layers:
+        yield from _layer_specs(cfg, dense=False, count=cfg.num_moe_layers, mtp=False)
+    yield _Spec("norms", (d,), 1, _PLAIN)  # model.norm
+    if not cfg.tie_word_embeddings:
+        yield _Spec("lm_head", (v, d), 1, _PLAIN)
+    if n_mtp:
+        yield from _layer_specs(cfg, dense=False, count=n_mtp, mtp=True)
+        yield _Spec("mtp", (d,), 3 * n_mtp, _PLAIN)  # enorm, hnorm, shared_head.norm
+        yield _Spec("mtp", (d, 2 * d), n_mtp, _PLAIN)  # eh_proj
+        yield _Spec("mtp_duplicates", (v, d), 2 * n_mtp, _PLAIN)  # embed_tokens, shared_head.head
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCount:
+    """Parameter counts (number of scalars) by component; see the module docstring for conventions.
+
+    ``embedding`` .. ``lm_head`` make up the main model (``lm_head`` is 0 when tied). ``mtp`` is all
+    nextn layers without their duplicated embed_tokens / shared_head.head, which are
+    ``mtp_duplicates``. ``active_per_token`` is what one token touches in the main model.
+    """
+
+    embedding: int
+    attention: int
+    dense_mlp: int
+    routers: int
+    routed_experts: int
+    shared_experts: int
+    norms: int
+    lm_head: int
+    mtp: int
+    mtp_duplicates: int
+    active_per_token: int
+
+    @property
+    def main(self) -> int:
+        """Everything except the MTP layers."""
+        return (
+            self.embedding
+            + self.attention
+            + self.dense_mlp
+            + self.routers
+            + self.routed_experts
+            + self.shared_experts
+            + self.norms
+            + self.lm_head
+        )
+
+    @property
+    def total(self) -> int:
+        """Main model plus MTP layers, the duplicated MTP embed/head counted once (as our loader
+        stores them)."""
+        return self.main + self.mtp
+
+    @property
+    def hub_total(self) -> int:
+        """Every parameter in the hub files, MTP duplicates included (scales not counted)."""
+        return self.total + self.mtp_duplicates
+
+    def components(self) -> dict[str, int]:
+        """Component name -> count, in display order."""
+        return {name: getattr(self, name) for name in COMPONENTS}
+
+
+def count_parameters(cfg: DeepseekV3Config) -> ParamCount:
+    """Count the parameters of ``cfg`` by component (numbers of scalars, not bytes)."""
+    counts = dict.fromkeys(COMPONENTS, 0)
+    for s in _specs(cfg):
+        counts[s.component] += s.numel
+    routed_per_expert = (
+        counts["routed_experts"] // (cfg.n_routed_experts * cfg.num_moe_layers) if cfg.num_moe_layers else 0
+    )
+    main = sum(counts[c] for c in COMPONENTS[:8])
+    active = (
+        main - counts["routed_experts"] + routed_per_expert * cfg.num_experts_per_tok * cfg.num_moe_layers
+    )
+    return ParamCount(**counts, active_per_token=active)
+
+
+def _check_weights(weights: str) -> None:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+
+
+def fp8_block(cfg: DeepseekV3Config) -> tuple[int, int]:
+    """The FP8 scale block (rows, cols): the config's ``weight_block_size``, else 128x128."""
+    q = cfg.quantization_config
+    return q.weight_block_size if q is not None else DEFAULT_FP8_BLOCK
+
+
+def _spec_bytes(
+    s: _Spec, weights: str, block: tuple[int, int], hub_layout: bool, out: dict[str, int]
+) -> None:
+    """Add the bytes of ``s`` stored as ``weights`` to ``out`` (dtype name -> bytes)."""
+
+    def add(dtype: str, n: int) -> None:
+        out[dtype] = out.get(dtype, 0) + n
+
+    if weights == "fp32" or s.kind == _FP32:
+        add("float32", 4 * s.numel)
+    elif weights == "bf16" or s.kind == _PLAIN or (s.absorbed and not hub_layout):
+        add("bfloat16", 2 * s.numel)
+    else:  # an FP8-quantised projection: 1 byte per weight + a float32 scale per block
+        rows, cols = s.shape
+        add("float8_e4m3fn", s.numel)
+        add("float32", 4 * math.ceil(rows / block[0]) * math.ceil(cols / block[1]) * s.count)
+
+
+def weight_bytes(cfg: DeepseekV3Config, weights: str, *, hub_layout: bool = False) -> dict[str, int]:
+    """Bytes of all weights (MTP layers included) by storage dtype, e.g.
+    ``{"float8_e4m3fn": ..., "float32": ..., "bfloat16": ...}`` (dtypes with 0 bytes are left out).
+
+    ``weights``:
+
+    * ``"fp32"``: everything float32 (4 bytes per parameter).
+    * ``"bf16"``: everything bfloat16, except the router ``e_score_correction_bias`` (float32).
+    * ``"fp8"``: DeepSeek's block-FP8 layout: every projection matrix is ``float8_e4m3fn`` (1 byte)
+      plus float32 ``weight_scale_inv`` of shape [ceil(out/b0), ceil(in/b1)], (b0, b1) from
+      ``quantization_config.weight_block_size`` (128x128 when absent); embeddings, lm_head, norms,
+      router gates, ``eh_proj`` and ``shared_head`` stay bfloat16 and the correction bias float32.
+      Our loader dequantises ``kv_b_proj`` to bfloat16 (2 bytes, no scales) because it is used in
+      absorbed form every step; this estimate does the same unless ``hub_layout``.
+
+    By default the estimate is what our loader holds: the MTP layers' duplicated ``embed_tokens`` /
+    ``shared_head.head`` are not counted (stored once). ``hub_layout=True`` gives the size of the
+    hub safetensors files instead: duplicates counted and ``kv_b_proj`` quantised like the rest.
+    """
+    _check_weights(weights)
+    block = fp8_block(cfg)
+    out: dict[str, int] = {}
+    for s in _specs(cfg):
+        if s.component == "mtp_duplicates" and not hub_layout:
+            continue
+        _spec_bytes(s, weights, block, hub_layout, out)
+    order = ("float8_e4m3fn", "bfloat16", "float32")
+    return {k: out[k] for k in order if out.get(k)}
+
+
+def kv_cache_bytes_per_token(cfg: DeepseekV3Config, dtype_bytes: int = 2, include_mtp: bool = True) -> int:
+    """Bytes of paged latent cache one token takes over all layers: (kv_lora_rank + qk_rope_head_dim)
+    values of ``dtype_bytes`` bytes per layer, the MTP layers included when ``include_mtp``."""
+    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if include_mtp else 0)
+    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * dtype_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """Memory one device holds under our sharding plan (all sizes in bytes).
+
+    ``param_bytes``: every parameter except the routed experts (replicated on every device);
+    ``expert_bytes``: this device's ``experts_per_device`` routed experts in every MoE layer (MTP
+    layers included), their FP8 scales included; ``kv_bytes``: ``kv_tokens_per_device`` tokens of
+    latent cache at ``kv_bytes_per_token`` each.
+    """
+
+    mesh: tuple[tuple[str, int], ...]
+    devices: int
+    experts_per_device: int
+    param_bytes: int
+    expert_bytes: int
+    kv_tokens_per_device: int
+    kv_bytes_per_token: int
+    kv_bytes: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.param_bytes + self.expert_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.expert_bytes + self.kv_bytes
+
+    def kv_tokens_that_fit(self, device_memory_bytes: int) -> int:
+        """KV tokens one device can hold in what its weights leave of ``device_memory_bytes``
+        (0 when the weights alone do not fit; no allowance is made for activations/workspace)."""
+        free = device_memory_bytes - self.weight_bytes
+        return max(free, 0) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
+
+
+def _check_mesh(cfg: DeepseekV3Config, mesh: Mapping[str, int]) -> dict[str, int]:
+    unknown = sorted(set(mesh) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"unknown mesh axes {unknown}; expected a subset of {list(MESH_AXES)}")
+    axes = {}
+    for name in MESH_AXES:
+        size = mesh.get(name, 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"mesh axis '{name}' must be a positive integer, got {size!r}")
+        axes[name] = size
+    if axes["tensor"] != 1:
+        raise ValueError(
+            f"mesh axis 'tensor'={axes['tensor']} is not supported yet: the sharding plan replicates "
+            "attention and dense weights (data-parallel attention) and splits only the routed experts "
+            "over 'expert'; use tensor=1"
+        )
+    if cfg.n_routed_experts % axes["expert"]:
+        raise ValueError(
+            f"mesh axis 'expert'={axes['expert']} does not divide n_routed_experts={cfg.n_routed_experts}; "
+            "every device must hold the same number of routed experts"
+        )
+    return axes
+
+
+def per_device_memory(
+    cfg: DeepseekV3Config,
+    weights: str,
+    mesh: Mapping[str, int],
+    kv_tokens: int,
+    *,
+    kv_dtype_bytes: int = 2,
+    include_mtp: bool = True,
+) -> DeviceMemory:
+    """Per-device bytes on a ``mesh`` of axes ``data``, ``expert``, ``tensor`` (missing axes are 1;
+    devices = their product) under our sharding plan:
+
+    * routed experts split over ``expert``: each device holds n_routed_experts / expert experts of
+      every MoE layer (ValueError when ``expert`` does not divide n_routed_experts);
+    * every other parameter replicated on every device (data-parallel attention); ``tensor`` must
+      be 1 for now (ValueError otherwise);
+    * the latent KV cache of ``kv_tokens`` tokens in total split evenly over all data × expert
+      devices (DeepSeek-style DP attention), ``kv_dtype_bytes`` bytes per value.
+
+    Weight bytes are as in :func:`weight_bytes` (our loader's layout). ``include_mtp`` counts the
+    MTP layers' weights and cache too.
+    """
+    _check_weights(weights)
+    axes = _check_mesh(cfg, mesh)
+    if kv_tokens < 0:
+        raise ValueError(f"kv_tokens must be >= 0, got {kv_tokens}")
+    devices = axes["data"] * axes["expert"] * axes["tensor"]
+    block = fp8_block(cfg)
+    replicated: dict[str, int] = {}
+    routed: dict[str, int] = {}
+    for s in _specs(cfg):
+        if s.component == "mtp_duplicates" or (s.component == "mtp" and not include_mtp):
+            continue
+        _spec_bytes(s, weights, block, False, routed if s.routed else replicated)
+    per_token = kv_cache_bytes_per_token(cfg, kv_dtype_bytes, include_mtp)
+    tokens = math.ceil(kv_tokens / devices)
+    return DeviceMemory(
+        mesh=tuple(axes.items()),
+        devices=devices,
+        experts_per_device=cfg.n_routed_experts // axes["expert"],
+        param_bytes=sum(replicated.values()),
+        expert_bytes=sum(routed.values()) // axes["expert"],
+        kv_tokens_per_device=tokens,
+        kv_bytes_per_token=per_token,
+        kv_bytes=tokens * per_token,
+    )
+
+
+def format_count(n: int) -> str:
+    """A parameter count as e.g. ``671.03B``, ``926.68M``, ``12.3K`` or ``512``."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in decimal units, e.g. ``688.59 GB`` (1 GB = 10^9 bytes)."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_report(
+    cfg: DeepseekV3Config,
+    weights: str,
+    mesh: Mapping[str, int],
+    kv_tokens: int,
+    device_memory_gb: float | None = None,
+    *,
+    kv_dtype_bytes: int = 2,
+) -> str:
+    """A readable multi-line report: model summary, parameters by component, weight bytes by dtype
+    (as loaded and as in the hub files), per-device memory on ``mesh`` with ``kv_tokens`` KV tokens
+    in total and, when ``device_memory_gb`` (10^9 bytes) is given, whether it fits and how many KV
+    tokens would fit per device in what the weights leave."""
+    _check_weights(weights)
+    pc = count_parameters(cfg)
+    mem = per_device_memory(cfg, weights, mesh, kv_tokens, kv_dtype_bytes=kv_dtype_bytes)
+    n_mtp = cfg.num_nextn_predict_layers
+    q = f"q_lora {cfg.q_lora_rank}" if cfg.q_lora_rank is not None else "q_proj (no q_lora)"
+    lines = [
+        f"Model: {cfg.model_type}",
+        f"  layers      {cfg.num_hidden_layers} ({cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE)"
+        f" + {n_mtp} MTP",
+        f"  experts     {cfg.n_routed_experts} routed ({cfg.num_experts_per_tok} per token, "
+        f"{cfg.n_group} groups, top {cfg.topk_group}) + {cfg.n_shared_experts} shared, "
+        f"moe_intermediate {cfg.moe_intermediate_size}",
+        f"  attention   {cfg.num_attention_heads} heads MLA, {q}, kv_lora {cfg.kv_lora_rank}, "
+        f"head dims nope/rope/v {cfg.qk_nope_head_dim}/{cfg.qk_rope_head_dim}/{cfg.v_head_dim}",
+        f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+        + (", tied embeddings" if cfg.tie_word_embeddings else ""),
+        "",
+        "Parameters",
+    ]
+    labels = {
+        "embedding": "embedding",
+        "attention": "attention",
+        "dense_mlp": "dense MLPs",
+        "routers": "routers",
+        "routed_experts": "routed experts",
+        "shared_experts": "shared experts",
+        "norms": "norms",
+        "lm_head": "lm_head" + (" (tied)" if cfg.tie_word_embeddings else ""),
+        "mtp": "MTP layers",
+        "mtp_duplicates": "MTP embed/head copies",
+    }
+    rows = [(labels[k], v) for k, v in pc.components().items()]
+    rows[8:8] = [("main (no MTP)", pc.main)]
+    rows += [
+        ("total (as loaded)", pc.total),
+        ("total (hub files)", pc.hub_total),
+        ("active per token", pc.active_per_token),
+    ]
+    lines += [f"  {name:<24}{format_count(n):>10}" for name, n in rows]
+    lines += ["", f"Weight bytes ({weights})"]
+    loaded, hub = weight_bytes(cfg, weights), weight_bytes(cfg, weights, hub_layout=True)
+    lines.append(f"  {'dtype':<16}{'as loaded':>14}{'hub files':>14}")
+    for dtype in ("float8_e4m3fn", "bfloat16", "float32"):
+        if dtype in loaded or dtype in hub:
+            lines.append(
+                f"  {dtype:<16}{format_bytes(loaded.get(dtype, 0)):>14}{format_bytes(hub.get(dtype, 0)):>14}"
+            )
+    lines.append(
+        f"  {'total':<16}{format_bytes(sum(loaded.values())):>14}{format_bytes(sum(hub.values())):>14}"
+    )
+    if weights == "fp8":
+        lines.append("  (as loaded: kv_b_proj dequantised to bf16, MTP embed/head copies stored once)")
+    mesh_txt = " ".join(f"{k}={v}" for k, v in mem.mesh)
+    lines += [
+        "",
+        f"Per-device memory (mesh {mesh_txt}: {mem.devices} devices, "
+        f"{mem.experts_per_device} routed experts per device per layer)",
+        f"  {'replicated params':<24}{format_bytes(mem.param_bytes):>14}",
+        f"  {'routed experts':<24}{format_bytes(mem.expert_bytes):>14}",
+        f"  {'KV cache':<24}{format_bytes(mem.kv_bytes):>14}  ({mem.kv_tokens_per_device} tokens x "
+        f"{mem.kv_bytes_per_token} B; {kv_tokens} tokens in total)",
+        f"  {'total':<24}{format_bytes(mem.total_bytes):>14}",
+    ]
+    if device_memory_gb is not None:
+        capacity = int(device_memory_gb * GB)
+        fits = mem.total_bytes <= capacity
+        verdict = "fits" if fits else "does NOT fit"
+        lines += [
+            "",
+            f"Device memory {device_memory_gb:g} GB: {verdict} ({format_bytes(mem.total_bytes)} needed)",
+        ]
+        if mem.weight_bytes > capacity:
+            lines.append(
+                f"  the weights alone ({format_bytes(mem.weight_bytes)}) exceed it: no room for KV cache"
+            )
+        else:
+            fit = mem.kv_tokens_that_fit(capacity)
+            lines.append(
+                f"  KV tokens that fit beside the weights: {fit} per device, {fit * mem.devices} in total "
+                f"({format_bytes(capacity - mem.weight_bytes)} free; activations not counted)"
+            )
+    return "\n".join(lines)
