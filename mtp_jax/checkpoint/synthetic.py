@@ -140,3 +140,37 @@ def write_hub_checkpoint(
         os.replace(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_quantized_in_hub(key: str) -> bool:
+    """Whether DeepSeek's FP8 checkpoints store this tensor as FP8 (every projection of a decoder
+    layer except the MTP-only ``eh_proj``; never embeddings, heads, norms or the router)."""
+    return key.startswith("model.layers.") and key.endswith("_proj.weight") and ".eh_proj." not in key
+
+
+def quantize_fp8(
+    tensors: Mapping[str, np.ndarray], block: tuple[int, int] = (128, 128)
+) -> dict[str, np.ndarray]:
+    """The FP8 hub form of float32 ``tensors``: quantised weights become float8_e4m3fn plus a float32
+    ``<name>_scale_inv`` per (b0, b1) block, with scale = max|block| / 448 as DeepSeek does."""
+    import ml_dtypes
+
+    fp8_max = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    out: dict[str, np.ndarray] = {}
+    for key, w in tensors.items():
+        if not is_quantized_in_hub(key):
+            out[key] = w
+            continue
+        b0, b1 = block
+        rows, cols = -(-w.shape[0] // b0), -(-w.shape[1] // b1)
+        scale = np.zeros((rows, cols), np.float32)
+        q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+        for i in range(rows):
+            for j in range(cols):
+                blk = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
+                s = max(float(np.abs(blk).max()), 1e-12) / fp8_max
+                scale[i, j] = s
+                q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (blk / s).astype(ml_dtypes.float8_e4m3fn)
+        out[key] = q
+        out[f"{key}_scale_inv"] = scale
+    return out

@@ -1,0 +1,198 @@
+"""mtp-jax convert: hub -> orbax round trips, FP8, interruption and resume, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.convert import MANIFEST, convert
+from mtp_jax.checkpoint.fp8 import Fp8Weight
+from mtp_jax.cli import main as cli_main
+from tests.checkpoint.test_fp8 import IDS, fp8_pair  # noqa: F401  (module-scoped fixture)
+from tests.conftest import EMBEDDED_MODEL, REPO
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x.astype(np.float32)), np.asarray(y.astype(np.float32)))
+
+
+@pytest.mark.parametrize(("weights", "dtype"), [("fp32", "float32"), ("bf16", "bfloat16")])
+def test_round_trip_equals_direct_load(tmp_path, weights, dtype):
+    dst = tmp_path / "out"
+    report = convert(EMBEDDED_MODEL, dst, weights=weights, progress=False)
+    assert report.groups == 7 and report.groups_resumed == 0 and not os.path.exists(f"{dst}.partial")
+    for name in ("config.json", "tokenizer.json", "generation_config.json", MANIFEST):
+        assert (dst / name).is_file()
+    direct, converted = mtp_jax.load(EMBEDDED_MODEL, dtype), mtp_jax.load(dst, dtype)
+    assert_same_params(direct.params, converted.params)
+    np.testing.assert_array_equal(direct.logits(IDS), converted.logits(IDS))
+    assert converted.tokenizer_path is not None and converted.eos_token_ids == direct.eos_token_ids
+
+
+def test_fp8_conversion(tmp_path, fp8_pair):  # noqa: F811
+    fp8_dir, _ = fp8_pair
+    dst = tmp_path / "fp8"
+    convert(fp8_dir, dst, weights="fp8", progress=False)
+    manifest = json.loads((dst / MANIFEST).read_text())
+    assert manifest["weights"] == "fp8" and manifest["fp8"]
+    # --weights fp8 stores FP8 weights as they are and everything else in bf16
+    kept_direct = mtp_jax.load(fp8_dir, "bfloat16", weights="fp8")
+    kept = mtp_jax.load(dst, "bfloat16", weights="fp8")
+    assert isinstance(kept.params["moe"]["mlp"]["gate"], Fp8Weight)
+    assert_same_params(kept_direct.params, kept.params)
+    dense = mtp_jax.load(dst, "bfloat16")  # dequantised at load
+    assert_same_params(dense.params, mtp_jax.load(fp8_dir, "bfloat16").params)
+    dense_dst = tmp_path / "dense"
+    convert(fp8_dir, dense_dst, weights="fp32", progress=False)
+    assert_same_params(mtp_jax.load(fp8_dir, "float32").params, mtp_jax.load(dense_dst, "float32").params)
+    with pytest.raises(mtp_jax.CheckpointError, match="converted with --weights fp8"):
+        mtp_jax.load(dense_dst, "float32", weights="fp8")
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_interrupted_conversion_leaves_no_checkpoint_and_resumes(tmp_path):
+    dst = tmp_path / "out"
+    seen = []
+
+    def stop_after_three(group: str) -> None:
+        seen.append(group)
+        if len(seen) == 3:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        convert(EMBEDDED_MODEL, dst, weights="fp32", progress=False, on_group=stop_after_three)
+    assert not dst.exists() and (tmp_path / "out.partial").is_dir()
+    with pytest.raises(FileNotFoundError):
+        mtp_jax.load(dst)
+    report = convert(EMBEDDED_MODEL, dst, weights="fp32", progress=False)
+    assert report.groups_resumed == 3 and report.groups == 7
+    assert not (tmp_path / "out.partial").exists()
+    assert_same_params(mtp_jax.load(EMBEDDED_MODEL, "float32").params, mtp_jax.load(dst, "float32").params)
+
+
+def test_interrupted_conversion_with_other_options_starts_over(tmp_path):
+    dst = tmp_path / "out"
+
+    def stop(group: str) -> None:
+        raise Interrupt
+
+    with pytest.raises(Interrupt):
+        convert(EMBEDDED_MODEL, dst, weights="fp32", progress=False, on_group=stop)
+    report = convert(EMBEDDED_MODEL, dst, weights="bf16", progress=False)
+    assert report.groups_resumed == 0
+    assert mtp_jax.load(dst, "bfloat16").params["embed"].dtype == np.dtype("bfloat16")
+
+
+def test_convert_refusals(tmp_path, make_checkpoint):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        convert(tmp_path / "missing", tmp_path / "x", progress=False)
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"):
+        convert(EMBEDDED_MODEL, tmp_path / "exists", progress=False)
+    with pytest.raises(mtp_jax.CheckpointError, match="needs an FP8 source"):
+        convert(EMBEDDED_MODEL, tmp_path / "y", weights="fp8", progress=False)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        convert(EMBEDDED_MODEL, tmp_path / "y", weights="int8", progress=False)
+    done = tmp_path / "done"
+    convert(EMBEDDED_MODEL, done, weights="fp32", progress=False)
+    with pytest.raises(mtp_jax.CheckpointError, match="already a converted"):
+        convert(done, tmp_path / "again", progress=False)
+    assert not (tmp_path / "y").exists() and not (tmp_path / "y.partial").exists()
+
+
+def test_convert_without_mtp(tmp_path):
+    dst = tmp_path / "nomtp"
+    convert(EMBEDDED_MODEL, dst, weights="fp32", mtp=False, progress=False)
+    assert "mtp" not in mtp_jax.load(dst, "float32").params
+
+
+def test_cli_convert_and_inspect(tmp_path, capsys):
+    dst = tmp_path / "cli"
+    assert cli_main(["convert", EMBEDDED_MODEL, str(dst), "--weights", "fp32"]) == 0
+    out = capsys.readouterr()
+    assert "wrote" in out.out and "MB/s" in out.out and "tensors" in out.err  # progress on stderr
+    assert cli_main(["convert", EMBEDDED_MODEL, str(dst)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli_main(["generate", "--model", str(dst), "--prompt", "def f", "--max-new-tokens", "3"]) == 0
+    assert cli_main(["convert", EMBEDDED_MODEL, str(tmp_path / "dry"), "--dry-run"]) == 0
+    assert "Parameters" in capsys.readouterr().out and not (tmp_path / "dry").exists()
+
+
+def test_cli_inspect_real_deepseek_v3(tmp_path, capsys):
+    config = {
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000,
+        "max_position_embeddings": 163840,
+        "num_nextn_predict_layers": 1,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = [
+        "inspect",
+        "--config",
+        str(path),
+        "--weights",
+        "fp8",
+        "--mesh",
+        "data=1,expert=8",
+        "--kv-tokens",
+        "1000000",
+        "--device-memory-gb",
+        "141",
+    ]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "671.03B" in out and "fits" in out
+    assert cli_main(["inspect", "--config", str(path), "--mesh", "data=1,expert=7"]) == 2
+    assert "expert" in capsys.readouterr().err
+    assert cli_main(["inspect", "--config", str(path), "--mesh", "garbage"]) == 2
+    assert os.path.isdir(REPO)

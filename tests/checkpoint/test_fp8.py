@@ -1,0 +1,180 @@
+"""FP8 block weights: dequantisation math, kept-FP8 parameters, MTP layer loading, strictness."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.fp8 import Fp8Weight, dequantize, materialize
+from mtp_jax.checkpoint.synthetic import hub_tensors, quantize_fp8
+from mtp_jax.config import DeepseekV3Config
+from tests.conftest import TINY_CONFIG
+
+BLOCK = (16, 8)  # non-square, so swapped block axes are caught; tiny dims give partial edge blocks
+
+
+def fp8_config() -> dict:
+    cfg = copy.deepcopy(TINY_CONFIG)
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
+    return cfg
+
+
+def brute_force_dequantize(q: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    out = np.zeros(q.shape, np.float64)
+    for r in range(q.shape[0]):
+        for c in range(q.shape[1]):
+            out[r, c] = float(q[r, c]) * float(scale[r // block[0], c // block[1]])
+    return out
+
+
+def test_dequantize_matches_elementwise_definition():
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((37, 21)) * 50).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.random((3, 3)).astype(np.float32) + 0.1  # ceil(37/16), ceil(21/8)
+    np.testing.assert_allclose(
+        dequantize(q, scale, BLOCK), brute_force_dequantize(q, scale, BLOCK), rtol=1e-6
+    )
+
+
+def test_fp8_weight_materializes_like_host_dequantization():
+    rng = np.random.default_rng(1)
+    q = (rng.standard_normal((36, 20)) * 30).astype(ml_dtypes.float8_e4m3fn)  # out 36 = 3 heads x 12
+    scale = (rng.random((3, 3)) + 0.5).astype(np.float32)
+    fw = Fp8Weight.from_hub(q, scale, BLOCK, (20, 3, 12))
+    want = dequantize(q, scale, BLOCK).T.reshape(20, 3, 12)
+    np.testing.assert_allclose(fw.dequantize_host(np.float32), want, rtol=1e-6)
+    device = jax.tree.map(jnp.asarray, fw)
+    np.testing.assert_allclose(np.asarray(materialize(device, jnp.float32)), want, rtol=1e-6)
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x]), device)  # leading (layer/expert) axes survive
+    assert materialize(stacked, jnp.bfloat16).shape == (2, 20, 3, 12)
+
+
+def test_quantize_round_trip_is_close():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((40, 24)).astype(np.float32)
+    t = quantize_fp8({"model.layers.0.mlp.up_proj.weight": w}, BLOCK)
+    back = dequantize(
+        t["model.layers.0.mlp.up_proj.weight"], t["model.layers.0.mlp.up_proj.weight_scale_inv"], BLOCK
+    )
+    assert np.abs(back - w).max() <= 0.07 * np.abs(w).max()  # e4m3 has 3 mantissa bits
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory):
+    """(FP8 checkpoint, float32 checkpoint of its independently dequantised weights)."""
+    from mtp_jax.checkpoint.synthetic import write_hub_checkpoint
+
+    cfg_dict = fp8_config()
+    cfg = DeepseekV3Config.from_dict(cfg_dict)
+    quant = quantize_fp8(hub_tensors(cfg, seed=5), BLOCK)
+    dense = {}
+    for key, x in quant.items():
+        if key.endswith("_scale_inv"):
+            continue
+        dense[key] = (
+            brute_force_dequantize(x, quant[f"{key}_scale_inv"], BLOCK).astype(np.float32)
+            if x.dtype == ml_dtypes.float8_e4m3fn
+            else x
+        )
+    root = tmp_path_factory.mktemp("fp8")
+    write_hub_checkpoint(root / "fp8", cfg_dict, quant, shards=2)
+    plain = {k: v for k, v in cfg_dict.items() if k != "quantization_config"}
+    write_hub_checkpoint(root / "dense", plain, dense)
+    return str(root / "fp8"), str(root / "dense")
+
+
+IDS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]]
+
+
+def test_fp8_checkpoint_dequantised_equals_dense_checkpoint(fp8_pair):
+    fp8_dir, dense_dir = fp8_pair
+    got = mtp_jax.load(fp8_dir, "float32").logits(IDS)
+    want = mtp_jax.load(dense_dir, "float32").logits(IDS)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weights_kept_on_device(fp8_pair):
+    fp8_dir, dense_dir = fp8_pair
+    model = mtp_jax.load(fp8_dir, "float32", weights="fp8")
+    attn, experts = model.params["moe"]["attn"], model.params["moe"]["mlp"]
+    for w in (attn["q_a"], attn["q_b"], attn["o"], experts["gate"], experts["down"], experts["shared_up"]):
+        assert (
+            isinstance(w, Fp8Weight) and w.w.dtype == jnp.float8_e4m3fn and w.scale_inv.dtype == jnp.float32
+        )
+    assert experts["gate"].w.shape[:2] == (2, 8)  # [moe layers, experts, in, out]
+    assert not isinstance(attn["k_b"], Fp8Weight)  # kv_b is always dequantised
+    assert not isinstance(experts["router"], Fp8Weight) and experts["router"].dtype == jnp.float32
+    got = model.logits(IDS)
+    want = mtp_jax.load(dense_dir, "float32").logits(IDS)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    result = model.generate(IDS, max_new_tokens=4, ignore_eos=True)
+    assert (
+        result.tokens
+        == mtp_jax.load(dense_dir, "float32").generate(IDS, max_new_tokens=4, ignore_eos=True).tokens
+    )
+
+
+def test_fp8_errors(make_checkpoint, fp8_pair):
+    cfg = DeepseekV3Config.from_dict(fp8_config())
+    quant = quantize_fp8(hub_tensors(cfg, seed=5), BLOCK)
+    key = "model.layers.1.self_attn.q_b_proj.weight"
+    missing = {k: v for k, v in quant.items() if k != f"{key}_scale_inv"}
+    with pytest.raises(mtp_jax.CheckpointError, match=f"'{key}_scale_inv' is missing"):
+        mtp_jax.load(make_checkpoint(fp8_config(), name="a", tensors=missing), "float32")
+    bad = dict(quant)
+    bad[f"{key}_scale_inv"] = quant[f"{key}_scale_inv"][:, :1]
+    with pytest.raises(mtp_jax.CheckpointError, match=rf"'{key}_scale_inv' has shape \[3, 1\]"):
+        mtp_jax.load(make_checkpoint(fp8_config(), name="b", tensors=bad), "float32")
+    with pytest.raises(mtp_jax.CheckpointError, match="needs an FP8 checkpoint"):
+        mtp_jax.load(fp8_pair[1], "float32", weights="fp8")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        mtp_jax.load(fp8_pair[1], "float32", weights="int4")
+
+
+def test_mtp_layer_loaded_and_duplicates_stored_once(make_checkpoint):
+    cfg = DeepseekV3Config.from_dict(TINY_CONFIG)
+    tensors = hub_tensors(cfg, seed=3)
+    model = mtp_jax.load(make_checkpoint(tensors=tensors), "float32")
+    mtp = model.params["mtp"]
+    assert set(mtp) == {"enorm", "hnorm", "eh_proj", "head_norm", "layer"}  # embed/head equal the main ones
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    np.testing.assert_array_equal(
+        np.asarray(mtp["eh_proj"][0]), tensors[f"model.layers.{n}.eh_proj.weight"].T
+    )
+    np.testing.assert_array_equal(np.asarray(mtp["enorm"][0]), tensors[f"model.layers.{n}.enorm.weight"])
+    np.testing.assert_array_equal(
+        np.asarray(mtp["layer"]["mlp"]["gate"][0, 5]),
+        tensors[f"model.layers.{n}.mlp.experts.5.gate_proj.weight"].T,
+    )
+    assert mtp["eh_proj"].shape == (1, 2 * d, d)
+    # a head that differs from lm_head is kept separately
+    tensors[f"model.layers.{n}.shared_head.head.weight"] = tensors["lm_head.weight"] * 2
+    model = mtp_jax.load(make_checkpoint(tensors=tensors, name="other"), "float32")
+    np.testing.assert_array_equal(np.asarray(model.params["mtp"]["head"][0]), tensors["lm_head.weight"].T * 2)
+    assert "embed" not in model.params["mtp"]
+    assert (
+        "mtp" not in mtp_jax.load(make_checkpoint(tensors=tensors, name="third"), "float32", mtp=False).params
+    )
+
+
+def test_strict_refuses_unexpected_tensors(make_checkpoint, caplog):
+    tensors = hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(2, np.float32)
+    path = make_checkpoint(tensors=tensors)
+    with pytest.raises(mtp_jax.CheckpointError, match="rotary_emb.inv_freq"):
+        mtp_jax.load(path, "float32", strict=True)
+    with caplog.at_level(logging.WARNING):
+        mtp_jax.load(path, "float32")
+    assert "rotary_emb.inv_freq" in caplog.text
