@@ -69,3 +69,22 @@ def test_paged_prefill_matches_transformers(parity):
     hidden, _ = forward(model.params, cfg, tokens, positions, PagedAttention(pages, slots, table))
     logits = np.asarray(lm_head(model.params, hidden.post_norm))
     assert rel_err(logits, ref["logits"]) < 1e-4
+
+
+def test_fp8_kept_on_device_matches_transformers():
+    """The real FP8 layout (128x128 blocks, partial edges) kept as FP8 and dequantised on use."""
+    path = os.path.join(PARITY_DIR, "fp8_mtp")
+    ref = np.load(os.path.join(path, "reference.npz"))
+    model = mtp_jax.load(path, dtype="float32", weights="fp8")
+    assert model.params["moe"]["mlp"]["gate"].w.dtype == jnp.float8_e4m3fn
+    assert rel_err(model.logits(ref["input_ids"]), ref["logits"]) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["fp8_mtp", "sharded_mtp_bf16"])
+def test_mtp_layer_is_loaded_from_hub_fixtures(name):
+    model = mtp_jax.load(os.path.join(PARITY_DIR, name), dtype="float32")
+    mtp = model.params["mtp"]
+    d = model.config.hidden_size
+    assert mtp["eh_proj"].shape == (1, 2 * d, d)
+    # the fixtures' MTP embed/head are exact copies of the main ones: stored once
+    assert "embed" not in mtp and "head" not in mtp
