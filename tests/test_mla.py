@@ -62,7 +62,9 @@ def test_paged_incremental_equals_dense():
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-5)
     # the cache holds exactly the latent rows, in position order through the page table
     rows = jax.jit(latent_rows, static_argnums=2)(p, x, cfg, cos, sin)
-    np.testing.assert_allclose(np.asarray(gather_rows(pages, table)[:, :t]), np.asarray(rows), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(gather_rows(pages, table)[:, :t]), np.asarray(rows), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_write_rows_drops_invalid_slots():

@@ -19,7 +19,7 @@ from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
 from mtp_jax.config import DeepseekV3Config
 
 
-def _layer_tensors(
+def layer_tensors(
     cfg: DeepseekV3Config, i: int, rng: np.random.Generator, std: float
 ) -> dict[str, np.ndarray]:
     d, h = cfg.hidden_size, cfg.num_attention_heads
@@ -76,14 +76,14 @@ def hub_tensors(cfg: DeepseekV3Config, seed: int = 0, std: float = 0.1) -> dict[
     d, v = cfg.hidden_size, cfg.vocab_size
     tensors = {"model.embed_tokens.weight": rng.standard_normal((v, d)).astype(np.float32)}
     for i in range(cfg.num_hidden_layers):
-        tensors.update(_layer_tensors(cfg, i, rng, std))
+        tensors.update(layer_tensors(cfg, i, rng, std))
     tensors["model.norm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = (rng.standard_normal((v, d)) * std).astype(np.float32)
     for k in range(cfg.num_nextn_predict_layers):
         n = cfg.num_hidden_layers + k
         pre = f"model.layers.{n}."
-        mtp = _layer_tensors(cfg, max(n, cfg.first_k_dense_replace), rng, std)
+        mtp = layer_tensors(cfg, max(n, cfg.first_k_dense_replace), rng, std)
         tensors.update(
             {
                 k2.replace(f"model.layers.{max(n, cfg.first_k_dense_replace)}.", pre): x
