@@ -93,7 +93,7 @@ class HubTensors:
         """An unquantised tensor (norms, embeddings, router) cast to ``dtype`` (default: the model's)."""
         if self._check(key, shape) == _FP8:
             raise CheckpointError(f"tensor '{key}' is FP8, but this tensor is never quantised in DeepSeek-V3")
-        return self.reader.get(key).astype(dtype or self.dtype)
+        return self.reader.get(key).astype(dtype or self.dtype, copy=False)
 
     def linear(
         self,
@@ -107,7 +107,7 @@ class HubTensors:
         """A projection [out, in] as [in, out] reshaped to ``shape``; FP8 stays FP8 in fp8 mode."""
         shape = shape or (in_dim, out_dim)
         if self._check(key, (out_dim, in_dim)) != _FP8:
-            return self.reader.get(key).astype(self.dtype).T.reshape(shape)
+            return self.reader.get(key).astype(self.dtype, copy=False).T.reshape(shape)
         quant = self.cfg.quantization_config
         if quant is None:
             raise CheckpointError(
@@ -288,6 +288,15 @@ def _set_layer(stack: Any, layer: Any, i: int) -> Any:
 _set_layer_jit = jax.jit(_set_layer, donate_argnums=0)
 
 
+def _as_bits(x: np.ndarray) -> np.ndarray:
+    # XLA:CPU updates float8 arrays element by element through float32 (hundreds of times slower
+    # than bytes), so FP8 stacks are assembled as uint8 and bitcast back once at the end.
+    return x.view(np.uint8) if x.dtype == _FP8 else x
+
+
+_from_bits = jax.jit(lambda x: jax.lax.bitcast_convert_type(x, jnp.float8_e4m3fn), donate_argnums=0)
+
+
 def assemble(
     groups: Iterator[Group],
     cfg: DeepseekV3Config,
@@ -299,8 +308,12 @@ def assemble(
     """Build the device parameter pytree from host groups, stacking layers in place on device."""
     sizes = group_sizes(cfg, mtp)
     params: dict = {}
+    fp8_paths: set = set()
     for name, index, tree in groups:
-        device_tree = put(tree)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if leaf.dtype == _FP8:
+                fp8_paths.add((jax.tree_util.DictKey(name),) + path)
+        device_tree = put(jax.tree.map(_as_bits, tree))
         if name not in STACKED_GROUPS:
             params[name] = device_tree
             continue
@@ -310,6 +323,10 @@ def assemble(
         params[name] = _set_layer_jit(params[name], device_tree, index)
     if "lm_head" not in params:
         params["lm_head"] = params["embed"].T
+    if fp8_paths:
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: _from_bits(x) if path in fp8_paths else x, params
+        )
     return params
 
 

@@ -1,4 +1,4 @@
-"""A strict safetensors reader (memory-mapped, tensor by tensor) and an atomic writer.
+"""A strict safetensors reader (tensor by tensor, positioned reads) and an atomic writer.
 
 We parse the format ourselves instead of going through ``safetensors.numpy`` because numpy has no
 bfloat16/float8 of its own (``ml_dtypes``, which JAX ships, does), and because a truncated or
@@ -13,7 +13,6 @@ block; offsets are relative to the start of the data block.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from collections.abc import Iterator, Mapping
@@ -78,7 +77,7 @@ class SafetensorsFile:
         for name, entry in header.items():
             self._entries[name] = self._check_entry(name, entry, data_size)
         self._check_coverage(data_size)
-        self._mmap: mmap.mmap | None = None
+        self._file = None
 
     def _check_entry(
         self, name: str, entry: object, data_size: int
@@ -142,18 +141,29 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: no tensor named '{name}'") from None
 
     def get(self, name: str) -> np.ndarray:
+        """Read one tensor into a fresh array (one positioned read, no memory map: pages of tensors
+        already consumed are not kept resident, so host memory tracks what the caller holds)."""
         dtype, shape, begin, end = self._entry(name)
-        if self._mmap is None:
-            with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        start = self._data_start + begin
-        return np.frombuffer(
-            self._mmap, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=start
-        ).reshape(shape)
+        out = np.empty(shape, dtype)
+        if self._file is None:
+            self._file = open(self.path, "rb")  # noqa: SIM115 - kept open across reads, closed in close()
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < end - begin:  # a single read returns at most ~2 GiB on Linux
+            got = os.preadv(self._file.fileno(), [view[done:]], self._data_start + begin + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path}: file ended while reading tensor '{name}'")
+            done += got
+        return out
 
     def close(self) -> None:
-        # Views handed out keep the map alive through their buffer; dropping our reference is enough.
-        self._mmap = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_file", None) is not None:
+            self.close()
 
 
 class CheckpointReader:
