@@ -10,6 +10,7 @@ from mtp_jax.errors import (
     MtpJaxError,
 )
 from mtp_jax.model import Model, ScoreResult, load
+from mtp_jax.sharding import make_mesh
 
 __version__ = "0.1.0"
 
@@ -24,4 +25,5 @@ __all__ = [
     "MtpJaxError",
     "ScoreResult",
     "load",
+    "make_mesh",
 ]

@@ -20,6 +20,7 @@ from mtp_jax.engine import GenerateResult, TokenCallback, generate_plain
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
 from mtp_jax.models.deepseek_v3 import Hidden, check_capture, forward, lm_head
 from mtp_jax.sampling import SamplingParams
+from mtp_jax.sharding import check_mesh
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -191,6 +192,7 @@ def load(
     mtp: bool = True,
     strict: bool = False,
     page_size: int = 16,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Model:
     """Load a checkpoint directory: Hugging Face layout (config.json + *.safetensors, one file or
     index-sharded) or one written by ``mtp-jax convert`` (orbax).
@@ -199,7 +201,9 @@ def load(
     and sampling always run in float32. ``weights="fp8"`` keeps an FP8 checkpoint's block-quantised
     weights in FP8 on device (dequantised on use); ``"dense"`` dequantises them at load. ``mtp``
     loads the checkpoint's MTP/NextN layers (the draft of speculative decoding) when it has them.
-    Unexpected tensors are logged, or refused with ``strict``. EOS ids come from
+    Unexpected tensors are logged, or refused with ``strict``. With ``mesh`` (see
+    :func:`mtp_jax.make_mesh`) every parameter is placed with its sharding as it is read: routed
+    experts split over the ``expert`` axis, the rest replicated. EOS ids come from
     generation_config.json when present, else from config.json.
     """
     path = os.fspath(path)
@@ -223,9 +227,13 @@ def load(
                 raise ConfigError(
                     f"{gen_path}: eos_token_id {raw!r} must be token ids in [0, {config.vocab_size})"
                 )
+    if mesh is not None:
+        check_mesh(mesh, config.n_routed_experts)
     if is_converted(path):
-        params = load_converted(path, config, DTYPES[dtype], weights=weights, mtp=mtp)
+        params = load_converted(path, config, DTYPES[dtype], weights=weights, mtp=mtp, mesh=mesh)
     else:
         reader = CheckpointReader(path)
-        params = load_params(reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict)
+        params = load_params(
+            reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
+        )
     return Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, page_size=page_size)

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from mtp_jax.checkpoint.deepseek_v3 import FLOAT32_LEAVES, assemble, param_groups
-from mtp_jax.checkpoint.fp8 import Fp8Weight
+from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError
@@ -231,19 +231,35 @@ def convert(
     )
 
 
-def _cast_host(tree: Any, prefix: str, dtype: np.dtype, keep_fp8: bool) -> Any:
+def _cast(tree: Any, name: str, dtype: Any, keep_fp8: bool) -> Any:
+    """Stored leaves -> what the model wants: FP8 kept or dequantised, the rest in ``dtype`` except
+    the float32 router leaves. Works on host (numpy) and device (jax) arrays alike."""
     if isinstance(tree, Fp8Weight):
-        return tree if keep_fp8 else tree.dequantize_host(dtype)
+        if keep_fp8:
+            return tree
+        if isinstance(tree.w, np.ndarray):
+            return tree.dequantize_host(dtype)
+        return materialize(tree, dtype)
     if isinstance(tree, dict):
-        return {k: _cast_host(v, k, dtype, keep_fp8) for k, v in tree.items()}
-    return np.asarray(tree, np.float32 if prefix in FLOAT32_LEAVES else dtype)
+        return {k: _cast(v, k, dtype, keep_fp8) for k, v in tree.items()}
+    want = np.float32 if name in FLOAT32_LEAVES else dtype
+    return tree.astype(want) if tree.dtype != want else tree
 
 
 def load_converted(
-    path: str, cfg: DeepseekV3Config, dtype: Any, *, weights: str = "dense", mtp: bool = True
+    path: str,
+    cfg: DeepseekV3Config,
+    dtype: Any,
+    *,
+    weights: str = "dense",
+    mtp: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> dict:
-    """Restore a converted checkpoint into device parameters, one group at a time."""
+    """Restore a converted checkpoint into device parameters, one group at a time. With a mesh,
+    each group is restored by orbax straight into its sharding (each device reads its own slice)."""
     import orbax.checkpoint as ocp
+
+    from mtp_jax.sharding import group_shardings
 
     with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
         manifest = json.load(f)
@@ -264,6 +280,16 @@ def load_converted(
     )
     checkpointer = ocp.StandardCheckpointer()
 
+    def restore(gdir: str, name: str) -> Any:
+        if mesh is None:
+            return checkpointer.restore(gdir)
+        meta = checkpointer.metadata(gdir).item_metadata.tree
+        shardings = group_shardings(mesh, name, meta)
+        target = jax.tree.map(
+            lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), meta, shardings
+        )
+        return checkpointer.restore(gdir, target)
+
     def groups():
         for g in manifest["groups"]:
             if g["name"] == "mtp" and not mtp:
@@ -271,10 +297,14 @@ def load_converted(
             gdir = os.path.join(path, "params", g["dir"])
             if not os.path.isdir(gdir):
                 raise CheckpointError(f"converted checkpoint {path} is missing group {g['dir']}")
-            tree = _from_storable(checkpointer.restore(gdir), g["dir"], manifest["fp8"])
-            yield g["name"], g["index"], _cast_host(tree, g["name"], host, weights == "fp8")
+            tree = _from_storable(restore(gdir, g["name"]), g["dir"], manifest["fp8"])
+            yield (
+                g["name"],
+                g["index"],
+                _cast(tree, g["name"], host if mesh is None else dtype, weights == "fp8"),
+            )
 
     try:
-        return assemble(groups(), cfg, dtype, mtp=mtp and manifest["mtp"])
+        return assemble(groups(), cfg, dtype, mtp=mtp and manifest["mtp"], mesh=mesh)
     finally:
         checkpointer.close()

@@ -168,15 +168,21 @@ def _swiglu(t: HubTensors, pre: str, d: int, f: int) -> dict:
     }
 
 
-def stack_leaves(items: list) -> Any:
-    """Stack a list of identical pytrees (Fp8Weight leaves included) along a new leading axis."""
-    return jax.tree.map(lambda *xs: np.stack(xs), *items)
+def stack_leaves(make: Callable[[int], Any], n: int) -> Any:
+    """Stack ``make(0..n-1)`` (identical pytrees, Fp8Weight leaves included) along a new leading
+    axis, filling preallocated arrays so only one item is ever held beside the stack."""
+    first = make(0)
+    out = jax.tree.map(lambda x: np.empty((n,) + x.shape, x.dtype), first)
+    for i in range(n):
+        item = first if i == 0 else make(i)
+        jax.tree.map(lambda o, x, i=i: o.__setitem__(i, x), out, item)
+    return out
 
 
 def _moe(t: HubTensors, pre: str) -> dict:
     c = t.cfg
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
-    experts = stack_leaves([_swiglu(t, f"{pre}experts.{i}.", d, f) for i in range(e)])
+    experts = stack_leaves(lambda i: _swiglu(t, f"{pre}experts.{i}.", d, f), e)
     p = {
         "router": np.ascontiguousarray(t.get(f"{pre}gate.weight", (e, d), np.float32).T),
         "bias": t.get(f"{pre}gate.e_score_correction_bias", (e,), np.float32),
@@ -303,9 +309,13 @@ def assemble(
     dtype: Any,
     *,
     mtp: bool = True,
-    put: Callable[[Any], Any] = jax.device_put,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> dict:
-    """Build the device parameter pytree from host groups, stacking layers in place on device."""
+    """Build the device parameter pytree from groups (host arrays, or device arrays already placed),
+    stacking layers in place on device. With a mesh, every leaf gets its sharding from
+    :mod:`mtp_jax.sharding` as it arrives."""
+    from mtp_jax.sharding import group_shardings
+
     sizes = group_sizes(cfg, mtp)
     params: dict = {}
     fp8_paths: set = set()
@@ -313,13 +323,18 @@ def assemble(
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if leaf.dtype == _FP8:
                 fp8_paths.add((jax.tree_util.DictKey(name),) + path)
-        device_tree = put(jax.tree.map(_as_bits, tree))
+        bits = jax.tree.map(_as_bits, tree)
+        device_tree = jax.device_put(bits, None if mesh is None else group_shardings(mesh, name, bits))
         if name not in STACKED_GROUPS:
             params[name] = device_tree
             continue
         if name not in params:
             n = sizes[name]
-            params[name] = jax.tree.map(lambda x, n=n: jnp.zeros((n,) + x.shape, x.dtype), device_tree)
+            params[name] = _zeros_stack(
+                device_tree,
+                n,
+                None if mesh is None else group_shardings(mesh, name, device_tree, stacked=True),
+            )
         params[name] = _set_layer_jit(params[name], device_tree, index)
     if "lm_head" not in params:
         params["lm_head"] = params["embed"].T
@@ -330,6 +345,14 @@ def assemble(
     return params
 
 
+def _zeros_stack(layer: Any, n: int, shardings: Any) -> Any:
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype), layer)
+    make = jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), out_shardings=shardings
+    )
+    return make()
+
+
 def load_params(
     reader: CheckpointReader,
     cfg: DeepseekV3Config,
@@ -338,10 +361,11 @@ def load_params(
     weights: str = "dense",
     mtp: bool = True,
     strict: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> dict:
     """Read a hub checkpoint into device parameters (see the module docstring)."""
     groups = (g for g, _ in param_groups(reader, cfg, dtype, weights=weights, mtp=mtp, strict=strict))
-    return assemble(groups, cfg, dtype, mtp=mtp)
+    return assemble(groups, cfg, dtype, mtp=mtp, mesh=mesh)
 
 
 def _report_unused(
