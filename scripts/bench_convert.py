@@ -141,6 +141,9 @@ def main() -> int:
     )
     print(f"source: {size / 1e9:.2f} GB; largest group (one MoE layer, as stored): {group / 1e9:.3f} GB")
     results = {"source_gb": size / 1e9, "largest_group_gb": group / 1e9}
+    _, base = run_child("import jax, orbax.checkpoint, mtp_jax; jax.numpy.zeros(1).block_until_ready()")
+    results["baseline_rss_gb"] = base / 1e9
+    print(f"baseline process (python + jax + orbax imported): peak RSS {base / 1e9:.2f} GB")
     shutil.rmtree(dst, ignore_errors=True)
     code = (
         f"from mtp_jax.checkpoint.convert import convert; convert({src!r}, {dst!r}, weights={args.weights!r})"
