@@ -18,6 +18,7 @@ i.e. ``transformers``' ``hidden_states[i + 1]`` (its entry 0 is the embedding ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -79,30 +80,20 @@ def forward(
     is returned updated. ``capture`` (static) selects layer outputs to return in ``Hidden.layers``.
     """
     check_capture(cfg, capture)
-    inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
-    cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq), magnitude)
+    attention = attention_fn(cfg, positions, paged)
     h = params["embed"][tokens]
     captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
     slot_of = np.full(cfg.num_hidden_layers, len(capture), np.int32)
     slot_of[list(capture)] = np.arange(len(capture), dtype=np.int32)
 
-    def attention(p: dict, x: jax.Array, pages: jax.Array | None):
-        if paged is None:
-            return mla_dense(p, x, cfg, cos, sin), pages
-        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table)
-
     new_pages = {}
     first = 0
     for name, n in stack_sizes(cfg).items():
-        is_moe = name == "moe"
 
-        def layer(carry, xs, is_moe=is_moe):
+        def layer(carry, xs, is_moe=name == "moe"):
             h, captured = carry
             p, pages, slot = xs
-            attn_out, pages = attention(p["attn"], rms_norm(h, p["input_norm"], cfg.rms_norm_eps), pages)
-            h = h + attn_out
-            x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-            h = h + (moe(p["mlp"], x, cfg) if is_moe else swiglu(x, **p["mlp"]))
+            h, pages = decoder_layer(p, h, cfg, is_moe, attention, pages)
             if captured is not None:
                 captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
             return (h, captured), pages
@@ -118,6 +109,33 @@ def forward(
         layers=None if captured is None else captured[: len(capture)],
     )
     return hidden, (None if paged is None else new_pages)
+
+
+Attention = Callable[[dict, jax.Array, "jax.Array | None"], tuple[jax.Array, "jax.Array | None"]]
+
+
+def attention_fn(cfg: DeepseekV3Config, positions: jax.Array, paged: PagedAttention | None) -> Attention:
+    """(attention params, normed input, one layer's pages or None) -> (output, pages): expanded
+    causal attention without a cache, or absorbed attention over the paged cache."""
+    inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq), magnitude)
+
+    def attend(p: dict, x: jax.Array, pages: jax.Array | None):
+        if paged is None:
+            return mla_dense(p, x, cfg, cos, sin), pages
+        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table)
+
+    return attend
+
+
+def decoder_layer(
+    p: dict, h: jax.Array, cfg: DeepseekV3Config, is_moe: bool, attention: Attention, pages: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """One pre-norm decoder layer: h + attn(norm(h)), then + mlp(norm(.)) (MoE or dense)."""
+    attn_out, pages = attention(p["attn"], rms_norm(h, p["input_norm"], cfg.rms_norm_eps), pages)
+    h = h + attn_out
+    x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+    return h + (moe(p["mlp"], x, cfg) if is_moe else swiglu(x, **p["mlp"])), pages
 
 
 def lm_head(params: dict, h: jax.Array) -> jax.Array:

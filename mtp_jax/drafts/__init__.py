@@ -1,0 +1,1 @@
+"""Draft models for speculative decoding."""

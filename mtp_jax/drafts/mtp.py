@@ -1,0 +1,56 @@
+"""DeepSeek MTP / NextN draft: the checkpoint's extra layer ``model.layers.{N}``, reused K times.
+
+Row i of the MTP layer combines the target's post-final-norm hidden state h_i with the embedding
+of the next token t_{i+1} (embedding FIRST in the concat)::
+
+    x_i = eh_proj(concat[enorm(embed(t_{i+1})), hnorm(h_i)])
+    y_i = decoder_layer(x_i)            # MoE layer with its own paged latent cache, rope position i
+    g_i = shared_head.norm(y_i)         # recycled as "h" for the next chained draft step
+    logits_i = shared_head.head(g_i)    # predicts t_{i+2}
+
+The embedding and head are the target's unless the checkpoint's MTP copies differ from them.
+Attention is causal over the MTP layer's own rows. Only the first MTP layer is used (checkpoints
+with several, e.g. ``num_nextn_predict_layers: 2``, could chain them; none is published).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.layers import rms_norm
+from mtp_jax.models.deepseek_v3 import PagedAttention, attention_fn, decoder_layer
+
+
+def has_mtp(params: dict) -> bool:
+    return "mtp" in params
+
+
+def mtp_forward(
+    params: dict,
+    cfg: DeepseekV3Config,
+    next_tokens: jax.Array,
+    hidden: jax.Array,
+    positions: jax.Array,
+    paged: PagedAttention | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """MTP rows for next_tokens [b, t] (t_{i+1}) and hidden [b, t, d] (h_i) at positions [b, t] (i).
+
+    Without ``paged`` the rows attend causally among themselves (teacher-forced, positions
+    0..t-1); with it they are written to and attend over the MTP layer's paged cache
+    (``paged.pages`` is its [P, page, c] pages). Returns (recycled state g [b, t, d], logits
+    [b, t, V] float32, updated pages or None).
+    """
+    mp = jax.tree.map(lambda x: x[0], params["mtp"])
+    eps = cfg.rms_norm_eps
+    embed = mp.get("embed", params["embed"])
+    head = mp.get("head", params["lm_head"])
+    e = rms_norm(embed[next_tokens], mp["enorm"], eps)
+    h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
+    x = jnp.einsum("btc,cd->btd", jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
+    attention = attention_fn(cfg, positions, paged)
+    y, pages = decoder_layer(mp["layer"], x, cfg, True, attention, None if paged is None else paged.pages)
+    g = rms_norm(y, mp["head_norm"], eps)
+    logits = jnp.einsum("btd,dv->btv", g, head, preferred_element_type=jnp.float32)
+    return g, logits, pages
