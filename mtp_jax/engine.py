@@ -1,23 +1,26 @@
-"""Host side of plain decoding: batching, cache allocation, the decode loop, stop conditions.
+"""Host side of decoding: continuous batching over B slots around the jitted step.
 
-The host reads each step's tokens one step late: step n+1 is dispatched before the tokens of
-step n are copied back, so the device never waits for host bookkeeping.
+Requests wait in a queue and join when a slot frees (prefill writes them into the running state);
+a request finishes at EOS or after max_new_tokens, and tokens emitted past its stop are dropped.
+The host reads each step's results one step late: step n+1 is dispatched before the tokens of step
+n are copied back, so the device never waits for host bookkeeping.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.cache import PageAllocator, init_pages, page_table_array
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.cache import PageAllocator, page_table_array
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.step import decode_step, prefill
+from mtp_jax.step import StepConfig, deactivate, init_state, prefill, step
 
 TokenCallback = Callable[[int, int], None]
 """Called as ``on_token(prompt_index, token_id)`` for every emitted token, in order."""
@@ -30,88 +33,160 @@ class GenerateResult:
 
     tokens: list[list[int]]
     finish_reasons: list[str]
-    stats: dict[str, float | int]
+    stats: dict
 
 
 def next_power_of_two(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-def generate_plain(
+def generate(
     params: dict,
-    cfg: DeepseekV3Config,
+    sc: StepConfig,
     *,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     sampling: SamplingParams,
     eos_token_ids: Sequence[int],
-    page_size: int,
     cache_dtype: jnp.dtype,
+    max_batch: int = 32,
     on_token: TokenCallback | None = None,
 ) -> GenerateResult:
-    """Autoregressive decoding of validated prompts in one static batch."""
+    """Decode validated prompts with continuous batching (K = sc.k drafts per step, 0 = plain)."""
     t_start = time.perf_counter()
     n = len(prompts)
-    batch = next_power_of_two(n)
-    lengths = [len(p) for p in prompts] + [1] * (batch - n)
-    bucket = next_power_of_two(max(lengths), minimum=16)
-    # Every row owns pages for its prompt plus all new tokens; widths are bucketed to limit compiles.
-    need = [math.ceil((length + max_new_tokens) / page_size) for length in lengths]
-    width = next_power_of_two(max(max(need), math.ceil(bucket / page_size)))
+    batch = next_power_of_two(min(n, max_batch))
+    page = sc.page_size
+    # a request owns pages for its prompt, its new tokens and the speculative overshoot of the
+    # last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)
+    need = [math.ceil((len(p) + max_new_tokens + 2 * (sc.k + 1)) / page) for p in prompts]
+    width = next_power_of_two(max(need))
+    bucket = next_power_of_two(max(len(p) for p in prompts), minimum=16)
     allocator = PageAllocator(batch * width)
-    table = page_table_array([allocator.allocate(k) for k in need], width)
-    pages = init_pages(cfg, allocator.num_pages, page_size, cache_dtype)
+    state = init_state(sc, batch, allocator.num_pages, width, cache_dtype)
+    host_sampling = jax.tree.map(np.asarray, sampling)
 
-    tokens = np.zeros((batch, bucket), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    seq_lens = np.asarray(lengths, np.int32)
-    sampling = sampling.pad(batch)
-    table = jnp.asarray(table)
-
-    pending, _, pages = prefill(params, pages, cfg, page_size, tokens, jnp.asarray(seq_lens), table, sampling)
-    pending.block_until_ready()
-    t_prefill = time.perf_counter()
-
-    eos = frozenset(eos_token_ids)
+    queue = collections.deque(range(n))
+    owner: list[int | None] = [None] * batch
+    pages_of: dict[int, list[int]] = {}
     out: list[list[int]] = [[] for _ in range(n)]
     finish = [""] * n
-    decode_steps = 0
-    for i in range(max_new_tokens):
-        if i + 1 < max_new_tokens:
-            nxt, _, pages = decode_step(params, pages, cfg, page_size, pending, seq_lens, table, sampling)
-            decode_steps += 1
-            seq_lens = seq_lens + 1
-        emitted = np.asarray(pending)
-        for row in range(n):
-            if finish[row]:
-                continue
-            tok = int(emitted[row])
-            out[row].append(tok)
+    counts = {"row_steps": 0, "emitted": 0, "steps": 0, "prefills": 0}
+    accepted_at = np.zeros(sc.k + 1, np.int64)  # accepted_at[j]: row-steps that accepted >= j drafts
+
+    def emit(req: int, tokens: np.ndarray) -> bool:
+        for tok in tokens.tolist():
+            out[req].append(tok)
             if on_token is not None:
-                on_token(row, tok)
+                on_token(req, tok)
             if tok in eos:
-                finish[row] = "eos"
-            elif len(out[row]) >= max_new_tokens:
-                finish[row] = "length"
-        if all(finish):
-            break
-        pending = nxt
+                finish[req] = "eos"
+            elif len(out[req]) >= max_new_tokens:
+                finish[req] = "length"
+            if finish[req]:
+                return True
+        return False
+
+    def release(rows: list[int]) -> None:
+        nonlocal state
+        for b in rows:
+            allocator.release(pages_of.pop(owner[b]))
+            owner[b] = None
+        state = deactivate(state, jnp.asarray(rows, jnp.int32))
+
+    def admit() -> None:
+        nonlocal state
+        free = [b for b in range(batch) if owner[b] is None]
+        take = min(len(free), len(queue))
+        if not take:
+            return
+        r = next_power_of_two(take)
+        rows = np.full(r, batch, np.int32)
+        tokens = np.zeros((r, bucket), np.int32)
+        lengths = np.ones(r, np.int32)
+        tables = []
+        reqs = []
+        for i in range(take):
+            req, b = queue.popleft(), free[i]
+            pages_of[req] = allocator.allocate(need[req])
+            owner[b] = req
+            rows[i], lengths[i] = b, len(prompts[req])
+            tokens[i, : lengths[i]] = prompts[req]
+            tables.append(pages_of[req])
+            reqs.append(req)
+        table = page_table_array(tables + [[]] * (r - take), width)
+        pick = np.asarray(reqs + [reqs[0]] * (r - take))
+        rows_sampling = jax.tree.map(lambda x: jnp.asarray(x[pick]), host_sampling)
+        first, state = prefill(
+            params,
+            state,
+            sc,
+            jnp.asarray(rows),
+            tokens,
+            jnp.asarray(lengths),
+            jnp.asarray(table),
+            rows_sampling,
+        )
+        counts["prefills"] += 1
+        first = np.asarray(first)
+        done = [int(rows[i]) for i in range(take) if emit(reqs[i], first[i : i + 1])]
+        if done:
+            release(done)
+
+    def process(emitted: jax.Array, n_emit: jax.Array, owners: list[int | None]) -> None:
+        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        done = []
+        for b, req in enumerate(owners):
+            if req is None or finish[req]:
+                continue
+            k = int(n_emit[b])
+            counts["row_steps"] += 1
+            counts["emitted"] += k
+            accepted_at[:k] += 1
+            if emit(req, emitted[b, :k]):
+                done.append(b)
+        if done:
+            release(done)
+
+    eos = frozenset(eos_token_ids)
+    pending = None
+    t_first = None
+    while True:
+        admit()
+        if t_first is None:
+            t_first = time.perf_counter()
+        if not any(o is not None for o in owner):
+            if pending is not None:
+                process(*pending)
+                pending = None
+                continue
+            if not queue:
+                break
+            continue
+        emitted, n_emit, state = step(params, state, sc)
+        counts["steps"] += 1
+        if pending is not None:
+            process(*pending)
+        pending = (emitted, n_emit, list(owner))
     t_end = time.perf_counter()
 
     new_tokens = sum(len(o) for o in out)
-    decode_time = t_end - t_prefill
+    row_steps = max(counts["row_steps"], 1)
+    decode_time = t_end - t_first
     stats = {
         "prompts": n,
         "batch": batch,
-        "prompt_tokens": sum(lengths[:n]),
+        "num_speculative_tokens": sc.k,
+        "draft": sc.draft,
+        "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": new_tokens,
-        "steps": decode_steps + 1,
-        "decode_steps": decode_steps,
-        "prefill_seconds": t_prefill - t_start,
+        "steps": counts["steps"],
+        "prefill_calls": counts["prefills"],
+        "acceptance_length": counts["emitted"] / row_steps,
+        "acceptance_rate_per_position": [float(x) / row_steps for x in accepted_at[1:]],
+        "first_prefill_seconds": t_first - t_start,
         "decode_seconds": decode_time,
         "tokens_per_second": new_tokens / max(t_end - t_start, 1e-9),
-        "decode_tokens_per_second": (new_tokens - n) / max(decode_time, 1e-9),
-        "acceptance_length": 1.0,
+        "decode_tokens_per_second": counts["emitted"] / max(decode_time, 1e-9),
     }
     return GenerateResult(tokens=out, finish_reasons=finish, stats=stats)

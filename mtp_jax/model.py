@@ -16,11 +16,13 @@ from mtp_jax.checkpoint.convert import is_converted, load_converted
 from mtp_jax.checkpoint.deepseek_v3 import WEIGHT_MODES, load_params
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DeepseekV3Config, read_json
-from mtp_jax.engine import GenerateResult, TokenCallback, generate_plain
+from mtp_jax.drafts.mtp import has_mtp
+from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
 from mtp_jax.models.deepseek_v3 import Hidden, check_capture, forward, lm_head
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import check_mesh
+from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -149,12 +151,22 @@ class Model:
         min_p: float | Sequence[float] = 0.0,
         seed: int | Sequence[int] = 0,
         *,
+        draft: str | None = None,
+        num_speculative_tokens: int | None = None,
+        draft_sampling: str = "argmax",
         ignore_eos: bool = False,
+        max_batch: int = 32,
         on_token: TokenCallback | None = None,
     ) -> GenerateResult:
         """Generate up to ``max_new_tokens`` per prompt (stopping at EOS unless ``ignore_eos``).
 
         Sampling parameters and seeds are scalars or one value per prompt; temperature 0 is greedy.
+        ``draft="mtp"`` decodes speculatively with the checkpoint's MTP layer proposing
+        ``num_speculative_tokens`` (default 3) tokens per step; ``draft_sampling`` "argmax" proposes
+        the draft's argmax (each position's token is then drawn exactly as plain decoding draws it),
+        "sampled" draws drafts from the draft distribution and accepts with min(1, p/q). Either way
+        the output distribution is the target's. Up to ``max_batch`` prompts decode at once; the
+        others join as slots free (continuous batching). ``on_token(prompt_index, token)`` streams.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
@@ -171,17 +183,41 @@ class Model:
                     f"{len(p) + max_new_tokens}, beyond the model's maximum length {limit}"
                 )
         sampling = SamplingParams.build(len(checked), temperature, top_k, top_p, min_p, seed)
-        return generate_plain(
+        sc = self._step_config(draft, num_speculative_tokens, draft_sampling)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
+        return generate(
             self.params,
-            self.config,
+            sc,
             prompts=checked,
             max_new_tokens=int(max_new_tokens),
             sampling=sampling,
             eos_token_ids=() if ignore_eos else self.eos_token_ids,
-            page_size=self.page_size,
             cache_dtype=DTYPES[self.dtype],
+            max_batch=max_batch,
             on_token=on_token,
         )
+
+    def _step_config(self, draft: str | None, k: int | None, draft_sampling: str) -> StepConfig:
+        if draft is None:
+            if k not in (None, 0):
+                raise InvalidRequestError(f"num_speculative_tokens={k} needs a draft (draft='mtp')")
+            return StepConfig(self.config, self.page_size)
+        if draft not in DRAFT_METHODS:
+            raise InvalidRequestError(f"unknown draft {draft!r}; available: {', '.join(DRAFT_METHODS)}")
+        if not has_mtp(self.params):
+            raise InvalidRequestError(
+                f"draft='mtp' needs a checkpoint with an MTP layer (num_nextn_predict_layers > 0, loaded "
+                f"with mtp=True); {self.path or 'this model'} has none"
+            )
+        k = 3 if k is None else k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise InvalidRequestError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise InvalidRequestError(
+                f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}"
+            )
+        return StepConfig(self.config, self.page_size, k, draft, draft_sampling)
 
 
 def load(

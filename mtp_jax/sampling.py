@@ -123,14 +123,103 @@ def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jax.nn.log_softmax(x, axis=-1)
 
 
-def row_keys(seed: jax.Array, positions: jax.Array) -> jax.Array:
-    """Typed PRNG keys [B] from seeds [B] and absolute positions [B]."""
-    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed, positions)
+# Independent random streams per (seed, position). TARGET is what plain decoding uses, so
+# speculative decoding with argmax drafts draws exactly the tokens plain sampling would.
+TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
 
 
-def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
+def row_keys(seed: jax.Array, positions: jax.Array, stream: int = TARGET) -> jax.Array:
+    """Typed PRNG keys [B] from seeds [B] and absolute positions [B] (one stream of several)."""
+
+    def one(s: jax.Array, p: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(s), p)
+        return key if stream == TARGET else jax.random.fold_in(key, stream)
+
+    return jax.vmap(one)(seed, positions)
+
+
+def sample(
+    logits: jax.Array, params: SamplingParams, positions: jax.Array, stream: int = TARGET
+) -> jax.Array:
     """Next tokens [B] (int32) for logits [B, V]; ``positions`` [B] are the new tokens' positions."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logp = processed_logprobs(logits, params)
-    drawn = jax.vmap(jax.random.categorical)(row_keys(params.seed, positions), logp).astype(jnp.int32)
+    drawn = jax.vmap(jax.random.categorical)(row_keys(params.seed, positions, stream), logp).astype(jnp.int32)
     return jnp.where(params.temperature > 0, drawn, greedy)
+
+
+def repeat_rows(params: SamplingParams, n: int) -> SamplingParams:
+    """Each row's parameters repeated n times ([B] -> [B·n], row-major), for [B, n, V] logits."""
+    return jax.tree.map(lambda x: jnp.repeat(x, n), params)
+
+
+def sample_positions(
+    logits: jax.Array, params: SamplingParams, first: jax.Array, stream: int = TARGET
+) -> jax.Array:
+    """Tokens [B, n] for logits [B, n, V] at positions first[b] + j, keyed like :func:`sample`."""
+    b, n, v = logits.shape
+    positions = (first[:, None] + jnp.arange(n)).reshape(-1)
+    return sample(logits.reshape(b * n, v), repeat_rows(params, n), positions, stream).reshape(b, n)
+
+
+def draft_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+    """Processed draft distribution q [B, V] (float32); one-hot argmax for greedy rows."""
+    q = jnp.exp(processed_logprobs(logits, params))
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(params.temperature[:, None] > 0, q, onehot)
+
+
+def _leading_true(ok: jax.Array) -> jax.Array:
+    """Number of leading True values per row of ok [B, K]."""
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+def accept_argmax_drafts(
+    target_logits: jax.Array, drafts: jax.Array, params: SamplingParams, first: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Acceptance for drafts proposed without sampling (greedy rows, or ``draft_sampling="argmax"``).
+
+    target_logits [B, K+1, V] predict positions first[b] + j; drafts [B, K]. Each position's token
+    is drawn from the processed target distribution exactly as plain decoding would draw it (argmax
+    for greedy rows); draft j is accepted while it equals that token, and the first disagreeing
+    draw is emitted in its place. Lossless: this is speculative sampling with a one-hot proposal.
+    Returns (emitted [B, K+1], n_accepted [B]); emitted[:, :n+1] are the new tokens.
+    """
+    y = sample_positions(target_logits, params, first)
+    return y, _leading_true(y[:, :-1] == drafts)
+
+
+def accept_sampled_drafts(
+    target_logits: jax.Array, drafts: jax.Array, q: jax.Array, params: SamplingParams, first: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Speculative sampling (Leviathan et al. / Chen et al.) for drafts drawn from q [B, K, V].
+
+    Draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j)), p the processed target
+    distribution; at the first rejection a token is drawn from normalize(max(0, p_j - q_j)); if all
+    K are accepted a bonus token is drawn from p_K. Greedy rows fall back to argmax acceptance.
+    Returns (emitted [B, K+1], n_accepted [B]).
+    """
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    p = jnp.exp(processed_logprobs(target_logits.reshape(b * k1, v), repeat_rows(params, k1))).reshape(
+        b, k1, v
+    )
+    positions = first[:, None] + jnp.arange(k1)
+    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    u = jax.vmap(jax.random.uniform)(
+        row_keys(jnp.repeat(params.seed, k), positions[:, :k].reshape(-1), ACCEPT)
+    )
+    accepted = u.reshape(b, k) * q_d <= p_d
+    n_acc = _leading_true(accepted)
+    residual = jnp.concatenate([jnp.maximum(p[:, :k] - q, 0.0), p[:, k:]], axis=1)
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual, p)  # p == q: any rejection has probability 0
+    keys = row_keys(jnp.repeat(params.seed, k1), positions.reshape(-1), RESIDUAL)
+    z = jax.vmap(jax.random.categorical)(keys, jnp.log(residual.reshape(b * k1, v))).reshape(b, k1)
+    fix = jnp.take_along_axis(z, n_acc[:, None], axis=1)
+    emitted = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    emitted = jnp.where(jnp.arange(k1)[None] == n_acc[:, None], fix, emitted).astype(jnp.int32)
+    greedy_emitted, greedy_n = accept_argmax_drafts(target_logits, drafts, params, first)
+    stochastic = params.temperature > 0
+    return (jnp.where(stochastic[:, None], emitted, greedy_emitted), jnp.where(stochastic, n_acc, greedy_n))

@@ -1,12 +1,24 @@
-"""Jitted entry points over (params, cache): prefill and the plain decode step.
+"""THE unified speculative-decoding step, and prefill, as jitted functions over a donated state.
 
-Shapes are static per call site: the batch B, the prompt bucket T and the page-table width are
-fixed for a whole generation, so decoding compiles once and each step reuses the executable. The
-pages are donated, so XLA updates the cache in place.
+One call of :func:`step` does a whole speculative step for every batch slot, with no host round
+trip inside (DESIGN.md, "The unified step"):
+
+1. merge: the committed-but-uncached ``next_token`` and the K drafts form a [B, K+1] input at
+   positions seq_len .. seq_len+K;
+2. target: one forward over those B×(K+1) tokens writes their latent KV and yields logits;
+3. accept (float32): greedy / argmax drafts (each position's token drawn exactly as plain
+   decoding would draw it) or sampled drafts (min(1, p/q) with residual resampling);
+4. commit: seq_len += n_accepted + 1; KV beyond it is stale, masked, and overwritten later;
+5. draft: the MTP layer catches up on the newly committed positions (rows seq_len..seq_len+n_acc
+   of its own paged cache) and proposes K new drafts by chaining itself K-1 more times.
+
+K = 0 is plain decoding through the same machinery. Shapes (B, K, pages, page-table width) are
+static, so the step compiles once; the state is donated, so caches are updated in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -14,60 +26,252 @@ import jax.numpy as jnp
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.drafts.mtp import mtp_forward
 from mtp_jax.models.deepseek_v3 import PagedAttention, forward, lm_head
-from mtp_jax.sampling import SamplingParams, sample
+from mtp_jax.sampling import (
+    DRAFT,
+    SamplingParams,
+    accept_argmax_drafts,
+    accept_sampled_drafts,
+    draft_probs,
+    sample,
+)
+
+DRAFT_METHODS = ("mtp",)
+DRAFT_SAMPLING = ("argmax", "sampled")
 
 
-def _paged_forward(params, pages, cfg, page_size, tokens, positions, valid, page_table):
-    """Write tokens [b, t] at positions [b, t] (only where valid) and run the model over the cache."""
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
-    return forward(params, cfg, tokens, positions, paged)
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Everything static about a decoding run (part of the jit cache key)."""
+
+    cfg: DeepseekV3Config
+    page_size: int
+    k: int = 0
+    draft: str | None = None
+    draft_sampling: str = "argmax"
+
+    @property
+    def sampled(self) -> bool:
+        return self.k > 0 and self.draft_sampling == "sampled"
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size"), donate_argnames=("pages",))
-def prefill(
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Per-slot decoding state, all on device. B slots, K drafts, W pages per row.
+
+    target_pages: {stack: [L, P, page, c]}; draft_pages: [P, page, c] (the MTP layer's cache; a
+    [0]-shaped placeholder without a draft); page_table [B, W]; seq_len [B] tokens in the target
+    cache; next_token [B] (committed, not yet cached); drafts [B, K]; draft_q [B, K, V] (sampled
+    drafts only, else [B, 0, 0]); active [B]; sampling: per-row parameters.
+    """
+
+    target_pages: dict
+    draft_pages: jax.Array
+    page_table: jax.Array
+    seq_len: jax.Array
+    next_token: jax.Array
+    drafts: jax.Array
+    draft_q: jax.Array
+    active: jax.Array
+    sampling: SamplingParams
+
+
+def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) -> DecodeState:
+    from mtp_jax.cache import init_pages, latent_width
+
+    cfg = sc.cfg
+    draft_pages = (
+        jnp.zeros((num_pages, sc.page_size, latent_width(cfg)), dtype) if sc.k else jnp.zeros((0,), dtype)
+    )
+    q_shape = (batch, sc.k, cfg.vocab_size) if sc.sampled else (batch, 0, 0)
+    return DecodeState(
+        target_pages=init_pages(cfg, num_pages, sc.page_size, dtype),
+        draft_pages=draft_pages,
+        page_table=jnp.zeros((batch, width), jnp.int32),
+        seq_len=jnp.zeros((batch,), jnp.int32),  # every leaf its own buffer: the state is donated
+        next_token=jnp.zeros((batch,), jnp.int32),
+        drafts=jnp.zeros((batch, sc.k), jnp.int32),
+        draft_q=jnp.zeros(q_shape, jnp.float32),
+        active=jnp.zeros((batch,), bool),
+        sampling=SamplingParams.build(batch),
+    )
+
+
+def forward_paged(
     params: dict,
-    pages: dict[str, jax.Array],
+    pages: dict,
     cfg: DeepseekV3Config,
     page_size: int,
+    tokens: jax.Array,
+    positions: jax.Array,
+    valid: jax.Array,
+    page_table: jax.Array,
+):
+    """Write tokens [b, t] at positions [b, t] (only where valid) and run the target over the cache.
+
+    Returns (post-norm hidden [b, t, d], float32 logits [b, t, V], pages).
+    """
+    paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
+    hidden, pages = forward(params, cfg, tokens, positions, paged)
+    return hidden.post_norm, lm_head(params, hidden.post_norm), pages
+
+
+forward_paged_jit = jax.jit(forward_paged, static_argnames=("cfg", "page_size"), donate_argnames=("pages",))
+
+
+def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid):
+    paged = PagedAttention(draft_pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
+    return mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged)
+
+
+def _propose(params, sc, draft_pages, page_table, active, sampling, g, logits, first_pos):
+    """K drafts per row from the MTP output (g [b, d], logits [b, V]) of the row before them.
+
+    The first draft is for position first_pos [b]; each next one feeds the previous draft and the
+    recycled state g back through the MTP layer at the following position.
+    """
+
+    def pick(lg, pos):
+        if sc.sampled:
+            q = draft_probs(lg, sampling)
+            return sample(lg, sampling, pos, DRAFT), q
+        return jnp.argmax(lg, axis=-1).astype(jnp.int32), jnp.zeros((lg.shape[0], 0), jnp.float32)
+
+    d, q = pick(logits, first_pos)
+
+    def chain(carry, j):
+        d, g, pages = carry
+        pos = (first_pos - 2 + j)[:, None]  # MTP row i predicts position i + 2 (draft j+1's)
+        g_new, lg, pages = _mtp_rows(
+            params, sc, pages, page_table, d[:, None], g[:, None], pos, active[:, None]
+        )
+        d_new, q_new = pick(lg[:, 0], first_pos + j)
+        return (d_new, g_new[:, 0], pages), (d_new, q_new)
+
+    (_, _, draft_pages), (more_d, more_q) = jax.lax.scan(chain, (d, g, draft_pages), jnp.arange(1, sc.k))
+    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
+    qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
+    return drafts, qs, draft_pages
+
+
+@functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
+def prefill(
+    params: dict,
+    state: DecodeState,
+    sc: StepConfig,
+    rows: jax.Array,
     tokens: jax.Array,
     lengths: jax.Array,
     page_table: jax.Array,
     sampling: SamplingParams,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Fill the cache with right-padded prompts tokens [B, T] of ``lengths`` [B].
+) -> tuple[jax.Array, DecodeState]:
+    """Admit requests into slots ``rows`` [R] (an index >= B is a padding row, ignored): right-padded
+    prompts tokens [R, T] of ``lengths`` [R] with their page-table rows [R, W] and sampling [R].
 
-    Returns (first new token [B], its logits [B, V] float32, pages).
+    Fills the target cache, samples each request's first token and, with a draft, fills the MTP
+    cache for the prompt and proposes the first K drafts. Returns (first tokens [R], state).
     """
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden, pages = _paged_forward(
-        params, pages, cfg, page_size, tokens, positions, positions < lengths[:, None], page_table
+    r, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    real = rows < state.active.shape[0]
+    valid = (positions < lengths[:, None]) & real[:, None]
+    hidden, logits, target_pages = forward_paged(
+        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, page_table
     )
-    last = jnp.take_along_axis(hidden.post_norm, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = lm_head(params, last)
-    return sample(logits, sampling, lengths), logits, pages
+    last = (lengths - 1)[:, None]
+    first = sample(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], sampling, lengths)
+    draft_pages = state.draft_pages
+    drafts = jnp.zeros((r, sc.k), jnp.int32)
+    q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
+    if sc.k:
+        # MTP row i pairs h_i with token i+1: the prompt shifted left, the sampled token at the end
+        shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+        next_tokens = jnp.where(positions == last, first[:, None], shifted)
+        g, dlogits, draft_pages = _mtp_rows(
+            params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid
+        )
+        g_last = jnp.take_along_axis(g, last[..., None], axis=1)[:, 0]
+        lg_last = jnp.take_along_axis(dlogits, last[..., None], axis=1)[:, 0]
+        drafts, q, draft_pages = _propose(
+            params, sc, draft_pages, page_table, real, sampling, g_last, lg_last, lengths + 1
+        )
+        q = q if sc.sampled else jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
 
+    def put(dst, src):
+        return dst.at[rows].set(src, mode="drop")
 
-@functools.partial(jax.jit, static_argnames=("cfg", "page_size"), donate_argnames=("pages",))
-def decode_step(
-    params: dict,
-    pages: dict[str, jax.Array],
-    cfg: DeepseekV3Config,
-    page_size: int,
-    tokens: jax.Array,
-    seq_lens: jax.Array,
-    page_table: jax.Array,
-    sampling: SamplingParams,
-) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """One token per row: write ``tokens`` [B] at position ``seq_lens`` [B], sample the next.
-
-    Returns (next token [B], logits [B, V] float32 of the written position, pages).
-    """
-    positions = seq_lens[:, None]
-    valid = jnp.ones_like(positions, dtype=bool)
-    hidden, pages = _paged_forward(
-        params, pages, cfg, page_size, tokens[:, None], positions, valid, page_table
+    return first, DecodeState(
+        target_pages=target_pages,
+        draft_pages=draft_pages,
+        page_table=put(state.page_table, page_table),
+        seq_len=put(state.seq_len, lengths),
+        next_token=put(state.next_token, first),
+        drafts=put(state.drafts, drafts),
+        draft_q=put(state.draft_q, q),
+        active=put(state.active, real),
+        sampling=jax.tree.map(put, state.sampling, sampling),
     )
-    logits = lm_head(params, hidden.post_norm[:, 0])
-    return sample(logits, sampling, seq_lens + 1), logits, pages
+
+
+@functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
+def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array, DecodeState]:
+    """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
+    row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots)."""
+    k = sc.k
+    b = state.seq_len.shape[0]
+    seq = state.seq_len
+    tokens = jnp.concatenate([state.next_token[:, None], state.drafts], axis=1)
+    positions = seq[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    valid = jnp.broadcast_to(state.active[:, None], (b, k + 1))
+    hidden, logits, target_pages = forward_paged(
+        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, state.page_table
+    )
+    if sc.sampled:
+        emitted, n_acc = accept_sampled_drafts(logits, state.drafts, state.draft_q, state.sampling, seq + 1)
+    else:
+        emitted, n_acc = accept_argmax_drafts(logits, state.drafts, state.sampling, seq + 1)
+    n_emit = jnp.where(state.active, n_acc + 1, 0)
+    new_seq = seq + n_emit
+    new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
+    draft_pages, drafts, q = state.draft_pages, state.drafts, state.draft_q
+    if k:
+        # catch up: MTP rows seq..seq+n_acc pair the accepted positions' hidden states with the
+        # tokens that followed them (the emitted ones); rows past n_acc are not written
+        catch_valid = valid & (jnp.arange(k + 1)[None, :] <= n_acc[:, None])
+        g, dlogits, draft_pages = _mtp_rows(
+            params, sc, draft_pages, state.page_table, emitted, hidden, positions, catch_valid
+        )
+        g_last = jnp.take_along_axis(g, n_acc[:, None, None], axis=1)[:, 0]
+        lg_last = jnp.take_along_axis(dlogits, n_acc[:, None, None], axis=1)[:, 0]
+        new_drafts, new_q, draft_pages = _propose(
+            params,
+            sc,
+            draft_pages,
+            state.page_table,
+            state.active,
+            state.sampling,
+            g_last,
+            lg_last,
+            new_seq + 1,
+        )
+        drafts = jnp.where(state.active[:, None], new_drafts, state.drafts)
+        if sc.sampled:
+            q = new_q
+    new_state = dataclasses.replace(
+        state,
+        target_pages=target_pages,
+        draft_pages=draft_pages,
+        seq_len=new_seq,
+        next_token=jnp.where(state.active, new_next, state.next_token),
+        drafts=drafts,
+        draft_q=q,
+    )
+    return emitted, n_emit, new_state
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def deactivate(state: DecodeState, rows: jax.Array) -> DecodeState:
+    """Mark slots ``rows`` [n] (indices >= B ignored) inactive: they stop writing caches."""
+    return dataclasses.replace(state, active=state.active.at[rows].set(False, mode="drop"))

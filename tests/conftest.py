@@ -90,3 +90,41 @@ def tiny_model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny") / "ckpt")
     write_hub_checkpoint(path, TINY_CONFIG, hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0))
     return mtp_jax.load(path, dtype="float32", page_size=4)
+
+
+def oracle_tensors(config: dict, alpha: float, seed: int = 0) -> dict:
+    """Hub tensors whose MTP layer nearly predicts the target: a draft that gets accepted.
+
+    The target's attention and MLP outputs are scaled by ``alpha`` (0: the target is a bigram model,
+    logits = head(norm(embed(t)))). The MTP layer passes the next token's embedding straight
+    through (eh_proj = [I, 0], its own attention and MLP zeroed, enorm = 1, shared_head.norm = the
+    final norm), so it predicts that bigram exactly; with alpha > 0 the target drifts from it and
+    only some drafts are accepted. Exercises every acceptance length, unlike random weights.
+    """
+    import numpy as np
+
+    cfg = DeepseekV3Config.from_dict(config)
+    tensors = hub_tensors(cfg, seed=seed)
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    for key in list(tensors):
+        if not key.startswith("model.layers."):
+            continue
+        layer = int(key.split(".")[2])
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[key] = tensors[key] * (alpha if layer < n else 0.0)
+    tensors[f"model.layers.{n}.eh_proj.weight"] = np.concatenate([np.eye(d), np.zeros((d, d))], 1).astype(
+        np.float32
+    )
+    tensors[f"model.layers.{n}.enorm.weight"] = np.ones(d, np.float32)
+    tensors[f"model.layers.{n}.shared_head.norm.weight"] = tensors["model.norm.weight"].copy()
+    return tensors
+
+
+@pytest.fixture(scope="session")
+def oracle_model(tmp_path_factory):
+    """A float32 model (tiny config, page size 4) whose MTP draft is accepted often but not always."""
+    import mtp_jax
+
+    path = str(tmp_path_factory.mktemp("oracle") / "ckpt")
+    write_hub_checkpoint(path, TINY_CONFIG, oracle_tensors(TINY_CONFIG, alpha=0.6))
+    return mtp_jax.load(path, dtype="float32", page_size=4)
