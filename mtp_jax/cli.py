@@ -74,6 +74,20 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    g.add_argument("--draft", choices=["mtp"], default=None, help="speculative decoding with this draft")
+    g.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="drafts per step (default 3 with --draft)",
+    )
+    g.add_argument(
+        "--draft-sampling",
+        choices=["argmax", "sampled"],
+        default="argmax",
+        help="propose the draft's argmax, or sample drafts and accept with min(1, p/q)",
+    )
 
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of a text")
     _add_common(s)
@@ -139,6 +153,9 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        draft=args.draft,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_sampling=args.draft_sampling,
     )
     wall = time.perf_counter() - t0
     for text, new, reason in zip(args.prompt, result.tokens, result.finish_reasons, strict=True):
@@ -147,10 +164,13 @@ def _generate(args: argparse.Namespace) -> int:
         print(text + tok.decode(new, skip_special_tokens=True))
         print(f"[{len(new)} tokens, stopped by {reason}]", file=sys.stderr)
     st = result.stats
+    per_position = ", ".join(f"{r:.2f}" for r in st["acceptance_rate_per_position"])
     print(
         f"[steps {st['steps']}, {st['new_tokens']} new tokens in {wall:.2f}s incl. compilation; "
         f"decode {st['decode_tokens_per_second']:.1f} tok/s; "
-        f"acceptance length {st['acceptance_length']:.2f}]",
+        f"acceptance length {st['acceptance_length']:.2f}"
+        + (f"; acceptance by position [{per_position}]" if per_position else "")
+        + "]",
         file=sys.stderr,
     )
     return 0
