@@ -20,7 +20,7 @@ import numpy as np
 
 from mtp_jax.cache import PageAllocator, page_table_array
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.step import StepConfig, deactivate, init_state, prefill, step
+from mtp_jax.step import StepConfig, deactivate, host_orchestrated_step, init_state, prefill, step
 
 TokenCallback = Callable[[int, int], None]
 """Called as ``on_token(prompt_index, token_id)`` for every emitted token, in order."""
@@ -51,8 +51,12 @@ def generate(
     cache_dtype: jnp.dtype,
     max_batch: int = 32,
     on_token: TokenCallback | None = None,
+    fused: bool = True,
 ) -> GenerateResult:
-    """Decode validated prompts with continuous batching (K = sc.k drafts per step, 0 = plain)."""
+    """Decode validated prompts with continuous batching (K = sc.k drafts per step, 0 = plain).
+
+    ``fused=False`` runs the host-orchestrated baseline step instead (benchmarks only)."""
+    step_fn = step if fused else host_orchestrated_step
     t_start = time.perf_counter()
     n = len(prompts)
     batch = next_power_of_two(min(n, max_batch))
@@ -163,7 +167,7 @@ def generate(
             if not queue:
                 break
             continue
-        emitted, n_emit, state = step(params, state, sc)
+        emitted, n_emit, state = step_fn(params, state, sc)
         counts["steps"] += 1
         if pending is not None:
             process(*pending)
@@ -177,6 +181,7 @@ def generate(
         "prompts": n,
         "batch": batch,
         "num_speculative_tokens": sc.k,
+        "fused": fused,
         "draft": sc.draft,
         "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": new_tokens,

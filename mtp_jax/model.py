@@ -157,6 +157,7 @@ class Model:
         ignore_eos: bool = False,
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
+        fused: bool = True,
     ) -> GenerateResult:
         """Generate up to ``max_new_tokens`` per prompt (stopping at EOS unless ``ignore_eos``).
 
@@ -167,6 +168,7 @@ class Model:
         "sampled" draws drafts from the draft distribution and accepts with min(1, p/q). Either way
         the output distribution is the target's. Up to ``max_batch`` prompts decode at once; the
         others join as slots free (continuous batching). ``on_token(prompt_index, token)`` streams.
+        ``fused=False`` selects the host-orchestrated baseline step (for benchmarks).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
@@ -196,6 +198,7 @@ class Model:
             cache_dtype=DTYPES[self.dtype],
             max_batch=max_batch,
             on_token=on_token,
+            fused=fused,
         )
 
     def _step_config(self, draft: str | None, k: int | None, draft_sampling: str) -> StepConfig:

@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
@@ -215,23 +216,28 @@ def prefill(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
-def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array, DecodeState]:
-    """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
-    row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots)."""
-    k = sc.k
+def _verify(params: dict, state: DecodeState, sc: StepConfig):
+    """Stages 1-2: merge next_token and drafts, run the target over them (writes their KV)."""
     b = state.seq_len.shape[0]
-    seq = state.seq_len
     tokens = jnp.concatenate([state.next_token[:, None], state.drafts], axis=1)
-    positions = seq[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    valid = jnp.broadcast_to(state.active[:, None], (b, k + 1))
-    hidden, logits, target_pages = forward_paged(
+    positions = state.seq_len[:, None] + jnp.arange(sc.k + 1, dtype=jnp.int32)
+    valid = jnp.broadcast_to(state.active[:, None], (b, sc.k + 1))
+    return forward_paged(
         params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, state.page_table
     )
+
+
+def _accept(logits: jax.Array, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array]:
+    """Stage 3: (emitted [B, K+1], n_accepted [B])."""
     if sc.sampled:
-        emitted, n_acc = accept_sampled_drafts(logits, state.drafts, state.draft_q, state.sampling, seq + 1)
-    else:
-        emitted, n_acc = accept_argmax_drafts(logits, state.drafts, state.sampling, seq + 1)
+        return accept_sampled_drafts(logits, state.drafts, state.draft_q, state.sampling, state.seq_len + 1)
+    return accept_argmax_drafts(logits, state.drafts, state.sampling, state.seq_len + 1)
+
+
+def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
+    """Stages 4-5: advance the committed length, catch the MTP layer up, propose K drafts."""
+    k = sc.k
+    seq = state.seq_len
     n_emit = jnp.where(state.active, n_acc + 1, 0)
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
@@ -239,7 +245,8 @@ def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, j
     if k:
         # catch up: MTP rows seq..seq+n_acc pair the accepted positions' hidden states with the
         # tokens that followed them (the emitted ones); rows past n_acc are not written
-        catch_valid = valid & (jnp.arange(k + 1)[None, :] <= n_acc[:, None])
+        positions = seq[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+        catch_valid = state.active[:, None] & (jnp.arange(k + 1)[None, :] <= n_acc[:, None])
         g, dlogits, draft_pages = _mtp_rows(
             params, sc, draft_pages, state.page_table, emitted, hidden, positions, catch_valid
         )
@@ -268,7 +275,35 @@ def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, j
         drafts=drafts,
         draft_q=q,
     )
-    return emitted, n_emit, new_state
+    return n_emit, new_state
+
+
+@functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
+def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array, DecodeState]:
+    """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
+    row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots)."""
+    hidden, logits, target_pages = _verify(params, state, sc)
+    emitted, n_acc = _accept(logits, state, sc)
+    n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
+    return emitted, n_emit, state
+
+
+# The host-orchestrated baseline: the same stages as separate executables with the host reading
+# the acceptance result in between, as engines without a fused step do. Benchmarks only: it is
+# how the benefit of fusion is measured rather than assumed.
+_verify_jit = jax.jit(_verify, static_argnames=("sc",))
+_accept_jit = jax.jit(_accept, static_argnames=("sc",))
+_commit_and_draft_jit = jax.jit(_commit_and_draft, static_argnames=("sc",), donate_argnames=("state",))
+
+
+def host_orchestrated_step(
+    params: dict, state: DecodeState, sc: StepConfig
+) -> tuple[jax.Array, jax.Array, DecodeState]:
+    hidden, logits, target_pages = _verify_jit(params, state, sc)
+    emitted, n_acc = _accept_jit(logits, state, sc)
+    n_acc = jnp.asarray(np.asarray(n_acc))  # the host round trip a fused step avoids
+    n_emit, state = _commit_and_draft_jit(params, state, sc, hidden, target_pages, emitted, n_acc)
+    return emitted, n_emit, state
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

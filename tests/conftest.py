@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
+from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
 from mtp_jax.config import DeepseekV3Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,31 +93,7 @@ def tiny_model(tmp_path_factory):
 
 
 def oracle_tensors(config: dict, alpha: float, seed: int = 0) -> dict:
-    """Hub tensors whose MTP layer nearly predicts the target: a draft that gets accepted.
-
-    The target's attention and MLP outputs are scaled by ``alpha`` (0: the target is a bigram model,
-    logits = head(norm(embed(t)))). The MTP layer passes the next token's embedding straight
-    through (eh_proj = [I, 0], its own attention and MLP zeroed, enorm = 1, shared_head.norm = the
-    final norm), so it predicts that bigram exactly; with alpha > 0 the target drifts from it and
-    only some drafts are accepted. Exercises every acceptance length, unlike random weights.
-    """
-    import numpy as np
-
-    cfg = DeepseekV3Config.from_dict(config)
-    tensors = hub_tensors(cfg, seed=seed)
-    n, d = cfg.num_hidden_layers, cfg.hidden_size
-    for key in list(tensors):
-        if not key.startswith("model.layers."):
-            continue
-        layer = int(key.split(".")[2])
-        if key.endswith(("o_proj.weight", "down_proj.weight")):
-            tensors[key] = tensors[key] * (alpha if layer < n else 0.0)
-    tensors[f"model.layers.{n}.eh_proj.weight"] = np.concatenate([np.eye(d), np.zeros((d, d))], 1).astype(
-        np.float32
-    )
-    tensors[f"model.layers.{n}.enorm.weight"] = np.ones(d, np.float32)
-    tensors[f"model.layers.{n}.shared_head.norm.weight"] = tensors["model.norm.weight"].copy()
-    return tensors
+    return oracle_draft_tensors(DeepseekV3Config.from_dict(config), alpha, seed)
 
 
 @pytest.fixture(scope="session")

@@ -116,3 +116,15 @@ def test_mtp_draft_needs_an_mtp_layer(make_checkpoint, tiny_config):
     with pytest.raises(ValueError, match="needs a checkpoint with an MTP layer"):
         model.generate([[3, 4]], max_new_tokens=2, draft="mtp")
     assert jnp.asarray(model.generate([[3, 4]], max_new_tokens=2).tokens).size >= 1
+
+
+def test_host_orchestrated_baseline_gives_the_same_tokens(oracle_model):
+    prompts = prompts_for(oracle_model, [5, 12, 3])
+    fused = oracle_model.generate(
+        prompts, max_new_tokens=12, ignore_eos=True, draft="mtp", num_speculative_tokens=3
+    )
+    host = oracle_model.generate(
+        prompts, max_new_tokens=12, ignore_eos=True, draft="mtp", num_speculative_tokens=3, fused=False
+    )
+    assert host.tokens == fused.tokens and host.stats["fused"] is False
+    assert host.stats["acceptance_length"] == fused.stats["acceptance_length"]

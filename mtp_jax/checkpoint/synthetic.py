@@ -174,3 +174,29 @@ def quantize_fp8(
         out[key] = q
         out[f"{key}_scale_inv"] = scale
     return out
+
+
+def oracle_draft_tensors(cfg: DeepseekV3Config, alpha: float, seed: int = 0) -> dict[str, np.ndarray]:
+    """Hub tensors whose MTP layer nearly predicts the target: a draft that gets accepted.
+
+    The target's attention and MLP outputs are scaled by ``alpha`` (0: the target is a bigram model,
+    logits = head(norm(embed(t)))). The MTP layer passes the next token's embedding straight
+    through (eh_proj = [I, 0], its own attention and MLP zeroed, enorm = 1, shared_head.norm = the
+    final norm), so it predicts that bigram exactly; with alpha > 0 the target drifts from it and
+    only some drafts are accepted. For tests and benchmarks of the speculative machinery where
+    random weights would accept nothing; it says nothing about real draft quality.
+    """
+    if cfg.num_nextn_predict_layers < 1:
+        raise ValueError("an oracle draft needs num_nextn_predict_layers >= 1")
+    tensors = hub_tensors(cfg, seed=seed)
+    n, d = cfg.num_hidden_layers, cfg.hidden_size
+    for key in list(tensors):
+        if key.startswith("model.layers.") and key.endswith(("o_proj.weight", "down_proj.weight")):
+            layer = int(key.split(".")[2])
+            tensors[key] = tensors[key] * (alpha if layer < n else 0.0)
+    tensors[f"model.layers.{n}.eh_proj.weight"] = np.concatenate([np.eye(d), np.zeros((d, d))], 1).astype(
+        np.float32
+    )
+    tensors[f"model.layers.{n}.enorm.weight"] = np.ones(d, np.float32)
+    tensors[f"model.layers.{n}.shared_head.norm.weight"] = tensors["model.norm.weight"].copy()
+    return tensors

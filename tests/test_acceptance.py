@@ -1,0 +1,438 @@
+"""Exactness of speculative sampling, checked against exact probability math.
+
+Two levels:
+
+1. The acceptance rules themselves (``accept_argmax_drafts`` / ``accept_sampled_drafts``) on
+   hand-picked distributions over a vocabulary of 5-6 tokens. One call decodes tens of thousands
+   of independent rows (distinct seeds, or distinct positions under one seed); the empirical
+   acceptance rates are compared with min(1, p/q) (p for argmax drafts) by a binomial 5-sigma
+   bound, and the emitted tokens with the processed target distribution by Pearson chi-square.
+2. ``Model.generate`` end to end on a model with an 8-token vocabulary: the joint distribution of
+   the first three generated tokens (one from prefill, two from speculative steps, so acceptance,
+   residual and bonus sampling are all exercised) against the exact product of teacher-forced
+   conditionals, processed by the independent numpy code below.
+
+Plus: argmax drafts reproduce plain sampling token for token, and a row's speculative output does
+not depend on its batch. Chi-square tests use an upper tail of 1e-4; every random input here is
+seeded, so the outcomes are deterministic.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax import sampling
+from mtp_jax.checkpoint.synthetic import write_hub_checkpoint
+from mtp_jax.sampling import SamplingParams
+from tests.conftest import TINY_CONFIG, oracle_tensors
+
+accept_argmax = jax.jit(sampling.accept_argmax_drafts)
+accept_sampled = jax.jit(sampling.accept_sampled_drafts)
+processed_logprobs = jax.jit(sampling.processed_logprobs)
+
+N_ROWS = 20_000  # rows per unit-level call (one shape per K: few compilations)
+
+# --- the independent numpy reference ----------------------------------------------------------
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def reference_probs(
+    logits: np.ndarray, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> tuple[np.ndarray, float]:
+    """(processed distribution [V] in float64, margin) from the specification: divide by the
+    temperature; keep the k largest (0 = off); of those keep the shortest descending prefix whose
+    renormalised mass reaches top_p (1 = off); of those keep the tokens whose probability is at least
+    min_p times the largest (0 = off); renormalise.
+
+    ``margin``: distance of the closest top-p / min-p decision from its threshold (inf when none).
+    """
+    x = np.asarray(logits, np.float64) / (temperature if temperature > 0 else 1.0)
+    assert len(np.unique(x)) == len(x), "ties would make the truncation ambiguous"
+    kept = np.argsort(-x)
+    if top_k > 0:
+        kept = kept[:top_k]
+    margin = math.inf
+    if top_p < 1.0:
+        cum = np.cumsum(_softmax(x[kept]))
+        if len(kept) > 1:
+            margin = min(margin, float(np.min(np.abs(cum[:-1] - top_p))))
+        reached = np.flatnonzero(cum >= top_p)
+        kept = kept[: (reached[0] + 1 if len(reached) else len(kept))]
+    if min_p > 0.0:
+        ratio = np.exp(x[kept] - x[kept[0]])
+        if len(kept) > 1:
+            margin = min(margin, float(np.min(np.abs(ratio[1:] - min_p))))
+        kept = kept[ratio >= min_p]
+    out = np.zeros(len(x))
+    out[kept] = _softmax(x[kept])
+    return out, margin
+
+
+# --- statistics ---------------------------------------------------------------------------------
+
+
+def chi2_critical(dof: int, z: float = 3.7190) -> float:
+    """Wilson–Hilferty approximation of the chi-square quantile; z = 3.7190 is the standard normal
+    quantile of an upper tail of 1e-4."""
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+def pearson(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, int]:
+    """(statistic, dof, draws outside the support) of counts against exact probabilities.
+
+    Cells with expected count < 5 are pooled into one cell; if that pool is still below 5 it is
+    merged into the smallest regular cell. Zero-probability cells are not cells: any draw there is
+    returned as ``outside`` (an immediate failure for the callers).
+    """
+    counts = np.asarray(counts, np.float64).ravel()
+    probs = np.asarray(probs, np.float64).ravel()
+    assert counts.shape == probs.shape
+    assert abs(probs.sum() - 1.0) < 1e-9, probs.sum()
+    n = counts.sum()
+    outside = int(counts[probs == 0].sum())
+    expected = n * probs
+    big = expected >= 5
+    small = ~big & (probs > 0)
+    obs, exp = list(counts[big]), list(expected[big])
+    if small.any():
+        pool_o, pool_e = counts[small].sum(), expected[small].sum()
+        if pool_e >= 5 or not exp:
+            obs.append(pool_o)
+            exp.append(pool_e)
+        else:
+            i = int(np.argmin(exp))
+            obs[i] += pool_o
+            exp[i] += pool_e
+    obs_a, exp_a = np.asarray(obs), np.asarray(exp)
+    return float(((obs_a - exp_a) ** 2 / exp_a).sum()), len(exp) - 1, outside
+
+
+def assert_distribution(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
+    """Samples (token ids, or flat cell indices) follow ``probs`` exactly: nothing outside the
+    support, and Pearson chi-square below its 1e-4 critical value."""
+    samples = np.asarray(samples).ravel()
+    assert samples.size >= 500, f"{what}: only {samples.size} samples"
+    counts = np.bincount(samples, minlength=len(probs))
+    assert len(counts) == len(probs), f"{what}: token ids beyond the distribution"
+    stat, dof, outside = pearson(counts, probs)
+    assert outside == 0, f"{what}: {outside} draws outside the support {np.flatnonzero(probs)}"
+    if dof == 0:  # a single-token support: the support check is the whole test
+        return
+    crit = chi2_critical(dof)
+    assert stat < crit, (
+        f"{what}: chi2 = {stat:.1f} >= {crit:.1f} (dof {dof}); observed "
+        f"{np.round(counts / samples.size, 4)} expected {np.round(probs, 4)}"
+    )
+
+
+def assert_rate(hits: np.ndarray, expected: float, what: str) -> None:
+    """A Bernoulli frequency equals ``expected`` within 5 binomial standard deviations (exactly
+    when expected is 0 or 1)."""
+    hits = np.asarray(hits, bool)
+    n = hits.size
+    assert n >= 100, f"{what}: only {n} trials"
+    rate = float(hits.mean())
+    tol = 5.0 * math.sqrt(expected * (1.0 - expected) / n)
+    assert abs(rate - expected) <= tol + 1e-12, f"{what}: rate {rate:.4f} vs {expected:.4f} +- {tol:.4f} ({n})"
+
+
+def test_chi2_critical_values_against_table():
+    table = {1: 15.137, 2: 18.421, 3: 21.108, 5: 25.745, 10: 35.564, 30: 70.703, 100: 149.449}  # 1e-4
+    for dof, exact in table.items():
+        assert exact * 0.99 <= chi2_critical(dof) <= exact * 1.08, dof  # errs on the generous side
+
+
+def test_checks_reject_wrong_distributions():
+    """The helpers have teeth at the sample sizes used below."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.4, 0.25, 0.2, 0.1, 0.05])
+    assert_distribution(rng.choice(5, size=4000, p=p), p, "exact")
+    off = np.array([0.37, 0.27, 0.2, 0.11, 0.05])  # a few percent off
+    with pytest.raises(AssertionError, match="chi2"):
+        assert_distribution(rng.choice(5, size=20_000, p=off), p, "off")
+    with pytest.raises(AssertionError, match="outside the support"):
+        assert_distribution(np.r_[rng.choice(4, size=4000, p=[0.4, 0.3, 0.2, 0.1]), 4], [0.4, 0.3, 0.2, 0.1, 0], "x")
+    with pytest.raises(AssertionError, match="rate"):
+        assert_rate(rng.random(4000) < 0.53, 0.5, "biased coin")
+    assert_rate(rng.random(4000) < 0.5, 0.5, "fair coin")
+    with pytest.raises(AssertionError, match="rate"):
+        assert_rate(np.r_[np.ones(999, bool), False], 1.0, "almost always")
+
+
+def test_reference_probs_hand_computed():
+    logp = np.log([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(reference_probs(logp, top_p=0.8)[0], [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(reference_probs(logp, top_k=3, top_p=0.84)[0], [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(reference_probs(logp, min_p=0.5)[0], [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(reference_probs(logp, top_k=3)[0], [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])
+    flat = np.sqrt([0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(reference_probs(logp, temperature=2.0)[0], flat / flat.sum())
+
+
+# --- unit level: the acceptance rules -----------------------------------------------------------
+
+P_A = np.array([0.4, 0.25, 0.2, 0.1, 0.05])
+P_B = np.array([0.1, 0.15, 0.3, 0.05, 0.4])
+P_C = np.array([0.2, 0.35, 0.05, 0.3, 0.1])
+
+
+def _params(n: int, randomness: str, **kw) -> tuple[SamplingParams, jax.Array]:
+    """(params, first) for n independent rows: distinct seeds at one position, or one seed at
+    positions far enough apart that no two rows share a (seed, position) key."""
+    if randomness == "seeds":
+        return SamplingParams.build(n, seed=list(range(n)), **kw), jnp.full((n,), 11, jnp.int32)
+    return SamplingParams.build(n, seed=12345, **kw), jnp.arange(n, dtype=jnp.int32) * 8
+
+
+def _logits(per_position: list[np.ndarray], n: int) -> jax.Array:
+    """[n, K+1, V] float32 logits, the same at every row: log of the given distributions."""
+    rows = np.stack([np.log(p) if np.all(p > 0) else np.asarray(p) for p in per_position])
+    return jnp.asarray(np.broadcast_to(rows, (n,) + rows.shape).astype(np.float32))
+
+
+def _target_probs(logits: jax.Array, params: SamplingParams) -> np.ndarray:
+    """The package's own processed p [K+1, V] of row 0 (float64): for q == p exactly."""
+    k1 = logits.shape[1]
+    lp = processed_logprobs(logits[0], jax.tree.map(lambda x: jnp.repeat(x[:1], k1), params))
+    return np.exp(np.asarray(lp, np.float64))
+
+
+def check_speculative_rows(
+    emitted: np.ndarray, n_acc: np.ndarray, drafts: np.ndarray, p: np.ndarray, accept: np.ndarray, what: str
+) -> None:
+    """The exact laws of one speculative step when position j's target distribution p[j] does not
+    depend on the tokens before it:
+
+    - accepted drafts are emitted unchanged;
+    - given that drafts 0..j-1 were accepted and draft j is d, draft j is accepted with
+      probability accept[j, d];
+    - given that position j is emitted at all (n_acc >= j), its token follows p[j] exactly
+      (j = K is the bonus token).
+    """
+    emitted, n_acc, drafts = (np.asarray(a) for a in (emitted, n_acc, drafts))
+    k = drafts.shape[1]
+    assert emitted.shape == (drafts.shape[0], k + 1) and n_acc.shape == (drafts.shape[0],)
+    assert n_acc.min() >= 0 and n_acc.max() <= k
+    for j in range(k):
+        took = n_acc > j
+        np.testing.assert_array_equal(emitted[took, j], drafts[took, j], err_msg=f"{what}: draft {j}")
+    for j in range(k + 1):
+        reached = n_acc >= j
+        assert_distribution(emitted[reached, j], p[j], f"{what}: token {j} given n_acc >= {j}")
+        if j == k:
+            continue
+        for d in range(p.shape[1]):
+            rows = reached & (drafts[:, j] == d)
+            if rows.sum() >= 300:
+                assert_rate(n_acc[rows] > j, accept[j, d], f"{what}: accept draft {j} = {d}")
+
+
+@pytest.mark.parametrize("randomness", ["seeds", "positions"])
+def test_argmax_drafts_k1(randomness):
+    """One draft, each token of the vocabulary as the draft in turn: accepted with probability
+    p(d); the emitted token follows p whatever the draft; the bonus token follows p_1."""
+    n = N_ROWS
+    params, first = _params(n, randomness, temperature=1.0)
+    drafts = (np.arange(n) % 5).astype(np.int32)[:, None]
+    emitted, n_acc = accept_argmax(_logits([P_A, P_B], n), jnp.asarray(drafts), params, first)
+    emitted, n_acc = np.asarray(emitted), np.asarray(n_acc)
+    p = np.stack([P_A, P_B])
+    check_speculative_rows(emitted, n_acc, drafts, p, p[:1], f"argmax K=1 {randomness}")
+    for d in range(5):
+        assert_distribution(emitted[drafts[:, 0] == d, 0], P_A, f"emitted[0] with draft {d}")
+    # the first disagreeing draw replaces the draft
+    assert (emitted[n_acc == 0, 0] != drafts[n_acc == 0, 0]).all()
+
+
+def test_argmax_drafts_k2_accepts_both_with_product_probability():
+    n = N_ROWS
+    params, first = _params(n, "seeds", temperature=1.0)
+    drafts = np.tile(np.array([[0, 2]], np.int32), (n, 1))  # p_0(0) = 0.4, p_1(2) = 0.3
+    emitted, n_acc = accept_argmax(_logits([P_A, P_B, P_C], n), jnp.asarray(drafts), params, first)
+    emitted, n_acc = np.asarray(emitted), np.asarray(n_acc)
+    assert_rate(n_acc == 2, 0.4 * 0.3, "P(n_acc = 2)")
+    assert_distribution(n_acc, np.array([0.6, 0.4 * 0.7, 0.4 * 0.3]), "n_acc")
+    p = np.stack([P_A, P_B, P_C])
+    check_speculative_rows(emitted, n_acc, drafts, p, p[:2], "argmax K=2")
+    # rows disagree: the draw is the same function of the key whatever the drafts
+    other, _ = accept_argmax(_logits([P_A, P_B, P_C], n), jnp.asarray(drafts[:, ::-1].copy()), params, first)
+    np.testing.assert_array_equal(np.asarray(other), emitted)
+
+
+def _sampled_case(p_rows, q_rows, randomness, rng, n=N_ROWS, q_from_target=False, **kw):
+    """Draw drafts from q (numpy), run accept_sampled_drafts; returns (emitted, n_acc, drafts, p, q)."""
+    params, first = _params(n, randomness, **kw)
+    logits = _logits(p_rows, n)
+    k = len(p_rows) - 1
+    q = _target_probs(logits, params)[:k] if q_from_target else np.stack(q_rows).astype(np.float64)
+    drafts = np.stack([rng.choice(q.shape[1], size=n, p=q[j] / q[j].sum()) for j in range(k)], 1)
+    q32 = jnp.asarray(np.broadcast_to(q, (n,) + q.shape).astype(np.float32))
+    emitted, n_acc = accept_sampled(logits, jnp.asarray(drafts, jnp.int32), q32, params, first)
+    return np.asarray(emitted), np.asarray(n_acc), drafts, q
+
+
+def _accept_probs(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(q > 0, np.minimum(1.0, p / np.where(q > 0, q, 1.0)), np.nan)
+
+
+Q_CASES = {
+    # p(d) > q(d) for d in {0, 2, 4} (always accepted), p(d) < q(d) for d in {1, 3}
+    "mixed": np.array([0.1, 0.5, 0.12, 0.25, 0.03]),
+    # no draft mass on tokens 0, 3, 4 although the target has mass there: only the residual
+    # can emit them
+    "zero_mass": np.array([0.0, 0.7, 0.3, 0.0, 0.0]),
+    # a one-hot proposal on the least likely target token
+    "one_hot": np.array([0.0, 0.0, 0.0, 0.0, 1.0]),
+    "flat": np.full(5, 0.2),
+}
+
+
+@pytest.mark.parametrize("case", list(Q_CASES))
+def test_sampled_drafts_k1_reproduce_p(case):
+    rng = np.random.default_rng(list(Q_CASES).index(case))
+    randomness = "positions" if case == "flat" else "seeds"
+    q = Q_CASES[case]
+    emitted, n_acc, drafts, q = _sampled_case([P_A, P_B], [q], randomness, rng, temperature=1.0)
+    p = np.stack([P_A, P_B])
+    accept = _accept_probs(p[:1], q)
+    check_speculative_rows(emitted, n_acc, drafts, p, accept, f"sampled K=1 q={case}")
+    assert_rate(n_acc == 1, float(np.minimum(P_A, q).sum()), "P(accept) = sum min(p, q)")
+    if case == "mixed":  # both sides of min(1, p/q) were exercised with enough rows
+        assert (drafts == 1).sum() > 5000 and (drafts == 0).sum() > 1000
+        assert_rate(n_acc[drafts[:, 0] == 1] == 1, 0.5, "p < q: accepted with p/q")
+        assert (n_acc[drafts[:, 0] == 0] == 1).all()  # p > q: always accepted
+
+
+def test_sampled_drafts_with_q_equal_p_always_accept():
+    rng = np.random.default_rng(7)
+    emitted, n_acc, drafts, q = _sampled_case(
+        [P_A, P_B, P_C], None, "seeds", rng, q_from_target=True, temperature=1.0
+    )
+    assert (n_acc == 2).all()
+    p = np.stack([P_A, P_B, P_C])
+    check_speculative_rows(emitted, n_acc, drafts, p, np.ones((2, 5)), "sampled q == p")
+
+
+@pytest.mark.parametrize("randomness", ["seeds", "positions"])
+def test_sampled_drafts_k2(randomness):
+    """Two drafts from different proposals: given that draft 0 was accepted, position 1 (accepted
+    draft or residual) still follows p_1, and after two acceptances the bonus follows p_2."""
+    rng = np.random.default_rng(3 if randomness == "seeds" else 4)
+    q0, q1 = Q_CASES["mixed"], np.array([0.3, 0.3, 0.05, 0.0, 0.35])
+    emitted, n_acc, drafts, q = _sampled_case([P_A, P_B, P_C], [q0, q1], randomness, rng, temperature=1.0)
+    p = np.stack([P_A, P_B, P_C])
+    check_speculative_rows(emitted, n_acc, drafts, p, _accept_probs(p[:2], q), f"sampled K=2 {randomness}")
+    a0, a1 = np.minimum(P_A, q0).sum(), np.minimum(P_B, q1).sum()
+    assert_distribution(n_acc, np.array([1 - a0, a0 * (1 - a1), a0 * a1]), "n_acc")
+    # independence: given n_acc >= 1, emitted[1] follows p_1 whatever emitted[0] was
+    for t in range(5):
+        rows = (n_acc >= 1) & (emitted[:, 0] == t)
+        if rows.sum() >= 1000:
+            assert_distribution(emitted[rows, 1], P_B, f"emitted[1] given emitted[0] = {t}")
+
+
+PROCESSED_LOGITS = [
+    np.array([2.0, 1.1, 0.3, -0.4, -1.5, 0.8]),
+    np.array([-0.2, 0.9, 1.7, 0.1, 0.5, -1.0]),
+    np.array([0.4, -0.6, 0.0, 1.3, 1.0, -0.3]),
+]
+PROCESSED_CASES = [
+    # (temperature, top_k, top_p, min_p)
+    dict(temperature=0.7, top_k=3),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, min_p=0.3),
+    dict(temperature=1.5, top_k=5, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("draft_sampling", ["argmax", "sampled"])
+def test_processed_target_distribution_is_reproduced(draft_sampling):
+    """Temperature / top-k / top-p / min-p: the processed distribution (computed here in numpy)
+    is what the emitted tokens follow; drafts outside its support are never accepted."""
+    n_case = 5000
+    cases = PROCESSED_CASES
+    n = n_case * len(cases)
+    cols = {key: [c.get(key, d) for c in cases for _ in range(n_case)] for key, d in
+            [("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)]}
+    params = SamplingParams.build(n, seed=list(range(n)), **cols)
+    first = jnp.full((n,), 3, jnp.int32)
+    logits = jnp.asarray(np.broadcast_to(np.stack(PROCESSED_LOGITS), (n, 3, 6)).astype(np.float32))
+    rng = np.random.default_rng(11)
+    # proposals with mass outside every support: flat, and one favouring the unlikely tokens
+    q = np.stack([np.full(6, 1 / 6), _softmax(-PROCESSED_LOGITS[1])])
+    if draft_sampling == "sampled":
+        drafts = np.stack([rng.choice(6, size=n, p=q[j]) for j in range(2)], 1).astype(np.int32)
+        q32 = jnp.asarray(np.broadcast_to(q, (n, 2, 6)).astype(np.float32))
+        emitted, n_acc = accept_sampled(logits, jnp.asarray(drafts), q32, params, first)
+    else:
+        drafts = rng.integers(0, 6, size=(n, 2)).astype(np.int32)
+        emitted, n_acc = accept_argmax(logits, jnp.asarray(drafts), params, first)
+    emitted, n_acc = np.asarray(emitted), np.asarray(n_acc)
+    for i, case in enumerate(cases):
+        rows = slice(i * n_case, (i + 1) * n_case)
+        p = []
+        for lg in PROCESSED_LOGITS:
+            probs, margin = reference_probs(lg, **case)
+            assert margin > 1e-3
+            p.append(probs)
+        p = np.stack(p)
+        assert ((p > 0).sum(-1) < 6).any(), "the case should truncate something"
+        accept = _accept_probs(p[:2], q) if draft_sampling == "sampled" else p[:2]
+        check_speculative_rows(emitted[rows], n_acc[rows], drafts[rows], p, accept, f"{draft_sampling} {case}")
+        for j in range(2):
+            outside = p[j][drafts[rows, j]] == 0
+            assert (n_acc[rows][outside] <= j).all(), "a draft outside the support was accepted"
+
+
+def test_greedy_rows_accept_exactly_while_draft_is_argmax():
+    """Temperature-0 rows mixed into a stochastic batch (with truncation parameters that greedy
+    ignores): accept while draft == argmax of the raw logits, then emit that argmax."""
+    rng = np.random.default_rng(5)
+    n, k, v = 4096, 3, 6
+    logits = rng.normal(size=(n, k + 1, v)).astype(np.float32)
+    top = logits.argmax(-1)
+    agree = rng.random((n, k)) < 0.7
+    drafts = np.where(agree, top[:, :k], (top[:, :k] + rng.integers(1, v, size=(n, k))) % v).astype(np.int32)
+    greedy = np.arange(n) % 2 == 0
+    temperature = np.where(greedy, 0.0, 1.0).tolist()
+    params = SamplingParams.build(n, temperature=temperature, top_k=2, top_p=0.5, min_p=0.2, seed=list(range(n)))
+    first = jnp.asarray(rng.integers(0, 1000, size=n), jnp.int32)
+    q = rng.dirichlet(np.ones(v), size=(n, k)).astype(np.float32)
+    want_n = np.sum(np.cumprod(drafts == top[:, :k], axis=1), axis=1)
+    assert len(np.unique(want_n[greedy])) == k + 1  # every acceptance length occurs
+    runs = {
+        "argmax": accept_argmax(jnp.asarray(logits), jnp.asarray(drafts), params, first),
+        "sampled": accept_sampled(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(q), params, first),
+    }
+    for name, (emitted, n_acc) in runs.items():
+        emitted, n_acc = np.asarray(emitted), np.asarray(n_acc)
+        np.testing.assert_array_equal(n_acc[greedy], want_n[greedy], err_msg=name)
+        for b in np.flatnonzero(greedy):
+            m = want_n[b]
+            np.testing.assert_array_equal(emitted[b, : m + 1], top[b, : m + 1], err_msg=f"{name} row {b}")
+        # the stochastic neighbours are the same as in a batch without greedy rows
+        sp = jax.tree.map(lambda x: x[~greedy], params)
+        if name == "argmax":
+            alone_e, alone_n = accept_argmax(
+                jnp.asarray(logits[~greedy]), jnp.asarray(drafts[~greedy]), sp, first[~greedy]
+            )
+        else:
+            alone_e, alone_n = accept_sampled(
+                jnp.asarray(logits[~greedy]), jnp.asarray(drafts[~greedy]), jnp.asarray(q[~greedy]), sp,
+                first[~greedy],
+            )
+        np.testing.assert_array_equal(np.asarray(alone_n), n_acc[~greedy], err_msg=name)
+        np.testing.assert_array_equal(np.asarray(alone_e), emitted[~greedy], err_msg=name)
