@@ -1,11 +1,18 @@
-"""Decode throughput of plain (non-speculative) decoding, measured after warm-up.
+"""Decode throughput, plain and speculative, measured after warm-up in one process.
 
-    python scripts/bench.py                       # the embedded default model, batch 1 and 8
-    python scripts/bench.py --synthetic small     # a larger random config written to a temp dir
-    python scripts/bench.py --model DIR --batch 1 4 16 --new-tokens 128 --json out.json
+    python scripts/bench.py                                   # the embedded default model
+    python scripts/bench.py --synthetic oracle-small --k 0 1 2 3 4 --batch 1 8
+    python scripts/bench.py --model DIR --k 0 3 --new-tokens 128 --json out.json
 
-Each configuration runs once to compile (same shapes), then ``--repeats`` timed runs; the best
-and median decode tokens/s are reported. Only ratios measured in one run should be compared.
+For every batch size and K (0 = plain decoding) each configuration first runs once to compile
+(same shapes), then ``--repeats`` timed runs; the median decode rate is reported with the
+acceptance statistics, the speed-up over K = 0 and, for K > 0, the ratio of the fused step to the
+host-orchestrated baseline (same stages as separate executables with a host round trip). Ratios
+are only meaningful within one run of this script.
+
+Synthetic models: ``small`` (random weights: drafts are almost never accepted) and
+``oracle-small`` (same size; its MTP layer is built to predict the target most of the time, so
+the speculative machinery can be timed; its acceptance says nothing about real drafts).
 """
 
 from __future__ import annotations
@@ -22,11 +29,11 @@ import jax
 import numpy as np
 
 import mtp_jax
-from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
+from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
 from mtp_jax.cli import default_model_dir
 from mtp_jax.config import DeepseekV3Config
 
-# A "small" config: big enough that the math, not Python overhead, dominates a CPU decode step.
+# Big enough that the math, not Python overhead, dominates a CPU decode step.
 SMALL = {
     "model_type": "deepseek_v3",
     "vocab_size": 4096,
@@ -56,26 +63,19 @@ SMALL = {
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
     },
+    "num_nextn_predict_layers": 1,
     "eos_token_id": 1,
 }
 
 
-def bench_one(model: mtp_jax.Model, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(2, model.config.vocab_size, (batch, prompt_len)).tolist()
-    model.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)  # compile these shapes
-    runs = [model.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True).stats for _ in range(repeats)]
-    rates = [r["decode_tokens_per_second"] for r in runs]
-    return {
-        "batch": batch,
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "decode_tok_s_best": max(rates),
-        "decode_tok_s_median": statistics.median(rates),
-        "step_ms_median": 1000.0
-        * statistics.median(r["decode_seconds"] / max(r["decode_steps"], 1) for r in runs),
-        "prefill_ms_median": 1000.0 * statistics.median(r["prefill_seconds"] for r in runs),
-    }
+def timed(model, prompts, args, **kwargs) -> dict:
+    model.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True, **kwargs)  # compile
+    runs = [
+        model.generate(prompts, max_new_tokens=args.new_tokens, ignore_eos=True, **kwargs).stats
+        for _ in range(args.repeats)
+    ]
+    rate = statistics.median(r["decode_tokens_per_second"] for r in runs)
+    return {"decode_tok_s": rate, "stats": runs[-1]}
 
 
 def main() -> int:
@@ -84,48 +84,87 @@ def main() -> int:
     )
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint directory (default: the embedded model)")
-    src.add_argument("--synthetic", choices=["small"], help="benchmark a random checkpoint of this config")
+    src.add_argument("--synthetic", choices=["small", "oracle-small"], help="a generated checkpoint")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--k", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="drafts per step; 0 = plain"
+    )
+    parser.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sampled"])
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the host-orchestrated baseline")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
             path = os.path.join(tmp, args.synthetic)
-            write_hub_checkpoint(path, SMALL, hub_tensors(DeepseekV3Config.from_dict(SMALL), seed=0))
+            cfg = DeepseekV3Config.from_dict(SMALL)
+            tensors = oracle_draft_tensors(cfg, 0.6) if args.synthetic == "oracle-small" else hub_tensors(cfg)
+            write_hub_checkpoint(path, SMALL, tensors)
             name = f"synthetic:{args.synthetic}"
         else:
             path = args.model or default_model_dir()
             if path is None:
                 print("no --model and no embedded model found", file=sys.stderr)
                 return 2
-            name = path
+            name = os.path.basename(path.rstrip("/"))
         model = mtp_jax.load(path, dtype=args.dtype)
-        results = []
+        rng = np.random.default_rng(0)
+        rows = []
         for b in args.batch:
-            print(f"batch {b} ...", file=sys.stderr, flush=True)
-            results.append(bench_one(model, b, args.prompt_len, args.new_tokens, args.repeats))
+            prompts = rng.integers(2, model.config.vocab_size, (b, args.prompt_len)).tolist()
+            base = None
+            for k in args.k:
+                print(f"batch {b}, K={k} ...", file=sys.stderr, flush=True)
+                spec = (
+                    {}
+                    if k == 0
+                    else {"draft": "mtp", "num_speculative_tokens": k, "draft_sampling": args.draft_sampling}
+                )
+                fused = timed(model, prompts, args, temperature=args.temperature, **spec)
+                row = {
+                    "batch": b,
+                    "k": k,
+                    "acceptance_length": fused["stats"]["acceptance_length"],
+                    "acceptance_by_position": fused["stats"]["acceptance_rate_per_position"],
+                    "decode_tok_s": fused["decode_tok_s"],
+                }
+                if k == 0:
+                    base = fused["decode_tok_s"]
+                row["speedup_vs_plain"] = fused["decode_tok_s"] / base if base else None
+                if k > 0 and not args.no_baseline:
+                    host = timed(model, prompts, args, temperature=args.temperature, fused=False, **spec)
+                    row["host_orchestrated_tok_s"] = host["decode_tok_s"]
+                    row["fused_over_host"] = fused["decode_tok_s"] / host["decode_tok_s"]
+                rows.append(row)
 
     report = {
         "model": name,
         "dtype": args.dtype,
+        "temperature": args.temperature,
+        "draft_sampling": args.draft_sampling,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
         "device": str(jax.devices()[0]),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "jax": jax.__version__,
-        "results": results,
+        "results": rows,
     }
-    print("| model | dtype | batch | prompt | new | decode tok/s (median) | best | step ms | prefill ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
+    print(
+        "| batch | K | acceptance length | acceptance by position | decode tok/s | vs plain | fused / host |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        by_pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-"
+        ratio = f"{r['fused_over_host']:.2f}x" if "fused_over_host" in r else "-"
         print(
-            f"| {name} | {args.dtype} | {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | "
-            f"{r['decode_tok_s_median']:.1f} | {r['decode_tok_s_best']:.1f} | {r['step_ms_median']:.2f} | "
-            f"{r['prefill_ms_median']:.1f} |"
+            f"| {r['batch']} | {r['k']} | {r['acceptance_length']:.2f} | {by_pos} | "
+            f"{r['decode_tok_s']:.1f} | {r['speedup_vs_plain']:.2f}x | {ratio} |"
         )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
