@@ -14,7 +14,7 @@ from mtp_jax.checkpoint.convert import MANIFEST, convert
 from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.cli import main as cli_main
 from tests.checkpoint.test_fp8 import IDS, fp8_pair  # noqa: F401  (module-scoped fixture)
-from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.conftest import DEEPSEEK_V3_CONFIG, EMBEDDED_MODEL, REPO
 
 
 def assert_same_params(a: dict, b: dict) -> None:
@@ -132,48 +132,7 @@ def test_cli_convert_and_inspect(tmp_path, capsys):
 
 
 def test_cli_inspect_real_deepseek_v3(tmp_path, capsys):
-    config = {
-        "model_type": "deepseek_v3",
-        "vocab_size": 129280,
-        "hidden_size": 7168,
-        "intermediate_size": 18432,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61,
-        "first_k_dense_replace": 3,
-        "num_attention_heads": 128,
-        "num_key_value_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "n_routed_experts": 256,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 8,
-        "n_group": 8,
-        "topk_group": 4,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000,
-        "max_position_embeddings": 163840,
-        "num_nextn_predict_layers": 1,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 40,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 4096,
-        },
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        },
-    }
+    config = DEEPSEEK_V3_CONFIG
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     args = [

@@ -18,55 +18,9 @@ from mtp_jax.checkpoint.estimate import (
 from mtp_jax.checkpoint.estimate import format_report as report
 from mtp_jax.checkpoint.synthetic import hub_tensors
 from mtp_jax.config import DeepseekV3Config
-from tests.conftest import TINY_CONFIG
+from tests.conftest import DEEPSEEK_V3_CONFIG, TINY_CONFIG
 
-# DeepSeek-V3's config.json (values from /work/shared/FORMATS.md).
-DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "vocab_size": 129280,
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61,
-    "first_k_dense_replace": 3,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "n_group": 8,
-    "topk_group": 4,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000,
-    "max_position_embeddings": 163840,
-    "rope_scaling": {
-        "type": "yarn",
-        "factor": 40,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-    },
-    "num_nextn_predict_layers": 1,
-    "tie_word_embeddings": False,
-    "quantization_config": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    },
-}
+DEEPSEEK_V3 = DEEPSEEK_V3_CONFIG
 
 # Tiny variants: q_lora None, tied embeddings, 0/2 shared experts, first_k_dense 0..all, MTP 0/1/2.
 VARIANTS = {
