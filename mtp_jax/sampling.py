@@ -143,9 +143,14 @@ def sample(
 ) -> jax.Array:
     """Next tokens [B] (int32) for logits [B, V]; ``positions`` [B] are the new tokens' positions."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logp = processed_logprobs(logits, params)
-    drawn = jax.vmap(jax.random.categorical)(row_keys(params.seed, positions, stream), logp).astype(jnp.int32)
-    return jnp.where(params.temperature > 0, drawn, greedy)
+
+    def drawn() -> jax.Array:
+        logp = processed_logprobs(logits, params)
+        keys = row_keys(params.seed, positions, stream)
+        return jnp.where(params.temperature > 0, jax.vmap(jax.random.categorical)(keys, logp), greedy)
+
+    # an all-greedy batch skips the vocabulary sort and the draws entirely
+    return jax.lax.cond(jnp.any(params.temperature > 0), drawn, lambda: greedy).astype(jnp.int32)
 
 
 def repeat_rows(params: SamplingParams, n: int) -> SamplingParams:
