@@ -103,7 +103,8 @@ def main() -> int:
         if args.synthetic:
             path = os.path.join(tmp, args.synthetic)
             cfg = DeepseekV3Config.from_dict(SMALL)
-            tensors = oracle_draft_tensors(cfg, 0.01) if args.synthetic == "oracle-small" else hub_tensors(cfg)
+            oracle = args.synthetic == "oracle-small"
+            tensors = oracle_draft_tensors(cfg, 0.01) if oracle else hub_tensors(cfg)
             write_hub_checkpoint(path, SMALL, tensors)
             name = f"synthetic:{args.synthetic}"
         else:

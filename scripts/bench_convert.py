@@ -109,12 +109,15 @@ def write_checkpoint(path: str, weights: str) -> int:
 
 
 def run_child(code: str) -> tuple[float, int]:
-    """Run ``code`` in a fresh interpreter: (seconds, the child's own peak RSS in bytes)."""
-    code += "\nimport resource; print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    """Run ``code`` in a fresh interpreter: (seconds, the child's own peak RSS in bytes).
+
+    Read from VmHWM in /proc: unlike getrusage's ru_maxrss, which survives execve and would report
+    the parent's peak (this script's generation phase), it belongs to the new address space."""
+    code += "\nprint([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].strip())"
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True).stdout
     seconds = time.perf_counter() - t0
-    peak_kb = int(next(line for line in out.splitlines() if line.startswith("PEAK_RSS_KB")).split()[1])
+    peak_kb = int(next(line for line in out.splitlines() if line.startswith("VmHWM")).split()[1])
     return seconds, peak_kb * 1024
 
 
