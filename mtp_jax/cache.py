@@ -29,10 +29,6 @@ def init_pages(
     }
 
 
-def cache_bytes(cfg: DeepseekV3Config, num_pages: int, page_size: int, dtype: jnp.dtype) -> int:
-    return cfg.num_hidden_layers * num_pages * page_size * latent_width(cfg) * jnp.dtype(dtype).itemsize
-
-
 class PageAllocator:
     """A free list of page ids. Pages are handed out in any order; the page table hides it."""
 
