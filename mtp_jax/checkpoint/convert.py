@@ -29,10 +29,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
-from mtp_jax.checkpoint.deepseek_v3 import FLOAT32_LEAVES, assemble, param_groups
+from mtp_jax.checkpoint.deepseek_v3 import FLOAT32_LEAVES, assemble, host_dtype, param_groups
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DeepseekV3Config
@@ -275,9 +274,7 @@ def load_converted(
         )
     if mtp and cfg.num_nextn_predict_layers and not manifest["mtp"]:
         log.warning("%s was converted without its MTP layers", path)
-    host = (
-        np.dtype(ml_dtypes.bfloat16) if jax.numpy.dtype(dtype) == jax.numpy.bfloat16 else np.dtype(np.float32)
-    )
+    host = host_dtype(dtype)
     checkpointer = ocp.StandardCheckpointer()
 
     def restore(gdir: str, name: str) -> Any:
