@@ -61,11 +61,41 @@ def routed_experts(
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(ys).astype(x.dtype)
 
 
-def moe(p: dict, x: jax.Array, cfg: DeepseekV3Config) -> jax.Array:
-    """The MoE block for x [b, t, d]."""
+def routed_experts_dense(
+    x: jax.Array, weights: jax.Array, idx: jax.Array, gate: Weight, up: Weight, down: Weight
+) -> jax.Array:
+    """The same sum as :func:`routed_experts`, computed by running every expert on every token and
+    weighting the outputs by a dense [n, e] matrix that is zero outside each token's top-k.
+
+    E/k times the FLOPs, but plain batched matmuls: on CPU, where ``ragged_dot`` (and its gradient)
+    is slow, this is the fast way to train small models, and it is the reference kernels are held to.
+    """
+    gate, up, down = (materialize(w, x.dtype) for w in (gate, up, down))
+    n, e = x.shape[0], gate.shape[0]
+    dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)
+    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)
+    ys = jnp.einsum("enf,efd->end", h, down, preferred_element_type=jnp.float32)
+    return jnp.einsum("end,ne->nd", ys, dense_w).astype(x.dtype)
+
+
+DISPATCH = {"sorted": routed_experts, "dense": routed_experts_dense}
+
+
+def moe(
+    p: dict, x: jax.Array, cfg: DeepseekV3Config, dispatch: str = "sorted"
+) -> tuple[jax.Array, jax.Array]:
+    """The MoE block for x [b, t, d]: (output [b, t, d], tokens routed to each expert [e] float32).
+
+    ``dispatch`` picks how the routed experts are evaluated (same result): ``"sorted"`` (dropless
+    sort + grouped matmul, for inference) or ``"dense"`` (:func:`routed_experts_dense`, for training).
+    The per-expert load feeds DeepSeek-V3's auxiliary-loss-free bias update during training.
+    """
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch must be one of {sorted(DISPATCH)}, got {dispatch!r}")
     flat = x.reshape(-1, x.shape[-1])
     weights, idx = route(flat, p["router"], p["bias"], cfg)
-    out = routed_experts(flat, weights, idx, p["gate"], p["up"], p["down"])
+    out = DISPATCH[dispatch](flat, weights, idx, p["gate"], p["up"], p["down"])
     if cfg.n_shared_experts:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
-    return out.reshape(x.shape)
+    load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)
+    return out.reshape(x.shape), load

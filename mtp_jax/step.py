@@ -124,7 +124,8 @@ forward_paged_jit = jax.jit(forward_paged, static_argnames=("cfg", "page_size"),
 
 def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid):
     paged = PagedAttention(draft_pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
-    return mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged)
+    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged)
+    return out.state, out.logits, out.pages
 
 
 def _propose(params, sc, draft_pages, page_table, active, sampling, g, logits, first_pos):

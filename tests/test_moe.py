@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.moe import moe, route, routed_experts
+from mtp_jax.moe import moe, route, routed_experts, routed_experts_dense
 from tests.conftest import TINY_CONFIG
 
 
@@ -80,14 +80,15 @@ def test_routed_experts_match_loop():
     idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
     idx[:, 0] = 4  # a popular expert; expert 5 may be idle
     w = rng.random((n, k)).astype(np.float32)
-    got = np.asarray(routed_experts(*map(jnp.asarray, (x, w, idx, gate, up, down))))
     want = np.zeros_like(x, dtype=np.float64)
     for i in range(n):
         for j in range(k):
             ex = idx[i, j]
             g, u = x[i] @ gate[ex], x[i] @ up[ex]
             want[i] += w[i, j] * ((g / (1 + np.exp(-g)) * u) @ down[ex])
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for impl in (routed_experts, routed_experts_dense):
+        got = np.asarray(impl(*map(jnp.asarray, (x, w, idx, gate, up, down))))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=impl.__name__)
 
 
 def test_moe_block_adds_shared_experts():
@@ -105,9 +106,14 @@ def test_moe_block_adds_shared_experts():
         "shared_down": rng.standard_normal((f, d)).astype(np.float32) * 0.2,
     }
     x = rng.standard_normal((2, 5, d)).astype(np.float32)
-    full = np.asarray(moe({k: jnp.asarray(v) for k, v in p.items()}, jnp.asarray(x), cfg))
+    params = {k: jnp.asarray(v) for k, v in p.items()}
+    full, load = moe(params, jnp.asarray(x), cfg)
+    full = np.asarray(full)
     no_shared = dataclasses.replace(cfg, n_shared_experts=0)
-    routed = np.asarray(moe({k: jnp.asarray(v) for k, v in p.items()}, jnp.asarray(x), no_shared))
+    routed = np.asarray(moe(params, jnp.asarray(x), no_shared)[0])
+    assert load.shape == (e,) and float(load.sum()) == 2 * 5 * cfg.num_experts_per_tok
+    with pytest.raises(ValueError, match="dispatch"):
+        moe(params, jnp.asarray(x), cfg, "ragged")
     g, u = x @ p["shared_gate"], x @ p["shared_up"]
     shared = (g / (1 + np.exp(-g)) * u) @ p["shared_down"]
     np.testing.assert_allclose(full - routed, shared, rtol=1e-4, atol=1e-5)

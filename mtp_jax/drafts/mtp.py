@@ -15,6 +15,8 @@ with several, e.g. ``num_nextn_predict_layers: 2``, could chain them; none is pu
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -27,6 +29,17 @@ def has_mtp(params: dict) -> bool:
     return "mtp" in params
 
 
+class MtpOutput(NamedTuple):
+    state: jax.Array
+    """Recycled state g [b, t, d] (post shared_head.norm), the "hidden" of the next chained step."""
+    logits: jax.Array
+    """Float32 logits [b, t, V] for t_{i+2}."""
+    pages: jax.Array | None
+    """The MTP layer's updated pages (None without a cache)."""
+    expert_load: jax.Array
+    """Tokens routed to each of the layer's experts [e]."""
+
+
 def mtp_forward(
     params: dict,
     cfg: DeepseekV3Config,
@@ -34,13 +47,13 @@ def mtp_forward(
     hidden: jax.Array,
     positions: jax.Array,
     paged: PagedAttention | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    dispatch: str = "sorted",
+) -> MtpOutput:
     """MTP rows for next_tokens [b, t] (t_{i+1}) and hidden [b, t, d] (h_i) at positions [b, t] (i).
 
     Without ``paged`` the rows attend causally among themselves (teacher-forced, positions
     0..t-1); with it they are written to and attend over the MTP layer's paged cache
-    (``paged.pages`` is its [P, page, c] pages). Returns (recycled state g [b, t, d], logits
-    [b, t, V] float32, updated pages or None).
+    (``paged.pages`` is its [P, page, c] pages). ``dispatch`` as in :func:`mtp_jax.moe.moe`.
     """
     mp = jax.tree.map(lambda x: x[0], params["mtp"])
     eps = cfg.rms_norm_eps
@@ -50,7 +63,8 @@ def mtp_forward(
     h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
     x = jnp.einsum("btc,cd->btd", jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
     attention = attention_fn(cfg, positions, paged)
-    y, pages = decoder_layer(mp["layer"], x, cfg, True, attention, None if paged is None else paged.pages)
+    pages_in = None if paged is None else paged.pages
+    y, pages, load = decoder_layer(mp["layer"], x, cfg, True, attention, pages_in, dispatch)
     g = rms_norm(y, mp["head_norm"], eps)
     logits = jnp.einsum("btd,dv->btv", g, head, preferred_element_type=jnp.float32)
-    return g, logits, pages
+    return MtpOutput(g, logits, pages, load)

@@ -39,6 +39,8 @@ class Hidden(NamedTuple):
     post_norm: jax.Array
     pre_norm: jax.Array
     layers: jax.Array | None
+    expert_load: jax.Array | None = None
+    """Tokens routed to each expert of each MoE layer [n_moe_layers, e] (None without MoE layers)."""
 
 
 class PagedAttention(NamedTuple):
@@ -72,12 +74,14 @@ def forward(
     positions: jax.Array,
     paged: PagedAttention | None = None,
     capture: tuple[int, ...] = (),
+    dispatch: str = "sorted",
 ) -> tuple[Hidden, dict[str, jax.Array] | None]:
     """Run the decoder on tokens [b, t] at absolute positions [b, t].
 
     Without ``paged``: teacher-forced over whole sequences (positions must be 0..t-1), expanded
     attention, no cache. With ``paged``: absorbed attention against the paged latent cache, which
     is returned updated. ``capture`` (static) selects layer outputs to return in ``Hidden.layers``.
+    ``dispatch`` (static) is how routed experts are evaluated (see :func:`mtp_jax.moe.moe`).
     """
     check_capture(cfg, capture)
     attention = attention_fn(cfg, positions, paged)
@@ -87,26 +91,30 @@ def forward(
     slot_of[list(capture)] = np.arange(len(capture), dtype=np.int32)
 
     new_pages = {}
+    expert_load = None
     first = 0
     for name, n in stack_sizes(cfg).items():
 
         def layer(carry, xs, is_moe=name == "moe"):
             h, captured = carry
             p, pages, slot = xs
-            h, pages = decoder_layer(p, h, cfg, is_moe, attention, pages)
+            h, pages, load = decoder_layer(p, h, cfg, is_moe, attention, pages, dispatch)
             if captured is not None:
                 captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
-            return (h, captured), pages
+            return (h, captured), (pages, load)
 
         pages_in = None if paged is None else paged.pages[name]
         xs = (params[name], pages_in, jnp.asarray(slot_of[first : first + n]))
-        (h, captured), pages_out = jax.lax.scan(layer, (h, captured), xs)
+        (h, captured), (pages_out, load) = jax.lax.scan(layer, (h, captured), xs)
         new_pages[name] = pages_out
+        if load is not None:
+            expert_load = load
         first += n
     hidden = Hidden(
         post_norm=rms_norm(h, params["final_norm"], cfg.rms_norm_eps),
         pre_norm=h,
         layers=None if captured is None else captured[: len(capture)],
+        expert_load=expert_load,
     )
     return hidden, (None if paged is None else new_pages)
 
@@ -129,13 +137,23 @@ def attention_fn(cfg: DeepseekV3Config, positions: jax.Array, paged: PagedAttent
 
 
 def decoder_layer(
-    p: dict, h: jax.Array, cfg: DeepseekV3Config, is_moe: bool, attention: Attention, pages: jax.Array | None
-) -> tuple[jax.Array, jax.Array | None]:
-    """One pre-norm decoder layer: h + attn(norm(h)), then + mlp(norm(.)) (MoE or dense)."""
+    p: dict,
+    h: jax.Array,
+    cfg: DeepseekV3Config,
+    is_moe: bool,
+    attention: Attention,
+    pages: jax.Array | None,
+    dispatch: str = "sorted",
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """One pre-norm decoder layer: h + attn(norm(h)), then + mlp(norm(.)) (MoE or dense).
+    Returns (h, pages, expert load [e] or None for a dense layer)."""
     attn_out, pages = attention(p["attn"], rms_norm(h, p["input_norm"], cfg.rms_norm_eps), pages)
     h = h + attn_out
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
-    return h + (moe(p["mlp"], x, cfg) if is_moe else swiglu(x, **p["mlp"])), pages
+    if not is_moe:
+        return h + swiglu(x, **p["mlp"]), pages, None
+    out, load = moe(p["mlp"], x, cfg, dispatch)
+    return h + out, pages, load
 
 
 def lm_head(params: dict, h: jax.Array) -> jax.Array:

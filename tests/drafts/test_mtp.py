@@ -32,11 +32,13 @@ def test_mtp_teacher_forced_matches_transformers(case):
     hidden = model.hidden_states(ids).post_norm
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t - 1), (b, t - 1))
-    g, logits, _ = mtp_forward(
-        model.params, model.config, jnp.asarray(ids[:, 1:]), jnp.asarray(hidden[:, :-1]), pos
-    )
-    assert rel_err(logits, ref["mtp_logits"]) < 1e-4
-    assert rel_err(g, ref["mtp_hidden"]) < 1e-4
+    args = (model.params, model.config, jnp.asarray(ids[:, 1:]), jnp.asarray(hidden[:, :-1]), pos)
+    out = mtp_forward(*args)
+    assert rel_err(out.logits, ref["mtp_logits"]) < 1e-4
+    assert rel_err(out.state, ref["mtp_hidden"]) < 1e-4
+    dense = mtp_forward(*args, dispatch="dense")  # the training path
+    assert rel_err(dense.logits, ref["mtp_logits"]) < 1e-4
+    assert float(out.expert_load.sum()) == b * (t - 1) * model.config.num_experts_per_tok
 
 
 def test_mtp_paged_in_chunks_matches_transformers(case):
@@ -53,8 +55,9 @@ def test_mtp_paged_in_chunks_matches_transformers(case):
     for lo, hi in [(0, 5), (5, 6), (6, t - 1)]:
         pos = jnp.broadcast_to(jnp.arange(lo, hi), (b, hi - lo))
         paged = PagedAttention(pages, slots_for(table, pos, jnp.ones(pos.shape, bool), page), table)
-        _, logits, pages = mtp_forward(
+        out = mtp_forward(
             model.params, model.config, jnp.asarray(ids[:, lo + 1 : hi + 1]), hidden[:, lo:hi], pos, paged
         )
-        got.append(np.asarray(logits))
+        pages = out.pages
+        got.append(np.asarray(out.logits))
     assert rel_err(np.concatenate(got, axis=1), ref["mtp_logits"]) < 1e-4
