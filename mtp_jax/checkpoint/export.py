@@ -1,0 +1,100 @@
+"""The parameter pytree -> hub-layout DeepSeek-V3 tensors: the inverse of :mod:`.deepseek_v3`.
+
+Used to save trained models (``scripts/train_tiny.py``) in the exact layout ``transformers`` and
+every other engine read: [out, in] projections, one tensor per expert, the MTP layer as
+``model.layers.{N}`` with its own copies of the embedding and head (``embed_tokens``,
+``shared_head.head``) as published checkpoints have them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtp_jax.checkpoint.fp8 import Fp8Weight
+from mtp_jax.config import DeepseekV3Config
+
+
+def _np(x: Any, dtype: np.dtype) -> np.ndarray:
+    if isinstance(x, Fp8Weight):
+        raise ValueError("exporting FP8 weights is not supported; load the model with weights='dense'")
+    return np.asarray(x, dtype=np.float32).astype(dtype)
+
+
+def _linear(w: Any, dtype: np.dtype) -> np.ndarray:
+    """Ours [in, ...out axes] (or [in..., out] for o_proj) flattened to hub [out, in]."""
+    w = _np(w, dtype)
+    return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+
+
+def _layer(p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dtype) -> dict[str, np.ndarray]:
+    t = {
+        f"{pre}input_layernorm.weight": _np(p["input_norm"], dtype),
+        f"{pre}post_attention_layernorm.weight": _np(p["post_attn_norm"], dtype),
+    }
+    a, attn = f"{pre}self_attn.", p["attn"]
+    if cfg.q_lora_rank is None:
+        t[f"{a}q_proj.weight"] = _linear(attn["q"], dtype)
+    else:
+        t[f"{a}q_a_proj.weight"] = _linear(attn["q_a"], dtype)
+        t[f"{a}q_a_layernorm.weight"] = _np(attn["q_a_norm"], dtype)
+        t[f"{a}q_b_proj.weight"] = _linear(attn["q_b"], dtype)
+    t[f"{a}kv_a_proj_with_mqa.weight"] = _linear(attn["kv_a"], dtype)
+    t[f"{a}kv_a_layernorm.weight"] = _np(attn["kv_a_norm"], dtype)
+    kv_b = np.concatenate([_np(attn["k_b"], dtype), _np(attn["v_b"], dtype)], axis=-1)  # [r, h, nope + v]
+    t[f"{a}kv_b_proj.weight"] = _linear(kv_b, dtype)
+    o = _np(attn["o"], dtype)  # [h, v, d]
+    t[f"{a}o_proj.weight"] = np.ascontiguousarray(o.reshape(-1, o.shape[-1]).T)
+    m, mlp = f"{pre}mlp.", p["mlp"]
+    if not is_moe:
+        for name in ("gate", "up", "down"):
+            t[f"{m}{name}_proj.weight"] = _linear(mlp[name], dtype)
+        return t
+    t[f"{m}gate.weight"] = np.ascontiguousarray(np.asarray(mlp["router"], np.float32).T)
+    t[f"{m}gate.e_score_correction_bias"] = np.asarray(mlp["bias"], np.float32)
+    for j in range(cfg.n_routed_experts):
+        for name in ("gate", "up", "down"):
+            t[f"{m}experts.{j}.{name}_proj.weight"] = _linear(mlp[name][j], dtype)
+    if cfg.n_shared_experts:
+        for name in ("gate", "up", "down"):
+            t[f"{m}shared_experts.{name}_proj.weight"] = _linear(mlp[f"shared_{name}"], dtype)
+    return t
+
+
+def hub_tensors_from_params(
+    params: dict, cfg: DeepseekV3Config, dtype: Any = np.float32
+) -> dict[str, np.ndarray]:
+    """Every hub tensor of ``params`` (as built by the loader) in ``dtype``; routers and correction
+    biases stay float32 as in the published checkpoints."""
+    dtype = np.dtype(dtype)
+    params = jax.device_get(params)
+    t = {"model.embed_tokens.weight": _np(params["embed"], dtype)}
+    layer = 0
+    for name, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
+        for i in range(n):
+            p = jax.tree.map(lambda x, i=i: x[i], params[name])
+            t.update(_layer(p, cfg, f"model.layers.{layer}.", name == "moe", dtype))
+            layer += 1
+    t["model.norm.weight"] = _np(params["final_norm"], dtype)
+    head = np.ascontiguousarray(_np(params["lm_head"], dtype).T)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = head
+    if "mtp" in params:
+        count = jax.tree.leaves(params["mtp"])[0].shape[0]
+        for k in range(count):
+            mp = jax.tree.map(lambda x, k=k: x[k], params["mtp"])
+            pre = f"model.layers.{cfg.num_hidden_layers + k}."
+            t.update(_layer(mp["layer"], cfg, pre, True, dtype))
+            t[f"{pre}enorm.weight"] = _np(mp["enorm"], dtype)
+            t[f"{pre}hnorm.weight"] = _np(mp["hnorm"], dtype)
+            t[f"{pre}eh_proj.weight"] = _linear(mp["eh_proj"], dtype)
+            t[f"{pre}shared_head.norm.weight"] = _np(mp["head_norm"], dtype)
+            t[f"{pre}embed_tokens.weight"] = (
+                _np(mp["embed"], dtype) if "embed" in mp else t["model.embed_tokens.weight"]
+            )
+            t[f"{pre}shared_head.head.weight"] = (
+                np.ascontiguousarray(_np(mp["head"], dtype).T) if "head" in mp else head
+            )
+    return t
