@@ -1,0 +1,115 @@
+"""MLA decode attention over a paged latent cache: Pallas Mosaic GPU kernel, reference, dispatcher.
+
+:func:`mla_decode` picks an implementation: ``impl="auto"`` runs the kernel on a Hopper GPU
+(compute capability 9.x) when the inputs suit it (16-bit dtype, a supported page size) and the
+pure-jnp reference everywhere else. The environment variable ``MTP_JAX_KERNELS`` (``reference``,
+``kernel`` or ``interpret``) overrides what ``"auto"`` would pick; an explicit ``impl`` wins over it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.mla_decode.kernel import NATIVE_DTYPES, check_page_size, mla_decode_kernel
+from pallas_kernels.mla_decode.reference import mla_decode_reference
+
+__all__ = ["ENV_VAR", "IMPLS", "mla_decode", "mla_decode_kernel", "mla_decode_reference", "resolve_impl"]
+
+ENV_VAR = "MTP_JAX_KERNELS"
+IMPLS = ("auto", "kernel", "interpret", "reference")
+
+
+def _on_hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def _kernel_suits(pages: jax.Array) -> bool:
+    if jnp.dtype(pages.dtype) not in NATIVE_DTYPES:
+        return False
+    try:
+        check_page_size(pages.shape[1])
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_impl(impl: str, pages: jax.Array | None = None) -> str:
+    """The implementation ``impl`` stands for here: "kernel", "interpret" or "reference".
+
+    ``pages`` (optional) lets ``"auto"`` fall back to the reference for inputs the native kernel
+    does not take (float32, an unsupported page size).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"mla_decode: impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced:
+        if forced not in IMPLS[1:]:
+            raise ValueError(f"{ENV_VAR} must be one of {IMPLS[1:]} (or unset), got {forced!r}")
+        return forced
+    if _on_hopper() and (pages is None or _kernel_suits(pages)):
+        return "kernel"
+    return "reference"
+
+
+def _check_args(q, pages, page_table, positions, value_dim) -> None:
+    if q.ndim != 4:
+        raise ValueError(f"mla_decode: q must be [B, T, H, C], got shape {q.shape}")
+    batch, tokens, _, width = q.shape
+    if pages.ndim != 3 or pages.shape[2] != width:
+        raise ValueError(
+            f"mla_decode: pages must be [P, S, C={width}] (C from q {q.shape}), got {pages.shape}"
+        )
+    if pages.dtype != q.dtype:
+        raise ValueError(f"mla_decode: pages dtype {pages.dtype} differs from q dtype {q.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(
+            f"mla_decode: page_table must be [B={batch}, N] (B from q {q.shape}), got {page_table.shape}"
+        )
+    if positions.shape != (batch, tokens):
+        raise ValueError(
+            f"mla_decode: positions must be [B, T] = {(batch, tokens)} (from q {q.shape}), "
+            f"got {positions.shape}"
+        )
+    for name, x in (("page_table", page_table), ("positions", positions)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"mla_decode: {name} must be an integer array, got {x.dtype}")
+    if not 0 < value_dim <= width:
+        raise ValueError(f"mla_decode: value_dim must be in [1, C={width}], got {value_dim}")
+
+
+def mla_decode(
+    q: jax.Array,
+    pages: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float,
+    value_dim: int,
+    impl: str = "auto",
+) -> jax.Array:
+    """Absorbed MLA attention of T query tokens per row against the paged latent cache.
+
+    q [B, T, H, C] and pages [P, S, C] of one dtype, page_table [B, N] int32, positions [B, T]
+    int32 -> [B, T, H, value_dim] in q.dtype. Query (b, t) sees cache positions
+    ``s <= positions[b, t]``; a negative position sees nothing and yields zeros. See
+    :func:`mla_decode_reference` for the full contract. ``impl``: "auto", "kernel" (compiled Mosaic
+    GPU kernel), "interpret" (the kernel in Mosaic GPU interpret mode, any backend) or "reference".
+    """
+    _check_args(q, pages, page_table, positions, value_dim)
+    impl = resolve_impl(impl, pages)
+    if impl == "reference":
+        return mla_decode_reference(q, pages, page_table, positions, scale=scale, value_dim=value_dim)
+    if impl == "kernel" and jnp.dtype(q.dtype) not in NATIVE_DTYPES:
+        raise ValueError(
+            f"mla_decode: the compiled kernel takes {[str(d) for d in NATIVE_DTYPES]}, got {q.dtype} "
+            "(use impl='reference' or 'interpret')"
+        )
+    return mla_decode_kernel(
+        q, pages, page_table, positions, scale=scale, value_dim=value_dim, interpret=impl == "interpret"
+    )

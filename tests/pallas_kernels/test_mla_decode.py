@@ -1,0 +1,306 @@
+"""MLA decode attention: reference against numpy, kernel (Mosaic GPU interpret mode) against reference.
+
+Every kernel run is in interpret mode, which fills fresh buffers (the output, shared memory) with
+NaN and raises on an out-of-bounds read; page-table entries past each row's needed pages are
+garbage (out-of-range ids, or the id of a NaN-filled page), so reading or using one fails the test.
+The ``hopper`` tests compile the kernel natively and only run on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_decode import (
+    ENV_VAR,
+    mla_decode,
+    mla_decode_kernel,
+    mla_decode_reference,
+    resolve_impl,
+)
+from pallas_kernels.mla_decode.kernel import BLOCK_KEYS, default_splits
+
+ON_HOPPER = jax.devices()[0].platform == "gpu" and str(
+    getattr(jax.devices()[0], "compute_capability", "")
+).startswith("9")
+hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (compiles the kernel natively)")
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def make_inputs(
+    seed: int,
+    *,
+    batch: int,
+    tokens: int,
+    heads: int,
+    width: int,
+    page_size: int,
+    pages_per_row: int,
+    dtype,
+    garbage: bool = True,
+    last: list[int] | None = None,
+):
+    """Random q [B, T, H, C], pages [P, S, C], page_table [B, N], positions [B, T].
+
+    Rows end at ragged positions (``last`` or random, mostly mid-page); row 0 starts at the cache's
+    first position so its early queries have negative positions, and with B >= 3 the last row sees
+    nothing. The last page is NaN and never needed; with ``garbage`` the table entries past each
+    row's needed pages are out-of-range ids or that NaN page.
+    """
+    rng = np.random.default_rng(seed)
+    capacity = pages_per_row * page_size
+    num_pages = batch * pages_per_row + 1
+    q = rng.standard_normal((batch, tokens, heads, width))
+    pages = rng.standard_normal((num_pages, page_size, width))
+    pages[-1] = np.nan
+    table = np.stack([rng.permutation(num_pages - 1)[:pages_per_row] for _ in range(batch)])
+    if last is None:
+        last = [int(x) for x in rng.integers(tokens - 1, capacity, size=batch)]
+        last[0] = max(tokens - 3, 0)  # queries at positions -2, -1, 0, ... (T >= 3)
+        if batch >= 3:
+            last[-1] = -1  # the whole row sees nothing
+    positions = np.asarray(last)[:, None] - np.arange(tokens)[::-1][None, :]
+    if garbage:
+        for b in range(batch):
+            first_unneeded = max(int(positions[b].max()), -1) // page_size + 1
+            for j in range(first_unneeded, pages_per_row):
+                table[b, j] = (10**6, -7, num_pages - 1)[j % 3]
+    return (
+        jnp.asarray(q, dtype),
+        jnp.asarray(pages, dtype),
+        jnp.asarray(table, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+    )
+
+
+def numpy_attention(q, pages, page_table, positions, scale: float, value_dim: int) -> np.ndarray:
+    """The same attention in float64, one query at a time, keys gathered by page table."""
+    q, pages = np.asarray(q, np.float64), np.asarray(pages, np.float64)
+    page_table, positions = np.asarray(page_table), np.asarray(positions)
+    page_size = pages.shape[1]
+    out = np.zeros((*q.shape[:3], value_dim))
+    for b in range(q.shape[0]):
+        for t in range(q.shape[1]):
+            n = positions[b, t] + 1
+            if n <= 0:
+                continue
+            keys = np.stack([pages[page_table[b, s // page_size], s % page_size] for s in range(n)])
+            scores = q[b, t] @ keys.T * scale  # [H, n]
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            out[b, t] = probs @ keys[:, :value_dim]
+    return out
+
+
+def assert_close(actual, expected, dtype) -> None:
+    actual = np.asarray(actual, np.float32)
+    assert not np.isnan(actual).any()
+    tol = TOL[dtype]
+    np.testing.assert_allclose(actual, np.asarray(expected, np.float32), atol=tol, rtol=tol)
+
+
+def test_reference_matches_numpy():
+    inputs = make_inputs(
+        0, batch=3, tokens=3, heads=2, width=12, page_size=4, pages_per_row=5, dtype=jnp.float32
+    )
+    q, pages, table, positions = inputs
+    assert (np.asarray(positions) < 0).any() and (np.asarray(positions) >= 0).any()
+    out = mla_decode_reference(*inputs, scale=0.37, value_dim=9)
+    assert out.shape == (3, 3, 2, 9) and out.dtype == jnp.float32
+    expected = numpy_attention(q, pages, table, positions, 0.37, 9)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(out)[np.asarray(positions) < 0] == 0)
+
+
+# (batch, tokens, heads, width, value_dim, page_size, pages_per_row, dtype, num_splits)
+KERNEL_CASES = {
+    "t1-h1-f32": (2, 1, 1, 40, 32, 8, 5, jnp.float32, 1),
+    "t2-h3-bf16": (3, 2, 3, 40, 32, 16, 4, jnp.bfloat16, 1),
+    "t5-h16-two-row-blocks-f32": (2, 5, 16, 64, 64, 16, 6, jnp.float32, 1),
+    "t4-h8-page64-bf16": (2, 4, 8, 64, 48, 64, 3, jnp.bfloat16, 1),
+    "t6-h4-page128-f32": (3, 6, 4, 72, 64, 128, 2, jnp.float32, 1),
+    "t6-h2-splits3-bf16": (2, 6, 2, 64, 64, 8, 24, jnp.bfloat16, 3),
+    "t3-h2-five-value-blocks-f32": (2, 3, 2, 384, 320, 16, 4, jnp.float32, 2),
+    "t2-h5-idle-splits-f32": (3, 2, 5, 40, 40, 32, 3, jnp.float32, 4),
+}
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_kernel_matches_reference(name):
+    batch, tokens, heads, width, value_dim, page_size, pages_per_row, dtype, splits = KERNEL_CASES[name]
+    inputs = make_inputs(
+        10 + list(KERNEL_CASES).index(name),
+        batch=batch,
+        tokens=tokens,
+        heads=heads,
+        width=width,
+        page_size=page_size,
+        pages_per_row=pages_per_row,
+        dtype=dtype,
+    )
+    scale = width**-0.5
+    expected = mla_decode_reference(*inputs, scale=scale, value_dim=value_dim)
+    out = mla_decode_kernel(*inputs, scale=scale, value_dim=value_dim, interpret=True, num_splits=splits)
+    assert out.shape == (batch, tokens, heads, value_dim) and out.dtype == dtype
+    assert_close(out, expected, dtype)
+    assert np.all(np.asarray(out, np.float32)[np.asarray(inputs[3]) < 0] == 0)
+
+
+def test_kernel_deepseek_sizes():
+    """H = 128, C = 512 + 64, value_dim = 512 (two value blocks, four row blocks), a few pages."""
+    inputs = make_inputs(
+        1,
+        batch=1,
+        tokens=2,
+        heads=128,
+        width=576,
+        page_size=64,
+        pages_per_row=3,
+        dtype=jnp.bfloat16,
+        last=[150],
+    )
+    expected = mla_decode_reference(*inputs, scale=576**-0.5, value_dim=512)
+    out = mla_decode_kernel(*inputs, scale=576**-0.5, value_dim=512, interpret=True)
+    assert_close(out, expected, jnp.bfloat16)
+
+
+@pytest.mark.slow
+def test_kernel_long_context():
+    """32k cached positions (512 key blocks, 2048 pages of 16) for one row, the default splits."""
+    page_size, pages_per_row = 16, 2048
+    inputs = make_inputs(
+        2,
+        batch=2,
+        tokens=2,
+        heads=2,
+        width=64,
+        page_size=page_size,
+        pages_per_row=pages_per_row,
+        dtype=jnp.bfloat16,
+        last=[page_size * pages_per_row - 1, 1000],
+    )
+    expected = mla_decode_reference(*inputs, scale=0.125, value_dim=64)
+    out = mla_decode_kernel(*inputs, scale=0.125, value_dim=64, interpret=True)
+    assert_close(out, expected, jnp.bfloat16)
+
+
+def test_garbage_past_needed_pages_is_ignored():
+    """Out-of-range and NaN-page ids past the needed pages change nothing (and are never read)."""
+    kw = dict(batch=3, tokens=4, heads=2, width=40, page_size=8, pages_per_row=9, dtype=jnp.float32)
+    clean = make_inputs(3, garbage=False, last=[20, 37, 5], **kw)
+    dirty = make_inputs(3, garbage=True, last=[20, 37, 5], **kw)
+    assert not np.array_equal(np.asarray(clean[2]), np.asarray(dirty[2]))
+    expected = mla_decode_reference(*clean, scale=0.2, value_dim=32)
+    np.testing.assert_array_equal(mla_decode_reference(*dirty, scale=0.2, value_dim=32), expected)
+    out = mla_decode_kernel(*dirty, scale=0.2, value_dim=32, interpret=True, num_splits=2)
+    assert_close(out, expected, jnp.float32)
+
+
+def test_dispatcher_interpret_under_jit():
+    inputs = make_inputs(
+        4, batch=2, tokens=3, heads=3, width=40, page_size=8, pages_per_row=4, dtype=jnp.bfloat16
+    )
+    run = jax.jit(lambda *a: mla_decode(*a, scale=0.3, value_dim=24, impl="interpret"))
+    assert_close(run(*inputs), mla_decode_reference(*inputs, scale=0.3, value_dim=24), jnp.bfloat16)
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="checks the fallback away from a Hopper GPU")
+def test_dispatcher_auto_is_reference_off_gpu(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    inputs = make_inputs(
+        5, batch=2, tokens=2, heads=2, width=40, page_size=8, pages_per_row=3, dtype=jnp.bfloat16
+    )
+    assert resolve_impl("auto", inputs[1]) == "reference"
+    np.testing.assert_array_equal(
+        mla_decode(*inputs, scale=0.3, value_dim=32),
+        mla_decode_reference(*inputs, scale=0.3, value_dim=32),
+    )
+
+
+def test_dispatcher_impl_choice(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        resolve_impl("triton")
+    for impl in ("kernel", "interpret", "reference"):
+        assert resolve_impl(impl) == impl
+        monkeypatch.setenv(ENV_VAR, impl)
+        assert resolve_impl("auto") == impl
+        assert resolve_impl("reference") == "reference"  # an explicit impl wins over the variable
+    monkeypatch.setenv(ENV_VAR, "fast")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        resolve_impl("auto")
+
+
+def test_dispatcher_rejects_bad_arguments():
+    q, pages, table, positions = make_inputs(
+        6, batch=2, tokens=2, heads=2, width=40, page_size=8, pages_per_row=3, dtype=jnp.float32
+    )
+    kw = dict(scale=0.3, value_dim=32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        mla_decode(q, pages, table, positions, impl="pallas", **kw)
+    with pytest.raises(ValueError, match=r"q must be \[B, T, H, C\]"):
+        mla_decode(q[0], pages, table, positions, **kw)
+    with pytest.raises(ValueError, match=r"pages must be \[P, S, C=40\].*\(7, 8, 39\)"):
+        mla_decode(q, pages[..., :39], table, positions, **kw)
+    with pytest.raises(ValueError, match="pages dtype"):
+        mla_decode(q, pages.astype(jnp.bfloat16), table, positions, **kw)
+    with pytest.raises(ValueError, match=r"page_table must be \[B=2, N\].*\(1, 3\)"):
+        mla_decode(q, pages, table[:1], positions, **kw)
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\] = \(2, 2\).*\(2, 1\)"):
+        mla_decode(q, pages, table, positions[:, :1], **kw)
+    with pytest.raises(ValueError, match="positions must be an integer array"):
+        mla_decode(q, pages, table, positions.astype(jnp.float32), **kw)
+    with pytest.raises(ValueError, match="value_dim must be in"):
+        mla_decode(q, pages, table, positions, scale=0.3, value_dim=41)
+    with pytest.raises(ValueError, match="compiled kernel takes"):
+        mla_decode(q, pages, table, positions, impl="kernel", **kw)
+    with pytest.raises(ValueError, match="page_size must be a multiple of 8"):
+        mla_decode(q, pages[:, :4], table, positions, impl="interpret", **kw)
+
+
+def test_default_splits():
+    assert default_splits(programs=512, max_keys=32768) == 1  # enough programs already
+    assert default_splits(programs=16, max_keys=32768) == 9  # 132 / 16, rounded up
+    assert default_splits(programs=1, max_keys=3 * BLOCK_KEYS) == 1  # too few key blocks
+
+
+@pytest.mark.parametrize("page_size, pages_per_row, splits", [(16, 8, 1), (64, 512, None)])
+def test_native_path_lowers_to_mosaic_gpu(page_size, pages_per_row, splits):
+    """The compiled (non-interpret) path at DeepSeek-V3 sizes lowers to a Mosaic GPU module on CPU."""
+    shapes = (
+        jax.ShapeDtypeStruct((2, 4, 128, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64, page_size, 576), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, pages_per_row), jnp.int32),
+        jax.ShapeDtypeStruct((2, 4), jnp.int32),
+    )
+    run = jax.jit(lambda *a: mla_decode_kernel(*a, scale=0.1, value_dim=512, num_splits=splits))
+    text = run.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@hopper
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("splits", [1, None])
+def test_native_kernel_deepseek_sizes(page_size, splits):
+    """Compiled on the GPU: DeepSeek-V3 heads and widths, K+1 = 4 tokens, one row at 32k positions."""
+    pages_per_row = 32768 // page_size
+    inputs = make_inputs(
+        7,
+        batch=4,
+        tokens=4,
+        heads=128,
+        width=576,
+        page_size=page_size,
+        pages_per_row=pages_per_row,
+        dtype=jnp.bfloat16,
+        last=[32767, 5000, 77, 2],
+    )
+    scale = 192**-0.5
+    expected = mla_decode_reference(*inputs, scale=scale, value_dim=512)
+    out = mla_decode_kernel(*inputs, scale=scale, value_dim=512, num_splits=splits)
+    assert_close(out, expected, jnp.bfloat16)
+    if splits is None:  # what the dispatcher runs here
+        np.testing.assert_array_equal(mla_decode(*inputs, scale=scale, value_dim=512), out)
