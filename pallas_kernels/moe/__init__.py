@@ -1,0 +1,181 @@
+"""MoE dispatch: grouped matmul (Pallas kernel, ragged_dot or jnp reference) and routed experts.
+
+``impl`` picks the implementation; it is resolved when the function is traced:
+
+- ``"auto"``: the Pallas kernel on an NVIDIA GPU it can compile for (sm_80+, sm_89+ for FP8 rhs,
+  FP8 scale blocks that are powers of two >= 16), else the ``jax.lax.ragged_dot`` path. The
+  environment variable ``MTP_JAX_KERNELS`` = ``reference`` / ``kernel`` / ``interpret`` overrides
+  this choice (only for ``"auto"``).
+- ``"kernel"``: the Pallas kernel compiled natively (:mod:`pallas_kernels.moe.kernel`, Triton
+  backend); ValueError off such a GPU.
+- ``"interpret"``: the same kernel run by the Pallas interpreter (any backend; slow, for tests).
+- ``"reference"``: :mod:`pallas_kernels.moe.reference` (every expert on every row; slow).
+- ``"ragged_dot"``: ``jax.lax.ragged_dot`` on the dequantised weights, as :mod:`mtp_jax.moe` does.
+
+Permute and combine are jnp (sort, gather, scatter-add) for every ``impl``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
+from pallas_kernels.moe import kernel, reference
+from pallas_kernels.moe.reference import combine, permute
+
+__all__ = ["ENV_VAR", "IMPLS", "combine", "gmm", "permute", "routed_experts", "select_impl"]
+
+IMPLS = ("auto", "kernel", "interpret", "reference", "ragged_dot")
+ENV_VAR = "MTP_JAX_KERNELS"
+ENV_CHOICES = ("reference", "kernel", "interpret")
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        major, minor = str(jax.devices()[0].compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _kernel_fits_device(fp8_block: tuple[int, int] | None) -> bool:
+    capability = _cuda_capability()
+    if capability is None:
+        return False
+    if fp8_block is None:
+        return capability >= (8, 0)
+    native_tiles = all(b >= 16 and b & (b - 1) == 0 for b in fp8_block)
+    return capability >= (8, 9) and native_tiles
+
+
+def select_impl(impl: str = "auto", fp8_block: tuple[int, int] | None = None) -> str:
+    """The implementation ``impl`` stands for here: one of IMPLS other than ``"auto"``.
+
+    fp8_block: the (b_in, b_out) scale block when the weights are FP8, else None. ValueError for an
+    unknown ``impl`` or ``MTP_JAX_KERNELS`` value, and for ``"kernel"`` off a GPU that can run it.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        forced = os.environ.get(ENV_VAR, "").strip().lower()
+        if forced and forced not in ENV_CHOICES:
+            raise ValueError(
+                f"environment variable {ENV_VAR} must be one of {ENV_CHOICES} or unset, got {forced!r}"
+            )
+        impl = forced or ("kernel" if _kernel_fits_device(fp8_block) else "ragged_dot")
+    if impl == "kernel" and not _kernel_fits_device(fp8_block):
+        raise ValueError(
+            f"impl='kernel' needs an NVIDIA GPU of compute capability >= 8.0 (8.9 for FP8, with power-of-two "
+            f"scale blocks >= 16; got fp8_block={fp8_block}); this backend is {jax.default_backend()!r} "
+            f"with capability {_cuda_capability()}: use impl='interpret' to run the kernel interpreted"
+        )
+    return impl
+
+
+def _check_gmm(lhs: jax.Array, rhs: jax.Array | Fp8Weight, group_sizes: jax.Array) -> None:
+    if lhs.ndim != 2:
+        raise ValueError(f"gmm: lhs must be [m, kdim], got shape {lhs.shape}")
+    if lhs.dtype not in kernel.LHS_DTYPES:
+        raise ValueError(f"gmm: lhs dtype must be bfloat16, float16 or float32, got {lhs.dtype}")
+    if isinstance(rhs, Fp8Weight):
+        w = rhs.w
+        if w.ndim != 3 or tuple(rhs.shape) != tuple(w.shape[1:]):
+            raise ValueError(
+                f"gmm: FP8 rhs must have w [E, kdim, ndim] and shape (kdim, ndim), got w {w.shape}, "
+                f"shape {rhs.shape}"
+            )
+        if w.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"gmm: FP8 rhs.w must be float8_e4m3fn, got {w.dtype}")
+        b_in, b_out = rhs.block
+        want = (w.shape[0], math.ceil(w.shape[1] / b_in), math.ceil(w.shape[2] / b_out))
+        if tuple(rhs.scale_inv.shape) != want:
+            raise ValueError(
+                f"gmm: FP8 rhs.scale_inv must be [E, ceil(kdim/b_in), ceil(ndim/b_out)] = {want} for w "
+                f"{w.shape} and block {rhs.block}, got {rhs.scale_inv.shape}"
+            )
+    else:
+        w = rhs
+        if w.ndim != 3 or not jnp.issubdtype(w.dtype, jnp.floating):
+            raise ValueError(f"gmm: rhs must be a float [E, kdim, ndim] array, got {w.dtype} {w.shape}")
+    if w.shape[1] != lhs.shape[1]:
+        raise ValueError(f"gmm: lhs [m, kdim] {lhs.shape} and rhs [E, kdim, ndim] {w.shape} differ in kdim")
+    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(
+            f"gmm: group_sizes must be an integer [E] = [{w.shape[0]}] array for rhs {w.shape}, "
+            f"got {group_sizes.dtype} {group_sizes.shape}"
+        )
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array | Fp8Weight,
+    group_sizes: jax.Array,
+    *,
+    impl: str = "auto",
+    **kernel_options: int,
+) -> jax.Array:
+    """Grouped matmul: out [m, ndim] in lhs.dtype, rows of group e = lhs rows @ rhs[e].
+
+    lhs [m, kdim] bf16/f16/f32; rhs [E, kdim, ndim] float array or :class:`Fp8Weight` (w
+    [E, kdim, ndim] float8_e4m3fn, scale_inv [E, ceil(kdim/b_in), ceil(ndim/b_out)]); group_sizes
+    [E] int, non-negative, sum <= m; rows at or beyond the sum are zero. Float32 accumulation.
+    ``kernel_options`` (block_m, block_n, block_k, num_warps, num_stages) go to the kernel and are
+    ignored by the other implementations.
+    """
+    _check_gmm(lhs, rhs, group_sizes)
+    impl = select_impl(impl, rhs.block if isinstance(rhs, Fp8Weight) else None)
+    if impl in ("kernel", "interpret"):
+        return kernel.gmm(lhs, rhs, group_sizes, interpret=impl == "interpret", **kernel_options)
+    if impl == "reference":
+        return reference.gmm(lhs, rhs, group_sizes)
+    dense = materialize(rhs, lhs.dtype).astype(lhs.dtype)
+    return jax.lax.ragged_dot(lhs, dense, group_sizes.astype(jnp.int32))
+
+
+def _shape(w: jax.Array | Fp8Weight) -> tuple[int, ...]:
+    return tuple(w.w.shape if isinstance(w, Fp8Weight) else w.shape)
+
+
+def routed_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    idx: jax.Array,
+    gate: jax.Array | Fp8Weight,
+    up: jax.Array | Fp8Weight,
+    down: jax.Array | Fp8Weight,
+    *,
+    impl: str = "auto",
+    **kernel_options: int,
+) -> jax.Array:
+    """Σ_k weights[n,k] · expert_{idx[n,k]}(x[n]) for x [n, d]: out [n, d] in x.dtype, dropless.
+
+    weights [n, k] float32; idx [n, k] int32 in [0, E); gate/up [E, d, f], down [E, f, d], arrays or
+    :class:`Fp8Weight`. Same math as :func:`mtp_jax.moe.routed_experts`: permute, three grouped
+    matmuls (silu(xs @ gate) * (xs @ up) @ down, each rounded to x.dtype), combine. Under ``"auto"``
+    each matmul picks its implementation by its own weight (FP8 or not).
+    """
+    if x.ndim != 2 or weights.shape != idx.shape or idx.ndim != 2 or idx.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"routed_experts: need x [n, d], weights [n, k], idx [n, k]; got x {x.shape}, "
+            f"weights {weights.shape}, idx {idx.shape}"
+        )
+    e, d, f = _shape(gate)
+    if _shape(up) != (e, d, f) or _shape(down) != (e, f, d) or d != x.shape[1]:
+        raise ValueError(
+            f"routed_experts: need gate, up [E, d, f] and down [E, f, d] with d = x.shape[1] = {x.shape[1]}; "
+            f"got gate {_shape(gate)}, up {_shape(up)}, down {_shape(down)}"
+        )
+    # Validates impl and the environment; "auto" is then resolved per weight by gmm (FP8 or not).
+    if select_impl(impl) == "reference":
+        return reference.routed_experts(x, weights, idx, gate, up, down)
+    xs, sizes, order = permute(x, idx, e)
+    mm = functools.partial(gmm, group_sizes=sizes, impl=impl, **kernel_options)
+    h = jax.nn.silu(mm(xs, gate)) * mm(xs, up)
+    return combine(mm(h, down), order, weights, x.shape[0])
