@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.moe import moe, route, routed_experts, routed_experts_dense
+from mtp_jax.moe import moe, resolve_dispatch, route, routed_experts, routed_experts_dense
 from tests.conftest import TINY_CONFIG
 
 
@@ -112,6 +112,8 @@ def test_moe_block_adds_shared_experts():
     no_shared = dataclasses.replace(cfg, n_shared_experts=0)
     routed = np.asarray(moe(params, jnp.asarray(x), no_shared)[0])
     assert load.shape == (e,) and float(load.sum()) == 2 * 5 * cfg.num_experts_per_tok
+    assert resolve_dispatch("auto", 4, 8, 8, 8) == "dense"  # tiny, on this CPU
+    assert resolve_dispatch("auto", 4096, 7168, 2048, 256) == "sorted"  # DeepSeek-V3 sizes
     with pytest.raises(ValueError, match="dispatch"):
         moe(params, jnp.asarray(x), cfg, "ragged")
     g, u = x @ p["shared_gate"], x @ p["shared_up"]

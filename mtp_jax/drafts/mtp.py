@@ -47,7 +47,7 @@ def mtp_forward(
     hidden: jax.Array,
     positions: jax.Array,
     paged: PagedAttention | None = None,
-    dispatch: str = "sorted",
+    dispatch: str = "auto",
 ) -> MtpOutput:
     """MTP rows for next_tokens [b, t] (t_{i+1}) and hidden [b, t, d] (h_i) at positions [b, t] (i).
 

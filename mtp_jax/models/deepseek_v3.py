@@ -74,7 +74,7 @@ def forward(
     positions: jax.Array,
     paged: PagedAttention | None = None,
     capture: tuple[int, ...] = (),
-    dispatch: str = "sorted",
+    dispatch: str = "auto",
 ) -> tuple[Hidden, dict[str, jax.Array] | None]:
     """Run the decoder on tokens [b, t] at absolute positions [b, t].
 
@@ -143,7 +143,7 @@ def decoder_layer(
     is_moe: bool,
     attention: Attention,
     pages: jax.Array | None,
-    dispatch: str = "sorted",
+    dispatch: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """One pre-norm decoder layer: h + attn(norm(h)), then + mlp(norm(.)) (MoE or dense).
     Returns (h, pages, expert load [e] or None for a dense layer)."""

@@ -42,6 +42,16 @@ def test_logits_match_transformers(parity):
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4 * np.abs(ref["logits"]).max())
 
 
+@pytest.mark.parametrize("dispatch", ["sorted", "dense"])
+def test_both_expert_dispatches_match_transformers(parity, dispatch):
+    """ "auto" picks one of these by size and backend; each must be the same MoE."""
+    model, ref = parity
+    ids = jnp.asarray(ref["input_ids"])
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    hidden, _ = forward(model.params, model.config, ids, positions, dispatch=dispatch)
+    assert rel_err(np.asarray(lm_head(model.params, hidden.post_norm)), ref["logits"]) < 1e-4
+
+
 def test_hidden_states_match_transformers(parity):
     model, ref = parity
     n = model.config.num_hidden_layers
