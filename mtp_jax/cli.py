@@ -4,6 +4,7 @@
     mtp-jax score [--model DIR] --text TEXT
     mtp-jax convert SRC DST [--weights bf16|fp32|fp8] [--strict] [--no-mtp] [--dry-run]
     mtp-jax inspect (DIR | --config config.json) [--weights ...] [--mesh data=1,expert=8]
+    mtp-jax bench [--model DIR] [--k 0 1 2 3 4] [--batch 1 8] [--json F] [--plot F.png]
 
 Without --model, the embedded default in ``checkpoints/`` is used (or $MTP_JAX_MODEL).
 """
@@ -17,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-DEFAULT_MODEL_NAME = "tiny-random-deepseek-v3"
+DEFAULT_MODEL_NAME = "tiny-deepseek-v3-stdlib"
 
 
 def default_model_dir() -> str | None:
@@ -74,13 +75,18 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    g.add_argument("--draft", choices=["mtp"], default=None, help="speculative decoding with this draft")
+    g.add_argument(
+        "--draft",
+        choices=["auto", "mtp", "none"],
+        default="auto",
+        help="speculative decoding draft: auto = the checkpoint's MTP layer when it has one; none = plain",
+    )
     g.add_argument(
         "-k",
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="drafts per step (default 3 with --draft)",
+        help="drafts per step (default 3 when drafting)",
     )
     g.add_argument(
         "--draft-sampling",
@@ -112,6 +118,9 @@ def _build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", help="a config.json file instead of a directory")
     i.add_argument("--weights", default="bf16", choices=["bf16", "fp32", "fp8"])
     _add_estimate_options(i)
+    sub.add_parser(
+        "bench", help="plain vs speculative decode throughput and acceptance (mtp-jax bench --help)"
+    )
     return parser
 
 
@@ -137,12 +146,18 @@ def _encode(tok, text: str, bos: int | None) -> list[int]:
 
 def _generate(args: argparse.Namespace) -> int:
     import mtp_jax
+    from mtp_jax.drafts.mtp import has_mtp
 
     model_dir = _model_dir(args.model)
     tok = _tokenizer(model_dir)
     print(f"loading {model_dir} ({args.dtype}) ...", file=sys.stderr)
     model = mtp_jax.load(model_dir, dtype=args.dtype)
     prompts = [_encode(tok, text, model.config.bos_token_id) for text in args.prompt]
+    draft = args.draft
+    if draft == "auto":
+        draft = "mtp" if has_mtp(model.params) else "none"
+    if draft == "none" and args.num_speculative_tokens is not None:
+        raise CliError("-k needs a draft (the model has no MTP layer, or --draft none was given)")
     t0 = time.perf_counter()
     result = model.generate(
         prompts,
@@ -153,7 +168,7 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
-        draft=args.draft,
+        draft=None if draft == "none" else draft,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=args.draft_sampling,
     )
@@ -250,6 +265,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser (shared with scripts/bench.py)
+        from mtp_jax.bench import main as bench_main
+
+        return bench_main(argv[1:], prog="mtp-jax bench")
     args = _build_parser().parse_args(argv)
     from mtp_jax.errors import MtpJaxError
 

@@ -12,7 +12,7 @@ from mtp_jax.config import DeepseekV3Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARITY_DIR = os.path.join(REPO, "tests", "fixtures", "parity")
-EMBEDDED_MODEL = os.path.join(REPO, "checkpoints", "tiny-random-deepseek-v3")
+EMBEDDED_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-v3-stdlib")
 
 # deepseek-ai/DeepSeek-V3 config.json as published on the hub (the hub-only fields included, since a
 # parser that trips over them could not load the real file).

@@ -1,0 +1,47 @@
+"""The shipped default model (checkpoints/, trained by scripts/train_tiny.py) is what its card says."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tokenizers import Tokenizer
+
+import mtp_jax
+from mtp_jax.cli import DEFAULT_MODEL_NAME, default_model_dir
+from tests.conftest import EMBEDDED_MODEL
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model = mtp_jax.load(EMBEDDED_MODEL, "float32", strict=True)
+    tok = Tokenizer.from_file(os.path.join(EMBEDDED_MODEL, "tokenizer.json"))
+    with open(os.path.join(EMBEDDED_MODEL, "eval.json"), encoding="utf-8") as f:
+        report = json.load(f)
+    return model, tok, report
+
+
+def test_is_the_cli_default(monkeypatch):
+    monkeypatch.delenv("MTP_JAX_MODEL", raising=False)
+    assert os.path.basename(default_model_dir()) == DEFAULT_MODEL_NAME
+    assert os.path.samefile(default_model_dir(), EMBEDDED_MODEL)
+
+
+def test_heldout_perplexity_is_below_the_bound_recorded_at_training(shipped):
+    model, tok, report = shipped
+    ids = [model.config.bos_token_id, *tok.encode(report["snippet"]["text"]).ids]
+    ppl = model.score(ids).perplexity
+    assert ppl <= report["snippet"]["perplexity"] * 1.01
+    assert ppl < model.config.vocab_size / 20  # trained: an untrained model sits near the vocabulary size
+
+
+def test_speculative_greedy_equals_plain_greedy(shipped):
+    model, tok, report = shipped
+    prompts = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"][:6]]
+    plain = model.generate(prompts, max_new_tokens=40, max_batch=3)
+    spec = model.generate(prompts, max_new_tokens=40, max_batch=3, draft="mtp", num_speculative_tokens=3)
+    assert spec.tokens == plain.tokens
+    assert spec.finish_reasons == plain.finish_reasons
+    # Drafts are really accepted, so the equality above is not vacuous.
+    assert spec.stats["acceptance_length"] > 1.3
