@@ -1,0 +1,269 @@
+"""Decode throughput, plain and speculative, measured after warm-up in one process.
+
+    mtp-jax bench                                             # the embedded default model
+    mtp-jax bench --k 0 1 2 3 4 --batch 1 8 --json out.json --plot out.png
+    mtp-jax bench --synthetic oracle-small --k 0 3            # a generated checkpoint
+    python scripts/bench.py ...                               # the same
+
+Prompts: a checkpoint's held-out prompts when it ships them (``eval.json``, written by
+``scripts/train_tiny.py``: code from standard-library modules the model never saw), else random
+token ids. For every batch size (the number of slots) and K (0 = plain decoding) each configuration
+first runs once to compile (same shapes), then ``--repeats`` timed runs over the same prompts,
+interleaved across configurations so that machine drift hits all of them alike; the median decode
+rate is reported with the acceptance statistics, the speed-up over K = 0 and, for
+K > 0, the ratio of the fused step to the host-orchestrated baseline (the same stages as separate
+executables with a host round trip in between). Ratios are only meaningful within one run.
+
+Synthetic models: ``small`` (random weights: drafts are almost never accepted) and
+``oracle-small`` (same size; its MTP layer is built to predict the target most of the time, so the
+machinery can be timed; its acceptance says nothing about real drafts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+SMALL = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "q_lora_rank": 96,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 4096,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "num_nextn_predict_layers": 1,
+    "eos_token_id": 1,
+}
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    src.add_argument("--synthetic", choices=["small", "oracle-small"], help="a generated checkpoint")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode slots")
+    parser.add_argument(
+        "--k", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="drafts per step; 0 = plain"
+    )
+    parser.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sampled"])
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per run (shared by the slots)")
+    parser.add_argument("--prompt-len", type=int, default=32, help="random prompts only: tokens each")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the host-orchestrated baseline")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib: pip install '.[plot]')")
+    return parser
+
+
+def _prompts(model, path: str | None, args: argparse.Namespace) -> tuple[list[list[int]], str]:
+    """Held-out prompts from the checkpoint's eval.json when present, else random token ids."""
+    eval_path = None if path is None else os.path.join(path, "eval.json")
+    tok_path = None if path is None else os.path.join(path, "tokenizer.json")
+    if eval_path and os.path.isfile(eval_path) and os.path.isfile(tok_path):
+        from tokenizers import Tokenizer
+
+        with open(eval_path, encoding="utf-8") as f:
+            texts = json.load(f).get("prompts") or []
+        if texts:
+            tok = Tokenizer.from_file(tok_path)
+            bos = model.config.bos_token_id
+            ids = [([bos] if bos is not None else []) + tok.encode(t).ids for t in texts]
+            note = f"{len(texts)} held-out prompts (eval.json)"
+            return [ids[i % len(ids)] for i in range(args.prompts)], note
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, model.config.vocab_size, (args.prompts, args.prompt_len)).tolist()
+    return ids, f"random prompts of {args.prompt_len} tokens"
+
+
+def _measure(model, prompts, args: argparse.Namespace, batch: int, configs: list[dict]) -> list[dict]:
+    """Decode rates of several configurations: each compiled by an untimed run first, then the
+    timed runs interleaved (config 1, 2, ..., 1, 2, ...) so drift on a noisy machine hits all of
+    them alike. Returns, per config, the median decode rate and the last run's statistics."""
+
+    def once(kwargs: dict) -> dict:
+        return model.generate(
+            prompts, max_new_tokens=args.new_tokens, ignore_eos=True, max_batch=batch, **kwargs
+        ).stats
+
+    for kwargs in configs:
+        once(kwargs)  # compile every shape this configuration uses
+    runs: list[list[dict]] = [[] for _ in configs]
+    for _ in range(args.repeats):
+        for i, kwargs in enumerate(configs):
+            runs[i].append(once(kwargs))
+    return [
+        {"decode_tok_s": statistics.median(r["decode_tokens_per_second"] for r in rs), "stats": rs[-1]}
+        for rs in runs
+    ]
+
+
+def run(args: argparse.Namespace) -> dict:
+    import mtp_jax
+    from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
+    from mtp_jax.cli import default_model_dir
+    from mtp_jax.config import DeepseekV3Config
+
+    if min(args.batch) < 1 or min(args.k) < 0 or args.prompts < 1 or args.repeats < 1:
+        raise ValueError("--batch, --prompts and --repeats must be >= 1 and --k >= 0")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.synthetic:
+            path = os.path.join(tmp, args.synthetic)
+            cfg = DeepseekV3Config.from_dict(SMALL)
+            oracle = args.synthetic == "oracle-small"
+            write_hub_checkpoint(path, SMALL, oracle_draft_tensors(cfg, 0.01) if oracle else hub_tensors(cfg))
+            name = f"synthetic:{args.synthetic}"
+        else:
+            path = args.model or default_model_dir()
+            if path is None:
+                raise FileNotFoundError("no --model given and no embedded model found")
+            name = os.path.basename(os.path.abspath(path))
+        model = mtp_jax.load(path, dtype=args.dtype)
+        prompts, prompt_note = _prompts(model, None if args.synthetic else path, args)
+        rows = []
+        for b in args.batch:
+            print(f"batch {b}: K = {args.k} ...", file=sys.stderr, flush=True)
+            configs, keys = [], []
+            for k in args.k:
+                spec = {"temperature": args.temperature, "draft_sampling": args.draft_sampling}
+                if k:
+                    spec.update(draft="mtp", num_speculative_tokens=k)
+                configs.append(spec)
+                keys.append((k, True))
+                if k and not args.no_baseline:
+                    configs.append({**spec, "fused": False})
+                    keys.append((k, False))
+            measured = dict(zip(keys, _measure(model, prompts, args, b, configs), strict=True))
+            base = measured[(0, True)]["decode_tok_s"] if (0, True) in measured else None
+            for k in args.k:
+                fused = measured[(k, True)]
+                row = {
+                    "batch": b,
+                    "k": k,
+                    "acceptance_length": fused["stats"]["acceptance_length"],
+                    "acceptance_by_position": fused["stats"]["acceptance_rate_per_position"],
+                    "decode_tok_s": fused["decode_tok_s"],
+                    "speedup_vs_plain": fused["decode_tok_s"] / base if base else None,
+                }
+                if (k, False) in measured:
+                    row["host_orchestrated_tok_s"] = measured[(k, False)]["decode_tok_s"]
+                    row["fused_over_host"] = fused["decode_tok_s"] / row["host_orchestrated_tok_s"]
+                rows.append(row)
+    return {
+        "model": name,
+        "dtype": args.dtype,
+        "temperature": args.temperature,
+        "draft_sampling": args.draft_sampling,
+        "prompts": prompt_note,
+        "prompts_per_run": args.prompts,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "device": str(jax.devices()[0]),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "results": rows,
+    }
+
+
+def table(report: dict) -> str:
+    lines = [
+        "| batch | K | acceptance length | acceptance by position | decode tok/s | vs plain | fused / host |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        by_pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-"
+        ratio = f"{r['fused_over_host']:.2f}x" if "fused_over_host" in r else "-"
+        vs = f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] is not None else "-"
+        lines.append(
+            f"| {r['batch']} | {r['k']} | {r['acceptance_length']:.2f} | {by_pos} | "
+            f"{r['decode_tok_s']:.1f} | {vs} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Acceptance rate by draft position (one line per K) and speed-up over plain decoding by K."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'mtp-jax[plot]'") from e
+    rows = report["results"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    first_batch = rows[0]["batch"]
+    for r in rows:
+        if r["batch"] == first_batch and r["k"] > 0:
+            pos = range(1, len(r["acceptance_by_position"]) + 1)
+            left.plot(pos, r["acceptance_by_position"], marker="o", label=f"K={r['k']}")
+    left.set(
+        xlabel="draft position",
+        ylabel="fraction of steps accepting it",
+        title=f"Acceptance by position (batch {first_batch})",
+        ylim=(0, 1),
+    )
+    left.legend()
+    for b in sorted({r["batch"] for r in rows}):
+        pts = [(r["k"], r["speedup_vs_plain"]) for r in rows if r["batch"] == b and r["speedup_vs_plain"]]
+        right.plot([k for k, _ in pts], [s for _, s in pts], marker="o", label=f"batch {b}")
+    right.axhline(1.0, color="gray", linewidth=0.8)
+    right.set(xlabel="K (drafts per step)", ylabel="decode tok/s vs plain", title="Speed-up over plain")
+    right.legend()
+    fig.suptitle(f"{report['model']} on {report['device']}, temperature {report['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        report = run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    if args.plot:
+        plot(report, args.plot)
+    return 0
