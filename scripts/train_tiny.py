@@ -329,7 +329,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="checkpoint directory to write (must not exist)")
+    parser.add_argument("--out", help="checkpoint directory to write (must not exist)")
+    parser.add_argument(
+        "--card", metavar="DIR", help="only rewrite DIR/README.md from its config.json and eval.json"
+    )
     parser.add_argument("--workdir", help="orbax training state, for resuming (default: OUT.train)")
     parser.add_argument("--preset", default="default", choices=["default", "smoke"])
     parser.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
@@ -349,6 +352,11 @@ def main() -> int:
         "--acceptance-k", type=int, nargs="*", default=[1, 2, 3, 4], help="K values measured for the card"
     )
     args = parser.parse_args()
+    if args.card:
+        rewrite_card(args.card)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
     if os.path.exists(args.out):
         parser.error(f"--out {args.out} already exists; choose a new directory")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
@@ -543,6 +551,19 @@ def write_checkpoint(
         write_hub_checkpoint(out, config, tensors, extra_files=files)
 
 
+def rewrite_card(directory: str) -> None:
+    """Re-render a trained checkpoint's model card from its config.json and eval.json."""
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    with open(os.path.join(directory, "eval.json"), encoding="utf-8") as f:
+        report = json.load(f)
+    tmp = os.path.join(directory, f".README.md.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(model_card(config, report))
+    os.replace(tmp, os.path.join(directory, "README.md"))
+    print(f"rewrote {directory}/README.md", file=sys.stderr)
+
+
 def model_card(config: dict, r: dict) -> str:
     d, t, h, c = r["data"], r["training"], r["heldout"], config
     shape = f"{c['hidden_size']} / {c['num_hidden_layers']} (+1 MTP) / {c['num_attention_heads']}"
@@ -596,6 +617,8 @@ Acceptance length (tokens per step, greedy, MTP drafts) on the held-out prompts 
 | K | acceptance length |
 |---|---|
 {acc_lines}
+
+Decode speed, plain against speculative, is in the repository's BENCHMARKS.md (`mtp-jax bench`).
 """
 
 
