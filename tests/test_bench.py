@@ -1,0 +1,46 @@
+"""``mtp-jax bench``: the measurement harness runs end to end and reports what it measured."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from mtp_jax.bench import plot
+from mtp_jax.cli import main
+
+
+def test_bench_on_the_embedded_model_writes_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("MTP_JAX_MODEL", raising=False)
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--k", "0", "2", "--batch", "1", "--prompts", "2", "--new-tokens", "6"]
+    assert main([*argv, "--repeats", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| batch | K | acceptance length")
+    report = json.loads(out.read_text())
+    assert report["model"] == "tiny-deepseek-v3-stdlib"
+    assert "held-out prompts (eval.json)" in report["prompts"]
+    plain, spec = report["results"]
+    assert (plain["k"], spec["k"]) == (0, 2)
+    assert plain["acceptance_length"] == 1.0 and plain["speedup_vs_plain"] == 1.0
+    assert 1.0 <= spec["acceptance_length"] <= 3.0 and len(spec["acceptance_by_position"]) == 2
+    assert spec["decode_tok_s"] > 0 and spec["fused_over_host"] > 0  # the baseline ran too
+
+
+def test_bench_refuses_bad_arguments(capsys):
+    assert main(["bench", "--batch", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(RuntimeError, match=r"pip install"):
+        plot({"results": []}, "unused.png")
