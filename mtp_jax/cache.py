@@ -49,6 +49,34 @@ class PageAllocator:
         self._free.extend(reversed(pages))
 
 
+class ShardedPageAllocator:
+    """Page ids split into ``shards`` equal contiguous ranges with a free list each. Under a mesh the
+    caches are split by page over ``data`` and the rows by block (:mod:`mtp_jax.sharding`), so a row
+    of data shard s that takes its pages from range s keeps its KV on the devices that hold it."""
+
+    def __init__(self, num_pages: int, shards: int = 1) -> None:
+        if shards < 1 or num_pages % shards:
+            raise ValueError(f"{num_pages} pages do not split into {shards} equal shards")
+        self.num_pages = num_pages
+        self.per_shard = num_pages // shards
+        self._parts = [PageAllocator(self.per_shard) for _ in range(shards)]
+
+    @property
+    def free(self) -> int:
+        return sum(part.free for part in self._parts)
+
+    def allocate(self, n: int, shard: int = 0) -> list[int]:
+        base = shard * self.per_shard
+        return [base + p for p in self._parts[shard].allocate(n)]
+
+    def release(self, pages: list[int]) -> None:
+        for shard, part in enumerate(self._parts):
+            base = shard * self.per_shard
+            mine = [p - base for p in pages if base <= p < base + self.per_shard]
+            if mine:
+                part.release(mine)
+
+
 def slots_for(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:
     """Flat cache slots [b, t] for tokens at positions [b, t]; invalid tokens get an out-of-range
     slot, which the cache write drops."""

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.cache import PageAllocator, page_table_array
+from mtp_jax.cache import ShardedPageAllocator, page_table_array
 from mtp_jax.sampling import SamplingParams
+from mtp_jax.sharding import state_shardings
 from mtp_jax.step import StepConfig, deactivate, host_orchestrated_step, init_state, prefill, step
 
 TokenCallback = Callable[[int, int], None]
@@ -60,14 +61,19 @@ def generate(
     t_start = time.perf_counter()
     n = len(prompts)
     batch = next_power_of_two(min(n, max_batch))
+    if sc.mesh is not None:  # whole rows per data shard (padding slots stay inactive)
+        batch = math.lcm(batch, sc.mesh.shape["data"])
     page = sc.page_size
     # a request owns pages for its prompt, its new tokens and the speculative overshoot of the
     # last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)
     need = [math.ceil((len(p) + max_new_tokens + 2 * (sc.k + 1)) / page) for p in prompts]
     width = next_power_of_two(max(need))
     bucket = next_power_of_two(max(len(p) for p in prompts), minimum=16)
-    allocator = PageAllocator(batch * width)
+    shards = 1 if sc.mesh is None else sc.mesh.shape["data"]
+    allocator = ShardedPageAllocator(batch * width, shards)  # slot b's pages live on its data shard
     state = init_state(sc, batch, allocator.num_pages, width, cache_dtype)
+    if sc.mesh is not None:
+        state = jax.device_put(state, state_shardings(sc.mesh, state))
     host_sampling = jax.tree.map(np.asarray, sampling)
 
     queue = collections.deque(range(n))
@@ -112,7 +118,7 @@ def generate(
         reqs = []
         for i in range(take):
             req, b = queue.popleft(), free[i]
-            pages_of[req] = allocator.allocate(need[req])
+            pages_of[req] = allocator.allocate(need[req], shard=b * shards // batch)
             owner[b] = req
             rows[i], lengths[i] = b, len(prompts[req])
             tokens[i, : lengths[i]] = prompts[req]

@@ -39,10 +39,16 @@ class ScoreResult:
         return math.exp(-sum(self.logprobs) / len(self.logprobs))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capture"))
-def _teacher_forced(params: dict, cfg: DeepseekV3Config, tokens: jax.Array, capture: tuple[int, ...]):
+@functools.partial(jax.jit, static_argnames=("cfg", "capture", "mesh"))
+def _teacher_forced(
+    params: dict,
+    cfg: DeepseekV3Config,
+    tokens: jax.Array,
+    capture: tuple[int, ...],
+    mesh: jax.sharding.Mesh | None = None,
+):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    hidden, _ = forward(params, cfg, tokens, positions, capture=capture)
+    hidden, _ = forward(params, cfg, tokens, positions, capture=capture, mesh=mesh)
     return lm_head(params, hidden.post_norm), hidden
 
 
@@ -58,7 +64,10 @@ class Model:
         path: str | None = None,
         eos_token_ids: Sequence[int] | None = None,
         page_size: int = 16,
+        mesh: jax.sharding.Mesh | None = None,
     ) -> None:
+        """``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
+        data-parallel over its ``data`` axis and expert-parallel over ``expert``."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.config = config
@@ -67,6 +76,7 @@ class Model:
         self.path = path
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.page_size = page_size
+        self.mesh = mesh
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -116,7 +126,7 @@ class Model:
     # --- teacher-forced ---------------------------------------------------------------------
     def logits(self, token_ids: object) -> np.ndarray:
         """Teacher-forced logits: int [B, T] -> float32 [B, T, V]."""
-        logits, _ = _teacher_forced(self.params, self.config, self._check_batch(token_ids), ())
+        logits, _ = _teacher_forced(self.params, self.config, self._check_batch(token_ids), (), self.mesh)
         return np.asarray(logits)
 
     def hidden_states(self, token_ids: object, layers: Sequence[int] = ()) -> Hidden:
@@ -127,7 +137,9 @@ class Model:
             check_capture(self.config, capture)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
-        _, hidden = _teacher_forced(self.params, self.config, self._check_batch(token_ids), capture)
+        _, hidden = _teacher_forced(
+            self.params, self.config, self._check_batch(token_ids), capture, self.mesh
+        )
         return Hidden(*(None if h is None else np.asarray(h) for h in hidden))
 
     def score(self, token_ids: Sequence[int]) -> ScoreResult:
@@ -205,7 +217,7 @@ class Model:
         if draft is None:
             if k not in (None, 0):
                 raise InvalidRequestError(f"num_speculative_tokens={k} needs a draft (draft='mtp')")
-            return StepConfig(self.config, self.page_size)
+            return StepConfig(self.config, self.page_size, mesh=self.mesh)
         if draft not in DRAFT_METHODS:
             raise InvalidRequestError(f"unknown draft {draft!r}; available: {', '.join(DRAFT_METHODS)}")
         if not has_mtp(self.params):
@@ -220,7 +232,7 @@ class Model:
             raise InvalidRequestError(
                 f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}"
             )
-        return StepConfig(self.config, self.page_size, k, draft, draft_sampling)
+        return StepConfig(self.config, self.page_size, k, draft, draft_sampling, self.mesh)
 
 
 def load(
@@ -242,7 +254,8 @@ def load(
     loads the checkpoint's MTP/NextN layers (the draft of speculative decoding) when it has them.
     Unexpected tensors are logged, or refused with ``strict``. With ``mesh`` (see
     :func:`mtp_jax.make_mesh`) every parameter is placed with its sharding as it is read: routed
-    experts split over the ``expert`` axis, the rest replicated. EOS ids come from
+    experts split over the ``expert`` axis, the rest replicated; forward passes and generation then
+    run data-parallel over ``data`` and expert-parallel over ``expert`` (:mod:`mtp_jax.ep`). EOS ids come from
     generation_config.json when present, else from config.json.
     """
     path = os.fspath(path)
@@ -275,4 +288,4 @@ def load(
         params = load_params(
             reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
         )
-    return Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, page_size=page_size)
+    return Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, page_size=page_size, mesh=mesh)

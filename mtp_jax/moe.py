@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
@@ -95,20 +96,29 @@ def resolve_dispatch(dispatch: str, tokens: int, d: int, f: int, experts: int) -
     return dispatch
 
 
-def moe(p: dict, x: jax.Array, cfg: DeepseekV3Config, dispatch: str = "auto") -> tuple[jax.Array, jax.Array]:
+def moe(
+    p: dict, x: jax.Array, cfg: DeepseekV3Config, dispatch: str = "auto", mesh: Mesh | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The MoE block for x [b, t, d]: (output [b, t, d], tokens routed to each expert [e] float32).
 
     ``dispatch`` picks how the routed experts are evaluated (same result): ``"sorted"`` (dropless
     sort + grouped matmul), ``"dense"`` (:func:`routed_experts_dense`, used for training) or
     ``"auto"`` (dense for small sizes on CPU, else sorted; see :data:`DENSE_DISPATCH_MAX_MACS`).
     The per-expert load feeds DeepSeek-V3's auxiliary-loss-free bias update during training.
+    With a ``mesh`` whose ``expert`` axis is larger than 1 the routed experts run expert-parallel
+    (:func:`mtp_jax.ep.routed_experts_ep`); ``mesh=None`` is the single-device path.
     """
     flat = x.reshape(-1, x.shape[-1])
     how = resolve_dispatch(
         dispatch, flat.shape[0], cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     )
     weights, idx = route(flat, p["router"], p["bias"], cfg)
-    out = DISPATCH[how](flat, weights, idx, p["gate"], p["up"], p["down"])
+    if mesh is not None and mesh.shape["expert"] > 1:
+        from mtp_jax.ep import routed_experts_ep  # ep builds on this module
+
+        out, _ = routed_experts_ep(flat, weights, idx, p["gate"], p["up"], p["down"], cfg, mesh, dispatch)
+    else:
+        out = DISPATCH[how](flat, weights, idx, p["gate"], p["up"], p["down"])
     if cfg.n_shared_experts:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
     load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)

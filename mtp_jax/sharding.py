@@ -1,8 +1,15 @@
 """Meshes and the mapping from parameters to mesh axes: the only module that names mesh axes.
 
 Axes: ``data`` (batch rows and their KV pages), ``expert`` (routed experts), ``tensor`` (reserved;
-must be 1 for now). Today's rule set: routed experts are split over ``expert``; every other
-parameter is replicated (attention runs data-parallel, DeepSeek style).
+must be 1 for now). Parameters: routed experts are split over ``expert``; every other parameter
+is replicated. Activations and decode state carry logical axis names mapped by :data:`RULES`:
+``batch`` (rows of the decode state, of the hidden states at layer boundaries) and ``pages`` (the
+pages of the paged KV caches) go over ``data`` only. Attention is data-parallel over ``data`` and
+replicated within each expert group: that is what the MoE's decode path wants (tokens replicated
+within the group, see :mod:`mtp_jax.ep`), at the price of |expert|-fold redundant attention work;
+splitting rows over ("data", "expert") instead would use every device for attention but need an
+all-gather of the tokens before each MoE layer. A dimension a mesh axis does not divide stays
+replicated (e.g. a batch of 1 on data=2).
 """
 
 from __future__ import annotations
@@ -18,13 +25,28 @@ MESH_AXES = ("data", "expert", "tensor")
 EXPERT_STACKS = ("moe", "mtp")
 ROUTED_EXPERT_LEAVES = ("gate", "up", "down")
 _STORAGE_KEYS = ("fp8", "scale_inv")
+RULES = {"batch": "data", "pages": "data", "experts": "expert"}
+"""Logical axis -> mesh axis; logical axes not listed are replicated."""
+ACTIVATION = ("batch", None, None)
+"""Logical axes of hidden states [b, t, d] at block boundaries."""
 
 
 def make_mesh(
     data: int = 1, expert: int = 1, tensor: int = 1, devices: Sequence[jax.Device] | None = None
 ) -> Mesh:
-    """A (data, expert, tensor) mesh over ``devices`` (default: all), axis types set explicitly to Auto
-    (the compiler propagates shardings from the parameters and the few constraints we place)."""
+    """A (data, expert, tensor) mesh over ``devices`` (default: all), axis types set explicitly to Auto:
+    the compiler propagates shardings from the parameters and the few constraints we place
+    (:func:`constrain` at block boundaries, :func:`constrain_state` on the step's outputs), and
+    ``shard_map`` takes over inside the MoE (:mod:`mtp_jax.ep`).
+
+    Why not ``AxisType.Explicit`` (tried with jax 0.10.2): sharding-in-types makes every op whose
+    output sharding is ambiguous an error, and the model has many of them: the scatters of the
+    router's group mask, of the MoE combine and of the paged-cache writes, the ``jnp.zeros`` buffers
+    they scatter into, the page-table gathers. Each would need an ``out_sharding`` argument threaded
+    through math that is otherwise free of partitioning (``with_sharding_constraint`` also refuses
+    Explicit axes: ``reshard`` instead). With Auto the math stays mesh-agnostic and the results are
+    the same; the explicit spelling is left for when the model code carries logical axes itself.
+    """
     sizes = {"data": data, "expert": expert, "tensor": tensor}
     for name, n in sizes.items():
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -40,6 +62,58 @@ def make_mesh(
         )
     grid = np.asarray(devices, dtype=object).reshape(data, expert, tensor)
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def logical_spec(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+    """PartitionSpec of an array of ``shape`` whose dimensions have the ``logical`` names (None:
+    replicated); a dimension its mesh axis does not divide stays replicated."""
+    if len(logical) != len(shape):
+        raise ValueError(f"{len(logical)} logical axes for a rank-{len(shape)} array")
+    axes = []
+    for name, n in zip(logical, shape, strict=True):
+        axis = RULES.get(name) if name is not None else None
+        axes.append(axis if axis is not None and n % mesh.shape[axis] == 0 else None)
+    return PartitionSpec(*axes)
+
+
+def constrain(x: jax.Array, mesh: Mesh | None, logical: Sequence[str | None]) -> jax.Array:
+    """``x`` with its sharding pinned to the ``logical`` axes under ``mesh``; unchanged without one."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(mesh, logical, x.shape)))
+
+
+def state_logical(path: tuple, shape: Sequence[int]) -> tuple[str | None, ...]:
+    """Logical axes of one leaf of a :class:`mtp_jax.step.DecodeState`: the target caches
+    [L, P, page, c] and the draft cache [P, page, c] are split by page, everything else by row."""
+    first = path[0].name if path and isinstance(path[0], jax.tree_util.GetAttrKey) else None
+    rank = len(shape)
+    if first == "target_pages":
+        return (None, "pages") + (None,) * (rank - 2)
+    if first == "draft_pages" and rank > 1:
+        return ("pages",) + (None,) * (rank - 1)
+    if rank == 0 or first == "draft_pages":
+        return (None,) * rank
+    return ("batch",) + (None,) * (rank - 1)
+
+
+def state_shardings(mesh: Mesh, state: Any) -> Any:
+    """NamedShardings for every leaf of a decode state (see :func:`state_logical`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, logical_spec(mesh, state_logical(path, x.shape), x.shape)),
+        state,
+    )
+
+
+def constrain_state(state: Any, mesh: Mesh | None) -> Any:
+    """A decode state with every leaf pinned to :func:`state_shardings` (inside jit); unchanged
+    without a mesh. Pinning the step's outputs keeps its input shardings a fixed point, so the step
+    compiles once."""
+    if mesh is None:
+        return state
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: constrain(x, mesh, state_logical(path, x.shape)), state
+    )
 
 
 def _names(path: tuple) -> list[str]:

@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
@@ -37,6 +38,7 @@ from mtp_jax.sampling import (
     draft_probs,
     sample,
 )
+from mtp_jax.sharding import constrain_state
 
 DRAFT_METHODS = ("mtp",)
 DRAFT_SAMPLING = ("argmax", "sampled")
@@ -51,6 +53,9 @@ class StepConfig:
     k: int = 0
     draft: str | None = None
     draft_sampling: str = "argmax"
+    mesh: Mesh | None = None
+    """With a mesh: rows and KV pages split over ``data`` (data-parallel attention), MoE layers
+    expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`)."""
 
     @property
     def sampled(self) -> bool:
@@ -109,22 +114,26 @@ def forward_paged(
     positions: jax.Array,
     valid: jax.Array,
     page_table: jax.Array,
+    mesh: Mesh | None = None,
 ):
-    """Write tokens [b, t] at positions [b, t] (only where valid) and run the target over the cache.
+    """Write tokens [b, t] at positions [b, t] (only where valid) and run the target over the cache
+    (``mesh`` as in :func:`mtp_jax.models.deepseek_v3.forward`).
 
     Returns (post-norm hidden [b, t, d], float32 logits [b, t, V], pages).
     """
     paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
-    hidden, pages = forward(params, cfg, tokens, positions, paged)
+    hidden, pages = forward(params, cfg, tokens, positions, paged, mesh=mesh)
     return hidden.post_norm, lm_head(params, hidden.post_norm), pages
 
 
-forward_paged_jit = jax.jit(forward_paged, static_argnames=("cfg", "page_size"), donate_argnames=("pages",))
+forward_paged_jit = jax.jit(
+    forward_paged, static_argnames=("cfg", "page_size", "mesh"), donate_argnames=("pages",)
+)
 
 
 def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid):
     paged = PagedAttention(draft_pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
-    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged)
+    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh)
     return out.state, out.logits, out.pages
 
 
@@ -180,7 +189,7 @@ def prefill(
     real = rows < state.active.shape[0]
     valid = (positions < lengths[:, None]) & real[:, None]
     hidden, logits, target_pages = forward_paged(
-        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, page_table
+        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, page_table, sc.mesh
     )
     last = (lengths - 1)[:, None]
     first = sample(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], sampling, lengths)
@@ -204,16 +213,19 @@ def prefill(
     def put(dst, src):
         return dst.at[rows].set(src, mode="drop")
 
-    return first, DecodeState(
-        target_pages=target_pages,
-        draft_pages=draft_pages,
-        page_table=put(state.page_table, page_table),
-        seq_len=put(state.seq_len, lengths),
-        next_token=put(state.next_token, first),
-        drafts=put(state.drafts, drafts),
-        draft_q=put(state.draft_q, q),
-        active=put(state.active, real),
-        sampling=jax.tree.map(put, state.sampling, sampling),
+    return first, constrain_state(
+        DecodeState(
+            target_pages=target_pages,
+            draft_pages=draft_pages,
+            page_table=put(state.page_table, page_table),
+            seq_len=put(state.seq_len, lengths),
+            next_token=put(state.next_token, first),
+            drafts=put(state.drafts, drafts),
+            draft_q=put(state.draft_q, q),
+            active=put(state.active, real),
+            sampling=jax.tree.map(put, state.sampling, sampling),
+        ),
+        sc.mesh,
     )
 
 
@@ -224,7 +236,7 @@ def _verify(params: dict, state: DecodeState, sc: StepConfig):
     positions = state.seq_len[:, None] + jnp.arange(sc.k + 1, dtype=jnp.int32)
     valid = jnp.broadcast_to(state.active[:, None], (b, sc.k + 1))
     return forward_paged(
-        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, state.page_table
+        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, state.page_table, sc.mesh
     )
 
 
@@ -286,7 +298,7 @@ def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, j
     hidden, logits, target_pages = _verify(params, state, sc)
     emitted, n_acc = _accept(logits, state, sc)
     n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
-    return emitted, n_emit, state
+    return emitted, n_emit, constrain_state(state, sc.mesh)
 
 
 # The host-orchestrated baseline: the same stages as separate executables with the host reading

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import rms_norm
@@ -48,12 +49,14 @@ def mtp_forward(
     positions: jax.Array,
     paged: PagedAttention | None = None,
     dispatch: str = "auto",
+    mesh: Mesh | None = None,
 ) -> MtpOutput:
     """MTP rows for next_tokens [b, t] (t_{i+1}) and hidden [b, t, d] (h_i) at positions [b, t] (i).
 
     Without ``paged`` the rows attend causally among themselves (teacher-forced, positions
     0..t-1); with it they are written to and attend over the MTP layer's paged cache
-    (``paged.pages`` is its [P, page, c] pages). ``dispatch`` as in :func:`mtp_jax.moe.moe`.
+    (``paged.pages`` is its [P, page, c] pages). ``dispatch`` and ``mesh`` as in
+    :func:`mtp_jax.models.deepseek_v3.forward`.
     """
     mp = jax.tree.map(lambda x: x[0], params["mtp"])
     eps = cfg.rms_norm_eps
@@ -64,7 +67,7 @@ def mtp_forward(
     x = jnp.einsum("btc,cd->btd", jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
     attention = attention_fn(cfg, positions, paged)
     pages_in = None if paged is None else paged.pages
-    y, pages, load = decoder_layer(mp["layer"], x, cfg, True, attention, pages_in, dispatch)
+    y, pages, load = decoder_layer(mp["layer"], x, cfg, True, attention, pages_in, dispatch, mesh)
     g = rms_norm(y, mp["head_norm"], eps)
     logits = jnp.einsum("btd,dv->btv", g, head, preferred_element_type=jnp.float32)
     return MtpOutput(g, logits, pages, load)

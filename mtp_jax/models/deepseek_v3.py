@@ -24,11 +24,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import mla_dense, mla_paged
 from mtp_jax.moe import moe
+from mtp_jax.sharding import ACTIVATION, constrain
 
 STACKS = ("dense", "moe")
 
@@ -75,6 +77,7 @@ def forward(
     paged: PagedAttention | None = None,
     capture: tuple[int, ...] = (),
     dispatch: str = "auto",
+    mesh: Mesh | None = None,
 ) -> tuple[Hidden, dict[str, jax.Array] | None]:
     """Run the decoder on tokens [b, t] at absolute positions [b, t].
 
@@ -82,10 +85,12 @@ def forward(
     attention, no cache. With ``paged``: absorbed attention against the paged latent cache, which
     is returned updated. ``capture`` (static) selects layer outputs to return in ``Hidden.layers``.
     ``dispatch`` (static) is how routed experts are evaluated (see :func:`mtp_jax.moe.moe`).
+    ``mesh`` (static): run MoE layers expert-parallel over it and keep the hidden states split over
+    its batch axis at layer boundaries (:func:`mtp_jax.sharding.constrain`); None: one device.
     """
     check_capture(cfg, capture)
     attention = attention_fn(cfg, positions, paged)
-    h = params["embed"][tokens]
+    h = constrain(params["embed"][tokens], mesh, ACTIVATION)
     captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
     slot_of = np.full(cfg.num_hidden_layers, len(capture), np.int32)
     slot_of[list(capture)] = np.arange(len(capture), dtype=np.int32)
@@ -98,7 +103,8 @@ def forward(
         def layer(carry, xs, is_moe=name == "moe"):
             h, captured = carry
             p, pages, slot = xs
-            h, pages, load = decoder_layer(p, h, cfg, is_moe, attention, pages, dispatch)
+            h, pages, load = decoder_layer(p, h, cfg, is_moe, attention, pages, dispatch, mesh)
+            h = constrain(h, mesh, ACTIVATION)
             if captured is not None:
                 captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
             return (h, captured), (pages, load)
@@ -144,6 +150,7 @@ def decoder_layer(
     attention: Attention,
     pages: jax.Array | None,
     dispatch: str = "auto",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """One pre-norm decoder layer: h + attn(norm(h)), then + mlp(norm(.)) (MoE or dense).
     Returns (h, pages, expert load [e] or None for a dense layer)."""
@@ -152,7 +159,7 @@ def decoder_layer(
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
     if not is_moe:
         return h + swiglu(x, **p["mlp"]), pages, None
-    out, load = moe(p["mlp"], x, cfg, dispatch)
+    out, load = moe(p["mlp"], x, cfg, dispatch, mesh)
     return h + out, pages, load
 
 
