@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import gc
 import os
 
+import jax
 import pytest
 
 from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
@@ -173,3 +175,13 @@ def oracle_model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("oracle") / "ckpt")
     write_hub_checkpoint(path, TINY_CONFIG, oracle_tensors(TINY_CONFIG, alpha=0.6))
     return mtp_jax.load(path, dtype="float32", page_size=4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop compiled programs after each test module. One process compiles thousands of XLA:CPU
+    executables over the suite, each holding JIT-code mappings; without this the full run can
+    exhaust the process's memory-map limit (vm.max_map_count) and crash inside a later compile."""
+    yield
+    jax.clear_caches()
+    gc.collect()
