@@ -1,0 +1,38 @@
+"""scripts/bench_kernels.py: a CPU smoke run on tiny shapes (the GPU numbers need a GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
+    out = tmp_path / "kernels.json"
+    args = ["--small", "--context", "64", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
+    args += ["--impls", "kernel", "reference", "ragged_dot"]
+    env = dict(os.environ, PYTHONPATH=REPO)
+    run = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_kernels.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["copy_bandwidth_gb_s"] > 0
+    rows = {(r["op"], r["impl"]): r for r in report["results"]}
+    assert set(rows) == {
+        ("mla_decode", "kernel"),
+        ("gmm", "kernel"),
+        ("mla_decode", "reference"),
+        ("gmm", "reference"),
+        ("gmm", "ragged_dot"),
+    }
+    assert "skipped" in rows[("gmm", "kernel")]  # no GPU here: skipped with the reason, not faked
+    for key in [("mla_decode", "reference"), ("gmm", "reference"), ("gmm", "ragged_dot")]:
+        assert rows[key]["seconds"] > 0 and rows[key]["gb_per_s"] > 0 and rows[key]["bytes"] > 0
