@@ -51,7 +51,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mtp_jax.checkpoint.deepseek_v3 import load_params
 from mtp_jax.checkpoint.export import hub_tensors_from_params
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.checkpoint.synthetic import write_hub_checkpoint
+from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.drafts.mtp import mtp_forward
 from mtp_jax.models.deepseek_v3 import forward, lm_head
@@ -178,8 +178,6 @@ def init_hub_tensors(cfg: DeepseekV3Config, seed: int) -> dict[str, np.ndarray]:
     """Hub-layout initial weights: N(0, 0.02) projections (output projections scaled by
     1/sqrt(2·layers)), unit norms, zero correction biases; the MTP copies of the embedding and
     head are the main ones (shared, as in DeepSeek-V3)."""
-    from mtp_jax.checkpoint.synthetic import hub_tensors
-
     shapes = hub_tensors(cfg, seed=0)  # only the names and shapes are used
     rng = np.random.default_rng(seed)
     out_scale = 1.0 / math.sqrt(2 * (cfg.num_hidden_layers + 1))
