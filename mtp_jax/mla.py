@@ -73,17 +73,30 @@ def mla_dense(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin:
     return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype))
 
 
-def write_rows(pages: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatter rows [b, t, c] into pages [P, page, c] at flat slots [b, t]; slots >= P·page are dropped."""
-    num_pages, page_size, width = pages.shape
-    flat = pages.reshape(num_pages * page_size, width)
-    flat = flat.at[slots.reshape(-1)].set(rows.reshape(-1, width).astype(pages.dtype), mode="drop")
-    return flat.reshape(pages.shape)
+def write_rows(
+    pages: jax.Array, rows: jax.Array, slots: jax.Array, layer: jax.Array | int | None = None
+) -> jax.Array:
+    """Scatter rows [b, t, c] into pages [P, page, c] at flat slots [b, t]; slots >= P·page are dropped.
+
+    With ``layer``, ``pages`` is a whole stack [L, P, page, c] and only layer ``layer`` is written:
+    inside a scan over layers the stack then stays in the loop carry and is updated in place,
+    instead of each layer's pages being sliced out and stacked back (a copy of the whole cache
+    per step).
+    """
+    if layer is None:
+        return write_rows(pages[None], rows, slots, 0)[0]
+    _, num_pages, page_size, width = pages.shape
+    slots = slots.reshape(-1)
+    # an out-of-range slot (an invalid token) lands on an out-of-range page, which mode="drop" skips
+    page, offset = slots // page_size, slots % page_size
+    values = rows.reshape(-1, width).astype(pages.dtype)
+    return pages.at[layer, page, offset].set(values, mode="drop")
 
 
-def gather_rows(pages: jax.Array, page_table: jax.Array) -> jax.Array:
-    """A row's cache in position order: pages [P, page, c], page_table [b, n] -> [b, n·page, c]."""
-    seq = pages[page_table]
+def gather_rows(pages: jax.Array, page_table: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
+    """A row's cache in position order: pages [P, page, c] (or layer ``layer`` of a stack
+    [L, P, page, c]), page_table [b, n] -> [b, n·page, c]."""
+    seq = pages[page_table] if layer is None else pages[layer, page_table]
     return seq.reshape(seq.shape[0], -1, seq.shape[-1])
 
 
@@ -97,16 +110,18 @@ def mla_paged(
     slots: jax.Array,
     pages: jax.Array,
     page_table: jax.Array,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Absorbed attention for x [b, t, d] at absolute positions [b, t] against the paged cache.
+    """Absorbed attention for x [b, t, d] at absolute positions [b, t] against the paged cache
+    ``pages`` [P, page, c] (or layer ``layer`` of a stack [L, P, page, c], see :func:`write_rows`).
 
     Writes the new rows at ``slots`` first, so a token sees itself and every earlier position of
     its row; cache entries at later positions (stale drafts, unused pages) are masked out.
     Returns (out [b, t, d], updated pages).
     """
     q_nope, q_rope = _queries(p, x, cfg, cos, sin)
-    pages = write_rows(pages, latent_rows(p, x, cfg, cos, sin), slots)
-    kv = gather_rows(pages, page_table).astype(x.dtype)
+    pages = write_rows(pages, latent_rows(p, x, cfg, cos, sin), slots, layer)
+    kv = gather_rows(pages, page_table, layer).astype(x.dtype)
     latent, k_rope = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
     f32 = jnp.float32
     q_latent = jnp.einsum("bthk,rhk->bthr", q_nope, p["k_b"])

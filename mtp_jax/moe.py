@@ -74,7 +74,10 @@ def routed_experts_dense(
     gate, up, down = (materialize(w, x.dtype) for w in (gate, up, down))
     n, e = x.shape[0], gate.shape[0]
     dense_w = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], idx].add(weights)
-    h = jax.nn.silu(jnp.einsum("nd,edf->enf", x, gate)) * jnp.einsum("nd,edf->enf", x, up)
+    # a batched matmul over experts reads each [d, f] weight in place; the unbatched "nd,edf" form
+    # makes XLA:CPU copy every expert's weights into an [e·f, d] matrix first, each call
+    xe = jnp.broadcast_to(x, (e,) + x.shape)
+    h = jax.nn.silu(jnp.einsum("end,edf->enf", xe, gate)) * jnp.einsum("end,edf->enf", xe, up)
     ys = jnp.einsum("enf,efd->end", h, down).astype(jnp.float32)  # no bf16 x bf16 -> f32 dot on XLA:CPU
     return jnp.einsum("end,ne->nd", ys, dense_w).astype(x.dtype)
 

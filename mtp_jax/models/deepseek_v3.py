@@ -101,17 +101,18 @@ def forward(
     for name, n in stack_sizes(cfg).items():
 
         def layer(carry, xs, is_moe=name == "moe"):
-            h, captured = carry
-            p, pages, slot = xs
-            h, pages, load = decoder_layer(p, h, cfg, is_moe, attention, pages, dispatch, mesh)
+            h, captured, pages = carry
+            p, slot, index = xs
+            h, pages, load = decoder_layer(p, h, cfg, is_moe, attention, pages, dispatch, mesh, index)
             h = constrain(h, mesh, ACTIVATION)
             if captured is not None:
                 captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
-            return (h, captured), (pages, load)
+            return (h, captured, pages), load
 
+        # the stack's pages ride in the carry and each layer writes its slice in place
         pages_in = None if paged is None else paged.pages[name]
-        xs = (params[name], pages_in, jnp.asarray(slot_of[first : first + n]))
-        (h, captured), (pages_out, load) = jax.lax.scan(layer, (h, captured), xs)
+        xs = (params[name], jnp.asarray(slot_of[first : first + n]), jnp.arange(n, dtype=jnp.int32))
+        (h, captured, pages_out), load = jax.lax.scan(layer, (h, captured, pages_in), xs)
         new_pages[name] = pages_out
         if load is not None:
             expert_load = load
@@ -125,19 +126,22 @@ def forward(
     return hidden, (None if paged is None else new_pages)
 
 
-Attention = Callable[[dict, jax.Array, "jax.Array | None"], tuple[jax.Array, "jax.Array | None"]]
+Attention = Callable[
+    [dict, jax.Array, "jax.Array | None", "jax.Array | int | None"], tuple[jax.Array, "jax.Array | None"]
+]
 
 
 def attention_fn(cfg: DeepseekV3Config, positions: jax.Array, paged: PagedAttention | None) -> Attention:
-    """(attention params, normed input, one layer's pages or None) -> (output, pages): expanded
-    causal attention without a cache, or absorbed attention over the paged cache."""
+    """(attention params, normed input, pages or None, layer) -> (output, pages): expanded causal
+    attention without a cache, or absorbed attention over the paged cache (one layer's pages
+    [P, page, c] with layer None, else layer ``layer`` of a stack [L, P, page, c])."""
     inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq), magnitude)
 
-    def attend(p: dict, x: jax.Array, pages: jax.Array | None):
+    def attend(p: dict, x: jax.Array, pages: jax.Array | None, layer: jax.Array | int | None = None):
         if paged is None:
             return mla_dense(p, x, cfg, cos, sin), pages
-        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table)
+        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table, layer)
 
     return attend
 
@@ -151,10 +155,13 @@ def decoder_layer(
     pages: jax.Array | None,
     dispatch: str = "auto",
     mesh: Mesh | None = None,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """One pre-norm decoder layer: h + attn(norm(h)), then + mlp(norm(.)) (MoE or dense).
-    Returns (h, pages, expert load [e] or None for a dense layer)."""
-    attn_out, pages = attention(p["attn"], rms_norm(h, p["input_norm"], cfg.rms_norm_eps), pages)
+    ``pages``/``layer`` as in :func:`attention_fn`. Returns (h, pages, expert load [e] or None for a
+    dense layer)."""
+    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
+    attn_out, pages = attention(p["attn"], x, pages, layer)
     h = h + attn_out
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
     if not is_moe:
