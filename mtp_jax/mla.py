@@ -7,7 +7,9 @@ shared by all heads; that [kv_lora + rope] row is all the paged cache stores. Tw
   sequence, no cache. Used for teacher-forced scoring and training.
 - :func:`mla_paged`: the absorbed form. ``q_nope·W_UK`` turns each head's query into latent space,
   attention runs directly against the cached latents, and ``W_UV`` is applied after the weighted
-  sum. Writes the new tokens' rows into the paged cache first, then attends over the cache.
+  sum. Writes the new tokens' rows into the paged cache first, then attends over the cache
+  through :func:`pallas_kernels.mla_decode.mla_decode` (the Pallas kernel on a Hopper GPU, its jnp
+  reference elsewhere).
 
 Parameters of one layer (weights stored [in, out]):
 ``q_a`` [d, r], ``q_a_norm`` [r], ``q_b`` [r, h, qk] (or ``q`` [d, h, qk] without q-lora),
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import apply_rope_interleaved, rms_norm
+from pallas_kernels.mla_decode import mla_decode
 
 # DeepSeek's reference code builds q_a/kv_a norms with RMSNorm's default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -121,15 +124,17 @@ def mla_paged(
     """
     q_nope, q_rope = _queries(p, x, cfg, cos, sin)
     pages = write_rows(pages, latent_rows(p, x, cfg, cos, sin), slots, layer)
-    kv = gather_rows(pages, page_table, layer).astype(x.dtype)
-    latent, k_rope = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank :]
-    f32 = jnp.float32
-    q_latent = jnp.einsum("bthk,rhk->bthr", q_nope, p["k_b"])
-    scores = jnp.einsum("bthr,bsr->bhts", q_latent, latent, preferred_element_type=f32)
-    scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=f32)
-    key_pos = jnp.arange(kv.shape[1], dtype=positions.dtype)
-    visible = key_pos[None, None, None, :] <= positions[:, None, :, None]
-    probs = _softmax(scores * cfg.softmax_scale, visible).astype(x.dtype)
-    out_latent = jnp.einsum("bhts,bsr->bthr", probs, latent)
+    # absorbed query [b, t, h, kv_lora + rope] against the cached rows, through the kernel dispatcher
+    # (the Mosaic GPU kernel on Hopper, the jnp reference elsewhere; MTP_JAX_KERNELS forces one)
+    q = jnp.concatenate([jnp.einsum("bthk,rhk->bthr", q_nope, p["k_b"]), q_rope], axis=-1)
+    out_latent = mla_decode(
+        q.astype(pages.dtype),
+        pages,
+        page_table,
+        positions,
+        scale=cfg.softmax_scale,
+        value_dim=cfg.kv_lora_rank,
+        layer=layer,
+    ).astype(x.dtype)
     out = jnp.einsum("bthr,rhk->bthk", out_latent, p["v_b"])
     return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), pages

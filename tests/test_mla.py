@@ -5,11 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mtp_jax.cache import page_table_array, slots_for
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import rope_cos_sin, rope_frequencies
 from mtp_jax.mla import gather_rows, latent_rows, mla_dense, mla_paged, write_rows
+from pallas_kernels.mla_decode import ENV_VAR as KERNELS_ENV
 from tests.conftest import TINY_CONFIG
 
 
@@ -32,38 +34,51 @@ def _params(cfg: DeepseekV3Config, key: jax.Array) -> dict:
     }
 
 
-def test_paged_incremental_equals_dense():
-    """Prefill a prefix, then feed the rest in uneven chunks through a shuffled page table."""
+@pytest.mark.parametrize(
+    "impl, page, stacked",
+    [("reference", 4, False), ("reference", 8, True), ("interpret", 8, False), ("interpret", 8, True)],
+)
+def test_paged_incremental_equals_dense(monkeypatch, impl, page, stacked):
+    """Prefill a prefix, then feed the rest in uneven chunks through a shuffled page table; through
+    the attention dispatcher's jnp reference and its Pallas kernel (Mosaic GPU interpret mode), on
+    one layer's pages and on layer 1 of a stack of three (as the scan over layers passes them)."""
+    monkeypatch.setenv(KERNELS_ENV, impl)
     cfg = DeepseekV3Config.from_dict(TINY_CONFIG)
     p = _params(cfg, jax.random.key(0))
-    b, t, page = 2, 23, 4
+    b, t = 2, 23
     x = jax.random.normal(jax.random.key(1), (b, t, cfg.hidden_size))
     inv_freq, mag = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cos, sin = rope_cos_sin(pos, jnp.asarray(inv_freq), mag)
     expected = jax.jit(mla_dense, static_argnums=2)(p, x, cfg, cos, sin)
 
-    per_row = 8
+    per_row = 32 // page
     order = np.random.default_rng(3).permutation(b * per_row + 3)
     table = jnp.asarray(
         page_table_array([list(order[:per_row]), list(order[per_row : 2 * per_row])], per_row)
     )
-    pages = jnp.full((b * per_row + 3, page, cfg.kv_lora_rank + cfg.qk_rope_head_dim), jnp.nan)
-    pages = pages.at[:].set(7.0)  # stale garbage everywhere; masked positions must not leak
+    # stale garbage everywhere; masked positions must not leak
+    pages = jnp.full((b * per_row + 3, page, cfg.kv_lora_rank + cfg.qk_rope_head_dim), 7.0)
+    layer = None
+    if stacked:
+        pages, layer = jnp.stack([pages - 1.0, pages, pages + 1.0]), 1
     outs = []
     for lo, hi in [(0, 9), (9, 10), (10, 15), (15, 23)]:
         chunk_pos = pos[:, lo:hi]
         slots = slots_for(table, chunk_pos, jnp.ones(chunk_pos.shape, bool), page)
         out, pages = mla_paged(
-            p, x[:, lo:hi], cfg, cos[:, lo:hi], sin[:, lo:hi], chunk_pos, slots, pages, table
+            p, x[:, lo:hi], cfg, cos[:, lo:hi], sin[:, lo:hi], chunk_pos, slots, pages, table, layer
         )
         outs.append(out)
     got = jnp.concatenate(outs, axis=1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-5, atol=2e-5)
+    if stacked:  # the other layers are untouched
+        np.testing.assert_array_equal(np.asarray(pages[0]), 6.0)
+        np.testing.assert_array_equal(np.asarray(pages[2]), 8.0)
     # the cache holds exactly the latent rows, in position order through the page table
     rows = jax.jit(latent_rows, static_argnums=2)(p, x, cfg, cos, sin)
     np.testing.assert_allclose(
-        np.asarray(gather_rows(pages, table)[:, :t]), np.asarray(rows), rtol=1e-5, atol=1e-6
+        np.asarray(gather_rows(pages, table, layer)[:, :t]), np.asarray(rows), rtol=1e-5, atol=1e-6
     )
 
 

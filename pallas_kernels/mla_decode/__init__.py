@@ -31,7 +31,7 @@ def _kernel_suits(pages: jax.Array) -> bool:
     if jnp.dtype(pages.dtype) not in NATIVE_DTYPES:
         return False
     try:
-        check_page_size(pages.shape[1])
+        check_page_size(pages.shape[-2])
     except ValueError:
         return False
     return True
@@ -57,13 +57,19 @@ def resolve_impl(impl: str, pages: jax.Array | None = None) -> str:
     return "reference"
 
 
-def _check_args(q, pages, page_table, positions, value_dim) -> None:
+def _check_args(q, pages, page_table, positions, value_dim, layer) -> None:
     if q.ndim != 4:
         raise ValueError(f"mla_decode: q must be [B, T, H, C], got shape {q.shape}")
     batch, tokens, _, width = q.shape
-    if pages.ndim != 3 or pages.shape[2] != width:
+    if pages.ndim not in (3, 4) or pages.shape[-1] != width:
         raise ValueError(
-            f"mla_decode: pages must be [P, S, C={width}] (C from q {q.shape}), got {pages.shape}"
+            f"mla_decode: pages must be [P, S, C={width}] or a stack [L, P, S, C] (C from q {q.shape}), "
+            f"got {pages.shape}"
+        )
+    if (layer is None) != (pages.ndim == 3):
+        raise ValueError(
+            f"mla_decode: a stack of pages [L, P, S, C] needs the layer to read, and only a stack takes "
+            f"one (pages {pages.shape}, layer {layer!r})"
         )
     if pages.dtype != q.dtype:
         raise ValueError(f"mla_decode: pages dtype {pages.dtype} differs from q dtype {q.dtype}")
@@ -92,24 +98,35 @@ def mla_decode(
     scale: float,
     value_dim: int,
     impl: str = "auto",
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Absorbed MLA attention of T query tokens per row against the paged latent cache.
 
-    q [B, T, H, C] and pages [P, S, C] of one dtype, page_table [B, N] int32, positions [B, T]
+    q [B, T, H, C] and pages [P, S, C] of one dtype (or a stack [L, P, S, C] of layers' caches and
+    the ``layer`` to read, possibly traced), page_table [B, N] int32, positions [B, T]
     int32 -> [B, T, H, value_dim] in q.dtype. Query (b, t) sees cache positions
     ``s <= positions[b, t]``; a negative position sees nothing and yields zeros. See
     :func:`mla_decode_reference` for the full contract. ``impl``: "auto", "kernel" (compiled Mosaic
     GPU kernel), "interpret" (the kernel in Mosaic GPU interpret mode, any backend) or "reference".
     """
-    _check_args(q, pages, page_table, positions, value_dim)
+    _check_args(q, pages, page_table, positions, value_dim, layer)
     impl = resolve_impl(impl, pages)
     if impl == "reference":
-        return mla_decode_reference(q, pages, page_table, positions, scale=scale, value_dim=value_dim)
+        return mla_decode_reference(
+            q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=layer
+        )
     if impl == "kernel" and jnp.dtype(q.dtype) not in NATIVE_DTYPES:
         raise ValueError(
             f"mla_decode: the compiled kernel takes {[str(d) for d in NATIVE_DTYPES]}, got {q.dtype} "
             "(use impl='reference' or 'interpret')"
         )
     return mla_decode_kernel(
-        q, pages, page_table, positions, scale=scale, value_dim=value_dim, interpret=impl == "interpret"
+        q,
+        pages,
+        page_table,
+        positions,
+        scale=scale,
+        value_dim=value_dim,
+        interpret=impl == "interpret",
+        layer=layer,
     )

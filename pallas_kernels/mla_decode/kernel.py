@@ -174,7 +174,9 @@ def _row_positions(pos_ref, b, r0, d: _Dims) -> jax.Array:
     return row_pos
 
 
-def _attend(q_ref, pages_ref, pt_ref, pos_ref, q_smem, kv_smem, q_bar, kv_bar, *, d: _Dims, scale: float):
+def _attend(
+    q_ref, pages_ref, pt_ref, pos_ref, layer_ref, q_smem, kv_smem, q_bar, kv_bar, *, d: _Dims, scale: float
+):
     """One program's online softmax over its key blocks.
 
     Returns (acc [64, value_block] float32, row_max [64], row_sum [64]) with the max in base-2
@@ -184,6 +186,7 @@ def _attend(q_ref, pages_ref, pt_ref, pos_ref, q_smem, kv_smem, q_bar, kv_bar, *
     r0 = lax.axis_index("r") * BLOCK_ROWS
     v0 = lax.axis_index("v") * d.value_block
     split = lax.axis_index("k")
+    layer = layer_ref[0]
 
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(r0, BLOCK_ROWS)], q_smem, q_bar)
 
@@ -205,7 +208,7 @@ def _attend(q_ref, pages_ref, pt_ref, pos_ref, q_smem, kv_smem, q_bar, kv_bar, *
             key = jnp.where(key <= max_pos, key, block * BLOCK_KEYS)
             page = pt_ref[b, lax.div(key, d.page_size)]
             plgpu.copy_gmem_to_smem(
-                pages_ref.at[page, pl.ds(lax.rem(key, d.page_size), d.rows_per_copy)],
+                pages_ref.at[layer, page, pl.ds(lax.rem(key, d.page_size), d.rows_per_copy)],
                 kv_smem.at[slot, pl.ds(i * d.rows_per_copy, d.rows_per_copy)],
                 kv_bar.at[slot],
             )
@@ -249,10 +252,10 @@ def _attend(q_ref, pages_ref, pt_ref, pos_ref, q_smem, kv_smem, q_bar, kv_bar, *
     return lax.fori_loop(first, stop, step, (acc, row_max, row_sum))
 
 
-def _kernel(q_ref, pages_ref, pt_ref, pos_ref, *out_refs, d: _Dims, scale: float):
+def _kernel(q_ref, pages_ref, pt_ref, pos_ref, layer_ref, *out_refs, d: _Dims, scale: float):
     transforms = _smem_transforms(d.dtype)
     acc, row_max, row_sum = pl.run_scoped(
-        functools.partial(_attend, q_ref, pages_ref, pt_ref, pos_ref, d=d, scale=scale),
+        functools.partial(_attend, q_ref, pages_ref, pt_ref, pos_ref, layer_ref, d=d, scale=scale),
         plgpu.SMEM((BLOCK_ROWS, d.width), d.dtype, transforms=transforms),
         plgpu.SMEM((NUM_BUFFERS, BLOCK_KEYS, d.width), d.dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=1),
@@ -312,17 +315,21 @@ def mla_decode_kernel(
     value_dim: int,
     interpret: Any = False,
     num_splits: int | None = None,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Absorbed MLA decode attention; same contract as :func:`mla_decode_reference`.
 
-    q [B, T, H, C], pages [P, S, C] (same dtype as q), page_table [B, N] int32, positions [B, T]
-    int32 -> [B, T, H, value_dim] in q.dtype. ``interpret`` True (or an :func:`interpret_params`
-    object) runs the kernel in Mosaic GPU interpret mode on any backend; otherwise it compiles for
-    a Hopper GPU. ``num_splits``: key splits per row (flash-decoding); None picks one from the
-    shapes (:func:`default_splits`).
+    q [B, T, H, C], pages [P, S, C] (same dtype as q) or a stack [L, P, S, C] with the ``layer``
+    to read (a traced scalar is fine: the kernel indexes the stack, nothing is sliced out),
+    page_table [B, N] int32, positions [B, T] int32 -> [B, T, H, value_dim] in q.dtype.
+    ``interpret`` True (or an :func:`interpret_params` object) runs the kernel in Mosaic GPU
+    interpret mode on any backend; otherwise it compiles for a Hopper GPU. ``num_splits``: key
+    splits per row (flash-decoding); None picks one from the shapes (:func:`default_splits`).
     """
     batch, tokens, heads, width = q.shape
-    page_size = pages.shape[1]
+    if pages.ndim == 3:
+        pages, layer = pages[None], 0
+    page_size = pages.shape[2]
     check_page_size(page_size)
     rows = tokens * heads
     rows_padded = _round_up(rows, BLOCK_ROWS)
@@ -349,7 +356,7 @@ def mla_decode_kernel(
     q_rows = q.reshape(batch, rows, width)
     q_rows = jnp.pad(q_rows, ((0, 0), (0, rows_padded - rows), (0, width_padded - width)))
     if width_padded != width:
-        pages = jnp.pad(pages, ((0, 0), (0, 0), (0, width_padded - width)))
+        pages = jnp.pad(pages, ((0, 0), (0, 0), (0, 0), (0, width_padded - width)))
 
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((batch, rows_padded, value_padded), q.dtype)
@@ -368,7 +375,8 @@ def mla_decode_kernel(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
     )
-    out = call(q_rows, pages, page_table.astype(jnp.int32), positions.astype(jnp.int32))
+    layer_arg = jnp.asarray(layer, jnp.int32).reshape(1)
+    out = call(q_rows, pages, page_table.astype(jnp.int32), positions.astype(jnp.int32), layer_arg)
     if num_splits > 1:
         out = _combine(*out, q.dtype)
     return out[:, :rows, :value_dim].reshape(batch, tokens, heads, value_dim)

@@ -18,29 +18,33 @@ def mla_decode_reference(
     *,
     scale: float,
     value_dim: int,
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:
     """Attention of K+1 query tokens per row against that row's paged cache.
 
     Args:
       q: [B, T, H, C] absorbed queries (C = kv_lora + rope), bfloat16 or float32.
       pages: [P, S, C] the latent cache; the key at absolute position s of row b is
-        ``pages[page_table[b, s // S], s % S]``.
+        ``pages[page_table[b, s // S], s % S]``. Or a stack [L, P, S, C] of layers' caches, of
+        which layer ``layer`` is read.
       page_table: [B, N] int32 page ids of each row in position order.
       positions: [B, T] int32 absolute position of each query; query (b, t) sees the keys at
         positions ``s <= positions[b, t]`` (the block's own tokens are already in the cache, so
         this is causal inside the block). A query with a negative position sees nothing.
       scale: softmax scale applied to q·k.
       value_dim: values are ``key[..., :value_dim]`` (the latent part, without the rope key).
+      layer: which layer of a stacked ``pages`` to read (a traced scalar is fine); None for [P, S, C].
 
     Returns:
       [B, T, H, value_dim] in q.dtype; zeros for queries that see no key. Scores and softmax in
       float32, probabilities cast to q.dtype for the value product, accumulated in float32.
     """
-    num_pages, page_size, _ = pages.shape
+    num_pages, page_size, _ = pages.shape[-3:]
     f32 = jnp.float32
     # Entries past a row's last needed page may be garbage: clamp so the gather stays in bounds,
     # and the mask below keeps those keys (and anything non-finite in them) out of the result.
-    seq = pages[jnp.clip(page_table, 0, num_pages - 1)].astype(q.dtype)
+    table = jnp.clip(page_table, 0, num_pages - 1)
+    seq = (pages[table] if pages.ndim == 3 else pages[layer, table]).astype(q.dtype)
     keys = seq.reshape(seq.shape[0], -1, seq.shape[-1])  # [B, N·S, C]
     key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
     visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, N·S]

@@ -199,6 +199,22 @@ def test_garbage_past_needed_pages_is_ignored():
     assert_close(out, expected, jnp.float32)
 
 
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_stacked_pages_read_the_given_layer(impl):
+    """A stack [L, P, S, C] with a traced layer index reads that layer's cache, as the model's scan
+    over layers calls it; the other layers (here poisoned with NaN) are never touched."""
+    q, pages, table, positions = make_inputs(
+        7, batch=2, tokens=3, heads=2, width=40, page_size=8, pages_per_row=4, dtype=jnp.float32
+    )
+    poison = jnp.full_like(pages, jnp.nan)
+    stack = jnp.stack([poison, pages, poison])
+    expected = mla_decode_reference(q, pages, table, positions, scale=0.3, value_dim=32)
+    run = jax.jit(
+        lambda s, i: mla_decode(q, s, table, positions, scale=0.3, value_dim=32, impl=impl, layer=i)
+    )
+    assert_close(run(stack, jnp.int32(1)), expected, jnp.float32)
+
+
 def test_dispatcher_interpret_under_jit():
     inputs = make_inputs(
         4, batch=2, tokens=3, heads=3, width=40, page_size=8, pages_per_row=4, dtype=jnp.bfloat16
@@ -247,6 +263,10 @@ def test_dispatcher_rejects_bad_arguments():
         mla_decode(q, pages[..., :39], table, positions, **kw)
     with pytest.raises(ValueError, match="pages dtype"):
         mla_decode(q, pages.astype(jnp.bfloat16), table, positions, **kw)
+    with pytest.raises(ValueError, match="needs the layer to read"):
+        mla_decode(q, pages[None], table, positions, **kw)
+    with pytest.raises(ValueError, match="only a stack takes"):
+        mla_decode(q, pages, table, positions, layer=0, **kw)
     with pytest.raises(ValueError, match=r"page_table must be \[B=2, N\].*\(1, 3\)"):
         mla_decode(q, pages, table[:1], positions, **kw)
     with pytest.raises(ValueError, match=r"positions must be \[B, T\] = \(2, 2\).*\(2, 1\)"):
