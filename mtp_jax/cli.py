@@ -5,6 +5,7 @@
     mtp-jax convert SRC DST [--weights bf16|fp32|fp8] [--strict] [--no-mtp] [--dry-run]
     mtp-jax inspect (DIR | --config config.json) [--weights ...] [--mesh data=1,expert=8]
     mtp-jax bench [--model DIR] [--k 0 1 2 3 4] [--batch 1 8] [--json F] [--plot F.png]
+    mtp-jax plan (DIR | --config config.json) [--mesh data=1,expert=8] [--batch 8] [--max-len 4096]
 
 Without --model, the embedded default in ``checkpoints/`` is used (or $MTP_JAX_MODEL).
 """
@@ -121,7 +122,35 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench", help="plain vs speculative decode throughput and acceptance (mtp-jax bench --help)"
     )
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="compile the unified step from abstract shapes on simulated devices: per-device memory and "
+        "compile time, no weights needed",
+    )
+    p.add_argument("model", nargs="?", help="checkpoint directory (reads its config.json)")
+    p.add_argument("--config", help="a config.json file instead of a directory")
+    p.add_argument("--mesh", default="data=1,expert=8", help="mesh axes, e.g. data=1,expert=8")
+    p.add_argument("--batch", type=int, default=8, help="decode rows (slots)")
+    p.add_argument("--max-len", type=int, default=4096, help="KV-cache tokens per row")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("-k", type=int, default=3, help="MTP drafts per step; 0 = plain decoding")
+    p.add_argument("--weights", default="fp8", choices=["fp8", "bf16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activations/cache")
+    p.add_argument(
+        "--prefill-len", type=int, default=0, help="also compile prefill of one prompt this long (0: skip)"
+    )
+    p.add_argument("--device-memory-gb", type=float, default=None, help="memory per device (e.g. 141)")
+    p.add_argument("--json", help="also write the report as JSON to this file")
+    p.add_argument(
+        "--cpu-as-is",
+        action="store_true",
+        help="compile with every XLA:CPU pass (by default the CPU-only hoisting of FP8 converts is off)",
+    )
 
 
 def _add_estimate_options(p: argparse.ArgumentParser) -> None:
@@ -264,6 +293,57 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, argv: list[str]) -> int:
+    import json
+    import subprocess
+
+    from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
+
+    if (args.model is None) == (args.config is None):
+        raise CliError("give either a checkpoint directory or --config FILE")
+    path = args.config or os.path.join(args.model, "config.json")
+    cfg = DeepseekV3Config.from_json_file(path)
+    options = {
+        "batch": args.batch,
+        "max_len": args.max_len,
+        "page_size": args.page_size,
+        "k": args.k,
+        "weights": args.weights,
+        "prefill_len": args.prefill_len,
+    }
+    try:  # before any device exists: a bad request never waits for a re-run or a compile
+        axes = check_plan(cfg, _parse_mesh(args.mesh), **options)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    devices = math.prod(axes.values())
+    if not request_host_devices(devices):
+        print(
+            f"mtp-jax plan: JAX is already running with fewer than {devices} devices; re-running in a "
+            f"child process with XLA_FLAGS={os.environ['XLA_FLAGS']!r}",
+            file=sys.stderr,
+        )
+        return subprocess.call([sys.executable, "-m", "mtp_jax.cli", *argv], env=os.environ.copy())
+    try:
+        report = plan(
+            cfg,
+            axes,
+            **options,
+            dtype=args.dtype,
+            cpu_as_is=args.cpu_as_is,
+            log=sys.stderr,
+            model=os.path.basename(os.path.dirname(os.path.abspath(path))) if args.model else path,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(format_plan(report, args.device_memory_gb))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_json(), f, indent=2)
+            f.write("\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # its own parser (shared with scripts/bench.py)
@@ -274,7 +354,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mtp_jax.errors import MtpJaxError
 
     try:
-        commands = {"generate": _generate, "score": _score, "convert": _convert, "inspect": _inspect}
+        commands = {
+            "generate": _generate,
+            "score": _score,
+            "convert": _convert,
+            "inspect": _inspect,
+            "plan": lambda a: _plan(a, argv),
+        }
         return commands[args.command](args)
     except (CliError, MtpJaxError) as e:
         print(f"mtp-jax {args.command}: error: {e}", file=sys.stderr)
