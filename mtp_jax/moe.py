@@ -3,7 +3,7 @@
 Parameters of one layer: ``router`` [d, e] (float32), ``bias`` [e] (float32 correction bias),
 ``gate``/``up`` [e, d, f], ``down`` [e, f, d], and when the config has shared experts
 ``shared_gate``/``shared_up`` [d, f_s], ``shared_down`` [f_s, d]. Expert and shared weights may be
-:class:`Fp8Weight` (dequantised on use; a grouped FP8 matmul kernel is future work).
+:class:`Fp8Weight` (dequantised on use, or fed to the FP8 grouped matmul kernel on a GPU).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import Weight, swiglu
+from pallas_kernels.moe import routed_experts as kernel_routed_experts
 
 
 def route(
@@ -48,18 +49,12 @@ def routed_experts(
     """Σ_k weights[n,k] · expert_{idx[n,k]}(x[n]) for x [n, d], dropless.
 
     Token copies are sorted by expert so each expert's rows are contiguous, then one grouped
-    matmul (``lax.ragged_dot``) per projection; the results are scattered back with their weights.
+    matmul per projection, and the results are scattered back with their weights — through the
+    kernel dispatcher :func:`pallas_kernels.moe.routed_experts`: the Pallas grouped matmul (bf16, or
+    FP8 weights with their block scales) on a GPU it compiles for, ``lax.ragged_dot`` on the
+    dequantised weights elsewhere (``MTP_JAX_KERNELS`` forces one).
     """
-    n, k = idx.shape
-    flat = idx.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // k
-    gate, up, down = (materialize(w, x.dtype) for w in (gate, up, down))
-    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
-    xs = x[token]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
-    ys = jax.lax.ragged_dot(h, down, sizes).astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(ys).astype(x.dtype)
+    return kernel_routed_experts(x, weights, idx, gate, up, down)
 
 
 def routed_experts_dense(

@@ -109,3 +109,16 @@ def test_stack_write_and_gather_touch_only_their_layer():
     np.testing.assert_array_equal(
         np.asarray(gather_rows(out, table, layer=1)), np.asarray(gather_rows(out[1], table))
     )
+
+
+def test_paged_attention_uses_the_kernel_dispatcher(monkeypatch):
+    monkeypatch.setenv(KERNELS_ENV, "bogus")  # only the dispatcher reads (and refuses) it
+    cfg = DeepseekV3Config.from_dict(TINY_CONFIG)
+    p = _params(cfg, jax.random.key(0))
+    x = jnp.ones((1, 1, cfg.hidden_size))
+    pos = jnp.zeros((1, 1), jnp.int32)
+    inv_freq, mag = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    cos, sin = rope_cos_sin(pos, jnp.asarray(inv_freq), mag)
+    pages = jnp.zeros((2, 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+    with pytest.raises(ValueError, match=KERNELS_ENV):
+        mla_paged(p, x, cfg, cos, sin, pos, jnp.zeros((1, 1), jnp.int32), pages, jnp.zeros((1, 1), jnp.int32))

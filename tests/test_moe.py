@@ -71,7 +71,11 @@ def test_masked_groups_lose_even_to_negative_scores():
     assert sorted(np.asarray(idx)[0].tolist()) == [2, 3]
 
 
-def test_routed_experts_match_loop():
+@pytest.mark.parametrize("kernels", ["", "interpret", "reference"])
+def test_routed_experts_match_loop(monkeypatch, kernels):
+    """The sorted path goes through the kernel dispatcher: by default ragged_dot here, and the Pallas
+    grouped matmul (interpreted) or the dispatcher's reference when MTP_JAX_KERNELS forces them."""
+    monkeypatch.setenv("MTP_JAX_KERNELS", kernels)
     rng = np.random.default_rng(1)
     n, d, f, e, k = 37, 8, 5, 6, 3
     x = rng.standard_normal((n, d)).astype(np.float32)
@@ -119,3 +123,12 @@ def test_moe_block_adds_shared_experts():
     g, u = x @ p["shared_gate"], x @ p["shared_up"]
     shared = (g / (1 + np.exp(-g)) * u) @ p["shared_down"]
     np.testing.assert_allclose(full - routed, shared, rtol=1e-4, atol=1e-5)
+
+
+def test_sorted_path_uses_the_kernel_dispatcher(monkeypatch):
+    monkeypatch.setenv("MTP_JAX_KERNELS", "bogus")  # only the dispatcher reads (and refuses) it
+    x, w = jnp.ones((3, 4)), jnp.ones((3, 2))
+    idx = jnp.zeros((3, 2), jnp.int32)
+    gate, down = jnp.ones((2, 4, 5)), jnp.ones((2, 5, 4))
+    with pytest.raises(ValueError, match="MTP_JAX_KERNELS"):
+        routed_experts(x, w, idx, gate, gate, down)
