@@ -255,8 +255,10 @@ def load(
     Unexpected tensors are logged, or refused with ``strict``. With ``mesh`` (see
     :func:`mtp_jax.make_mesh`) every parameter is placed with its sharding as it is read: routed
     experts split over the ``expert`` axis, the rest replicated; forward passes and generation then
-    run data-parallel over ``data`` and expert-parallel over ``expert`` (:mod:`mtp_jax.ep`). EOS ids come from
-    generation_config.json when present, else from config.json.
+    run data-parallel over ``data`` and expert-parallel over ``expert`` (:mod:`mtp_jax.ep`). A mesh
+    may span the processes of a multi-host run (``scripts/launch.py``): each process then reads only
+    the routed experts its own devices hold. EOS ids come from generation_config.json when present,
+    else from config.json.
     """
     path = os.fspath(path)
     if dtype not in DTYPES:

@@ -25,6 +25,8 @@ MESH_AXES = ("data", "expert", "tensor")
 EXPERT_STACKS = ("moe", "mtp")
 ROUTED_EXPERT_LEAVES = ("gate", "up", "down")
 _STORAGE_KEYS = ("fp8", "scale_inv")
+ROUTED_EXPERT_SPEC = PartitionSpec("expert")
+"""How a routed-expert leaf [E, ...] of one layer is split: its expert axis over ``expert``."""
 RULES = {"batch": "data", "pages": "data", "experts": "expert"}
 """Logical axis -> mesh axis; logical axes not listed are replicated."""
 ACTIVATION = ("batch", None, None)
@@ -83,6 +85,13 @@ def constrain(x: jax.Array, mesh: Mesh | None, logical: Sequence[str | None]) ->
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_spec(mesh, logical, x.shape)))
 
 
+def replicated(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """``x`` pinned to every device of ``mesh`` (inside jit); unchanged without one. The step's
+    small outputs the host reads (tokens, counts) are replicated so that every process of a
+    multi-host run can fetch them whole."""
+    return constrain(x, mesh, (None,) * x.ndim)
+
+
 def state_logical(path: tuple, shape: Sequence[int]) -> tuple[str | None, ...]:
     """Logical axes of one leaf of a :class:`mtp_jax.step.DecodeState`: the target caches
     [L, P, page, c] and the draft cache [P, page, c] are split by page, everything else by row."""
@@ -127,7 +136,7 @@ def group_spec(group: str, path: tuple) -> PartitionSpec:
     """PartitionSpec of one leaf of a parameter group (one layer, no stacking axis)."""
     names = _names(path)
     if group in EXPERT_STACKS and "mlp" in names and names[-1] in ROUTED_EXPERT_LEAVES:
-        return PartitionSpec("expert")
+        return ROUTED_EXPERT_SPEC
     return PartitionSpec()
 
 
@@ -139,6 +148,16 @@ def group_shardings(mesh: Mesh, group: str, tree: Any, stacked: bool = False) ->
         return NamedSharding(mesh, PartitionSpec(None, *spec) if stacked else spec)
 
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def local_experts(mesh: Mesh, n_experts: int) -> list[int] | None:
+    """The routed experts whose weights this process's devices hold under ``mesh`` (ascending), or
+    None when they hold all of them (one process, or every expert group within each host). A loader
+    reads only these from the checkpoint."""
+    sharding = NamedSharding(mesh, ROUTED_EXPERT_SPEC)
+    shards = sharding.addressable_devices_indices_map((n_experts,)).values()
+    ids = {e for index in shards for e in range(n_experts)[index[0]]}
+    return None if len(ids) == n_experts else sorted(ids)
 
 
 def check_mesh(mesh: Mesh, n_routed_experts: int) -> None:

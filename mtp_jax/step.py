@@ -38,7 +38,7 @@ from mtp_jax.sampling import (
     draft_probs,
     sample,
 )
-from mtp_jax.sharding import constrain_state
+from mtp_jax.sharding import constrain_state, replicated
 
 DRAFT_METHODS = ("mtp",)
 DRAFT_SAMPLING = ("argmax", "sampled")
@@ -213,7 +213,7 @@ def prefill(
     def put(dst, src):
         return dst.at[rows].set(src, mode="drop")
 
-    return first, constrain_state(
+    return replicated(first, sc.mesh), constrain_state(
         DecodeState(
             target_pages=target_pages,
             draft_pages=draft_pages,
@@ -298,7 +298,7 @@ def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, j
     hidden, logits, target_pages = _verify(params, state, sc)
     emitted, n_acc = _accept(logits, state, sc)
     n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
-    return emitted, n_emit, constrain_state(state, sc.mesh)
+    return replicated(emitted, sc.mesh), replicated(n_emit, sc.mesh), constrain_state(state, sc.mesh)
 
 
 # The host-orchestrated baseline: the same stages as separate executables with the host reading

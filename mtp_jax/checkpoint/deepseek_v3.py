@@ -9,6 +9,11 @@ layer, the final norm, the head, one MTP layer) into host arrays of the target d
 arrays in place. Host memory therefore peaks near the largest group (one MoE layer), never the
 whole model; the same groups are what ``mtp-jax convert`` writes.
 
+Multi-host: with a mesh whose ``expert`` axis spans processes, each process reads only the routed
+experts its own devices hold (:func:`mtp_jax.sharding.local_experts`): the stacked expert leaves
+are then :class:`ExpertRows`, and :func:`assemble` builds the global arrays from the local
+shards. Every other tensor is replicated, so every process reads it.
+
 FP8 checkpoints (``quantization_config.quant_method == "fp8"``) are dequantised block-wise with
 ``weight_scale_inv`` (``weights="dense"``), or kept as :class:`Fp8Weight` (``weights="fp8"``).
 ``kv_b_proj`` is always dequantised: it is small and used in absorbed form every step.
@@ -24,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -60,8 +65,14 @@ class HubTensors:
     """Reads hub tensors by key, with shape checks, into host arrays of the target dtype."""
 
     def __init__(
-        self, reader: CheckpointReader, cfg: DeepseekV3Config, dtype: Any, weights: str = "dense"
+        self,
+        reader: CheckpointReader,
+        cfg: DeepseekV3Config,
+        dtype: Any,
+        weights: str = "dense",
+        experts: Sequence[int] | None = None,
     ) -> None:
+        """``experts``: the routed experts to read (None: all of them); see :func:`param_groups`."""
         if weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
         if weights == "fp8" and cfg.quantization_config is None:
@@ -73,6 +84,7 @@ class HubTensors:
         self.cfg = cfg
         self.dtype = host_dtype(dtype)
         self.weights = weights
+        self.experts = None if experts is None else sorted(set(experts))
         self.used: list[str] = []
 
     def _check(self, key: str, shape: tuple[int, ...]) -> np.dtype:
@@ -179,10 +191,45 @@ def stack_leaves(make: Callable[[int], Any], n: int) -> Any:
     return out
 
 
+class ExpertRows:
+    """Some experts (rows) of a stacked routed-expert leaf [E, ...]: what one process of a multi-host
+    run reads when the other experts live on other hosts' devices. Indexing it with a device
+    shard's index (a block of experts, all of them read, then the full trailing axes) returns that
+    shard, which is how :func:`assemble` builds the global array."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, rows: dict[int, np.ndarray]) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.rows = rows
+
+    def view(self, dtype: Any) -> ExpertRows:
+        return ExpertRows(self.shape, np.dtype(dtype), {e: r.view(dtype) for e, r in self.rows.items()})
+
+    def __getitem__(self, index: tuple[slice, ...]) -> np.ndarray:
+        experts = range(self.shape[0])[index[0]]
+        missing = [e for e in experts if e not in self.rows]
+        if missing:
+            raise ValueError(f"experts {missing} were not read by this process (it read {sorted(self.rows)})")
+        return np.stack([self.rows[e][index[1:]] for e in experts])
+
+
+def stack_rows(make: Callable[[int], Any], rows: Sequence[int], n: int) -> Any:
+    """Like :func:`stack_leaves` over ``n`` items, but reading only items ``rows``: the leaves
+    become :class:`ExpertRows`."""
+    items = [make(i) for i in rows]
+    return jax.tree.map(
+        lambda *xs: ExpertRows((n,) + xs[0].shape, xs[0].dtype, dict(zip(rows, xs, strict=True))), *items
+    )
+
+
 def _moe(t: HubTensors, pre: str) -> dict:
     c = t.cfg
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
-    experts = stack_leaves(lambda i: _swiglu(t, f"{pre}experts.{i}.", d, f), e)
+
+    def expert(i: int) -> dict:
+        return _swiglu(t, f"{pre}experts.{i}.", d, f)
+
+    experts = stack_leaves(expert, e) if t.experts is None else stack_rows(expert, t.experts, e)
     p = {
         "router": np.ascontiguousarray(t.get(f"{pre}gate.weight", (e, d), np.float32).T),
         "bias": t.get(f"{pre}gate.e_score_correction_bias", (e,), np.float32),
@@ -242,14 +289,17 @@ def param_groups(
     mtp: bool = True,
     strict: bool = False,
     skip: Mapping[tuple[str, int | None], list[str]] | None = None,
+    experts: Sequence[int] | None = None,
 ) -> Iterator[tuple[Group, list[str]]]:
     """Yield ((name, index, host pytree), hub keys consumed) one group at a time, in a fixed order.
 
     Groups in ``skip`` (mapped to the keys they consumed before, e.g. by an interrupted conversion)
-    are yielded with a ``None`` tree and not read. After the last group, tensors nobody asked for
-    are reported: a warning, or with ``strict`` a :class:`CheckpointError` naming them.
+    are yielded with a ``None`` tree and not read. ``experts`` (None: all) restricts the routed
+    experts read in every MoE layer, MTP included, to those ids; the stacked expert leaves are then
+    :class:`ExpertRows`. After the last group, tensors nobody asked for (other than the experts
+    left out) are reported: a warning, or with ``strict`` a :class:`CheckpointError` naming them.
     """
-    t = HubTensors(reader, cfg, dtype, weights)
+    t = HubTensors(reader, cfg, dtype, weights, experts)
     d, v = cfg.hidden_size, cfg.vocab_size
     skip = skip or {}
     all_used: set[str] = set()
@@ -275,7 +325,7 @@ def param_groups(
     if mtp:
         for k in range(cfg.num_nextn_predict_layers):
             yield emit("mtp", k, lambda k=k: _mtp_layer(t, k))
-    _report_unused(reader, all_used, cfg, skip_mtp=not mtp, strict=strict)
+    _report_unused(reader, all_used, cfg, skip_mtp=not mtp, strict=strict, experts=t.experts)
 
 
 def group_sizes(cfg: DeepseekV3Config, mtp: bool = True) -> dict[str, int]:
@@ -324,7 +374,7 @@ def assemble(
             if leaf.dtype == _FP8:
                 fp8_paths.add((jax.tree_util.DictKey(name),) + path)
         bits = jax.tree.map(_as_bits, tree)
-        device_tree = jax.device_put(bits, None if mesh is None else group_shardings(mesh, name, bits))
+        device_tree = _put(bits, None if mesh is None else group_shardings(mesh, name, bits))
         if name not in STACKED_GROUPS:
             params[name] = device_tree
             continue
@@ -345,6 +395,22 @@ def assemble(
     return params
 
 
+def _put(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put``, except that :class:`ExpertRows` leaves (the experts this process read)
+    become global arrays assembled from this process's shards."""
+    if shardings is None or not any(isinstance(x, ExpertRows) for x in jax.tree.leaves(tree)):
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(
+        lambda x, s: (
+            jax.make_array_from_callback(x.shape, s, x.__getitem__)
+            if isinstance(x, ExpertRows)
+            else jax.device_put(x, s)
+        ),
+        tree,
+        shardings,
+    )
+
+
 def _zeros_stack(layer: Any, n: int, shardings: Any) -> Any:
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape, x.dtype), layer)
     make = jax.jit(
@@ -363,15 +429,30 @@ def load_params(
     strict: bool = False,
     mesh: jax.sharding.Mesh | None = None,
 ) -> dict:
-    """Read a hub checkpoint into device parameters (see the module docstring)."""
-    groups = (g for g, _ in param_groups(reader, cfg, dtype, weights=weights, mtp=mtp, strict=strict))
+    """Read a hub checkpoint into device parameters (see the module docstring). With a mesh, this
+    process reads only the routed experts its devices hold."""
+    from mtp_jax.sharding import local_experts
+
+    experts = None if mesh is None else local_experts(mesh, cfg.n_routed_experts)
+    groups = (
+        g
+        for g, _ in param_groups(reader, cfg, dtype, weights=weights, mtp=mtp, strict=strict, experts=experts)
+    )
     return assemble(groups, cfg, dtype, mtp=mtp, mesh=mesh)
 
 
 def _report_unused(
-    reader: CheckpointReader, used: set[str], cfg: DeepseekV3Config, *, skip_mtp: bool, strict: bool
+    reader: CheckpointReader,
+    used: set[str],
+    cfg: DeepseekV3Config,
+    *,
+    skip_mtp: bool,
+    strict: bool,
+    experts: Sequence[int] | None = None,
 ) -> None:
     layer_key = re.compile(r"model\.layers\.(\d+)\.")
+    expert_key = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+    read = None if experts is None else set(experts)
     mtp_layers = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
     unexpected = []
     for key in reader.keys():
@@ -380,6 +461,9 @@ def _report_unused(
         m = layer_key.match(key)
         if skip_mtp and m and int(m.group(1)) in mtp_layers:
             continue  # MTP layers were not asked for
+        e = expert_key.match(key) if read is not None else None
+        if e and int(e.group(1)) not in read:
+            continue  # another host's experts
         unexpected.append(key)
     if not unexpected:
         return

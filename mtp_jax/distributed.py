@@ -1,0 +1,300 @@
+"""Multi-host runs: which cluster this process belongs to, joining it, and N processes on one machine.
+
+A multi-host run is one process per host (or per group of local devices), all running the same
+program over one global mesh (``jax.distributed``). :func:`resolve_cluster` finds the coordinator,
+the process count and this process's id from explicit values, then the ``JAX_*`` variables, then
+SLURM's; :func:`initialize` joins. :func:`spawn_local` runs N such processes on localhost with
+simulated CPU devices and gloo collectives: how the tests exercise the multi-host code paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_LAUNCHER_PID = "MTP_JAX_LAUNCHER_PID"
+DEFAULT_SLURM_PORT = 12345
+_QUIET_PREFIXES = ("[Gloo]",)
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+class LaunchError(Exception):
+    """A multi-host run could not be set up (bad cluster description, unreachable coordinator...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where this process sits in a multi-process run. All None: let ``jax.distributed.initialize``
+    detect everything itself (Cloud TPU VMs, Open MPI)."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    @property
+    def auto(self) -> bool:
+        return self.coordinator is None and self.num_processes is None and self.process_id is None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``node[003-007,9],gpu1`` -> ``node003``."""
+    m = re.match(r"\s*([^,\[\s]+)(?:\[([^\],\-]+))?", nodelist)
+    if not m or not m.group(1):
+        raise LaunchError(f"cannot read a host name from the SLURM node list {nodelist!r}")
+    return m.group(1) + (m.group(2) or "")
+
+
+def _int(value: str | int | None, what: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"{what} must be an integer, got {value!r}") from None
+
+
+def resolve_cluster(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+    environ: Mapping[str, str] | None = None,
+    slurm_port: int = DEFAULT_SLURM_PORT,
+) -> Cluster | None:
+    """The cluster of this process, or None for a plain single-process run.
+
+    Each of the three values comes from the first source that has it: the arguments, then
+    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, then SLURM
+    (``SLURM_NTASKS``, ``SLURM_PROCID``, and the first host of ``SLURM_STEP_NODELIST`` or
+    ``SLURM_JOB_NODELIST`` with ``slurm_port``). ``auto`` with nothing found leaves detection to
+    ``jax.distributed.initialize`` (Cloud TPU VMs). One process in total means no cluster.
+    """
+    env = os.environ if environ is None else environ
+    n = num_processes if num_processes is not None else _int(env.get(ENV_NUM_PROCESSES), ENV_NUM_PROCESSES)
+    pid = process_id if process_id is not None else _int(env.get(ENV_PROCESS_ID), ENV_PROCESS_ID)
+    coord = coordinator or env.get(ENV_COORDINATOR) or None
+    if "SLURM_NTASKS" in env:
+        n = n if n is not None else _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+        pid = pid if pid is not None else _int(env.get("SLURM_PROCID"), "SLURM_PROCID")
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if coord is None and nodes and (n or 0) > 1:
+            coord = f"{first_slurm_host(nodes)}:{slurm_port}"
+    if coord is None and n is None and pid is None:
+        return Cluster() if auto else None
+    if n == 1 and pid in (None, 0):
+        return None
+    missing = [
+        name
+        for name, value in (("coordinator", coord), ("num_processes", n), ("process_id", pid))
+        if value is None
+    ]
+    if missing:
+        raise LaunchError(
+            f"incomplete cluster description: {', '.join(missing)} not given (use --coordinator, "
+            f"--num-processes, --process-id or {ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})"
+        )
+    if n < 1 or not 0 <= pid < n:
+        raise LaunchError(f"process id {pid} is outside [0, {n}) for {n} processes")
+    if not re.fullmatch(r"\[?[\w.\-:]+\]?:\d+", coord):
+        raise LaunchError(f"coordinator must be host:port, got {coord!r}")
+    return Cluster(coord, n, pid)
+
+
+def initialize(cluster: Cluster, timeout_s: int = 300) -> None:
+    """Join ``cluster`` (call before anything else touches JAX devices). On CPU the processes talk
+    through gloo. Raises :class:`LaunchError` naming the coordinator when it cannot be reached
+    within ``timeout_s`` (when the others never join, process 0 is aborted by JAX itself)."""
+    import jax
+
+    _exit_with_launcher()
+    if not cluster.auto and cluster.process_id != 0:
+        # JAX aborts the whole process (a C++ fatal error) when the coordinator stays unreachable;
+        # checking first turns that into an error that says what is wrong.
+        wait_for_coordinator(cluster.coordinator, timeout_s)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            cluster.coordinator,
+            cluster.num_processes,
+            cluster.process_id,
+            initialization_timeout=timeout_s,
+        )
+    except Exception as e:  # jax raises XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE ...)
+        where = "auto-detected coordinator" if cluster.auto else f"coordinator {cluster.coordinator}"
+        raise LaunchError(
+            f"process {cluster.process_id} of {cluster.num_processes} could not join the run at the "
+            f"{where} within {timeout_s}s: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from e
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Wait until something accepts TCP connections at ``address`` (host:port), or raise
+    :class:`LaunchError` after ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as e:
+            if time.monotonic() + 0.25 > deadline:
+                raise LaunchError(
+                    f"the coordinator {address} was unreachable for {timeout_s:g}s ({e.strerror or e}); is "
+                    "process 0 running, and is the address one that this host can reach?"
+                ) from None
+            time.sleep(0.25)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _exit_with_launcher() -> None:
+    """In a process started by :func:`spawn_local`: exit as soon as the launcher is gone (even
+    killed with SIGKILL), so that no process of the run is left behind. A thread polling the parent
+    id, because a ``preexec_fn`` would fork a multithreaded (JAX) process."""
+    launcher = os.environ.get(ENV_LAUNCHER_PID)
+    if not launcher or not launcher.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
+
+
+def _relay(src: IO[str], dst: IO[str]) -> None:
+    for line in src:
+        if not line.startswith(_QUIET_PREFIXES):
+            dst.write(line)
+            dst.flush()
+
+
+def spawn_local(
+    command: Sequence[str],
+    num_processes: int,
+    devices_per_process: int = 1,
+    *,
+    timeout_s: float = 600,
+    env: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run ``command`` as ``num_processes`` processes of one run on localhost and wait for them.
+
+    Each process gets the coordinator (a free local port), the process count and its id through
+    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, and
+    ``devices_per_process`` simulated CPU devices. Process 0's output goes to ``stdout``/``stderr``
+    (default: ours) without gloo's connection chatter; the others' is kept and shown only if they
+    fail. When one fails, or ``timeout_s`` passes, the rest are killed; processes that call
+    :func:`initialize` also exit by themselves if the launcher dies. Returns 0, the first non-zero
+    exit status, or 124 on timeout.
+    """
+    if num_processes < 1 or devices_per_process < 1:
+        raise LaunchError("need at least one process and one device per process")
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    base = dict(os.environ if env is None else env)
+    base.update(
+        {
+            ENV_COORDINATOR: f"localhost:{free_port()}",
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_LAUNCHER_PID: str(os.getpid()),
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": " ".join(
+                [f for f in base.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+                + [f"{_DEVICE_COUNT_FLAG}={devices_per_process}"]
+            ),
+        }
+    )
+    procs: list[subprocess.Popen] = []
+    logs: list[IO[str] | None] = []
+    relays: list[threading.Thread] = []
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(_kill, procs)
+        for i in range(num_processes):
+            child_env = dict(base, **{ENV_PROCESS_ID: str(i)})
+            log = None if i == 0 else cleanup.enter_context(tempfile.TemporaryFile("w+"))
+            p = subprocess.Popen(
+                list(command),
+                env=child_env,
+                stdout=subprocess.PIPE if log is None else log,
+                stderr=subprocess.PIPE if log is None else subprocess.STDOUT,
+                text=True,
+            )
+            if log is None:
+                relays += [
+                    threading.Thread(target=_relay, args=(p.stdout, stdout), daemon=True),
+                    threading.Thread(target=_relay, args=(p.stderr, stderr), daemon=True),
+                ]
+                for t in relays:
+                    t.start()
+            procs.append(p)
+            logs.append(log)
+        return _wait_all(procs, logs, relays, timeout_s, stderr)
+
+
+def _wait_all(
+    procs: list[subprocess.Popen],
+    logs: list[IO[str] | None],
+    relays: list[threading.Thread],
+    timeout_s: float,
+    stderr: IO[str],
+) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+        if failed is not None or all(c == 0 for c in codes):
+            break
+        if time.monotonic() > deadline:
+            _kill(procs)
+            stderr.write(f"launch: timed out after {timeout_s:.0f}s; stopped all {len(procs)} processes\n")
+            return 124
+        time.sleep(0.05)
+    if failed is not None:
+        _kill(procs)
+    for t in relays:
+        t.join(timeout=5)
+    if failed is None:
+        return 0
+    log = logs[failed]
+    if log is not None:
+        log.seek(0)
+        lines = [line for line in log.read().splitlines() if not line.startswith(_QUIET_PREFIXES)]
+        stderr.write(f"--- process {failed} (last lines) ---\n" + "\n".join(lines[-40:]) + "\n")
+    stderr.write(f"launch: process {failed} exited with status {codes[failed]}; stopped the others\n")
+    return codes[failed] or 1
+
+
+def _kill(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Terminate the processes still running, then kill those that ignore it."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,224 @@
+"""Generation or a decode benchmark over one mesh spanning every process of a multi-host run.
+
+Run the same command on every host; the cluster comes from the flags, else ``JAX_COORDINATOR_ADDRESS``
+/ ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, else SLURM (``srun``), else, with ``--auto``,
+``jax.distributed.initialize``'s own detection (Cloud TPU VMs). Each host reads only its share of
+the routed experts; results are printed by process 0 only.
+
+    # two hosts, eight devices in all, experts split over both
+    python scripts/launch.py --coordinator host0:1234 --num-processes 2 --process-id 0 \\
+        --mesh data=1,expert=8 --prompt "import os"          # and --process-id 1 on host1
+    srun -N 2 python scripts/launch.py --mesh data=2,expert=4 --prompt "import os"
+    # N processes on this machine (simulated CPU devices, gloo collectives): what the tests run
+    python scripts/launch.py --local 2 --mesh data=1,expert=8 --prompt "import os" -k 3
+    python scripts/launch.py --local 2 --mesh data=2,expert=4 --bench --batch 4 --new-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a file from a checkout
+    sys.path.insert(0, REPO)
+
+from mtp_jax.distributed import LaunchError, initialize, resolve_cluster, spawn_local  # noqa: E402
+
+_LAUNCHER_ONLY = ("--local", "--devices-per-process", "--timeout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/launch.py", description=__doc__.split("\n\n")[0])
+    c = p.add_argument_group("cluster")
+    c.add_argument("--coordinator", help="host:port of process 0's coordinator service")
+    c.add_argument("--num-processes", type=int, help="processes in the run")
+    c.add_argument("--process-id", type=int, help="this process's id in [0, num-processes)")
+    c.add_argument("--auto", action="store_true", help="let jax.distributed detect the cluster (TPU VMs)")
+    c.add_argument("--slurm-port", type=int, default=12345, help="coordinator port under SLURM")
+    c.add_argument("--init-timeout", type=int, default=300, help="seconds to wait for all processes to join")
+    c.add_argument("--local", type=int, metavar="N", help="run N processes on this machine (CPU devices)")
+    c.add_argument("--devices-per-process", type=int, help="with --local (default: mesh size / N)")
+    c.add_argument("--timeout", type=float, default=1800, help="with --local: seconds before all are stopped")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    m.add_argument(
+        "--mesh", help="mesh over all devices of the run, e.g. data=2,expert=4 (default: expert=all)"
+    )
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    g.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--draft", choices=["mtp", "none"], default="mtp")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object (tokens, stats) instead of text"
+    )
+    b = p.add_argument_group("benchmark")
+    b.add_argument("--bench", action="store_true", help="time decoding (after a compiling run) instead")
+    b.add_argument("--batch", type=int, default=1, help="--bench: decode slots")
+    b.add_argument("--new-tokens", type=int, default=32, help="--bench: tokens per prompt")
+    b.add_argument("--repeats", type=int, default=3, help="--bench: timed runs (median reported)")
+    return p
+
+
+def _without_launcher_flags(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in _LAUNCHER_ONLY:
+            skip = True
+        elif not a.startswith(tuple(f"{f}=" for f in _LAUNCHER_ONLY)):
+            out.append(a)
+    return out
+
+
+def _mesh_axes(text: str | None, n_devices: int) -> dict[str, int]:
+    from mtp_jax.cli import _parse_mesh
+
+    axes = _parse_mesh(text) if text else {"data": 1, "expert": n_devices}
+    unknown = set(axes) - {"data", "expert", "tensor"}
+    if unknown:
+        raise LaunchError(f"unknown mesh axes {sorted(unknown)}; use data, expert (and tensor=1)")
+    return axes
+
+
+def _prompts(args: argparse.Namespace, model_dir: str, bos: int | None):
+    """Token-id prompts from --prompt-ids and --prompt, and the tokenizer when text needs one."""
+    from mtp_jax.cli import _encode, _tokenizer
+
+    prompts = []
+    for text in args.prompt_ids:
+        try:
+            prompts.append([int(x) for x in text.replace(" ", "").split(",") if x])
+        except ValueError:
+            raise LaunchError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    tok = (
+        _tokenizer(model_dir)
+        if args.prompt or os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+        else None
+    )
+    prompts += [_encode(tok, text, bos) for text in args.prompt]
+    return prompts, tok
+
+
+def run(args: argparse.Namespace) -> int:
+    """One process of the run: join the cluster, load sharded, generate or benchmark."""
+    cluster = resolve_cluster(
+        args.coordinator, args.num_processes, args.process_id, auto=args.auto, slurm_port=args.slurm_port
+    )
+    if cluster is not None:
+        initialize(cluster, args.init_timeout)
+    import jax
+
+    import mtp_jax
+    from mtp_jax.cli import _model_dir
+
+    lead = jax.process_index() == 0
+    n_dev = jax.device_count()
+    axes = _mesh_axes(args.mesh, n_dev)
+    if math.prod(axes.values()) != n_dev:
+        raise LaunchError(
+            f"--mesh {args.mesh} needs {math.prod(axes.values())} devices, but the run has {n_dev} "
+            f"({jax.process_count()} processes x {jax.local_device_count()} devices)"
+        )
+    mesh = mtp_jax.make_mesh(**axes)
+    model_dir = _model_dir(args.model)
+    t0 = time.perf_counter()
+    model = mtp_jax.load(model_dir, args.dtype, mesh=mesh)
+    load_s = time.perf_counter() - t0
+    prompts, tok = _prompts(args, model_dir, model.config.bos_token_id)
+    if not prompts:
+        raise LaunchError("give --prompt TEXT or --prompt-ids 1,2,3")
+    gen = {
+        "temperature": args.temperature,
+        "seed": args.seed,
+        "draft": None if args.draft == "none" else args.draft,
+        "num_speculative_tokens": args.num_speculative_tokens,
+    }
+    where = {
+        "processes": jax.process_count(),
+        "devices": n_dev,
+        "mesh": axes,
+        "platform": jax.devices()[0].platform,
+        "load_seconds": load_s,
+    }
+    if args.bench:
+        from mtp_jax.bench import _measure
+
+        opts = argparse.Namespace(new_tokens=args.new_tokens, repeats=args.repeats)
+        res = _measure(model, prompts, opts, args.batch, [gen])[0]
+        report = {**where, "decode_tok_s": res["decode_tok_s"], "stats": res["stats"]}
+    else:
+        result = model.generate(
+            prompts, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, **gen
+        )
+        report = {
+            **where,
+            "tokens": result.tokens,
+            "finish_reasons": result.finish_reasons,
+            "stats": result.stats,
+        }
+    if lead:
+        _print(report, args, tok)
+    return 0
+
+
+def _print(report: dict, args: argparse.Namespace, tok) -> None:
+    if args.json:
+        print(json.dumps(report), flush=True)
+        return
+    print(
+        f"[{report['processes']} processes, {report['devices']} {report['platform']} devices, mesh "
+        f"{report['mesh']}; loaded in {report['load_seconds']:.1f}s]",
+        file=sys.stderr,
+    )
+    st = report["stats"]
+    if "tokens" in report:
+        for new in report["tokens"]:
+            print(tok.decode(new, skip_special_tokens=True) if tok is not None else new)
+    else:
+        print(f"decode {report['decode_tok_s']:.1f} tok/s (median of {args.repeats})")
+    print(
+        f"[steps {st['steps']}, {st['new_tokens']} new tokens, acceptance length "
+        f"{st['acceptance_length']:.2f}, decode {st['decode_tokens_per_second']:.1f} tok/s]",
+        file=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    from mtp_jax.cli import CliError
+    from mtp_jax.errors import MtpJaxError
+
+    try:
+        if args.local:
+            devices = args.devices_per_process
+            if devices is None:
+                total = math.prod(_mesh_axes(args.mesh, args.local).values())
+                if total % args.local:
+                    raise LaunchError(
+                        f"--mesh {args.mesh} ({total} devices) does not split over {args.local}"
+                    )
+                devices = total // args.local
+            command = [sys.executable, os.path.abspath(__file__), *_without_launcher_flags(argv)]
+            return spawn_local(command, args.local, devices, timeout_s=args.timeout)
+        return run(args)
+    except (LaunchError, CliError, MtpJaxError, ValueError) as e:
+        print(f"launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

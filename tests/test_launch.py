@@ -1,0 +1,262 @@
+"""Multi-host runs on one machine: scripts/launch.py --local N (processes on localhost with simulated
+CPU devices and gloo collectives), per-host sharded loading, cluster discovery and error paths."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mtp_jax.distributed import Cluster, LaunchError, first_slurm_host, resolve_cluster, spawn_local
+from tests.conftest import EMBEDDED_MODEL, REPO
+
+LAUNCH = os.path.join(REPO, "scripts", "launch.py")
+ENV = dict(os.environ, PYTHONPATH=REPO)
+
+
+def _launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, LAUNCH, *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
+
+
+@pytest.mark.slow
+def test_two_processes_generate_the_tokens_of_one():
+    """Rows and pages split over data (one data shard per process), experts over expert: greedy MTP
+    decoding with K = 3 gives exactly the single-process tokens, printed by process 0 only."""
+    import mtp_jax
+
+    prompts = ["import os", "def main():"]
+    out = _launch(
+        "--local", "2", "--mesh", "data=2,expert=4", *(f"--prompt={p}" for p in prompts),
+        "-k", "3", "--max-new-tokens", "12", "--ignore-eos", "--json", "--timeout", "500",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout  # process 1 is silent
+    got = json.loads(lines[0])
+    assert got["processes"] == 2 and got["devices"] == 8 and got["mesh"] == {"data": 2, "expert": 4}
+    assert got["stats"]["steps"] < 2 * 12 and got["stats"]["acceptance_length"] > 1
+
+    from mtp_jax.cli import _encode, _tokenizer
+
+    model = mtp_jax.load(EMBEDDED_MODEL, "float32")
+    tok = _tokenizer(EMBEDDED_MODEL)
+    ids = [_encode(tok, p, model.config.bos_token_id) for p in prompts]
+    want = model.generate(ids, max_new_tokens=12, ignore_eos=True, draft="mtp", num_speculative_tokens=3)
+    assert got["tokens"] == want.tokens
+
+
+# Each of 2 processes (4 devices each) on mesh data=1, expert=8 holds experts 4p..4p+3: it must read
+# only those from the safetensors, and the shards it holds must equal a plain load's, for the hub
+# checkpoint and for the orbax one (restored straight into the target sharding).
+PER_HOST_CHILD = textwrap.dedent(
+    """
+    import re, sys
+    from mtp_jax.distributed import initialize, resolve_cluster
+    initialize(resolve_cluster(), 120)
+    import jax, numpy as np
+    import mtp_jax
+    from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+
+    read = []
+    real = CheckpointReader.get
+    def get(self, key):
+        read.append(key)
+        return real(self, key)
+    CheckpointReader.get = get
+
+    hub, converted = sys.argv[1:3]
+    me = jax.process_index()
+    mesh = mtp_jax.make_mesh(data=1, expert=8)
+    sharded = mtp_jax.load(hub, "float32", mesh=mesh)
+    experts = {int(m.group(1)) for k in read if (m := re.search(r"\\.mlp\\.experts\\.(\\d+)\\.", k))}
+    assert experts == set(range(4 * me, 4 * me + 4)), (me, experts)
+    assert "model.embed_tokens.weight" in read
+    plain = jax.tree.leaves(mtp_jax.load(hub, "float32").params)
+    restored = mtp_jax.load(converted, "float32", mesh=mesh)
+    for model in (sharded, restored):
+        leaves = jax.tree.leaves(model.params)
+        assert len(leaves) == len(plain)
+        for got, want in zip(leaves, plain):
+            assert got.shape == want.shape and not got.is_fully_addressable
+            for shard in got.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want)[shard.index])
+    gate = sharded.params["moe"]["mlp"]["gate"]
+    assert {s.data.shape[1] for s in gate.addressable_shards} == {1}
+    print("PER-HOST-OK", me, flush=True)
+    """
+)
+
+
+def test_each_process_reads_only_its_experts(tmp_path):
+    from mtp_jax.checkpoint.convert import convert
+
+    converted = str(tmp_path / "orbax")
+    convert(EMBEDDED_MODEL, converted, weights="fp32", progress=False)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    rc = spawn_local(
+        [sys.executable, "-c", PER_HOST_CHILD, EMBEDDED_MODEL, converted],
+        2,
+        4,
+        timeout_s=400,
+        env=ENV,
+        stdout=stdout,
+        stderr=stderr,
+    )
+    assert rc == 0, stderr.getvalue()[-4000:]
+    assert "PER-HOST-OK 0" in stdout.getvalue()
+    assert "[Gloo]" not in stderr.getvalue()
+
+
+# --- cluster discovery -------------------------------------------------------------------------------
+
+
+def test_cluster_from_flags_then_jax_variables():
+    env = {"JAX_COORDINATOR_ADDRESS": "h0:99", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert resolve_cluster(environ=env) == Cluster("h0:99", 4, 3)
+    assert resolve_cluster("h1:5", 2, 1, environ=env) == Cluster("h1:5", 2, 1)
+    assert resolve_cluster(environ={}) is None
+    assert resolve_cluster(auto=True, environ={}) == Cluster()
+    assert resolve_cluster("h:1", 1, 0, environ={}) is None  # one process: nothing to join
+
+
+def test_cluster_from_slurm():
+    env = {
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_STEP_NODELIST": "gpu[007-010],login1",
+        "SLURM_JOB_NODELIST": "other",
+    }
+    assert resolve_cluster(environ=env, slurm_port=4321) == Cluster("gpu007:4321", 4, 2)
+    assert resolve_cluster("me:1", environ=env) == Cluster("me:1", 4, 2)
+    job_only = {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "a1,a2"}
+    assert resolve_cluster(environ=job_only) == Cluster("a1:12345", 2, 0)
+    assert resolve_cluster(environ={"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [("node001", "node001"), ("node001,host2", "node001"), ("node[001-0015],h", "node001"),
+     ("node[003,007-015]", "node003"), ("a-b.c[9]", "a-b.c9")],
+)  # fmt: skip
+def test_first_slurm_host(nodelist, host):
+    assert first_slurm_host(nodelist) == host
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"coordinator": "h:1", "num_processes": 2}, "process_id not given"),
+        ({"num_processes": 2, "process_id": 0}, "coordinator not given"),
+        ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, r"outside \[0, 2\)"),
+        ({"coordinator": "nohost", "num_processes": 2, "process_id": 0}, "host:port"),
+        ({"environ": {"JAX_NUM_PROCESSES": "two"}}, "JAX_NUM_PROCESSES must be an integer"),
+    ],
+)
+def test_bad_cluster_descriptions(kwargs, message):
+    kwargs.setdefault("environ", {})
+    with pytest.raises(LaunchError, match=message):
+        resolve_cluster(**kwargs)
+
+
+# --- error paths ------------------------------------------------------------------------------------
+
+
+def test_unreachable_coordinator_is_a_clear_error():
+    from mtp_jax.distributed import free_port
+
+    t0 = time.monotonic()
+    out = _launch(
+        "--coordinator", f"localhost:{free_port()}", "--num-processes", "2", "--process-id", "1",
+        "--init-timeout", "2", "--prompt-ids", "1,2",
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "coordinator localhost:" in out.stderr and "unreachable for 2s" in out.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_mesh_must_cover_every_device():
+    out = _launch("--mesh", "data=1,expert=2", "--prompt-ids", "1,2")
+    assert out.returncode == 2
+    assert "needs 2 devices, but the run has 1" in out.stderr
+
+
+def test_a_failing_process_stops_the_others():
+    code = "import os, sys, time; pid = int(os.environ['JAX_PROCESS_ID']); print('hi', pid); time.sleep(60 * (pid == 0)); sys.exit(3)"  # noqa: E501
+    stdout, stderr = io.StringIO(), io.StringIO()
+    t0 = time.monotonic()
+    rc = spawn_local([sys.executable, "-c", code], 3, timeout_s=120, stdout=stdout, stderr=stderr)
+    assert rc == 3 and time.monotonic() - t0 < 30
+    assert stdout.getvalue() == "hi 0\n"  # the others' output is shown only when they fail
+    assert "--- process 1 (last lines) ---\nhi 1" in stderr.getvalue()
+    assert "process 1 exited with status 3; stopped the others" in stderr.getvalue()
+
+
+def test_the_launch_times_out():
+    stderr = io.StringIO()
+    rc = spawn_local(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        2,
+        timeout_s=1,
+        stdout=io.StringIO(),
+        stderr=stderr,
+    )
+    assert rc == 124 and "timed out after 1s" in stderr.getvalue()
+
+
+def test_local_mode_passes_everything_but_its_own_flags():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        from launch import _without_launcher_flags
+    finally:
+        sys.path.pop(0)
+    argv = [
+        "--local",
+        "2",
+        "--mesh",
+        "data=1,expert=8",
+        "--timeout=9",
+        "--devices-per-process",
+        "4",
+        "-k",
+        "3",
+    ]
+    assert _without_launcher_flags(argv) == ["--mesh", "data=1,expert=8", "-k", "3"]
+
+
+def test_processes_exit_when_the_launcher_is_killed(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    child = (
+        "import os, time; from mtp_jax.distributed import _exit_with_launcher; _exit_with_launcher(); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+    launcher = (
+        "import sys; from mtp_jax.distributed import spawn_local; "
+        f"spawn_local([sys.executable, '-c', {child!r}], 1, timeout_s=120)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher], env=ENV)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and parent.poll() is None
+        time.sleep(0.1)
+    parent.kill()  # SIGKILL: no clean-up code runs in the launcher
+    parent.wait()
+    pid = int(pid_file.read_text())
+    while os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid):
+        assert time.monotonic() < deadline, "the child outlived its launcher"
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
