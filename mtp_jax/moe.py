@@ -15,7 +15,6 @@ from jax.sharding import Mesh
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import Weight, swiglu
-from pallas_kernels.moe import routed_experts as kernel_routed_experts
 
 
 def route(
@@ -54,6 +53,10 @@ def routed_experts(
     FP8 weights with their block scales) on a GPU it compiles for, ``lax.ragged_dot`` on the
     dequantised weights elsewhere (``MTP_JAX_KERNELS`` forces one).
     """
+    # imported here: pallas_kernels.moe imports mtp_jax (the FP8 weight type), so importing it at module
+    # level would be circular whichever package is imported first
+    from pallas_kernels.moe import routed_experts as kernel_routed_experts
+
     return kernel_routed_experts(x, weights, idx, gate, up, down)
 
 
