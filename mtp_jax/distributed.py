@@ -27,7 +27,9 @@ ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 ENV_LAUNCHER_PID = "MTP_JAX_LAUNCHER_PID"
 DEFAULT_SLURM_PORT = 12345
-_QUIET_PREFIXES = ("[Gloo]",)
+_GLOO_CHATTER = ("[Gloo]", "peer ranks")
+"""Marks of gloo's connection messages. Its threads write them concurrently, so a line can arrive
+cut in two ("[Gloo] Rank 0 is connected to" / " 7 peer ranks. Expected ..."): match either part."""
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -183,9 +185,13 @@ def _exit_with_launcher() -> None:
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
+def _is_chatter(line: str) -> bool:
+    return any(mark in line for mark in _GLOO_CHATTER)
+
+
 def _relay(src: IO[str], dst: IO[str]) -> None:
     for line in src:
-        if not line.startswith(_QUIET_PREFIXES):
+        if not _is_chatter(line):
             dst.write(line)
             dst.flush()
 
@@ -280,7 +286,7 @@ def _wait_all(
     log = logs[failed]
     if log is not None:
         log.seek(0)
-        lines = [line for line in log.read().splitlines() if not line.startswith(_QUIET_PREFIXES)]
+        lines = [line for line in log.read().splitlines() if not _is_chatter(line)]
         stderr.write(f"--- process {failed} (last lines) ---\n" + "\n".join(lines[-40:]) + "\n")
     stderr.write(f"launch: process {failed} exited with status {codes[failed]}; stopped the others\n")
     return codes[failed] or 1

@@ -13,7 +13,14 @@ import time
 
 import pytest
 
-from mtp_jax.distributed import Cluster, LaunchError, first_slurm_host, resolve_cluster, spawn_local
+from mtp_jax.distributed import (
+    Cluster,
+    LaunchError,
+    _relay,
+    first_slurm_host,
+    resolve_cluster,
+    spawn_local,
+)
 from tests.conftest import EMBEDDED_MODEL, REPO
 
 LAUNCH = os.path.join(REPO, "scripts", "launch.py")
@@ -113,6 +120,19 @@ def test_each_process_reads_only_its_experts(tmp_path):
     assert rc == 0, stderr.getvalue()[-4000:]
     assert "PER-HOST-OK 0" in stdout.getvalue()
     assert "[Gloo]" not in stderr.getvalue()
+
+
+def test_gloo_chatter_is_dropped_even_when_its_lines_arrive_cut():
+    """Gloo's threads write concurrently: a message can arrive split over two lines (seen in CI)."""
+    src = io.StringIO(
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+        "[Gloo] Rank 1\n"
+        " is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+        '{"tokens": [[1, 2]]}\n'
+    )
+    dst = io.StringIO()
+    _relay(src, dst)
+    assert dst.getvalue() == '{"tokens": [[1, 2]]}\n'
 
 
 # --- cluster discovery -------------------------------------------------------------------------------
