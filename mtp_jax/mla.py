@@ -96,13 +96,6 @@ def write_rows(
     return pages.at[layer, page, offset].set(values, mode="drop")
 
 
-def gather_rows(pages: jax.Array, page_table: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
-    """A row's cache in position order: pages [P, page, c] (or layer ``layer`` of a stack
-    [L, P, page, c]), page_table [b, n] -> [b, n·page, c]."""
-    seq = pages[page_table] if layer is None else pages[layer, page_table]
-    return seq.reshape(seq.shape[0], -1, seq.shape[-1])
-
-
 def mla_paged(
     p: dict,
     x: jax.Array,

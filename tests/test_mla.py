@@ -10,9 +10,15 @@ import pytest
 from mtp_jax.cache import page_table_array, slots_for
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import rope_cos_sin, rope_frequencies
-from mtp_jax.mla import gather_rows, latent_rows, mla_dense, mla_paged, write_rows
+from mtp_jax.mla import latent_rows, mla_dense, mla_paged, write_rows
 from pallas_kernels.mla_decode import ENV_VAR as KERNELS_ENV
 from tests.conftest import TINY_CONFIG
+
+
+def gather_rows(pages: jax.Array, page_table: jax.Array, layer: int | None = None) -> jax.Array:
+    """A row's cache in position order: [b, n·page, c] from pages [P, page, c] (or a stack's layer)."""
+    seq = pages[page_table] if layer is None else pages[layer, page_table]
+    return seq.reshape(seq.shape[0], -1, seq.shape[-1])
 
 
 def _params(cfg: DeepseekV3Config, key: jax.Array) -> dict:
