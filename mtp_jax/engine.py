@@ -20,7 +20,7 @@ import numpy as np
 
 from mtp_jax.cache import ShardedPageAllocator, page_table_array
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.sharding import state_shardings
+from mtp_jax.sharding import row_shards, state_shardings
 from mtp_jax.step import StepConfig, deactivate, host_orchestrated_step, init_state, prefill, step
 
 TokenCallback = Callable[[int, int], None]
@@ -61,16 +61,15 @@ def generate(
     t_start = time.perf_counter()
     n = len(prompts)
     batch = next_power_of_two(min(n, max_batch))
-    if sc.mesh is not None:  # whole rows per data shard (padding slots stay inactive)
-        batch = math.lcm(batch, sc.mesh.shape["data"])
+    shards = row_shards(sc.mesh)  # rows and their pages split over this many devices
+    batch = math.lcm(batch, shards)  # whole rows per shard (padding slots stay inactive)
     page = sc.page_size
     # a request owns pages for its prompt, its new tokens and the speculative overshoot of the
     # last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)
     need = [math.ceil((len(p) + max_new_tokens + 2 * (sc.k + 1)) / page) for p in prompts]
     width = next_power_of_two(max(need))
     bucket = next_power_of_two(max(len(p) for p in prompts), minimum=16)
-    shards = 1 if sc.mesh is None else sc.mesh.shape["data"]
-    allocator = ShardedPageAllocator(batch * width, shards)  # slot b's pages live on its data shard
+    allocator = ShardedPageAllocator(batch * width, shards)  # slot b's pages live on its row shard
     state = init_state(sc, batch, allocator.num_pages, width, cache_dtype)
     if sc.mesh is not None:
         state = jax.device_put(state, state_shardings(sc.mesh, state))
@@ -106,26 +105,40 @@ def generate(
 
     def admit() -> None:
         nonlocal state
-        free = [b for b in range(batch) if owner[b] is None]
-        take = min(len(free), len(queue))
-        if not take:
+        # Prefill rows are split over the row shards like the state's slots, so each request is
+        # prefilled on the devices that hold its slot and pages: shard s of the prefill batch
+        # takes requests for free slots of shard s, filled evenly across shards.
+        free = [
+            [b for b in range(s * batch // shards, (s + 1) * batch // shards) if owner[b] is None]
+            for s in range(shards)
+        ]
+        placed: list[list[tuple[int, int]]] = [[] for _ in range(shards)]
+        while queue:
+            s = max(range(shards), key=lambda s: (len(free[s]), -s))
+            if not free[s]:
+                break
+            placed[s].append((queue.popleft(), free[s].pop(0)))
+        per = max(len(p) for p in placed)
+        if not per:
             return
-        r = next_power_of_two(take)
-        rows = np.full(r, batch, np.int32)
+        per = next_power_of_two(per)
+        r = per * shards
+        rows = np.full(r, batch, np.int32)  # padding rows: an out-of-range slot, ignored
         tokens = np.zeros((r, bucket), np.int32)
         lengths = np.ones(r, np.int32)
-        tables = []
+        tables: list[list[int]] = [[] for _ in range(r)]
         reqs = []
-        for i in range(take):
-            req, b = queue.popleft(), free[i]
-            pages_of[req] = allocator.allocate(need[req], shard=b * shards // batch)
-            owner[b] = req
-            rows[i], lengths[i] = b, len(prompts[req])
-            tokens[i, : lengths[i]] = prompts[req]
-            tables.append(pages_of[req])
-            reqs.append(req)
-        table = page_table_array(tables + [[]] * (r - take), width)
-        pick = np.asarray(reqs + [reqs[0]] * (r - take))
+        pick = np.zeros(r, np.int64)
+        for s, group in enumerate(placed):
+            for j, (req, b) in enumerate(group):
+                i = s * per + j
+                pages_of[req] = allocator.allocate(need[req], shard=s)
+                owner[b] = req
+                rows[i], lengths[i] = b, len(prompts[req])
+                tokens[i, : lengths[i]] = prompts[req]
+                tables[i] = pages_of[req]
+                pick[i] = req
+                reqs.append((i, req))
         rows_sampling = jax.tree.map(lambda x: jnp.asarray(x[pick]), host_sampling)
         first, state = prefill(
             params,
@@ -134,12 +147,12 @@ def generate(
             jnp.asarray(rows),
             tokens,
             jnp.asarray(lengths),
-            jnp.asarray(table),
+            jnp.asarray(page_table_array(tables, width)),
             rows_sampling,
         )
         counts["prefills"] += 1
         first = np.asarray(first)
-        done = [int(rows[i]) for i in range(take) if emit(reqs[i], first[i : i + 1])]
+        done = [int(rows[i]) for i, req in reqs if emit(req, first[i : i + 1])]
         if done:
             release(done)
 

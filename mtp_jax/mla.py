@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import apply_rope_interleaved, rms_norm
+from mtp_jax.sharding import ROW_AXES, axes_spec, row_shards, shard_index, split_axes
 from pallas_kernels.mla_decode import mla_decode
 
 # DeepSeek's reference code builds q_a/kv_a norms with RMSNorm's default eps, not rms_norm_eps.
@@ -107,6 +109,7 @@ def mla_paged(
     pages: jax.Array,
     page_table: jax.Array,
     layer: jax.Array | int | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed attention for x [b, t, d] at absolute positions [b, t] against the paged cache
     ``pages`` [P, page, c] (or layer ``layer`` of a stack [L, P, page, c], see :func:`write_rows`).
@@ -114,7 +117,39 @@ def mla_paged(
     Writes the new rows at ``slots`` first, so a token sees itself and every earlier position of
     its row; cache entries at later positions (stale drafts, unused pages) are masked out.
     Returns (out [b, t, d], updated pages).
+
+    With ``mesh`` the rows and the pages are split over the row axes
+    (:data:`mtp_jax.sharding.ROW_AXES`, or the prefix of them that divides both) and every device
+    attends for its rows against its own pages under ``shard_map``: the pages of a row must lie in
+    its shard's range of page ids (:class:`mtp_jax.cache.ShardedPageAllocator` hands them out so).
     """
+    page_dim = 0 if layer is None else 1
+    axes = () if mesh is None else split_axes(mesh, ROW_AXES, x.shape[0], pages.shape[page_dim])
+    if not axes or row_shards(mesh) == 1:
+        return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer)
+    page_size = pages.shape[page_dim + 1]
+    layer_arg = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
+
+    def local(p, x, cos, sin, positions, slots, pages, table, layer_arg):
+        # global page ids -> this shard's: its pages are [base, base + n) of the global range
+        n = pages.shape[page_dim]
+        base = shard_index(mesh, axes) * n
+        table = jnp.clip(table - base, 0, n - 1)
+        slots = slots - base * page_size
+        slots = jnp.where((slots >= 0) & (slots < n * page_size), slots, jnp.iinfo(jnp.int32).max)
+        idx = None if layer is None else layer_arg
+        return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, table, idx)
+
+    rows, page_spec = axes_spec(axes), axes_spec(axes, page_dim)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), rows, rows, rows, rows, rows, page_spec, rows, PartitionSpec()),
+        out_specs=(rows, page_spec),
+    )(p, x, cos, sin, positions, slots, pages, page_table, layer_arg)
+
+
+def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer):
     q_nope, q_rope = _queries(p, x, cfg, cos, sin)
     pages = write_rows(pages, latent_rows(p, x, cfg, cos, sin), slots, layer)
     # absorbed query [b, t, h, kv_lora + rope] against the cached rows, through the kernel dispatcher

@@ -21,7 +21,7 @@ from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
 from mtp_jax.models.deepseek_v3 import Hidden, check_capture, forward, lm_head
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.sharding import check_mesh
+from mtp_jax.sharding import check_mesh, replicated
 from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -49,7 +49,8 @@ def _teacher_forced(
 ):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     hidden, _ = forward(params, cfg, tokens, positions, capture=capture, mesh=mesh)
-    return lm_head(params, hidden.post_norm), hidden
+    # replicated: every process of a multi-host run can read the whole result
+    return jax.tree.map(lambda x: replicated(x, mesh), (lm_head(params, hidden.post_norm), hidden))
 
 
 class Model:
@@ -67,7 +68,8 @@ class Model:
         mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         """``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
-        data-parallel over its ``data`` axis and expert-parallel over ``expert``."""
+        data-parallel over its ``data`` x ``expert`` devices (attention) and expert-parallel over
+        ``expert`` (MoE layers)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.config = config
@@ -255,7 +257,8 @@ def load(
     Unexpected tensors are logged, or refused with ``strict``. With ``mesh`` (see
     :func:`mtp_jax.make_mesh`) every parameter is placed with its sharding as it is read: routed
     experts split over the ``expert`` axis, the rest replicated; forward passes and generation then
-    run data-parallel over ``data`` and expert-parallel over ``expert`` (:mod:`mtp_jax.ep`). A mesh
+    run data-parallel over ``data`` x ``expert`` (rows, their KV pages, attention) and
+    expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`). A mesh
     may span the processes of a multi-host run (``scripts/launch.py``): each process then reads only
     the routed experts its own devices hold. EOS ids come from generation_config.json when present,
     else from config.json.

@@ -106,21 +106,26 @@ def moe(
     sort + grouped matmul), ``"dense"`` (:func:`routed_experts_dense`, used for training) or
     ``"auto"`` (dense for small sizes on CPU, else sorted; see :data:`DENSE_DISPATCH_MAX_MACS`).
     The per-expert load feeds DeepSeek-V3's auxiliary-loss-free bias update during training.
-    With a ``mesh`` whose ``expert`` axis is larger than 1 the routed experts run expert-parallel
-    (:func:`mtp_jax.ep.routed_experts_ep`); ``mesh=None`` is the single-device path.
+    With a ``mesh`` of more than one device, routing and the routed experts run under ``shard_map``,
+    expert-parallel over its ``expert`` axis (:func:`mtp_jax.ep.moe_sharded`); ``mesh=None`` is the
+    single-device path.
     """
     flat = x.reshape(-1, x.shape[-1])
-    how = resolve_dispatch(
-        dispatch, flat.shape[0], cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
-    )
-    weights, idx = route(flat, p["router"], p["bias"], cfg)
-    if mesh is not None and mesh.shape["expert"] > 1:
-        from mtp_jax.ep import routed_experts_ep  # ep builds on this module
+    if mesh is not None and mesh.devices.size > 1:
+        from mtp_jax.ep import moe_sharded  # ep builds on this module
 
-        out, _ = routed_experts_ep(flat, weights, idx, p["gate"], p["up"], p["down"], cfg, mesh, dispatch)
+        # [b, t, d], not flat: tokens stay split by row, as the hidden states around the layer are
+        out, load, _ = moe_sharded(
+            x, p["router"], p["bias"], p["gate"], p["up"], p["down"], cfg, mesh, dispatch
+        )
+        out = out.reshape(flat.shape)
     else:
+        how = resolve_dispatch(
+            dispatch, flat.shape[0], cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        )
+        weights, idx = route(flat, p["router"], p["bias"], cfg)
         out = DISPATCH[how](flat, weights, idx, p["gate"], p["up"], p["down"])
+        load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)
     if cfg.n_shared_experts:
         out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
-    load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)
     return out.reshape(x.shape), load

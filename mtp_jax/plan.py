@@ -36,7 +36,7 @@ from mtp_jax.checkpoint.deepseek_v3 import STACKED_GROUPS, group_sizes
 from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
 from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.sharding import group_shardings, make_mesh, state_shardings
+from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 
 PLAN_WEIGHTS = ("fp8", "bf16")
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -377,8 +377,11 @@ def check_plan(
         raise ValueError("k > 0 drafts with the MTP layer, but the config has num_nextn_predict_layers 0")
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
-    if batch % axes["data"]:
-        raise ValueError(f"batch {batch} must be a multiple of the mesh's data axis {axes['data']}")
+    if batch % (axes["data"] * axes["expert"]):
+        raise ValueError(
+            f"batch {batch} must be a multiple of data x expert = {axes['data'] * axes['expert']}: rows "
+            "and their KV pages are split over both (data-parallel attention)"
+        )
     if not 0 <= prefill_len <= max_len:
         raise ValueError(f"prefill_len must be in [0, max_len={max_len}], got {prefill_len}")
     return axes
@@ -404,8 +407,9 @@ def plan(
 
     ``batch`` rows of ``max_len`` tokens (KV cache, see :class:`CacheLayout`), ``k`` MTP drafts per
     step (0: plain decoding, no draft), weights as in :func:`abstract_params`, ``dtype`` for the
-    dense parameters, activations and caches. ``prefill_len`` > 0 also compiles prefill for one
-    prompt of that many tokens. The process needs the mesh's devices (:func:`request_host_devices`).
+    dense parameters, activations and caches. ``prefill_len`` > 0 also compiles prefill of prompts
+    of that many tokens, one per row shard (data x expert rows: admitting one request, the engine
+    pads its prefill batch so). The process needs the mesh's devices (:func:`request_host_devices`).
     Progress lines go to ``log`` (e.g. sys.stderr). On the CPU backend the passes in
     :data:`CPU_DISABLED_PASSES` are off unless ``cpu_as_is``.
     """
@@ -424,7 +428,7 @@ def plan(
     disabled = CPU_DISABLED_PASSES if platform == "cpu" and not cpu_as_is else ()
     compiled = [_compile("step", step, (params, state, sc), log, disabled)]
     if prefill_len:
-        args = (params, state, sc, *_prefill_args(layout, prefill_len))
+        args = (params, state, sc, *_prefill_args(layout, prefill_len, row_shards(mesh)))
         compiled.append(_compile("prefill", prefill, args, log, disabled))
     estimate = per_device_memory(cfg, "fp8" if weights == "fp8" else "bf16", axes, 0, include_mtp=k > 0)
     return PlanReport(
@@ -444,15 +448,15 @@ def plan(
     )
 
 
-def _prefill_args(layout: CacheLayout, length: int) -> tuple:
-    """Abstract (rows, tokens, lengths, page_table, sampling) for one prompt of ``length`` tokens."""
+def _prefill_args(layout: CacheLayout, length: int, rows: int) -> tuple:
+    """Abstract (rows, tokens, lengths, page_table, sampling) for ``rows`` prompts of ``length`` tokens."""
     from mtp_jax.sampling import SamplingParams
 
     def i32(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    sampling = jax.eval_shape(lambda: SamplingParams.build(1))
-    return i32(1), i32(1, length), i32(1), i32(1, layout.width), sampling
+    sampling = jax.eval_shape(lambda: SamplingParams.build(rows))
+    return i32(rows), i32(rows, length), i32(rows), i32(rows, layout.width), sampling
 
 
 def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> str:

@@ -1,23 +1,26 @@
 """Meshes and the mapping from parameters to mesh axes: the only module that names mesh axes.
 
-Axes: ``data`` (batch rows and their KV pages), ``expert`` (routed experts), ``tensor`` (reserved;
+Axes: ``data`` and ``expert`` (together: the devices rows are split over), ``tensor`` (reserved;
 must be 1 for now). Parameters: routed experts are split over ``expert``; every other parameter
 is replicated. Activations and decode state carry logical axis names mapped by :data:`RULES`:
 ``batch`` (rows of the decode state, of the hidden states at layer boundaries) and ``pages`` (the
-pages of the paged KV caches) go over ``data`` only. Attention is data-parallel over ``data`` and
-replicated within each expert group: that is what the MoE's decode path wants (tokens replicated
-within the group, see :mod:`mtp_jax.ep`), at the price of |expert|-fold redundant attention work;
-splitting rows over ("data", "expert") instead would use every device for attention but need an
-all-gather of the tokens before each MoE layer. A dimension a mesh axis does not divide stays
-replicated (e.g. a batch of 1 on data=2).
+pages of the paged KV caches) go over :data:`ROW_AXES`, ``("data", "expert")``: DeepSeek-style
+data-parallel attention, every device attends for its own rows against its own pages, and the
+MoE layers gather each expert group's tokens and scatter the results back (:mod:`mtp_jax.ep`).
+Paged attention (:mod:`mtp_jax.mla`) and routing (:mod:`mtp_jax.ep`) run under ``shard_map``
+over the row axes, so no cache page ever leaves its device. A dimension the row axes do not
+divide is split over the longest prefix of them that does (``data`` alone, or nothing: e.g. a
+batch of 1 stays replicated).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -27,8 +30,11 @@ ROUTED_EXPERT_LEAVES = ("gate", "up", "down")
 _STORAGE_KEYS = ("fp8", "scale_inv")
 ROUTED_EXPERT_SPEC = PartitionSpec("expert")
 """How a routed-expert leaf [E, ...] of one layer is split: its expert axis over ``expert``."""
-RULES = {"batch": "data", "pages": "data", "experts": "expert"}
-"""Logical axis -> mesh axis; logical axes not listed are replicated."""
+ROW_AXES = ("data", "expert")
+"""The mesh axes batch rows and their KV pages are split over (data-parallel attention)."""
+RULES: dict[str, str | tuple[str, ...]] = {"batch": ROW_AXES, "pages": ROW_AXES, "experts": "expert"}
+"""Logical axis -> mesh axis (or axes, of which the longest prefix that divides the dimension is
+used); logical axes not listed are replicated."""
 ACTIVATION = ("batch", None, None)
 """Logical axes of hidden states [b, t, d] at block boundaries."""
 
@@ -66,16 +72,51 @@ def make_mesh(
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
+def split_axes(mesh: Mesh, axes: str | tuple[str, ...], *sizes: int) -> tuple[str, ...]:
+    """The longest prefix of ``axes`` whose device count divides every one of ``sizes``, without its
+    axes of size 1 (a split over one device is no split)."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    for end in range(len(axes), 0, -1):
+        n = math.prod(mesh.shape[a] for a in axes[:end])
+        if all(size % n == 0 for size in sizes):
+            return tuple(a for a in axes[:end] if mesh.shape[a] > 1)
+    return ()
+
+
+def row_shards(mesh: Mesh | None) -> int:
+    """How many shards batch rows and KV pages are split into under ``mesh`` when they divide."""
+    return 1 if mesh is None else math.prod(mesh.shape[a] for a in ROW_AXES)
+
+
+def axes_spec(axes: tuple[str, ...], dim: int = 0) -> PartitionSpec:
+    """PartitionSpec splitting dimension ``dim`` over ``axes`` (all of them, as one), the rest replicated."""
+    return PartitionSpec(*([None] * dim), _entry(axes))
+
+
+def shard_index(mesh: Mesh, axes: tuple[str, ...]) -> jax.Array:
+    """Inside ``shard_map``: this device's shard number along ``axes`` taken together (row-major,
+    the order a dimension split over ``axes`` is laid out in)."""
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * mesh.shape[a] + jax.lax.axis_index(a)
+    return index
+
+
+def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def logical_spec(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
     """PartitionSpec of an array of ``shape`` whose dimensions have the ``logical`` names (None:
-    replicated); a dimension its mesh axis does not divide stays replicated."""
+    replicated); a dimension its mesh axes do not divide is split over a prefix of them that does
+    (see :func:`split_axes`), possibly none."""
     if len(logical) != len(shape):
         raise ValueError(f"{len(logical)} logical axes for a rank-{len(shape)} array")
-    axes = []
+    entries = []
     for name, n in zip(logical, shape, strict=True):
-        axis = RULES.get(name) if name is not None else None
-        axes.append(axis if axis is not None and n % mesh.shape[axis] == 0 else None)
-    return PartitionSpec(*axes)
+        axes = RULES.get(name) if name is not None else None
+        entries.append(None if axes is None else _entry(split_axes(mesh, axes, n)))
+    return PartitionSpec(*entries)
 
 
 def constrain(x: jax.Array, mesh: Mesh | None, logical: Sequence[str | None]) -> jax.Array:
@@ -106,12 +147,27 @@ def state_logical(path: tuple, shape: Sequence[int]) -> tuple[str | None, ...]:
     return ("batch",) + (None,) * (rank - 1)
 
 
+def state_axes(mesh: Mesh, state: Any) -> tuple[str, ...]:
+    """The mesh axes a decode state's rows and pages are split over: the longest prefix of
+    :data:`ROW_AXES` that divides both its batch and its page count, so that every row shard holds
+    its rows' pages (attention then needs no cache traffic, :func:`mtp_jax.mla.mla_paged`)."""
+    num_pages = next(iter(state.target_pages.values())).shape[1]
+    return split_axes(mesh, ROW_AXES, state.seq_len.shape[0], num_pages)
+
+
+def _state_specs(mesh: Mesh, state: Any) -> Any:
+    axes = _entry(state_axes(mesh, state))
+
+    def spec(path: tuple, x: Any) -> PartitionSpec:
+        return PartitionSpec(*(None if name is None else axes for name in state_logical(path, x.shape)))
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
 def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """NamedShardings for every leaf of a decode state (see :func:`state_logical`)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, logical_spec(mesh, state_logical(path, x.shape), x.shape)),
-        state,
-    )
+    """NamedShardings for every leaf of a decode state: rows and pages (:func:`state_logical`) over
+    :func:`state_axes`, everything else replicated."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _state_specs(mesh, state))
 
 
 def constrain_state(state: Any, mesh: Mesh | None) -> Any:
@@ -120,8 +176,10 @@ def constrain_state(state: Any, mesh: Mesh | None) -> Any:
     compiles once."""
     if mesh is None:
         return state
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: constrain(x, mesh, state_logical(path, x.shape)), state
+    return jax.tree.map(
+        lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+        state,
+        _state_specs(mesh, state),
     )
 
 

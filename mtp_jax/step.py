@@ -54,8 +54,8 @@ class StepConfig:
     draft: str | None = None
     draft_sampling: str = "argmax"
     mesh: Mesh | None = None
-    """With a mesh: rows and KV pages split over ``data`` (data-parallel attention), MoE layers
-    expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`)."""
+    """With a mesh: rows and KV pages split over ``data`` x ``expert`` (data-parallel attention),
+    MoE layers expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`)."""
 
     @property
     def sampled(self) -> bool:
@@ -305,8 +305,14 @@ def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, j
 # the acceptance result in between, as engines without a fused step do. Benchmarks only: it is
 # how the benefit of fusion is measured rather than assumed.
 _verify_jit = jax.jit(_verify, static_argnames=("sc",))
-_accept_jit = jax.jit(_accept, static_argnames=("sc",))
 _commit_and_draft_jit = jax.jit(_commit_and_draft, static_argnames=("sc",), donate_argnames=("state",))
+_replicated_jit = jax.jit(replicated, static_argnames=("mesh",))
+
+
+@functools.partial(jax.jit, static_argnames=("sc",))
+def _accept_jit(logits: jax.Array, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array]:
+    # replicated, so that every process of a multi-host run can read the acceptance counts
+    return jax.tree.map(lambda x: replicated(x, sc.mesh), _accept(logits, state, sc))
 
 
 def host_orchestrated_step(
@@ -316,7 +322,7 @@ def host_orchestrated_step(
     emitted, n_acc = _accept_jit(logits, state, sc)
     n_acc = jnp.asarray(np.asarray(n_acc))  # the host round trip a fused step avoids
     n_emit, state = _commit_and_draft_jit(params, state, sc, hidden, target_pages, emitted, n_acc)
-    return emitted, n_emit, state
+    return emitted, _replicated_jit(n_emit, sc.mesh), state
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

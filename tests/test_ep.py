@@ -24,8 +24,10 @@ import jax, jax.numpy as jnp, numpy as np
 assert len(jax.devices()) == 8
 """
 
-# The routed experts alone: both paths of every mesh against the single-device MoE, in both local
-# evaluations, and the capacity overflow (detected, answered by the replicated path, never dropped).
+# Routing + routed experts alone, against the single-device MoE: on every mesh, with tokens split
+# over data x expert, over data only (replicated in the group) and not at all; both paths, both
+# local evaluations, both exchanges of the all-to-all path (the ragged one through its CPU
+# equivalent); the capacity overflow (detected, answered by the replicated path, never dropped).
 MOE_CHILD = PRELUDE + textwrap.dedent(
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -42,27 +44,48 @@ MOE_CHILD = PRELUDE + textwrap.dedent(
     down = jax.random.normal(ks[2], (e, f, d)) * 0.1
     router = jax.random.normal(ks[3], (d, e))
     skewed = jnp.zeros(e).at[0].set(10.0)  # every token picks expert 0: one destination gets all copies
-    for shape in [(1, 8), (2, 4), (8, 1)]:
-        mesh = make_mesh(*shape)
+    x2, x8 = ("expert",), ("data", "expert")
+    cases = {  # tokens, a2a threshold, capacity factor, skewed bias?, path, overflow, token axes
+        (1, 8): [
+            (64, 256, 2.0, 0, "replicated", False, x2),
+            (64, 8, 2.0, 0, "a2a", False, x2),
+            (64, 8, 1.0, 1, "a2a", True, x2),
+            (64, 8, 8.0, 1, "a2a", False, x2),
+        ],
+        (2, 4): [
+            (12, 8, 2.0, 0, "replicated", False, ("data",)),
+            (64, 8, 2.0, 0, "a2a", False, x8),
+            (64, 8, 1.0, 1, "a2a", True, x8),
+        ],
+        (8, 1): [(64, 8, 2.0, 0, "replicated", False, ("data",))],
+        (3, 2): [(64, 8, 2.0, 0, "a2a", False, ()), (64, 8, 1.0, 1, "a2a", True, ())],
+    }
+    for shape, runs in cases.items():
+        mesh = make_mesh(*shape, devices=jax.devices()[: shape[0] * shape[1]])
         g, u, dn = (jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in (gate, up, down))
-        for n, min_tok, factor, bias, path, over in [
-            (12, 256, 2.0, jnp.zeros(e), "replicated", False),
-            (64, 8, 2.0, jnp.zeros(e), "a2a", False),
-            (64, 8, 1.0, skewed, "a2a", True),
-            (64, 8, float(shape[1]), skewed, "a2a", False),
-        ]:
-            if shape[1] == 1:
-                continue
+        for n, min_tok, factor, skew, path, over, axes in runs:
+            bias = skewed if skew else jnp.zeros(e)
             x = jax.random.normal(ks[4], (n, d))
             w, idx = route(x, router, bias, cfg)
             want = routed_experts(x, w, idx, gate, up, down)
-            assert ep.choose_path(n, mesh, min_tok) == path
-            for how in ("sorted", "dense"):
-                got, overflowed = jax.jit(
-                    lambda *a: ep.routed_experts_ep(*a, cfg, mesh, how, min_tok, factor)
-                )(x, w, idx, g, u, dn)
-                assert bool(overflowed) == over, (shape, n, factor, how)
+            want_load = np.bincount(np.asarray(idx).reshape(-1), minlength=e)
+            assert ep.choose_path((n,), mesh, min_tok) == path and ep.token_axes(n, mesh) == axes, (shape, n)
+            runs = [("sorted", "dense"), ("dense", "dense")] + [("sorted", "ragged")] * (path == "a2a")
+            for how, exchange in runs:
+                got, load, overflowed = jax.jit(
+                    lambda *a: ep.moe_sharded(*a, cfg, mesh, how, min_tok, factor, exchange)
+                )(x, router, bias, g, u, dn)
+                assert bool(overflowed) == over, (shape, n, factor, how, exchange)
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+                np.testing.assert_array_equal(load, want_load)
+    # the CPU equivalent of ragged_all_to_all on the example of its JAX documentation
+    mesh = make_mesh(1, 2, devices=jax.devices()[:2])
+    args = [[1, 2, 2, 3, 4, 0], [0] * 8, [0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1]]
+    f = jax.shard_map(
+        lambda *a: ep.ragged_all_to_all(*a, "expert"), mesh=mesh, in_specs=P("expert"), out_specs=P("expert")
+    )
+    out = jax.jit(f)(*(jnp.asarray(a, jnp.int32) for a in args))
+    assert out.tolist() == [1, 3, 0, 0, 2, 2, 4, 0], out
     print("EP-MOE-OK")
     """
 )
@@ -87,8 +110,11 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
         paths.append("a2a")
         return real(*a)
     ep.routed_all_to_all = spy
-    for shape, a2a_min in [((1, 8), 256), ((2, 4), 256), ((8, 1), 256), ((2, 4), 16)]:
-        ep.A2A_MIN_TOKENS = a2a_min
+    # threshold 64: prefill (8 rows x 16 tokens) takes the all-to-all path, decode (8 x 4) the other;
+    # the step checks below run on the last mesh
+    cases = [((8, 1), 256, "auto"), ((1, 8), 64, "ragged"), ((2, 4), 64, "dense")]
+    for shape, a2a_min, exchange in cases:
+        ep.A2A_MIN_TOKENS, ep.EXCHANGE = a2a_min, exchange
         jax.clear_caches()  # the threshold is read when tracing: same mesh, new programs
         mesh = mtp_jax.make_mesh(data=shape[0], expert=shape[1])
         model = mtp_jax.load(src, "float32", mesh=mesh)
@@ -103,31 +129,44 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
         assert out.tokens == want_tokens, (shape, out.tokens, want_tokens)
         assert out.stats["steps"] > 3
         assert step_mod.step._cache_size() == compiled + 1, "the sharded step recompiled"
-        assert (len(paths) > before) == (a2a_min == 16), (shape, paths)
+        assert (len(paths) > before) == (shape[1] > 1), (shape, paths)
         print(shape, a2a_min, "ok", flush=True)
 
-    # the step itself on mesh (2, 4): rows and pages stay split over data, one compilation
+    # the step itself on mesh (2, 4): 8 rows and their pages split over data x expert (DP attention),
+    # one compilation; no collective moves a cache page
+    import re
     from mtp_jax.sampling import SamplingParams
     from mtp_jax.sharding import state_shardings
     sc = model._step_config("mtp", 3, "argmax")
-    state = step_mod.init_state(sc, 4, 16, 4, jnp.float32)
-    state = jax.device_put(state, state_shardings(mesh, state))
-    table = np.arange(16, dtype=np.int32).reshape(4, 4)
-    first, state = step_mod.prefill(
-        model.params, state, sc, jnp.arange(4), np.asarray(ids * 2, np.int32), jnp.full(4, 16),
-        jnp.asarray(table), SamplingParams.build(4),
-    )
-    compiled = step_mod.step._cache_size()
-    for _ in range(3):
-        emitted, n_emit, state = step_mod.step(model.params, state, sc)
-    assert step_mod.step._cache_size() == compiled + 1
     def spec(x):
         s = tuple(x.sharding.spec)
         return s + (None,) * (x.ndim - len(s))
-    assert spec(state.target_pages["moe"]) == (None, "data", None, None)
-    assert spec(state.draft_pages) == ("data", None, None)
-    assert spec(state.seq_len) == ("data",) and spec(state.drafts) == ("data", None)
-    assert state.target_pages["moe"].addressable_shards[0].data.shape[1] == 8
+    for rows, axes in [(8, ("data", "expert"))]:
+        state = step_mod.init_state(sc, rows, 4 * rows, 4, jnp.float32)
+        state = jax.device_put(state, state_shardings(mesh, state))
+        table = np.arange(4 * rows, dtype=np.int32).reshape(rows, 4)
+        first, state = step_mod.prefill(
+            model.params, state, sc, jnp.arange(rows), np.asarray(ids * (rows // 2), np.int32),
+            jnp.full(rows, 16), jnp.asarray(table), SamplingParams.build(rows),
+        )
+        compiled = step_mod.step._cache_size()
+        for _ in range(3):
+            emitted, n_emit, state = step_mod.step(model.params, state, sc)
+        assert step_mod.step._cache_size() == compiled + 1
+        assert np.asarray(n_emit).min() >= 1
+        assert spec(state.target_pages["moe"]) == (None, axes, None, None)
+        assert spec(state.draft_pages) == (axes, None, None)
+        assert spec(state.seq_len) == (axes,) and spec(state.drafts) == (axes, None)
+        shard = state.target_pages["moe"].addressable_shards[0].data.shape[1]
+        assert shard == 4 * rows // 8, shard
+        hlo = step_mod.step.lower(model.params, state, sc).compile().as_text()
+        page_elems = 4 * rows * sc.page_size * state.draft_pages.shape[-1] // 8  # one layer, one shard
+        ops = "all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute"
+        found = re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* (" + ops + r")\\(", hlo)
+        assert any(op == "reduce-scatter" for _, op in found), found  # the MoE hands rows back
+        for dims, op in found:
+            elems = int(np.prod([int(v) for v in dims.split(",") if v]))
+            assert elems < page_elems, (op, dims, page_elems)
     print("EP-MODEL-OK")
     """
 )
@@ -157,6 +196,12 @@ def test_paths_and_capacity():
     assert ep.capacity(tokens=16, k=2, n_dev=4, factor=2.0) == 16
     assert ep.capacity(tokens=16, k=2, n_dev=4, factor=100.0) == 32  # never more than all copies
     assert ep.capacity(tokens=1, k=1, n_dev=8, factor=0.1) == 1
+    assert ep.ragged_capacity(tokens=16, k=2, n_dev=4, factor=2.0) == 64  # received from all sources
+    assert ep.ragged_capacity(tokens=16, k=2, n_dev=4, factor=100.0) == 128  # every copy of the group
+    assert ep.resolve_exchange("auto") == "dense"  # this backend (CPU) has no ragged all-to-all
+    assert ep.resolve_exchange("ragged") == "ragged"
+    with pytest.raises(ValueError, match="exchange must be"):
+        ep.resolve_exchange("nccl")
 
 
 def test_state_logical_axes():

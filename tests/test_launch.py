@@ -35,7 +35,7 @@ def _launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_two_processes_generate_the_tokens_of_one():
-    """Rows and pages split over data (one data shard per process), experts over expert: greedy MTP
+    """Rows and pages split over data x expert (half the rows per process), experts over expert: greedy MTP
     decoding with K = 3 gives exactly the single-process tokens, printed by process 0 only."""
     import mtp_jax
 
@@ -62,7 +62,8 @@ def test_two_processes_generate_the_tokens_of_one():
 
 # Each of 2 processes (4 devices each) on mesh data=1, expert=8 holds experts 4p..4p+3: it must read
 # only those from the safetensors, and the shards it holds must equal a plain load's, for the hub
-# checkpoint and for the orbax one (restored straight into the target sharding).
+# checkpoint and for the orbax one (restored straight into the target sharding). Teacher-forced
+# logits and hidden states of rows split across the processes come back whole on each.
 PER_HOST_CHILD = textwrap.dedent(
     """
     import re, sys
@@ -86,7 +87,8 @@ PER_HOST_CHILD = textwrap.dedent(
     experts = {int(m.group(1)) for k in read if (m := re.search(r"\\.mlp\\.experts\\.(\\d+)\\.", k))}
     assert experts == set(range(4 * me, 4 * me + 4)), (me, experts)
     assert "model.embed_tokens.weight" in read
-    plain = jax.tree.leaves(mtp_jax.load(hub, "float32").params)
+    plain_model = mtp_jax.load(hub, "float32")
+    plain = jax.tree.leaves(plain_model.params)
     restored = mtp_jax.load(converted, "float32", mesh=mesh)
     for model in (sharded, restored):
         leaves = jax.tree.leaves(model.params)
@@ -97,6 +99,11 @@ PER_HOST_CHILD = textwrap.dedent(
                 np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(want)[shard.index])
     gate = sharded.params["moe"]["mlp"]["gate"]
     assert {s.data.shape[1] for s in gate.addressable_shards} == {1}
+    # 8 rows are split over the devices of both processes; every process reads the whole result
+    ids = [[(31 * i + 7 * j) % 2000 + 5 for j in range(6)] for i in range(8)]
+    np.testing.assert_allclose(sharded.logits(ids), plain_model.logits(ids), rtol=1e-5, atol=1e-5)
+    got, want = sharded.hidden_states(ids, [1]), plain_model.hidden_states(ids, [1])
+    np.testing.assert_allclose(got.layers, want.layers, rtol=1e-5, atol=1e-5)
     print("PER-HOST-OK", me, flush=True)
     """
 )

@@ -9,6 +9,7 @@ runs with too few devices.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -59,7 +60,7 @@ CHILD = textwrap.dedent(
             assert r.sharding.is_equivalent_to(a.sharding, r.ndim), (where, r.sharding, a.sharding)
 
     report = plan(
-        cfg, {"data": 2, "expert": 4}, batch=4, max_len=40, page_size=4, k=2, prefill_len=16
+        cfg, {"data": 2, "expert": 4}, batch=8, max_len=40, page_size=4, k=2, prefill_len=16
     )
     # the routed experts unsharded, to compare with one device's share
     full = abstract_params(cfg, make_mesh(1, 1, devices=jax.devices()[:1]), jnp.bfloat16)
@@ -96,7 +97,13 @@ def test_abstract_params_match_the_loader_and_the_step_compiles(tmp_path):
     # (within 0.3% for DeepSeek-V3, where the routers are a small part)
     assert abs(report["weight_bytes"] - report["estimate_weight_bytes"]) <= 0.05 * report["weight_bytes"]
     lay = report["layout"]
-    assert lay["batch"] == 4 and lay["max_len"] == 40
+    assert lay["batch"] == 8 and lay["max_len"] == 40
+    # data-parallel attention: the bf16 KV cache of every layer and the MTP layer split over all 8 devices
+    cfg = fp8_config()
+    page = lay["page_size"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
+    num_pages = lay["batch"] * math.ceil((lay["max_len"] + 2 * (lay["k"] + 1)) / lay["page_size"])
+    total = num_pages * page * (cfg["num_hidden_layers"] + 1)
+    assert report["cache_bytes"] * 8 == total
     for c in report["compiled"]:
         assert c["lower_seconds"] > 0 and c["compile_seconds"] > 0
         assert c["output_bytes"] > 0 and c["temp_bytes"] > 0
@@ -126,7 +133,7 @@ def _write_config(tmp_path) -> str:
         (["--mesh", "data=1,expert=8,tensor=2"], "'tensor'=2 is not supported yet"),
         (
             ["--mesh", "data=2,expert=4", "--batch", "3"],
-            "batch 3 must be a multiple of the mesh's data axis 2",
+            "batch 3 must be a multiple of data x expert = 8",
         ),
         (["-k", "17"], "k must be in [0, 16]"),
         (["--max-len", "8", "--prefill-len", "9"], "prefill_len must be in [0, max_len=8]"),
@@ -156,7 +163,7 @@ def test_cli_reruns_itself_with_simulated_devices_and_prints_the_report(tmp_path
 
     assert len(jax.devices("cpu")) < 8  # this process's JAX runs: the CLI must re-run itself
     out_json = tmp_path / "plan.json"
-    argv = ["plan", "--config", _write_config(tmp_path), "--mesh", "data=1,expert=8", "--batch", "2"]
+    argv = ["plan", "--config", _write_config(tmp_path), "--mesh", "data=1,expert=8", "--batch", "8"]
     argv += ["--max-len", "32", "--page-size", "4", "-k", "1", "--device-memory-gb", "1"]
     env = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = REPO + (os.pathsep + env if env else "")
@@ -174,7 +181,7 @@ def test_cli_reruns_itself_with_simulated_devices_and_prints_the_report(tmp_path
     assert "step: compiled in" in captured.err
     out = captured.out
     assert "on mesh data=1 expert=8 tensor=1 (8 cpu devices), fp8 weights" in out
-    assert "decode batch 2 rows x 32 tokens" in out and "MTP K=1" in out
+    assert "decode batch 8 rows x 32 tokens" in out and "MTP K=1" in out
     for line in ("routed experts", "KV cache (target + MTP)", "temporaries", "peak (args+out-alias+temp)"):
         assert line in out
     assert "Device memory 1 GB: fits" in out

@@ -65,7 +65,7 @@ def mtp_forward(
     e = rms_norm(embed[next_tokens], mp["enorm"], eps)
     h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
     x = jnp.einsum("btc,cd->btd", jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
-    attention = attention_fn(cfg, positions, paged)
+    attention = attention_fn(cfg, positions, paged, mesh)
     pages_in = None if paged is None else paged.pages
     y, pages, load = decoder_layer(mp["layer"], x, cfg, True, attention, pages_in, dispatch, mesh)
     g = rms_norm(y, mp["head_norm"], eps)

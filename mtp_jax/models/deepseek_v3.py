@@ -89,7 +89,7 @@ def forward(
     its batch axis at layer boundaries (:func:`mtp_jax.sharding.constrain`); None: one device.
     """
     check_capture(cfg, capture)
-    attention = attention_fn(cfg, positions, paged)
+    attention = attention_fn(cfg, positions, paged, mesh)
     h = constrain(params["embed"][tokens], mesh, ACTIVATION)
     captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
     slot_of = np.full(cfg.num_hidden_layers, len(capture), np.int32)
@@ -131,17 +131,20 @@ Attention = Callable[
 ]
 
 
-def attention_fn(cfg: DeepseekV3Config, positions: jax.Array, paged: PagedAttention | None) -> Attention:
+def attention_fn(
+    cfg: DeepseekV3Config, positions: jax.Array, paged: PagedAttention | None, mesh: Mesh | None = None
+) -> Attention:
     """(attention params, normed input, pages or None, layer) -> (output, pages): expanded causal
     attention without a cache, or absorbed attention over the paged cache (one layer's pages
-    [P, page, c] with layer None, else layer ``layer`` of a stack [L, P, page, c])."""
+    [P, page, c] with layer None, else layer ``layer`` of a stack [L, P, page, c]), data-parallel
+    over ``mesh``'s row axes (:func:`mtp_jax.mla.mla_paged`)."""
     inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq), magnitude)
 
     def attend(p: dict, x: jax.Array, pages: jax.Array | None, layer: jax.Array | int | None = None):
         if paged is None:
             return mla_dense(p, x, cfg, cos, sin), pages
-        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table, layer)
+        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table, layer, mesh)
 
     return attend
 
