@@ -142,7 +142,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--weights", default="fp8", choices=["fp8", "bf16"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activations/cache")
     p.add_argument(
-        "--prefill-len", type=int, default=0, help="also compile prefill of one prompt this long (0: skip)"
+        "--prefill-len",
+        type=int,
+        default=0,
+        help="also compile prefill of prompts this long, one per row shard (0: skip)",
     )
     p.add_argument("--device-memory-gb", type=float, default=None, help="memory per device (e.g. 141)")
     p.add_argument("--json", help="also write the report as JSON to this file")
@@ -211,7 +214,8 @@ def _generate(args: argparse.Namespace) -> int:
     per_position = ", ".join(f"{r:.2f}" for r in st["acceptance_rate_per_position"])
     print(
         f"[steps {st['steps']}, {st['new_tokens']} new tokens in {wall:.2f}s incl. compilation; "
-        f"decode {st['decode_tokens_per_second']:.1f} tok/s; "
+        f"decode {st['decode_tokens_per_second_after_first_call']:.1f} tok/s after the first step "
+        f"({st['first_step_call_seconds']:.2f}s, compiling it); "
         f"acceptance length {st['acceptance_length']:.2f}"
         + (f"; acceptance by position [{per_position}]" if per_position else "")
         + "]",

@@ -21,7 +21,8 @@ FIB = "def fibonacci(n):"
 CODE = "import os\nprint(os.getcwd())"
 MAIN = 'if __name__ == "__main__":\n    main()\n'
 STATS = re.compile(
-    r"\[steps (\d+), (\d+) new tokens in [\d.]+s .*; decode [\d.]+ tok/s; acceptance length ([\d.]+)"
+    r"\[steps (\d+), (\d+) new tokens in [\d.]+s .*; decode [\d.]+ tok/s after the first step "
+    r"\([\d.]+s, compiling it\); acceptance length ([\d.]+)"
     r"(?:; acceptance by position \[([\d., ]+)\])?\]"
 )
 ROW = re.compile(r"\[(\d+) tokens, stopped by (eos|length)\]")

@@ -127,6 +127,8 @@ def test_stats(tiny_model):
     st = result.stats
     assert st["new_tokens"] == 18 and st["prompt_tokens"] == 12 and st["steps"] == 6
     assert st["tokens_per_second"] > 0 and st["acceptance_length"] == 1.0
+    assert 0 < st["first_step_call_seconds"] < st["decode_seconds"]
+    assert st["decode_tokens_per_second_after_first_call"] > st["decode_tokens_per_second"]
 
 
 @pytest.mark.parametrize(
