@@ -18,19 +18,34 @@ SMOKE = ["--preset", "smoke", "--max-files", "12", "--vocab", "300", "--batch", 
 SMOKE += ["--steps", "4", "--save-every", "2", "--eval-windows", "4", "--acceptance-k", "2"]
 
 
-def train(out, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def start(out, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, SCRIPT, "--out", str(out), *SMOKE, *extra],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
     )
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def train(out, *extra: str) -> subprocess.CompletedProcess:
+    return finish(start(out, *extra))
 
 
 @pytest.mark.slow
 def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministically(tmp_path):
-    straight = tmp_path / "straight"
-    run = train(straight)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    # the uninterrupted run and the first half of the interrupted one run side by side (2 cores)
+    running = start(straight)
+    first = train(resumed, "--stop-after", "2", "--acceptance-k")  # no K: skip the generation part
+    run = finish(running)
     assert run.returncode == 0, run.stderr
     assert "train [" in run.stderr and "tok/s" in run.stderr  # the progress line
 
@@ -60,8 +75,6 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
     assert model.score(ids).perplexity == pytest.approx(report["snippet"]["perplexity"], rel=1e-3)
 
     # Interrupted after 2 steps, then resumed: the same weights as the uninterrupted run.
-    resumed = tmp_path / "resumed"
-    first = train(resumed, "--stop-after", "2", "--acceptance-k")  # no K: skip the generation part
     assert first.returncode == 0, first.stderr
     assert not resumed.exists() and "rerun the same command to resume" in first.stderr
     second = train(resumed, "--acceptance-k")
