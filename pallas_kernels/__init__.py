@@ -1,9 +1,10 @@
 """Pallas kernels, each beside a pure-jnp reference of the same signature and a dispatcher.
 
 - :mod:`pallas_kernels.mla_decode`: MLA decode attention over the paged latent cache (Mosaic GPU).
-- :mod:`pallas_kernels.moe`: grouped matmul for the routed experts, bf16 and block-FP8 (Pallas
-  Triton backend for now), with jnp permute / combine.
+- :mod:`pallas_kernels.moe`: grouped matmul for the routed experts, bf16 and block-FP8 (Mosaic GPU
+  for Hopper; the earlier Pallas Triton kernel for sm_80/sm_89), with jnp permute / combine.
 
-Both are verified against their references in interpret mode on CPU; neither has been compiled on
-a GPU yet, and the model still runs its pure-JAX paths (``mtp_jax.mla``, ``mtp_jax.moe``).
+Both are verified against their references in interpret mode on CPU and lower for CUDA; neither
+has been compiled on a GPU yet. The model calls both dispatchers (``mtp_jax.mla``,
+``mtp_jax.moe``), which use the references / ``ragged_dot`` off a GPU.
 """

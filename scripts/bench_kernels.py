@@ -8,9 +8,10 @@ Decode is memory-bound, so each result is reported as achieved bandwidth (bytes 
 read at least, divided by its time) next to the device's measured copy bandwidth (a jitted copy of
 a large buffer: read + write), the physical limit for decode. MLA decode reads the latent cache of
 every row up to its context plus the queries; the grouped matmul reads the weights of the experts
-that received tokens plus the activations. Implementations that cannot run here (the native kernel
-off a Hopper GPU) are skipped with the reason. Each timing: compile, warm up, then the median of
-``--iters`` calls.
+that received tokens plus the activations. ``kernel`` is each op's Mosaic GPU kernel; ``triton`` is
+the grouped matmul's older Triton-backend kernel (gmm only), for comparison. Implementations that
+cannot run here (the native kernels off a Hopper GPU, Triton off an sm_80+ GPU) are skipped with the
+reason. Each timing: compile, warm up, then the median of ``--iters`` calls.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.mla_decode import IMPLS as MLA_IMPLS
 from pallas_kernels.mla_decode import mla_decode
 from pallas_kernels.moe import gmm
 
@@ -82,7 +84,10 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke run")
     parser.add_argument(
-        "--impls", nargs="+", default=["kernel", "reference", "ragged_dot"], help="implementations to time"
+        "--impls",
+        nargs="+",
+        default=["kernel", "triton", "reference", "ragged_dot"],
+        help="implementations to time (mla_decode runs those it has: not triton / ragged_dot)",
     )
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--copy-mb", type=int, default=1024, help="buffer size of the copy measurement")
@@ -99,7 +104,7 @@ def main() -> int:
     moe, moe_bytes = gmm_case(args, rng)
     for impl in args.impls:
         runs = []
-        if impl != "ragged_dot":
+        if impl in MLA_IMPLS:
             runs.append(
                 (
                     "mla_decode",

@@ -1,14 +1,26 @@
-"""MoE dispatch: grouped matmul (Pallas kernel, ragged_dot or jnp reference) and routed experts.
+"""MoE dispatch: grouped matmul (Pallas kernels, ragged_dot or jnp reference) and routed experts.
+
+Two Pallas grouped-matmul kernels with one contract (:mod:`pallas_kernels.moe.reference`): the
+Mosaic GPU kernel for Hopper (:mod:`pallas_kernels.moe.mosaic_gpu`, the main one) and the older
+Triton-backend kernel (:mod:`pallas_kernels.moe.kernel`), kept for Ampere / Ada GPUs and for
+comparison (the Pallas Triton backend is deprecated from JAX 0.11).
 
 ``impl`` picks the implementation; it is resolved when the function is traced:
 
-- ``"auto"``: the Pallas kernel on an NVIDIA GPU it can compile for (sm_80+, sm_89+ for FP8 rhs,
-  FP8 scale blocks that are powers of two >= 16), else the ``jax.lax.ragged_dot`` path. The
-  environment variable ``MTP_JAX_KERNELS`` = ``reference`` / ``kernel`` / ``interpret`` overrides
-  this choice (only for ``"auto"``).
-- ``"kernel"``: the Pallas kernel compiled natively (:mod:`pallas_kernels.moe.kernel`, Triton
-  backend); ValueError off such a GPU.
-- ``"interpret"``: the same kernel run by the Pallas interpreter (any backend; slow, for tests).
+- ``"auto"``: on a Hopper GPU (compute capability 9.x) the Mosaic GPU kernel when it takes the
+  inputs (bf16/f16 lhs; FP8 scale blocks its default tiles divide, see
+  :func:`pallas_kernels.moe.mosaic_gpu.tile_sizes`: DeepSeek-V3's 128x128 does), else
+  ``ragged_dot``; on another NVIDIA GPU of compute capability >= 8.0 the Triton kernel when it
+  compiles there (sm_89+ for FP8 rhs, FP8 scale blocks that are powers of two >= 16), else
+  ``ragged_dot``; ``ragged_dot`` on every other backend. The environment variable
+  ``MTP_JAX_KERNELS`` = ``reference`` / ``kernel`` / ``interpret`` overrides this choice (only for
+  ``"auto"``; the variable is shared with :mod:`pallas_kernels.mla_decode`, hence no Triton
+  values).
+- ``"kernel"``: the Mosaic GPU kernel compiled natively; ValueError off a Hopper GPU or for inputs
+  it does not take natively (float32 lhs, FP8 blocks it cannot tile).
+- ``"interpret"``: the Mosaic GPU kernel in Mosaic GPU interpret mode (any backend; slow, for tests).
+- ``"triton"``: the Triton kernel compiled natively; ValueError off a GPU it compiles for.
+- ``"triton_interpret"``: the Triton kernel run by the generic Pallas interpreter (tests).
 - ``"reference"``: :mod:`pallas_kernels.moe.reference` (every expert on every row; slow).
 - ``"ragged_dot"``: ``jax.lax.ragged_dot`` on the dequantised weights, as :mod:`mtp_jax.moe` does.
 
@@ -25,14 +37,20 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
-from pallas_kernels.moe import kernel, reference
+from pallas_kernels.moe import kernel, mosaic_gpu, reference
 from pallas_kernels.moe.reference import combine, permute
 
 __all__ = ["ENV_VAR", "IMPLS", "combine", "gmm", "permute", "routed_experts", "select_impl"]
 
-IMPLS = ("auto", "kernel", "interpret", "reference", "ragged_dot")
+IMPLS = ("auto", "kernel", "interpret", "triton", "triton_interpret", "reference", "ragged_dot")
 ENV_VAR = "MTP_JAX_KERNELS"
 ENV_CHOICES = ("reference", "kernel", "interpret")
+# The keyword options each kernel takes; the others are dropped (and every option is ignored by the
+# non-kernel implementations), so one set of options can go to whichever kernel "auto" picks.
+KERNEL_OPTIONS = {
+    "mosaic_gpu": ("block_m", "block_n", "block_k", "num_stages"),
+    "triton": ("block_m", "block_n", "block_k", "num_warps", "num_stages"),
+}
 
 
 def _cuda_capability() -> tuple[int, int] | None:
@@ -45,7 +63,24 @@ def _cuda_capability() -> tuple[int, int] | None:
         return None
 
 
-def _kernel_fits_device(fp8_block: tuple[int, int] | None) -> bool:
+def _on_hopper() -> bool:
+    capability = _cuda_capability()
+    return capability is not None and capability[0] == 9
+
+
+def _mosaic_takes(fp8_block: tuple[int, int] | None, dtype: jax.typing.DTypeLike | None) -> str | None:
+    """Why the compiled Mosaic GPU kernel cannot take these inputs (None if it can), on any device."""
+    if dtype is not None and jnp.dtype(dtype) not in mosaic_gpu.NATIVE_DTYPES:
+        return f"lhs dtype {jnp.dtype(dtype)} (the compiled kernel takes bfloat16 or float16)"
+    if fp8_block is not None:
+        try:
+            mosaic_gpu.tile_sizes(fp8_block, mosaic_gpu.WGMMA_M, None, None)
+        except ValueError as e:
+            return f"FP8 scale block {fp8_block} ({e})"
+    return None
+
+
+def _triton_fits_device(fp8_block: tuple[int, int] | None) -> bool:
     capability = _cuda_capability()
     if capability is None:
         return False
@@ -55,11 +90,14 @@ def _kernel_fits_device(fp8_block: tuple[int, int] | None) -> bool:
     return capability >= (8, 9) and native_tiles
 
 
-def select_impl(impl: str = "auto", fp8_block: tuple[int, int] | None = None) -> str:
+def select_impl(
+    impl: str = "auto", fp8_block: tuple[int, int] | None = None, dtype: jax.typing.DTypeLike | None = None
+) -> str:
     """The implementation ``impl`` stands for here: one of IMPLS other than ``"auto"``.
 
-    fp8_block: the (b_in, b_out) scale block when the weights are FP8, else None. ValueError for an
-    unknown ``impl`` or ``MTP_JAX_KERNELS`` value, and for ``"kernel"`` off a GPU that can run it.
+    fp8_block: the (b_in, b_out) scale block when the weights are FP8, else None; dtype: the lhs
+    dtype when known. ValueError for an unknown ``impl`` or ``MTP_JAX_KERNELS`` value, and for
+    ``"kernel"`` / ``"triton"`` where that kernel cannot be compiled for these inputs.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -69,12 +107,27 @@ def select_impl(impl: str = "auto", fp8_block: tuple[int, int] | None = None) ->
             raise ValueError(
                 f"environment variable {ENV_VAR} must be one of {ENV_CHOICES} or unset, got {forced!r}"
             )
-        impl = forced or ("kernel" if _kernel_fits_device(fp8_block) else "ragged_dot")
-    if impl == "kernel" and not _kernel_fits_device(fp8_block):
+        if forced:
+            impl = forced
+        elif _on_hopper():
+            impl = "ragged_dot" if _mosaic_takes(fp8_block, dtype) else "kernel"
+        else:
+            impl = "triton" if _triton_fits_device(fp8_block) else "ragged_dot"
+    if impl == "kernel":
+        if not _on_hopper():
+            raise ValueError(
+                f"impl='kernel' (the Mosaic GPU kernel) needs a Hopper GPU (compute capability 9.x); this "
+                f"backend is {jax.default_backend()!r} with capability {_cuda_capability()}: use "
+                "impl='interpret' to run the kernel interpreted, or impl='triton' on an sm_80+ GPU"
+            )
+        why = _mosaic_takes(fp8_block, dtype)
+        if why:
+            raise ValueError(f"impl='kernel': the compiled Mosaic GPU kernel cannot take {why}")
+    if impl == "triton" and not _triton_fits_device(fp8_block):
         raise ValueError(
-            f"impl='kernel' needs an NVIDIA GPU of compute capability >= 8.0 (8.9 for FP8, with power-of-two "
+            f"impl='triton' needs an NVIDIA GPU of compute capability >= 8.0 (8.9 for FP8, with power-of-two "
             f"scale blocks >= 16; got fp8_block={fp8_block}); this backend is {jax.default_backend()!r} "
-            f"with capability {_cuda_capability()}: use impl='interpret' to run the kernel interpreted"
+            f"with capability {_cuda_capability()}: use impl='triton_interpret' to run it interpreted"
         )
     return impl
 
@@ -126,13 +179,18 @@ def gmm(
     lhs [m, kdim] bf16/f16/f32; rhs [E, kdim, ndim] float array or :class:`Fp8Weight` (w
     [E, kdim, ndim] float8_e4m3fn, scale_inv [E, ceil(kdim/b_in), ceil(ndim/b_out)]); group_sizes
     [E] int, non-negative, sum <= m; rows at or beyond the sum are zero. Float32 accumulation.
-    ``kernel_options`` (block_m, block_n, block_k, num_warps, num_stages) go to the kernel and are
-    ignored by the other implementations.
+    ``kernel_options`` go to the kernel that runs, each kernel taking its own (``KERNEL_OPTIONS``:
+    block_m, block_n, block_k, num_stages, and num_warps for Triton); the rest are ignored, as all
+    are by the non-kernel implementations.
     """
     _check_gmm(lhs, rhs, group_sizes)
-    impl = select_impl(impl, rhs.block if isinstance(rhs, Fp8Weight) else None)
+    impl = select_impl(impl, rhs.block if isinstance(rhs, Fp8Weight) else None, lhs.dtype)
     if impl in ("kernel", "interpret"):
-        return kernel.gmm(lhs, rhs, group_sizes, interpret=impl == "interpret", **kernel_options)
+        options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS["mosaic_gpu"]}
+        return mosaic_gpu.gmm(lhs, rhs, group_sizes, interpret=impl == "interpret", **options)
+    if impl in ("triton", "triton_interpret"):
+        options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS["triton"]}
+        return kernel.gmm(lhs, rhs, group_sizes, interpret=impl == "triton_interpret", **options)
     if impl == "reference":
         return reference.gmm(lhs, rhs, group_sizes)
     dense = materialize(rhs, lhs.dtype).astype(lhs.dtype)

@@ -1,4 +1,4 @@
-"""Grouped matmul (MoE expert projections) as a Pallas kernel, for bf16/f16/f32 and block-FP8 experts.
+"""Grouped matmul (MoE expert projections) as a Pallas Triton-backend kernel, bf16/f16/f32 and block-FP8.
 
 ``gmm(lhs [m, kdim], rhs [E, kdim, ndim], group_sizes [E]) -> [m, ndim]``: the rows of group e
 (contiguous, groups in order from row 0) times rhs[e]; rows at or beyond sum(group_sizes) are zero.
@@ -33,15 +33,18 @@ and compiled on NVIDIA GPUs by the Pallas **Triton** backend, selected explicitl
 Mosaic GPU. The generic API cannot target Mosaic GPU for this kernel: Mosaic GPU has no lowering for
 ``dot_general`` on values (matmuls must be ``plgpu.wgmma`` on swizzled shared-memory refs, written
 with ``plgpu.kernel``), and ``pl.pallas_call`` for Mosaic GPU is itself deprecated. The Triton
-backend is deprecated from JAX 0.11, so a Mosaic GPU port (``plgpu.kernel`` + ``emit_pipeline`` +
-``wgmma``, FP8 tiles dequantised in registers before the wgmma) is the follow-up.
+backend is deprecated from JAX 0.11 (and may not lower at all there), so the Mosaic GPU port,
+:mod:`pallas_kernels.moe.mosaic_gpu`, is what the dispatcher runs on Hopper; this kernel stays
+available as ``impl="triton"`` (what ``"auto"`` picks on non-Hopper GPUs of compute capability
+>= 8.0) and ``impl="triton_interpret"``, for those GPUs and for comparison.
 
 Verified on CPU only: results in interpret mode, and that the kernel lowers to Triton IR for CUDA
 (cross-platform lowering, in the tests). A GPU session must check that Triton compiles that IR
 (power-of-two tiles >= 16, scalar loads of the metadata refs inside the ``while_loop``, the
 float8_e4m3fn -> bf16 cast, which Triton allows from sm_89), that results match the reference on
-the GPU, and the speed against ``jax.lax.ragged_dot`` for decode-sized (tiny groups) and
-prefill-sized m, tuning block sizes (smaller block_m for decode), ``num_warps`` and ``num_stages``.
+the GPU, and the speed against ``jax.lax.ragged_dot`` and the Mosaic GPU kernel for decode-sized
+(tiny groups) and prefill-sized m, tuning block sizes (smaller block_m for decode), ``num_warps``
+and ``num_stages``.
 """
 
 from __future__ import annotations

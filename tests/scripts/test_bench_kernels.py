@@ -13,7 +13,7 @@ from tests.conftest import REPO
 def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
     out = tmp_path / "kernels.json"
     args = ["--small", "--context", "64", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
-    args += ["--impls", "kernel", "reference", "ragged_dot"]
+    args += ["--impls", "kernel", "triton", "reference", "ragged_dot"]
     env = dict(os.environ, PYTHONPATH=REPO)
     run = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench_kernels.py"), *args],
@@ -29,10 +29,12 @@ def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
     assert set(rows) == {
         ("mla_decode", "kernel"),
         ("gmm", "kernel"),
+        ("gmm", "triton"),
         ("mla_decode", "reference"),
         ("gmm", "reference"),
         ("gmm", "ragged_dot"),
     }
-    assert "skipped" in rows[("gmm", "kernel")]  # no GPU here: skipped with the reason, not faked
+    for key in [("gmm", "kernel"), ("gmm", "triton")]:  # no GPU here: skipped with the reason, not faked
+        assert "skipped" in rows[key] and "GPU" in rows[key]["skipped"]
     for key in [("mla_decode", "reference"), ("gmm", "reference"), ("gmm", "ragged_dot")]:
         assert rows[key]["seconds"] > 0 and rows[key]["gb_per_s"] > 0 and rows[key]["bytes"] > 0
