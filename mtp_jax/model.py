@@ -181,7 +181,9 @@ class Model:
         the draft's argmax (each position's token is then drawn exactly as plain decoding draws it),
         "sampled" draws drafts from the draft distribution and accepts with min(1, p/q). Either way
         the output distribution is the target's. Up to ``max_batch`` prompts decode at once; the
-        others join as slots free (continuous batching). ``on_token(prompt_index, token)`` streams.
+        others join as slots free (continuous batching). On a mesh the slots are padded to a
+        multiple of its data x expert devices (every device attends for its own rows; padding
+        slots stay idle). ``on_token(prompt_index, token)`` streams.
         ``fused=False`` selects the host-orchestrated baseline step (for benchmarks).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
