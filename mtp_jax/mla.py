@@ -27,7 +27,7 @@ from jax.sharding import Mesh, PartitionSpec
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import apply_rope_interleaved, rms_norm
-from mtp_jax.sharding import ROW_AXES, axes_spec, row_shards, shard_index, split_axes
+from mtp_jax.sharding import ROW_AXES, axes_spec, shard_index, split_axes
 from pallas_kernels.mla_decode import mla_decode
 
 # DeepSeek's reference code builds q_a/kv_a norms with RMSNorm's default eps, not rms_norm_eps.
@@ -95,6 +95,12 @@ def write_rows(
     # an out-of-range slot (an invalid token) lands on an out-of-range page, which mode="drop" skips
     page, offset = slots // page_size, slots % page_size
     values = rows.reshape(-1, width).astype(pages.dtype)
+    if pages.dtype.itemsize == 2:
+        # 16-bit caches are scattered as their bit patterns: XLA:CPU has no bfloat16 scatter and would
+        # otherwise convert the whole cache stack to float32 and back on every write (a bitcast is free)
+        bits = jax.lax.bitcast_convert_type(pages, jnp.uint16)
+        bits = bits.at[layer, page, offset].set(jax.lax.bitcast_convert_type(values, jnp.uint16), mode="drop")
+        return jax.lax.bitcast_convert_type(bits, pages.dtype)
     return pages.at[layer, page, offset].set(values, mode="drop")
 
 
@@ -125,7 +131,7 @@ def mla_paged(
     """
     page_dim = 0 if layer is None else 1
     axes = () if mesh is None else split_axes(mesh, ROW_AXES, x.shape[0], pages.shape[page_dim])
-    if not axes or row_shards(mesh) == 1:
+    if not axes:  # one device, or rows / pages that no row axis divides
         return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer)
     page_size = pages.shape[page_dim + 1]
     layer_arg = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)

@@ -69,11 +69,12 @@ def test_paged_incremental_equals_dense(monkeypatch, impl, page, stacked):
     if stacked:
         pages, layer = jnp.stack([pages - 1.0, pages, pages + 1.0]), 1
     outs = []
+    paged = jax.jit(mla_paged, static_argnames=("cfg", "layer"))  # eager dispatch is slower to start
     for lo, hi in [(0, 9), (9, 10), (10, 15), (15, 23)]:
         chunk_pos = pos[:, lo:hi]
         slots = slots_for(table, chunk_pos, jnp.ones(chunk_pos.shape, bool), page)
-        out, pages = mla_paged(
-            p, x[:, lo:hi], cfg, cos[:, lo:hi], sin[:, lo:hi], chunk_pos, slots, pages, table, layer
+        out, pages = paged(
+            p, x[:, lo:hi], cfg, cos[:, lo:hi], sin[:, lo:hi], chunk_pos, slots, pages, table, layer=layer
         )
         outs.append(out)
     got = jnp.concatenate(outs, axis=1)
@@ -88,16 +89,29 @@ def test_paged_incremental_equals_dense(monkeypatch, impl, page, stacked):
     )
 
 
-def test_write_rows_drops_invalid_slots():
-    pages = jnp.zeros((3, 2, 4))
-    rows = jnp.arange(1, 1 + 2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_write_rows_drops_invalid_slots(dtype):
+    pages = jnp.zeros((3, 2, 4), dtype)
+    rows = jnp.arange(1, 1 + 2 * 3 * 4, dtype=jnp.float32).reshape(2, 3, 4) / 8  # exact in 16 bits
     slots = jnp.array([[0, 5, 2**31 - 1], [3, 2**31 - 1, 1]])
-    out = np.asarray(write_rows(pages, rows, slots)).reshape(6, 4)
+    written = write_rows(pages, rows, slots)
+    assert written.dtype == dtype
+    out = np.asarray(written.astype(jnp.float32)).reshape(6, 4)
     np.testing.assert_array_equal(out[0], rows[0, 0])
     np.testing.assert_array_equal(out[5], rows[0, 1])
     np.testing.assert_array_equal(out[3], rows[1, 0])
     np.testing.assert_array_equal(out[1], rows[1, 2])
     np.testing.assert_array_equal(out[[2, 4]], 0.0)
+
+
+def test_16_bit_cache_write_does_not_convert_the_cache():
+    """XLA:CPU has no bfloat16 scatter: a plain .at[].set converts the whole cache to float32 and
+    back; the write scatters the bit patterns instead, so no float32 copy of the stack appears."""
+    stack = jnp.zeros((3, 16, 4, 8), jnp.bfloat16)
+    rows = jnp.ones((2, 3, 8), jnp.float32)
+    slots = jnp.array([[0, 1, 2], [40, 41, 42]])
+    hlo = jax.jit(write_rows).lower(stack, rows, slots, jnp.int32(1)).compile().as_text()
+    assert "bf16[3,16,4,8]" in hlo and "f32[3,16,4,8]" not in hlo
 
 
 def test_stack_write_and_gather_touch_only_their_layer():
