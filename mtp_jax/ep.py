@@ -52,11 +52,6 @@ CAPACITY_FACTOR = 2.0
 EXCHANGE = "auto"
 
 
-def expert_parallel(mesh: Mesh | None) -> bool:
-    """Whether MoE layers under ``mesh`` run expert-parallel (an ``expert`` axis larger than 1)."""
-    return mesh is not None and mesh.shape["expert"] > 1
-
-
 def _local_choice(weights: jax.Array, idx: jax.Array, n_local: int) -> tuple[jax.Array, jax.Array]:
     """Routing restricted to this device's experts: copies routed elsewhere get weight 0 and the
     out-of-range id ``n_local``, which the sorted grouped matmul skips and the dense path drops."""

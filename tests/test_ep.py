@@ -49,8 +49,7 @@ MOE_CHILD = PRELUDE + textwrap.dedent(
         (1, 8): [
             (64, 256, 2.0, 0, "replicated", False, x2),
             (64, 8, 2.0, 0, "a2a", False, x2),
-            (64, 8, 1.0, 1, "a2a", True, x2),
-            (64, 8, 8.0, 1, "a2a", False, x2),
+            (64, 8, 8.0, 1, "a2a", False, x2),  # capacity x |expert|: every copy fits
         ],
         (2, 4): [
             (12, 8, 2.0, 0, "replicated", False, ("data",)),
@@ -58,7 +57,7 @@ MOE_CHILD = PRELUDE + textwrap.dedent(
             (64, 8, 1.0, 1, "a2a", True, x8),
         ],
         (8, 1): [(64, 8, 2.0, 0, "replicated", False, ("data",))],
-        (3, 2): [(64, 8, 2.0, 0, "a2a", False, ()), (64, 8, 1.0, 1, "a2a", True, ())],
+        (3, 2): [(64, 8, 1.0, 1, "a2a", True, ())],
     }
     for shape, runs in cases.items():
         mesh = make_mesh(*shape, devices=jax.devices()[: shape[0] * shape[1]])
@@ -191,8 +190,8 @@ def test_sharded_model_matches_single_device():
 
 
 def test_paths_and_capacity():
-    mesh = make_mesh()  # one device: expert axis 1, no expert parallelism
-    assert not ep.expert_parallel(mesh) and not ep.expert_parallel(None)
+    mesh = make_mesh()  # one device: no split, no all-to-all
+    assert ep.token_axes(8, mesh) == () and ep.choose_path((512,), mesh, 256) == "replicated"
     assert ep.capacity(tokens=16, k=2, n_dev=4, factor=2.0) == 16
     assert ep.capacity(tokens=16, k=2, n_dev=4, factor=100.0) == 32  # never more than all copies
     assert ep.capacity(tokens=1, k=1, n_dev=8, factor=0.1) == 1

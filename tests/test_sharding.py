@@ -29,6 +29,7 @@ CHILD = textwrap.dedent(
     ids = [[0, 5, 6, 7, 100, 200, 300, 50, 9, 10, 11]]
     ref = mtp_jax.load(src, "float32")
     want = ref.logits(ids)
+    want_tokens = ref.generate(ids, max_new_tokens=6, ignore_eos=True).tokens
     dst = os.path.join(tempfile.mkdtemp(), "converted")
     convert(src, dst, weights="fp32", progress=False)
     for mesh_shape in [(1, 8), (2, 4)]:
@@ -44,8 +45,9 @@ CHILD = textwrap.dedent(
             embed_shards = {tuple(s.data.shape) for s in model.params["embed"].addressable_shards}
             assert embed_shards == {model.params["embed"].shape}  # replicated
             np.testing.assert_allclose(model.logits(ids), want, rtol=1e-5, atol=1e-5)
-            got = model.generate(ids, max_new_tokens=6, ignore_eos=True).tokens
-            assert got == ref.generate(ids, max_new_tokens=6, ignore_eos=True).tokens
+            if path == dst:  # generation from the hub checkpoint on these meshes: tests/test_ep.py
+                got = model.generate(ids, max_new_tokens=6, ignore_eos=True).tokens
+                assert got == want_tokens
     print("SHARDED-OK")
     """
 )
