@@ -11,7 +11,8 @@ the routed experts; results are printed by process 0 only.
     srun -N 2 python scripts/launch.py --mesh data=2,expert=4 --prompt "import os"
     # N processes on this machine (simulated CPU devices, gloo collectives): what the tests run
     python scripts/launch.py --local 2 --mesh data=1,expert=8 --prompt "import os" -k 3
-    python scripts/launch.py --local 2 --mesh data=2,expert=4 --bench --batch 4 --new-tokens 32
+    python scripts/launch.py --local 2 --mesh data=2,expert=4 --bench --prompt "import os" --batch 4 \
+        --new-tokens 32
 """
 
 from __future__ import annotations
