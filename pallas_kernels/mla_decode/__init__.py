@@ -89,6 +89,39 @@ def _check_args(q, pages, page_table, positions, value_dim, layer) -> None:
         raise ValueError(f"mla_decode: value_dim must be in [1, C={width}], got {value_dim}")
 
 
+QUERY_CHUNK = 64
+"""Off the kernel, queries are attended in chunks of this many tokens per row (prefill): the
+reference's float32 scores are [B, T, H, keys], which for a long prompt against a long page table
+is far more than the cache (2k tokens x 128 heads x 32k keys: 34 GB); per chunk it is T/64 of that.
+Decode blocks (K+1 tokens) fit in one chunk and take the reference directly."""
+
+
+def _reference_in_query_chunks(q, pages, page_table, positions, *, scale, value_dim, layer):
+    """:func:`mla_decode_reference` applied to successive chunks of QUERY_CHUNK query tokens (one
+    ``lax.map`` step each); every query is computed exactly as in one call."""
+    batch, tokens, heads, _ = q.shape
+    chunk = QUERY_CHUNK
+    if tokens <= chunk:
+        return mla_decode_reference(
+            q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=layer
+        )
+    n = -(-tokens // chunk)
+    pad = n * chunk - tokens
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    positions = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)  # padding sees nothing
+
+    def one(args):
+        q_c, pos_c = args
+        return mla_decode_reference(
+            q_c, pages, page_table, pos_c, scale=scale, value_dim=value_dim, layer=layer
+        )
+
+    qs = jnp.moveaxis(q.reshape(batch, n, chunk, heads, -1), 1, 0)
+    ps = jnp.moveaxis(positions.reshape(batch, n, chunk), 1, 0)
+    out = jnp.moveaxis(jax.lax.map(one, (qs, ps)), 0, 1)  # [B, n, chunk, H, value_dim]
+    return out.reshape(batch, n * chunk, heads, value_dim)[:, :tokens]
+
+
 def mla_decode(
     q: jax.Array,
     pages: jax.Array,
@@ -107,12 +140,13 @@ def mla_decode(
     int32 -> [B, T, H, value_dim] in q.dtype. Query (b, t) sees cache positions
     ``s <= positions[b, t]``; a negative position sees nothing and yields zeros. See
     :func:`mla_decode_reference` for the full contract. ``impl``: "auto", "kernel" (compiled Mosaic
-    GPU kernel), "interpret" (the kernel in Mosaic GPU interpret mode, any backend) or "reference".
+    GPU kernel), "interpret" (the kernel in Mosaic GPU interpret mode, any backend) or "reference"
+    (in chunks of :data:`QUERY_CHUNK` queries).
     """
     _check_args(q, pages, page_table, positions, value_dim, layer)
     impl = resolve_impl(impl, pages)
     if impl == "reference":
-        return mla_decode_reference(
+        return _reference_in_query_chunks(
             q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=layer
         )
     if impl == "kernel" and jnp.dtype(q.dtype) not in NATIVE_DTYPES:

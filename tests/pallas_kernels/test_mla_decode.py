@@ -236,6 +236,30 @@ def test_dispatcher_auto_is_reference_off_gpu(monkeypatch):
     )
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+def test_reference_dispatch_in_query_chunks_equals_one_call(monkeypatch, stacked):
+    """Prefill-length blocks go through the reference in chunks of QUERY_CHUNK queries (bounded
+    score memory); every query gets what one call of the reference gives it, padding included."""
+    import pallas_kernels.mla_decode as dispatcher
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatcher, "QUERY_CHUNK", 4)
+    q, pages, table, positions = make_inputs(
+        9, batch=3, tokens=11, heads=2, width=40, page_size=8, pages_per_row=3, dtype=jnp.float32
+    )
+    layer = None
+    if stacked:
+        pages, layer = jnp.stack([pages * 0.5, pages]), 1
+    want = mla_decode_reference(q, pages, table, positions, scale=0.3, value_dim=32, layer=layer)
+    got = jax.jit(lambda *a: mla_decode(*a, scale=0.3, value_dim=32, layer=layer))(q, pages, table, positions)
+    assert got.shape == want.shape == (3, 11, 2, 32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    expected = numpy_attention(
+        *(np.asarray(a) for a in (q, pages[1] if stacked else pages, table, positions)), 0.3, 32
+    )
+    assert_close(got, expected, jnp.float32)
+
+
 def test_dispatcher_impl_choice(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     with pytest.raises(ValueError, match="impl must be one of"):
