@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
+from pallas_kernels.moe.reference import pad_operands
 
 LHS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -90,15 +91,6 @@ def tile_sizes(
             f"block_n | b_out, got block_k={block_k}, block_n={block_n}"
         )
     return block_m, block_n, block_k
-
-
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    extra = -x.shape[axis] % multiple
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
 
 
 def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, ...]:
@@ -191,8 +183,7 @@ def gmm(
     num_experts, _, ndim = w.shape
     first, nxt, starts, ends = group_metadata(group_sizes, m, block_m)
 
-    lhs_p = _pad_to(_pad_to(lhs, 0, block_m), 1, block_k)
-    w_p = _pad_to(_pad_to(w, 1, block_k), 2, block_n)
+    lhs_p, w_p = pad_operands(lhs, w, block_m, block_n, block_k)
     m_pad, k_pad = lhs_p.shape
     n_pad = w_p.shape[2]
     operands = [first, nxt, starts, ends, lhs_p, w_p]

@@ -98,6 +98,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
+from pallas_kernels.moe.reference import pad_operands
 
 NATIVE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LHS_DTYPES = (*NATIVE_DTYPES, jnp.dtype(jnp.float32))
@@ -193,15 +194,6 @@ def _transforms(dtype, swizzle: int) -> tuple:
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
     )
-
-
-def _pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    extra = -x.shape[axis] % multiple
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths)
 
 
 def group_walk(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Array, jax.Array]:
@@ -380,8 +372,7 @@ def gmm(
     if not m * kdim * ndim:  # nothing to launch: an empty sum is zero
         return jnp.zeros((m, ndim), dtype)
     groups, tiles = group_walk(group_sizes, m, block_m)
-    lhs_p = _pad_to(_pad_to(lhs, 0, block_m), 1, block_k)
-    w_p = _pad_to(_pad_to(w, 1, block_k), 2, block_n)
+    lhs_p, w_p = pad_operands(lhs, w, block_m, block_n, block_k)
     m_pad, k_pad = lhs_p.shape
     n_pad = w_p.shape[2]
     d = _Dims(

@@ -47,6 +47,20 @@ def combine(ys: jax.Array, order: jax.Array, weights: jax.Array, n: int) -> jax.
     return jnp.zeros((n, ys.shape[1]), jnp.float32).at[order // k].add(weighted).astype(ys.dtype)
 
 
+def pad_operands(
+    lhs: jax.Array, w: jax.Array, block_m: int, block_n: int, block_k: int
+) -> tuple[jax.Array, jax.Array]:
+    """lhs [m, kdim] and w [E, kdim, ndim] zero-padded to whole tiles (a copy only where a dimension
+    is not already a multiple): the grouped matmul kernels load fixed-size tiles without masks."""
+
+    def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, -x.shape[axis] % multiple)
+        return x if not widths[axis][1] else jnp.pad(x, widths)
+
+    return pad_to(pad_to(lhs, 0, block_m), 1, block_k), pad_to(pad_to(w, 1, block_k), 2, block_n)
+
+
 def group_ids(group_sizes: jax.Array, m: int) -> jax.Array:
     """The group of each of m rows [m] int32: E for rows at or beyond sum(group_sizes)."""
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
