@@ -78,6 +78,44 @@ def mla_dense(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin:
     return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype))
 
 
+def mla_dense_chain(
+    p: dict,
+    x: jax.Array,
+    cfg: DeepseekV3Config,
+    cos: jax.Array,
+    sin: jax.Array,
+    base_rows: jax.Array,
+    chain_rows: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Expanded attention of chained draft rows, as speculative decoding runs them, for training.
+
+    x [b, t, d]: row i of one chained level (its positions encoded in cos/sin). Row i sees the
+    first-level cache rows ``base_rows`` [b, t, c] 0..i (in decoding: what the catch-up wrote from
+    the target's hidden states), row i of every earlier chained level ``chain_rows`` [n, b, t, c]
+    (the rows its own chain wrote before it; n may be 0) and itself. Returns (out [b, t, d], the
+    rows of x [b, t, c], to pass on as the next level's ``chain_rows``).
+    """
+    q_nope, q_rope = _queries(p, x, cfg, cos, sin)
+    own = latent_rows(p, x, cfg, cos, sin)
+    r = cfg.kv_lora_rank
+    chain = jnp.concatenate([chain_rows.astype(own.dtype), own[None]], axis=0)  # [n + 1, b, t, c]
+    f32 = jnp.float32
+    k_base = jnp.einsum("bsr,rhk->bshk", base_rows[..., :r], p["k_b"])
+    v_base = jnp.einsum("bsr,rhk->bshk", base_rows[..., :r], p["v_b"])
+    k_chain = jnp.einsum("nbtr,rhk->nbthk", chain[..., :r], p["k_b"])
+    v_chain = jnp.einsum("nbtr,rhk->nbthk", chain[..., :r], p["v_b"])
+    base = jnp.einsum("bthk,bshk->bhts", q_nope, k_base, preferred_element_type=f32)
+    base += jnp.einsum("bthk,bsk->bhts", q_rope, base_rows[..., r:], preferred_element_type=f32)
+    diag = jnp.einsum("bthk,nbthk->bhtn", q_nope, k_chain, preferred_element_type=f32)
+    diag += jnp.einsum("bthk,nbtk->bhtn", q_rope, chain[..., r:], preferred_element_type=f32)
+    t, n = x.shape[1], chain.shape[0]
+    mask = jnp.concatenate([jnp.tril(jnp.ones((t, t), bool)), jnp.ones((t, n), bool)], axis=-1)
+    probs = _softmax(jnp.concatenate([base, diag], axis=-1) * cfg.softmax_scale, mask).astype(x.dtype)
+    out = jnp.einsum("bhts,bshk->bthk", probs[..., :t], v_base)
+    out += jnp.einsum("bhtn,nbthk->bthk", probs[..., t:], v_chain)
+    return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), own
+
+
 def write_rows(
     pages: jax.Array, rows: jax.Array, slots: jax.Array, layer: jax.Array | int | None = None
 ) -> jax.Array:

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.layers import rms_norm
+from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
+from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.models.deepseek_v3 import PagedAttention, attention_fn, decoder_layer
 
 
@@ -58,6 +59,12 @@ def mtp_forward(
     (``paged.pages`` is its [P, page, c] pages). ``dispatch`` and ``mesh`` as in
     :func:`mtp_jax.models.deepseek_v3.forward`.
     """
+    attention = attention_fn(cfg, positions, paged, mesh)
+    pages_in = None if paged is None else paged.pages
+    return _mtp_layer(params, cfg, next_tokens, hidden, attention, pages_in, dispatch, mesh)
+
+
+def _mtp_layer(params, cfg, next_tokens, hidden, attention, pages, dispatch, mesh) -> MtpOutput:
     mp = jax.tree.map(lambda x: x[0], params["mtp"])
     eps = cfg.rms_norm_eps
     embed = mp.get("embed", params["embed"])
@@ -65,9 +72,56 @@ def mtp_forward(
     e = rms_norm(embed[next_tokens], mp["enorm"], eps)
     h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
     x = jnp.einsum("btc,cd->btd", jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
-    attention = attention_fn(cfg, positions, paged, mesh)
-    pages_in = None if paged is None else paged.pages
-    y, pages, load = decoder_layer(mp["layer"], x, cfg, True, attention, pages_in, dispatch, mesh)
+    y, pages, load = decoder_layer(mp["layer"], x, cfg, True, attention, pages, dispatch, mesh)
     g = rms_norm(y, mp["head_norm"], eps)
     logits = jnp.einsum("btd,dv->btv", g, head, preferred_element_type=jnp.float32)
     return MtpOutput(g, logits, pages, load)
+
+
+def mtp_chain_teacher_forced(
+    params: dict,
+    cfg: DeepseekV3Config,
+    tokens: jax.Array,
+    hidden: jax.Array,
+    depth: int,
+    dispatch: str = "auto",
+) -> list[MtpOutput]:
+    """The MTP layer chained ``depth`` times over whole sequences, as speculative decoding chains
+    it, with true tokens in place of drafts (teacher forcing), for training the later draft positions.
+
+    tokens [b, s]; hidden [b, >= n, d]: the target's post-norm hidden states, h_i from tokens[:, :i + 1].
+    Rows i = 0..n-1, n = s - 1 - depth. Level 1 is :func:`mtp_forward` (h_i with t_{i+1}, predicts
+    t_{i+2}); level j > 1 feeds level j-1's state g back with t_{i+j}, at position i + j - 1, and
+    predicts t_{i+j+1}. Attention follows the decode-time cache exactly: a level-j row sees the
+    level-1 rows 0..i, the rows of its own chain at levels 2..j-1, and itself
+    (:func:`mtp_jax.mla.mla_dense_chain`). Returns one :class:`MtpOutput` per level (rows [b, n],
+    ``pages`` None); level j's logits are for tokens[:, j + 1 : j + 1 + n].
+    """
+    b, s = tokens.shape
+    n = s - 1 - depth
+    if depth < 1 or n < 1:
+        raise ValueError(f"depth {depth} needs sequences longer than {depth + 1} tokens, got {s}")
+    inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rows = jnp.arange(n, dtype=jnp.int32)
+    first_level: list[jax.Array] = []
+
+    def level_one(p, x, pages, layer=None):
+        cos, sin = rope_cos_sin(rows[None], jnp.asarray(inv_freq), magnitude)
+        first_level.append(latent_rows(p, x, cfg, cos, sin))
+        return mla_dense(p, x, cfg, cos, sin), pages
+
+    outs = [_mtp_layer(params, cfg, tokens[:, 1 : 1 + n], hidden[:, :n], level_one, None, dispatch, None)]
+    chain = jnp.zeros((0, b, n, first_level[0].shape[-1]), first_level[0].dtype)
+    for j in range(2, depth + 1):
+        own: list[jax.Array] = []
+
+        def chained(p, x, pages, layer=None, j=j, chain=chain, own=own):
+            cos, sin = rope_cos_sin((rows + j - 1)[None], jnp.asarray(inv_freq), magnitude)
+            out, rows_j = mla_dense_chain(p, x, cfg, cos, sin, first_level[0], chain)
+            own.append(rows_j)
+            return out, pages
+
+        state = outs[-1].state
+        outs.append(_mtp_layer(params, cfg, tokens[:, j : j + n], state, chained, None, dispatch, None))
+        chain = jnp.concatenate([chain, own[0][None]], axis=0)
+    return outs

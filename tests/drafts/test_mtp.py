@@ -10,7 +10,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax.cache import init_pages, page_table_array, slots_for
-from mtp_jax.drafts.mtp import mtp_forward
+from mtp_jax.drafts.mtp import mtp_chain_teacher_forced, mtp_forward
 from mtp_jax.models.deepseek_v3 import PagedAttention
 from tests.conftest import PARITY_DIR
 
@@ -61,3 +61,36 @@ def test_mtp_paged_in_chunks_matches_transformers(case):
         pages = out.pages
         got.append(np.asarray(out.logits))
     assert rel_err(np.concatenate(got, axis=1), ref["mtp_logits"]) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["sharded_mtp_bf16"], indirect=True)
+def test_chain_teacher_forced_matches_the_decode_chain(case):
+    """Training's chained levels (dense, all rows at once) equal decoding's chain over the paged
+    cache: catch-up rows 0..i from the target's states, then the MTP layer fed its own state and
+    the next token at positions i+1, i+2 (true tokens standing in for the drafts)."""
+    model, ref = case
+    ids = jnp.asarray(ref["input_ids"])
+    hidden = jnp.asarray(model.hidden_states(ref["input_ids"]).post_norm)
+    b, t = ids.shape
+    depth = 3
+    n = t - 1 - depth
+    levels = mtp_chain_teacher_forced(model.params, model.config, ids, hidden, depth, dispatch="sorted")
+    assert [lv.logits.shape for lv in levels] == [(b, n, model.config.vocab_size)] * depth
+    first = mtp_forward(model.params, model.config, ids[:, 1 : 1 + n], hidden[:, :n], jnp.arange(n)[None])
+    assert rel_err(levels[0].logits, first.logits) < 1e-5
+    page = 4
+    width = -(-t // page)
+    table = jnp.asarray(page_table_array([list(range(r * width, (r + 1) * width)) for r in range(b)], width))
+    for i in (0, n - 1):
+        pages = init_pages(model.config, b * width, page, jnp.float32)["moe"][0]
+        pos = jnp.broadcast_to(jnp.arange(i + 1), (b, i + 1))
+        paged = PagedAttention(pages, slots_for(table, pos, jnp.ones(pos.shape, bool), page), table)
+        out = mtp_forward(model.params, model.config, ids[:, 1 : i + 2], hidden[:, : i + 1], pos, paged)
+        state = out.state[:, -1:]
+        assert rel_err(out.logits[:, -1], levels[0].logits[:, i]) < 1e-4
+        for j in range(2, depth + 1):
+            pos = jnp.full((b, 1), i + j - 1)
+            paged = PagedAttention(out.pages, slots_for(table, pos, jnp.ones(pos.shape, bool), page), table)
+            out = mtp_forward(model.params, model.config, ids[:, i + j : i + j + 1], state, pos, paged)
+            state = out.state
+            assert rel_err(out.logits[:, 0], levels[j - 1].logits[:, i]) < 1e-4, (i, j)
