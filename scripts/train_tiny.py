@@ -1,7 +1,9 @@
 """Train the embedded default model: a tiny DeepSeek-V3 (MLA, a dense layer then MoE layers with
 group-limited routing) jointly with its MTP layer, on the Python standard library's source code.
 
-    python scripts/train_tiny.py --out checkpoints/tiny-deepseek-v3-stdlib          # ~35 min, 2 cores
+    python scripts/train_tiny.py --out /tmp/base                                     # ~35 min, 2 cores
+    python scripts/train_tiny.py --out checkpoints/tiny-deepseek-v3-stdlib --init-from /tmp/base \
+        --train mtp --mtp-depth 3 --steps 700 --lr 1e-3 --warmup 50 --seed 1          # ~15 min
     python scripts/train_tiny.py --out /tmp/smoke --preset smoke --steps 3          # seconds
 
 Data: every ``.py`` file of this interpreter's standard library (tests, demos and site-packages
@@ -17,6 +19,16 @@ embedding of t_{i+1}; it shares the embedding and output head). Experts are bala
 auxiliary-loss-free way: after each step every routed expert's correction bias moves by γ towards
 the mean load (bias += γ · sign(mean load - load)); the bias only steers selection, never the
 weights. AdamW with warm-up and cosine decay, gradient clipping at 1.0.
+
+Speculative decoding chains the MTP layer: draft 1 comes from the target's hidden state, draft j > 1
+from the layer's own output state and draft j-1. The report's objective trains only the first use,
+and the chained drafts are accepted far less often. ``--mtp-depth D`` adds the chained uses to the
+loss: level j feeds level j-1's state back with the true token t_{i+j} and predicts t_{i+j+1}, its
+attention seeing exactly what the decode-time cache holds (the first-level rows before it and its
+own chain; :func:`mtp_jax.drafts.mtp.mtp_chain_teacher_forced`); levels are weighted REACH^(j-1).
+``--init-from DIR --train mtp`` starts from a trained checkpoint and trains the MTP layer alone with
+the main model frozen, so the target's weights and outputs stay bit for bit the same (the shipped
+model is made so: the first command above, then the second).
 
 The training state (parameters, optimizer state, step) is saved with orbax to ``--workdir`` every
 ``--save-every`` steps; rerunning the same command resumes from the latest save. At the end the
@@ -53,7 +65,7 @@ from mtp_jax.checkpoint.export import hub_tensors_from_params
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.drafts.mtp import mtp_forward
+from mtp_jax.drafts.mtp import mtp_chain_teacher_forced
 from mtp_jax.models.deepseek_v3 import forward, lm_head
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
@@ -62,6 +74,9 @@ SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2
 HELDOUT_PERCENT = 5
 MTP_WEIGHT = 0.3  # λ of the DeepSeek-V3 report for the first 10T tokens
 BIAS_RATE = 0.001  # γ of the DeepSeek-V3 report
+# Chained MTP level j is weighted REACH^(j-1) (normalised): about the chance that decoding gets as
+# far as draft j, so the first draft, which every step uses, keeps most of the layer's capacity.
+REACH = 0.6
 
 
 def model_config(vocab_size: int, preset: str) -> dict:
@@ -210,39 +225,54 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0].mean()
 
 
-def losses(params: dict, cfg: DeepseekV3Config, window: jax.Array) -> tuple[jax.Array, dict]:
-    """Main and MTP losses on windows [b, s]: main predicts window[:, 1:], MTP window[:, 2:]."""
+def losses(params: dict, cfg: DeepseekV3Config, window: jax.Array, depth: int = 1) -> tuple[jax.Array, dict]:
+    """Losses on windows [b, s]: main predicts window[:, 1:]; MTP level j (1..depth) predicts
+    window[:, j + 1:], level 1 from the target's hidden states and level j > 1 from level j-1's
+    state, as decoding chains the layer (:func:`mtp_jax.drafts.mtp.mtp_chain_teacher_forced`).
+
+    Returns (main + λ · MTP loss, aux), the MTP loss being the levels' losses weighted by
+    REACH^(j-1) (normalised; plain MTP CE at depth 1); ``aux["draft_loss"]`` is that MTP loss alone
+    (what ``--train mtp`` minimises)."""
     inputs = window[:, :-1]
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     hidden, _ = forward(params, cfg, inputs, positions, dispatch="dense")
     logits = lm_head(params, hidden.post_norm)
     main = cross_entropy(logits, window[:, 1:])
-    mtp = mtp_forward(
-        params, cfg, window[:, 1:-1], hidden.post_norm[:, :-1], positions[:, :-1], dispatch="dense"
-    )
-    mtp_loss = cross_entropy(mtp.logits, window[:, 2:])
-    # Teacher-forced draft agreement: the MTP's guess for t_{i+2} equals the target's greedy
-    # choice at i+1 (given the true t_{i+1}); this is the K = 1 acceptance rate at temperature 0.
-    agree = (jnp.argmax(mtp.logits, -1) == jnp.argmax(logits[:, 1:], -1)).mean()
+    levels = mtp_chain_teacher_forced(params, cfg, window, hidden.post_norm, depth, dispatch="dense")
+    n = levels[0].logits.shape[1]
+    level_loss, level_agree = [], []
+    for j, level in enumerate(levels, start=1):
+        level_loss.append(cross_entropy(level.logits, window[:, j + 1 : j + 1 + n]))
+        # Teacher-forced draft agreement: level j's guess for t_{i+j+1} equals the target's greedy
+        # choice there (given the true tokens before it); at level 1 this is the K = 1 acceptance
+        # rate at temperature 0, at level j the acceptance of draft j given true earlier drafts.
+        level_agree.append((jnp.argmax(level.logits, -1) == jnp.argmax(logits[:, j : j + n], -1)).mean())
+    weights = REACH ** np.arange(depth) / np.sum(REACH ** np.arange(depth))
+    draft_loss = sum(float(w) * loss for w, loss in zip(weights, level_loss, strict=True))
     aux = {
         "loss": main,
-        "mtp_loss": mtp_loss,
-        "mtp_agreement": agree,
+        "mtp_loss": level_loss[0],
+        "mtp_agreement": level_agree[0],
+        "draft_loss": draft_loss,
+        "level_loss": jnp.stack(level_loss),
+        "level_agreement": jnp.stack(level_agree),
         "moe_load": hidden.expert_load,
-        "mtp_load": mtp.expert_load,
+        "mtp_load": sum(level.expert_load for level in levels),
     }
-    return main + MTP_WEIGHT * mtp_loss, aux
+    return main + MTP_WEIGHT * draft_loss, aux
 
 
-def balance_bias(params: dict, aux: dict) -> dict:
-    """DeepSeek-V3's auxiliary-loss-free balancing: bias += γ · sign(mean load - load)."""
+def balance_bias(params: dict, aux: dict, target: bool = True) -> dict:
+    """DeepSeek-V3's auxiliary-loss-free balancing: bias += γ · sign(mean load - load), in the MTP
+    layer and (``target``) in the main model's MoE layers."""
 
     def nudge(bias: jax.Array, load: jax.Array) -> jax.Array:
         return bias + BIAS_RATE * jnp.sign(load.mean(-1, keepdims=True) - load)
 
     params = dict(params)
-    params["moe"] = _with_bias(params["moe"], nudge(params["moe"]["mlp"]["bias"], aux["moe_load"]))
+    if target:
+        params["moe"] = _with_bias(params["moe"], nudge(params["moe"]["mlp"]["bias"], aux["moe_load"]))
     mtp_bias = params["mtp"]["layer"]["mlp"]["bias"]
     layer = _with_bias(params["mtp"]["layer"], nudge(mtp_bias, aux["mtp_load"][None]))
     params["mtp"] = {**params["mtp"], "layer": layer}
@@ -301,24 +331,27 @@ class Meter:
         bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
         line = (
             f"train [{bar}] step {step}/{self.total} loss {aux['loss']:.3f} "
-            f"mtp {aux['mtp_loss']:.3f} agree {aux['mtp_agreement']:.2f} "
+            f"mtp {aux['mtp_loss']:.3f} agree {'/'.join(f'{a:.2f}' for a in aux['level_agreement'])} "
             f"{rate:,.0f} tok/s ETA {eta / 60:.1f} min"
         )
         sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
         sys.stderr.flush()
 
 
-def evaluate(params: dict, cfg: DeepseekV3Config, stream: np.ndarray, length: int, count: int) -> dict:
-    """Mean held-out losses over ``count`` fixed, evenly spaced windows."""
+def evaluate(
+    params: dict, cfg: DeepseekV3Config, stream: np.ndarray, length: int, count: int, depth: int
+) -> dict:
+    """Mean held-out losses over ``count`` fixed, evenly spaced windows (MTP levels 1..depth)."""
     starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
     windows = np.stack([stream[s : s + length] for s in starts])
-    fn = jax.jit(lambda p, w: losses(p, cfg, w)[1])
-    totals: dict[str, float] = {}
+    fn = jax.jit(lambda p, w: losses(p, cfg, w, depth)[1])
+    keys = ("loss", "mtp_loss", "mtp_agreement", "level_loss", "level_agreement")
+    totals: dict[str, np.ndarray] = {}
     for i in range(0, count, 8):
         aux = fn(params, jnp.asarray(windows[i : i + 8]))
-        for key in ("loss", "mtp_loss", "mtp_agreement"):
-            totals[key] = totals.get(key, 0.0) + float(aux[key]) * len(windows[i : i + 8])
-    out = {k: v / count for k, v in totals.items()}
+        for key in keys:
+            totals[key] = totals.get(key, 0.0) + np.asarray(aux[key], np.float64) * len(windows[i : i + 8])
+    out = {k: (v / count).tolist() for k, v in totals.items()}
     out["perplexity"] = math.exp(out["loss"])
     return out
 
@@ -334,6 +367,26 @@ def main() -> int:
     parser.add_argument("--workdir", help="orbax training state, for resuming (default: OUT.train)")
     parser.add_argument("--preset", default="default", choices=["default", "smoke"])
     parser.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
+    parser.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from this trained checkpoint (its config, tokenizer and weights) instead of "
+        "random weights; --preset and --vocab are then ignored",
+    )
+    parser.add_argument(
+        "--train",
+        default="all",
+        choices=["all", "mtp"],
+        help="what is trained: everything (main + MTP loss), or only the MTP layer on its chained "
+        "loss with the main model frozen (its outputs then stay exactly as they were)",
+    )
+    parser.add_argument(
+        "--mtp-depth",
+        type=int,
+        default=1,
+        help="chained MTP levels in the loss: 1 = the DeepSeek-V3 objective (t+2 only); D also "
+        "trains the layer fed its own state for t+3..t+D+1, as speculative decoding chains it",
+    )
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256, help="training window (tokens)")
@@ -357,6 +410,12 @@ def main() -> int:
         parser.error("--out is required")
     if os.path.exists(args.out):
         parser.error(f"--out {args.out} already exists; choose a new directory")
+    if args.mtp_depth < 1:
+        parser.error("--mtp-depth must be at least 1")
+    if args.train == "mtp" and not args.init_from:
+        parser.error("--train mtp fine-tunes a trained model's draft: give --init-from")
+    if args.init_from and not os.path.isfile(os.path.join(args.init_from, "tokenizer.json")):
+        parser.error(f"--init-from {args.init_from} is not a trained checkpoint (no tokenizer.json)")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
 
     t0 = time.perf_counter()
@@ -368,20 +427,39 @@ def main() -> int:
         f"({sum(map(len, train_texts)) / 1e6:.1f} MB of code)",
         file=sys.stderr,
     )
-    tok = train_tokenizer(train_texts, args.vocab)
+    if args.init_from:
+        tok = Tokenizer.from_file(os.path.join(args.init_from, "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_texts, args.vocab)
     train_stream, held_stream = token_stream(tok, train_texts), token_stream(tok, held_texts)
     print(
-        f"tokenizer: {args.vocab} BPE tokens; {len(train_stream):,} train / {len(held_stream):,} "
+        f"tokenizer: {tok.get_vocab_size()} BPE tokens; {len(train_stream):,} train / {len(held_stream):,} "
         f"held-out tokens ({time.perf_counter() - t0:.0f}s)",
         file=sys.stderr,
     )
 
-    config = model_config(args.vocab, args.preset)
-    cfg = DeepseekV3Config.from_dict(config)
-    params = init_params(cfg, config, args.seed)
+    base = None
+    if args.init_from:
+        with open(os.path.join(args.init_from, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        cfg = DeepseekV3Config.from_dict(config)
+        params = load_params(CheckpointReader(args.init_from), cfg, jnp.float32, strict=True)
+        eval_path = os.path.join(args.init_from, "eval.json")
+        if os.path.isfile(eval_path):
+            with open(eval_path, encoding="utf-8") as f:
+                base = json.load(f)
+    else:
+        config = model_config(args.vocab, args.preset)
+        cfg = DeepseekV3Config.from_dict(config)
+        params = init_params(cfg, config, args.seed)
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    optimizer = make_optimizer(args, params)
-    opt_state = optimizer.init(params)
+    only_mtp = args.train == "mtp"
+
+    def trainable(params: dict) -> dict:
+        return params["mtp"] if only_mtp else params
+
+    optimizer = make_optimizer(args, trainable(params))
+    opt_state = optimizer.init(trainable(params))
 
     manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
     start = 0
@@ -394,16 +472,22 @@ def main() -> int:
 
     @jax.jit
     def train_step(params, opt_state, window):
-        (_, aux), grads = jax.value_and_grad(lambda p: losses(p, cfg, window), has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = balance_bias(optax.apply_updates(params, updates), aux)
-        return params, opt_state, aux
+        def objective(part):
+            total, aux = losses({**params, "mtp": part} if only_mtp else part, cfg, window, args.mtp_depth)
+            return (aux["draft_loss"] if only_mtp else total), aux
+
+        part = trainable(params)
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(part)
+        updates, opt_state = optimizer.update(grads, opt_state, part)
+        part = optax.apply_updates(part, updates)
+        params = {**params, "mtp": part} if only_mtp else part
+        return balance_bias(params, aux, target=not only_mtp), opt_state, aux
 
     length = args.seq + 1
     meter = Meter(args.steps, args.batch * args.seq, first_step=start)
     print(
-        f"model: {n_params / 1e6:.2f}M parameters; training {args.steps} steps x {args.batch} x "
-        f"{args.seq} tokens",
+        f"model: {n_params / 1e6:.2f}M parameters; training {'the MTP layer' if only_mtp else 'all'} "
+        f"(MTP depth {args.mtp_depth}) for {args.steps} steps x {args.batch} x {args.seq} tokens",
         file=sys.stderr,
     )
     aux = None
@@ -413,7 +497,8 @@ def main() -> int:
         params, opt_state, aux = train_step(params, opt_state, window)
         if not np.isfinite(float(aux["loss"])):
             raise SystemExit(f"loss is {float(aux['loss'])} at step {step}; lower --lr")
-        stats = {k: float(aux[k]) for k in ("loss", "mtp_loss", "mtp_agreement")}
+        shown = ("loss", "mtp_loss", "mtp_agreement", "level_agreement")
+        stats = {k: np.asarray(aux[k]).tolist() for k in shown}
         meter.show(step + 1, stats, force=step + 1 == args.steps)
         if (step + 1) % args.save_every == 0 or step + 1 == end:
             manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
@@ -425,10 +510,11 @@ def main() -> int:
         sys.stderr.write("\n")
     train_seconds = time.perf_counter() - meter.start
 
-    held = evaluate(params, cfg, held_stream, length, args.eval_windows)
+    held = evaluate(params, cfg, held_stream, length, args.eval_windows, max(args.mtp_depth, 3))
     print(
         f"held-out: loss {held['loss']:.3f} (perplexity {held['perplexity']:.2f}), MTP loss "
-        f"{held['mtp_loss']:.3f}, teacher-forced MTP agreement {held['mtp_agreement']:.3f}",
+        f"{held['mtp_loss']:.3f}, teacher-forced MTP agreement by level "
+        f"{' '.join(f'{a:.3f}' for a in held['level_agreement'])}",
         file=sys.stderr,
     )
     loads = np.asarray(aux["moe_load"]) if aux is not None else None
@@ -451,6 +537,9 @@ def main() -> int:
             "warmup": args.warmup,
             "seed": args.seed,
             "mtp_weight": MTP_WEIGHT,
+            "trained": args.train,
+            "mtp_depth": args.mtp_depth,
+            "init_from": os.path.basename(os.path.normpath(args.init_from)) if args.init_from else None,
             "bias_rate": BIAS_RATE,
             "seconds": round(train_seconds, 1),
             "resumed_from": start,
@@ -461,6 +550,10 @@ def main() -> int:
         "heldout": held,
         "heldout_modules": held_files,
     }
+    if base is not None:  # the run this one started from, as its own eval.json recorded it
+        report["base"] = {k: base[k] for k in ("training", "heldout", "acceptance") if k in base}
+        if "base" in base:
+            report["base"]["base"] = base["base"]
     write_checkpoint(args.out, config, cfg, params, tok, report, held_texts, args.acceptance_k)
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f}s in all)", file=sys.stderr)
     shutil.rmtree(workdir, ignore_errors=True)
@@ -562,19 +655,62 @@ def rewrite_card(directory: str) -> None:
     print(f"rewrote {directory}/README.md", file=sys.stderr)
 
 
+def _training_text(r: dict) -> str:
+    """The card's account of how the weights were made: one run, or a run and a draft fine-tune."""
+
+    def run(t: dict) -> str:
+        depth = t.get("mtp_depth", 1)
+        objective = (
+            f"the CE of {depth} chained MTP levels, level j weighted {REACH}^(j-1)" if depth > 1 else "MTP CE"
+        )
+        if t.get("trained") == "mtp":
+            what = f"the MTP layer alone (main model frozen), loss = {objective}"
+        else:
+            what = f"loss = next-token CE + {t['mtp_weight']} x {objective}"
+        return (
+            f"{t['steps']} steps of {t['batch']} x {t['seq']} tokens ({t['tokens_seen']:,} tokens), AdamW "
+            f"(lr {t['lr']}, warm-up {t['warmup']}, cosine decay), {what}, auxiliary-loss-free expert "
+            f"balancing (bias rate {t['bias_rate']}), seed {t['seed']}; {t['seconds'] / 60:.1f} minutes on "
+            f"{t['machine']}."
+        )
+
+    t = r["training"]
+    if "base" not in r:
+        return run(t)
+    return (
+        f"Two runs of `scripts/train_tiny.py`. First, from random weights: {run(r['base']['training'])}\n\n"
+        f"Then, from those weights (`--init-from`, `--train mtp`): {run(t)} Level 1 is DeepSeek-V3's "
+        "MTP objective (t+2 from the main model's hidden state); level j > 1 feeds the layer its own "
+        "output state and predicts t+j+1, with the attention pattern of the decode-time chain, so the "
+        "layer learns the chained draft positions it is used for. The main model's weights are the "
+        "first run's, bit for bit."
+    )
+
+
+def _levels_row(h: dict) -> str:
+    if "level_agreement" not in h:
+        return ""
+    levels = " / ".join(f"{a:.3f}" for a in h["level_agreement"])
+    return f"| teacher-forced agreement of chained levels 1 / 2 / 3 (true earlier tokens) | {levels} |\n"
+
+
 def model_card(config: dict, r: dict) -> str:
-    d, t, h, c = r["data"], r["training"], r["heldout"], config
+    d, h, c = r["data"], r["heldout"], config
     shape = f"{c['hidden_size']} / {c['num_hidden_layers']} (+1 MTP) / {c['num_attention_heads']}"
     experts = (
         f"{c['n_routed_experts']} routed (top {c['num_experts_per_tok']}, {c['n_group']} groups, "
         f"top {c['topk_group']}) + {c['n_shared_experts']} shared"
     )
     acc = r.get("acceptance")
-    acc_lines = (
-        "\n".join(f"| {k} | {v:.2f} |" for k, v in acc.items())
-        if acc
-        else "| - | measured by `mtp-jax bench` (see BENCHMARKS.md) |"
-    )
+    before = r.get("base", {}).get("acceptance")
+    acc_head = "| K | acceptance length |\n|---|---|"
+    if acc and before:
+        acc_head = "| K | acceptance length | before the draft fine-tune |\n|---|---|---|"
+        acc_lines = "\n".join(f"| {k} | {v:.2f} | {before[k]:.2f} |" for k, v in acc.items() if k in before)
+    elif acc:
+        acc_lines = "\n".join(f"| {k} | {v:.2f} |" for k, v in acc.items())
+    else:
+        acc_lines = "| - | measured by `mtp-jax bench` (see BENCHMARKS.md) |"
     return f"""# Tiny DeepSeek-V3 with MTP, trained on the Python standard library
 
 The embedded default model of mtp-jax, written by `scripts/train_tiny.py`. It is a real
@@ -597,10 +733,7 @@ Python-looking code; it knows nothing else.
 ({d["heldout_tokens"]:,} tokens; listed in `eval.json`). The standard library is under the PSF license.
 
 ## Training
-{t["steps"]} steps of {t["batch"]} x {t["seq"]} tokens ({t["tokens_seen"]:,} tokens), AdamW (lr {t["lr"]},
-warm-up {t["warmup"]}, cosine decay), loss = next-token CE + {t["mtp_weight"]} x MTP CE, auxiliary-loss-free
-expert balancing (bias rate {t["bias_rate"]}), seed {t["seed"]}; {t["seconds"] / 60:.1f} minutes on
-{t["machine"]}.
+{_training_text(r)}
 
 ## Held-out results
 | | |
@@ -609,11 +742,10 @@ expert balancing (bias rate {t["bias_rate"]}), seed {t["seed"]}; {t["seconds"] /
 | MTP loss (t+2) | {h["mtp_loss"]:.3f} |
 | teacher-forced MTP agreement with the target's greedy token | {h["mtp_agreement"]:.3f} |
 | perplexity of the test snippet (`eval.json`) | {r["snippet"]["perplexity"]:.2f} |
-
+{_levels_row(h)}
 Acceptance length (tokens per step, greedy, MTP drafts) on the held-out prompts in `eval.json`:
 
-| K | acceptance length |
-|---|---|
+{acc_head}
 {acc_lines}
 
 Decode speed, plain against speculative, is in the repository's BENCHMARKS.md (`mtp-jax bench`).

@@ -74,11 +74,19 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
     ids = [config["bos_token_id"], *tok.encode(report["snippet"]["text"]).ids]
     assert model.score(ids).perplexity == pytest.approx(report["snippet"]["perplexity"], rel=1e-3)
 
-    # Interrupted after 2 steps, then resumed: the same weights as the uninterrupted run.
+    # Interrupted after 2 steps, then resumed: the same weights as the uninterrupted run. Beside
+    # the resumed half, the draft fine-tune of the finished model (chained MTP levels, main frozen).
     assert first.returncode == 0, first.stderr
     assert not resumed.exists() and "rerun the same command to resume" in first.stderr
+    tuned = tmp_path / "tuned"
+    draft_only = ["--init-from", str(straight), "--train", "mtp", "--mtp-depth", "2", "--steps", "2"]
+    tuning = start(tuned, *draft_only, "--seed", "1")
     second = train(resumed, "--acceptance-k")
     assert second.returncode == 0, second.stderr
+    tune = finish(tuning)
+    assert tune.returncode == 0, tune.stderr
+    assert "training the MTP layer (MTP depth 2)" in tune.stderr
+    check_draft_fine_tune(straight, tuned)
     assert "resuming from step 2" in second.stderr
     for name in ("model.safetensors", "tokenizer.json"):
         assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
@@ -88,3 +96,23 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
 def test_refuses_to_overwrite(tmp_path):
     run = train(tmp_path)
     assert run.returncode == 2 and "already exists" in run.stderr
+
+
+def check_draft_fine_tune(base, tuned) -> None:
+    """--train mtp changes the MTP layer only: every main-model tensor is the base's, bit for bit."""
+    from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+
+    with open(base / "config.json") as f:
+        mtp_prefix = f"model.layers.{json.load(f)['num_hidden_layers']}."
+    before, after = CheckpointReader(str(base)), CheckpointReader(str(tuned))
+    assert sorted(before.keys()) == sorted(after.keys())
+    changed = {n for n in before.keys() if not np.array_equal(before.get(n), after.get(n))}
+    assert changed and all(n.startswith(mtp_prefix) for n in changed), sorted(changed)[:5]
+    assert (base / "tokenizer.json").read_bytes() == (tuned / "tokenizer.json").read_bytes()
+    with open(tuned / "eval.json") as f:
+        report = json.load(f)
+    assert report["training"]["trained"] == "mtp" and report["training"]["mtp_depth"] == 2
+    assert report["base"]["training"]["steps"] == 4  # the run it started from
+    assert len(report["heldout"]["level_agreement"]) == 3
+    card = (tuned / "README.md").read_text()
+    assert "Two runs" in card and "chained" in card
