@@ -225,14 +225,22 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0].mean()
 
 
-def losses(params: dict, cfg: DeepseekV3Config, window: jax.Array, depth: int = 1) -> tuple[jax.Array, dict]:
+def losses(
+    params: dict, cfg: DeepseekV3Config, window: jax.Array, depth: int = 1, labels: str = "data"
+) -> tuple[jax.Array, dict]:
     """Losses on windows [b, s]: main predicts window[:, 1:]; MTP level j (1..depth) predicts
     window[:, j + 1:], level 1 from the target's hidden states and level j > 1 from level j-1's
     state, as decoding chains the layer (:func:`mtp_jax.drafts.mtp.mtp_chain_teacher_forced`).
 
-    Returns (main + λ · MTP loss, aux), the MTP loss being the levels' losses weighted by
-    REACH^(j-1) (normalised; plain MTP CE at depth 1); ``aux["draft_loss"]`` is that MTP loss alone
-    (what ``--train mtp`` minimises)."""
+    ``labels``: what the MTP levels learn: ``"data"``, the text's tokens (DeepSeek-V3's objective),
+    or ``"target"``, the main model's own distribution at the same position (self-distillation,
+    no gradient into the main model): the draft is then trained on what acceptance measures, the
+    target's choices, not the text's. Returns (main + λ · MTP loss, aux), the MTP loss being the
+    levels' losses weighted by REACH^(j-1) (normalised; plain MTP CE at depth 1);
+    ``aux["draft_loss"]`` is that MTP loss alone (what ``--train mtp`` minimises);
+    ``aux["level_loss"]`` is always the CE against the text, comparable across runs."""
+    if labels not in ("data", "target"):
+        raise ValueError(f"labels must be 'data' or 'target', got {labels!r}")
     inputs = window[:, :-1]
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -241,15 +249,21 @@ def losses(params: dict, cfg: DeepseekV3Config, window: jax.Array, depth: int = 
     main = cross_entropy(logits, window[:, 1:])
     levels = mtp_chain_teacher_forced(params, cfg, window, hidden.post_norm, depth, dispatch="dense")
     n = levels[0].logits.shape[1]
-    level_loss, level_agree = [], []
+    teacher = jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1)
+    level_loss, level_agree, trained = [], [], []
     for j, level in enumerate(levels, start=1):
         level_loss.append(cross_entropy(level.logits, window[:, j + 1 : j + 1 + n]))
+        if labels == "target":  # soft cross-entropy with the target's distribution for t_{i+j+1}
+            logp = jax.nn.log_softmax(level.logits, axis=-1)
+            trained.append(-(teacher[:, j : j + n] * logp).sum(-1).mean())
+        else:
+            trained.append(level_loss[-1])
         # Teacher-forced draft agreement: level j's guess for t_{i+j+1} equals the target's greedy
         # choice there (given the true tokens before it); at level 1 this is the K = 1 acceptance
         # rate at temperature 0, at level j the acceptance of draft j given true earlier drafts.
         level_agree.append((jnp.argmax(level.logits, -1) == jnp.argmax(logits[:, j : j + n], -1)).mean())
     weights = REACH ** np.arange(depth) / np.sum(REACH ** np.arange(depth))
-    draft_loss = sum(float(w) * loss for w, loss in zip(weights, level_loss, strict=True))
+    draft_loss = sum(float(w) * loss for w, loss in zip(weights, trained, strict=True))
     aux = {
         "loss": main,
         "mtp_loss": level_loss[0],
@@ -381,6 +395,13 @@ def main() -> int:
         "loss with the main model frozen (its outputs then stay exactly as they were)",
     )
     parser.add_argument(
+        "--mtp-labels",
+        default="data",
+        choices=["data", "target"],
+        help="what the MTP levels learn: the text's tokens (DeepSeek-V3) or the main model's own "
+        "distribution there (self-distillation: what greedy acceptance measures)",
+    )
+    parser.add_argument(
         "--mtp-depth",
         type=int,
         default=1,
@@ -473,7 +494,8 @@ def main() -> int:
     @jax.jit
     def train_step(params, opt_state, window):
         def objective(part):
-            total, aux = losses({**params, "mtp": part} if only_mtp else part, cfg, window, args.mtp_depth)
+            full = {**params, "mtp": part} if only_mtp else part
+            total, aux = losses(full, cfg, window, args.mtp_depth, args.mtp_labels)
             return (aux["draft_loss"] if only_mtp else total), aux
 
         part = trainable(params)
@@ -539,6 +561,7 @@ def main() -> int:
             "mtp_weight": MTP_WEIGHT,
             "trained": args.train,
             "mtp_depth": args.mtp_depth,
+            "mtp_labels": args.mtp_labels,
             "init_from": os.path.basename(os.path.normpath(args.init_from)) if args.init_from else None,
             "bias_rate": BIAS_RATE,
             "seconds": round(train_seconds, 1),
@@ -663,6 +686,8 @@ def _training_text(r: dict) -> str:
         objective = (
             f"the CE of {depth} chained MTP levels, level j weighted {REACH}^(j-1)" if depth > 1 else "MTP CE"
         )
+        if t.get("mtp_labels") == "target":
+            objective += " against the main model's own distribution (self-distillation)"
         if t.get("trained") == "mtp":
             what = f"the MTP layer alone (main model frozen), loss = {objective}"
         else:

@@ -80,7 +80,7 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
     assert not resumed.exists() and "rerun the same command to resume" in first.stderr
     tuned = tmp_path / "tuned"
     draft_only = ["--init-from", str(straight), "--train", "mtp", "--mtp-depth", "2", "--steps", "2"]
-    tuning = start(tuned, *draft_only, "--seed", "1")
+    tuning = start(tuned, *draft_only, "--mtp-labels", "target", "--seed", "1")
     second = train(resumed, "--acceptance-k")
     assert second.returncode == 0, second.stderr
     tune = finish(tuning)
@@ -112,7 +112,8 @@ def check_draft_fine_tune(base, tuned) -> None:
     with open(tuned / "eval.json") as f:
         report = json.load(f)
     assert report["training"]["trained"] == "mtp" and report["training"]["mtp_depth"] == 2
+    assert report["training"]["mtp_labels"] == "target"
     assert report["base"]["training"]["steps"] == 4  # the run it started from
     assert len(report["heldout"]["level_agreement"]) == 3
     card = (tuned / "README.md").read_text()
-    assert "Two runs" in card and "chained" in card
+    assert "Two runs" in card and "chained" in card and "self-distillation" in card
