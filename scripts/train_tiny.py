@@ -3,7 +3,8 @@ group-limited routing) jointly with its MTP layer, on the Python standard librar
 
     python scripts/train_tiny.py --out /tmp/base                                     # ~35 min, 2 cores
     python scripts/train_tiny.py --out checkpoints/tiny-deepseek-v3-stdlib --init-from /tmp/base \
-        --train mtp --mtp-depth 3 --steps 700 --lr 1e-3 --warmup 50 --seed 1          # ~15 min
+        --train mtp --mtp-depth 4 --mtp-labels target --steps 1000 --lr 1e-3 --warmup 50 \
+        --seed 1 --acceptance-k 1 2 3 4 5                                            # ~22 min
     python scripts/train_tiny.py --out /tmp/smoke --preset smoke --steps 3          # seconds
 
 Data: every ``.py`` file of this interpreter's standard library (tests, demos and site-packages
@@ -26,6 +27,8 @@ and the chained drafts are accepted far less often. ``--mtp-depth D`` adds the c
 loss: level j feeds level j-1's state back with the true token t_{i+j} and predicts t_{i+j+1}, its
 attention seeing exactly what the decode-time cache holds (the first-level rows before it and its
 own chain; :func:`mtp_jax.drafts.mtp.mtp_chain_teacher_forced`); levels are weighted REACH^(j-1).
+``--mtp-labels target`` trains the levels on the main model's own distributions instead of the
+text's tokens (self-distillation): a draft is accepted when it matches the target, not the text.
 ``--init-from DIR --train mtp`` starts from a trained checkpoint and trains the MTP layer alone with
 the main model frozen, so the target's weights and outputs stay bit for bit the same (the shipped
 model is made so: the first command above, then the second).
@@ -683,11 +686,11 @@ def _training_text(r: dict) -> str:
 
     def run(t: dict) -> str:
         depth = t.get("mtp_depth", 1)
-        objective = (
-            f"the CE of {depth} chained MTP levels, level j weighted {REACH}^(j-1)" if depth > 1 else "MTP CE"
-        )
+        objective = f"the CE of {depth} chained MTP levels" if depth > 1 else "MTP CE"
         if t.get("mtp_labels") == "target":
             objective += " against the main model's own distribution (self-distillation)"
+        if depth > 1:
+            objective += f", level j weighted {REACH}^(j-1)"
         if t.get("trained") == "mtp":
             what = f"the MTP layer alone (main model frozen), loss = {objective}"
         else:
@@ -702,21 +705,28 @@ def _training_text(r: dict) -> str:
     t = r["training"]
     if "base" not in r:
         return run(t)
+    labels = (
+        "The labels are the main model's own next-token distributions at those positions rather than the "
+        "text's tokens: the draft learns the choices it is accepted on. "
+        if t.get("mtp_labels") == "target"
+        else ""
+    )
     return (
         f"Two runs of `scripts/train_tiny.py`. First, from random weights: {run(r['base']['training'])}\n\n"
-        f"Then, from those weights (`--init-from`, `--train mtp`): {run(t)} Level 1 is DeepSeek-V3's "
-        "MTP objective (t+2 from the main model's hidden state); level j > 1 feeds the layer its own "
-        "output state and predicts t+j+1, with the attention pattern of the decode-time chain, so the "
-        "layer learns the chained draft positions it is used for. The main model's weights are the "
-        "first run's, bit for bit."
+        f"Then, from those weights (`--init-from`, `--train mtp`): {run(t)} Level 1 is the MTP layer "
+        "as DeepSeek-V3 trains it (t+2 from the main model's hidden state); level j > 1 feeds the layer "
+        "its own output state and predicts t+j+1, with the attention pattern of the decode-time chain, "
+        f"so the layer learns the chained draft positions it is used for. {labels}The main model's "
+        "weights are the first run's, bit for bit."
     )
 
 
 def _levels_row(h: dict) -> str:
     if "level_agreement" not in h:
         return ""
-    levels = " / ".join(f"{a:.3f}" for a in h["level_agreement"])
-    return f"| teacher-forced agreement of chained levels 1 / 2 / 3 (true earlier tokens) | {levels} |\n"
+    values = " / ".join(f"{a:.3f}" for a in h["level_agreement"])
+    names = " / ".join(str(j + 1) for j in range(len(h["level_agreement"])))
+    return f"| teacher-forced agreement of chained levels {names} (true earlier tokens) | {values} |\n"
 
 
 def model_card(config: dict, r: dict) -> str:
@@ -731,7 +741,9 @@ def model_card(config: dict, r: dict) -> str:
     acc_head = "| K | acceptance length |\n|---|---|"
     if acc and before:
         acc_head = "| K | acceptance length | before the draft fine-tune |\n|---|---|---|"
-        acc_lines = "\n".join(f"| {k} | {v:.2f} | {before[k]:.2f} |" for k, v in acc.items() if k in before)
+        acc_lines = "\n".join(
+            f"| {k} | {v:.2f} | {f'{before[k]:.2f}' if k in before else '-'} |" for k, v in acc.items()
+        )
     elif acc:
         acc_lines = "\n".join(f"| {k} | {v:.2f} |" for k, v in acc.items())
     else:
@@ -764,7 +776,7 @@ Python-looking code; it knows nothing else.
 | | |
 |---|---|
 | next-token loss / perplexity | {h["loss"]:.3f} / {h["perplexity"]:.2f} |
-| MTP loss (t+2) | {h["mtp_loss"]:.3f} |
+| MTP loss (t+2, against the text) | {h["mtp_loss"]:.3f} |
 | teacher-forced MTP agreement with the target's greedy token | {h["mtp_agreement"]:.3f} |
 | perplexity of the test snippet (`eval.json`) | {r["snippet"]["perplexity"]:.2f} |
 {_levels_row(h)}
