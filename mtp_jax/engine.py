@@ -3,7 +3,8 @@
 Requests wait in a queue and join when a slot frees (prefill writes them into the running state);
 a request finishes at EOS or after max_new_tokens, and tokens emitted past its stop are dropped.
 The host reads each step's results one step late: step n+1 is dispatched before the tokens of step
-n are copied back, so the device never waits for host bookkeeping.
+n are copied back, so the device never waits for host bookkeeping; except when step n may finish
+every active row (by length), whose results are then read first so that no step runs past the end.
 """
 
 from __future__ import annotations
@@ -186,6 +187,14 @@ def generate(
                 continue
             if not queue:
                 break
+            continue
+        if pending is not None and all(
+            len(out[req]) + sc.k + 1 >= max_new_tokens for req in owner if req is not None
+        ):
+            # the step in flight may finish every active row: read it before dispatching another,
+            # which would otherwise run for rows that are already done (a whole wasted step at batch 1)
+            process(*pending)
+            pending = None
             continue
         t_call = time.perf_counter()
         emitted, n_emit, state = step_fn(params, state, sc)
