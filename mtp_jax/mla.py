@@ -4,7 +4,8 @@ Per token the attention keeps a compressed latent ``c_kv`` [kv_lora] plus one ro
 shared by all heads; that [kv_lora + rope] row is all the paged cache stores. Two evaluations:
 
 - :func:`mla_dense`: the expanded form (keys/values up-projected per head), causal over a whole
-  sequence, no cache. Used for teacher-forced scoring and training.
+  sequence, no cache. Used for teacher-forced scoring and training (:func:`mla_dense_chain` is its
+  variant for training a draft layer's chained uses with the decode-time attention pattern).
 - :func:`mla_paged`: the absorbed form. ``q_nope·W_UK`` turns each head's query into latent space,
   attention runs directly against the cached latents, and ``W_UV`` is applied after the weighted
   sum. Writes the new tokens' rows into the paged cache first, then attends over the cache
