@@ -18,11 +18,16 @@ def prompts_for(model, lengths=LENGTHS):
     return [RNG.integers(2, model.config.vocab_size, n).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 5])
-def test_greedy_speculative_equals_plain_greedy(oracle_model, k):
-    """Mixed prompt lengths in one batch, page size 4 (drafts cross page boundaries)."""
+@pytest.fixture(scope="module")
+def plain_greedy(oracle_model):
     prompts = prompts_for(oracle_model)
-    plain = oracle_model.generate(prompts, max_new_tokens=23, ignore_eos=True)
+    return prompts, oracle_model.generate(prompts, max_new_tokens=23, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_speculative_equals_plain_greedy(oracle_model, plain_greedy, k):
+    """Mixed prompt lengths in one batch, page size 4 (drafts cross page boundaries)."""
+    prompts, plain = plain_greedy
     spec = oracle_model.generate(
         prompts, max_new_tokens=23, ignore_eos=True, draft="mtp", num_speculative_tokens=k
     )

@@ -80,7 +80,7 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
     assert not resumed.exists() and "rerun the same command to resume" in first.stderr
     tuned = tmp_path / "tuned"
     draft_only = ["--init-from", str(straight), "--train", "mtp", "--mtp-depth", "2", "--steps", "2"]
-    tuning = start(tuned, *draft_only, "--mtp-labels", "target", "--seed", "1")
+    tuning = start(tuned, *draft_only, "--mtp-labels", "target", "--seed", "1", "--acceptance-k")
     second = train(resumed, "--acceptance-k")
     assert second.returncode == 0, second.stderr
     tune = finish(tuning)
