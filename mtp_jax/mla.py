@@ -57,6 +57,15 @@ def latent_rows(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, si
     return jnp.concatenate([latent, k_rope], axis=-1)
 
 
+def _expand(p: dict, rows: jax.Array, cfg: DeepseekV3Config):
+    """Per-head keys and values of cache rows [..., c]: (k_nope [..., h, nope], v [..., h, v],
+    shared rope key [..., rope])."""
+    latent = rows[..., : cfg.kv_lora_rank]
+    k_nope = jnp.einsum("...r,rhk->...hk", latent, p["k_b"])
+    v = jnp.einsum("...r,rhk->...hk", latent, p["v_b"])
+    return k_nope, v, rows[..., cfg.kv_lora_rank :]
+
+
 def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     scores = jnp.where(mask, scores, NEG_INF)
     return jax.nn.softmax(scores, axis=-1)
@@ -65,10 +74,7 @@ def _softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
 def mla_dense(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Causal self-attention over x [b, t, d] (positions 0..t-1 encoded in cos/sin); returns [b, t, d]."""
     q_nope, q_rope = _queries(p, x, cfg, cos, sin)
-    rows = latent_rows(p, x, cfg, cos, sin)
-    latent, k_rope = rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank :]
-    k_nope = jnp.einsum("bsr,rhk->bshk", latent, p["k_b"])
-    v = jnp.einsum("bsr,rhk->bshk", latent, p["v_b"])
+    k_nope, v, k_rope = _expand(p, latent_rows(p, x, cfg, cos, sin), cfg)
     f32 = jnp.float32
     scores = jnp.einsum("bthk,bshk->bhts", q_nope, k_nope, preferred_element_type=f32)
     scores += jnp.einsum("bthk,bsk->bhts", q_rope, k_rope, preferred_element_type=f32)
@@ -98,17 +104,14 @@ def mla_dense_chain(
     """
     q_nope, q_rope = _queries(p, x, cfg, cos, sin)
     own = latent_rows(p, x, cfg, cos, sin)
-    r = cfg.kv_lora_rank
     chain = jnp.concatenate([chain_rows.astype(own.dtype), own[None]], axis=0)  # [n + 1, b, t, c]
     f32 = jnp.float32
-    k_base = jnp.einsum("bsr,rhk->bshk", base_rows[..., :r], p["k_b"])
-    v_base = jnp.einsum("bsr,rhk->bshk", base_rows[..., :r], p["v_b"])
-    k_chain = jnp.einsum("nbtr,rhk->nbthk", chain[..., :r], p["k_b"])
-    v_chain = jnp.einsum("nbtr,rhk->nbthk", chain[..., :r], p["v_b"])
+    k_base, v_base, rope_base = _expand(p, base_rows, cfg)
+    k_chain, v_chain, rope_chain = _expand(p, chain, cfg)
     base = jnp.einsum("bthk,bshk->bhts", q_nope, k_base, preferred_element_type=f32)
-    base += jnp.einsum("bthk,bsk->bhts", q_rope, base_rows[..., r:], preferred_element_type=f32)
+    base += jnp.einsum("bthk,bsk->bhts", q_rope, rope_base, preferred_element_type=f32)
     diag = jnp.einsum("bthk,nbthk->bhtn", q_nope, k_chain, preferred_element_type=f32)
-    diag += jnp.einsum("bthk,nbtk->bhtn", q_rope, chain[..., r:], preferred_element_type=f32)
+    diag += jnp.einsum("bthk,nbtk->bhtn", q_rope, rope_chain, preferred_element_type=f32)
     t, n = x.shape[1], chain.shape[0]
     mask = jnp.concatenate([jnp.tril(jnp.ones((t, t), bool)), jnp.ones((t, n), bool)], axis=-1)
     probs = _softmax(jnp.concatenate([base, diag], axis=-1) * cfg.softmax_scale, mask).astype(x.dtype)

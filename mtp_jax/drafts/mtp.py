@@ -103,10 +103,14 @@ def mtp_chain_teacher_forced(
         raise ValueError(f"depth {depth} needs sequences longer than {depth + 1} tokens, got {s}")
     inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
     rows = jnp.arange(n, dtype=jnp.int32)
+
+    def rope_at(level: int):  # level j's rows sit at positions i + j - 1
+        return rope_cos_sin((rows + level - 1)[None], jnp.asarray(inv_freq), magnitude)
+
     first_level: list[jax.Array] = []
 
     def level_one(p, x, pages, layer=None):
-        cos, sin = rope_cos_sin(rows[None], jnp.asarray(inv_freq), magnitude)
+        cos, sin = rope_at(1)
         first_level.append(latent_rows(p, x, cfg, cos, sin))
         return mla_dense(p, x, cfg, cos, sin), pages
 
@@ -116,7 +120,7 @@ def mtp_chain_teacher_forced(
         own: list[jax.Array] = []
 
         def chained(p, x, pages, layer=None, j=j, chain=chain, own=own):
-            cos, sin = rope_cos_sin((rows + j - 1)[None], jnp.asarray(inv_freq), magnitude)
+            cos, sin = rope_at(j)
             out, rows_j = mla_dense_chain(p, x, cfg, cos, sin, first_level[0], chain)
             own.append(rows_j)
             return out, pages
