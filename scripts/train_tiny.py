@@ -31,7 +31,10 @@ own chain; :func:`mtp_jax.drafts.mtp.mtp_chain_teacher_forced`); levels are weig
 text's tokens (self-distillation): a draft is accepted when it matches the target, not the text.
 ``--init-from DIR --train mtp`` starts from a trained checkpoint and trains the MTP layer alone with
 the main model frozen, so the target's weights and outputs stay bit for bit the same (the shipped
-model is made so: the first command above, then the second).
+model is made so: the first command above, then the second). ``--own-text F`` (with ``--train mtp``)
+takes a fraction F of each batch from the main model's own greedy continuations of training-text
+prompts, generated once before training: at temperature 0 a draft is scored on the target's own
+text, whose contexts differ from the standard library's (loops, the model's habits).
 
 The training state (parameters, optimizer state, step) is saved with orbax to ``--workdir`` every
 ``--save-every`` steps; rerunning the same command resumes from the latest save. At the end the
@@ -187,6 +190,71 @@ def batch_at(stream: np.ndarray, seed: int, step: int, batch: int, length: int) 
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(stream) - length, batch)
     return np.stack([stream[s : s + length] for s in starts])
+
+
+def own_continuations(
+    cfg: DeepseekV3Config,
+    params: dict,
+    stream: np.ndarray,
+    count: int,
+    length: int,
+    seed: int,
+    num_speculative_tokens: int = 3,
+) -> np.ndarray:
+    """[count, length] windows of the main model's own text: a prompt of 16..length/4 tokens from
+    the train stream, continued greedily by the model (EOS does not stop it, as in the benchmark),
+    in batches of 64, speculatively with its MTP draft (greedy output is plain decoding's; 0 =
+    plain decoding, about as fast at that batch on a CPU).
+
+    At temperature 0 the tokens a draft is scored on are the target's own greedy choices, not
+    the training text's, so a draft trained on these windows sees the contexts it is used in
+    (on-policy distillation data)."""
+    from mtp_jax.model import Model
+
+    rng = np.random.default_rng([seed, 7])
+    cut = rng.integers(16, max(17, length // 4) + 1, count)
+    starts = rng.integers(0, len(stream) - length, count)
+    prompts = [stream[s : s + c].tolist() for s, c in zip(starts, cut, strict=True)]
+    model = Model(cfg, params, dtype="float32", eos_token_ids=[EOS])
+    out = np.zeros((count, length), np.int32)
+    t0, chunk = time.perf_counter(), 256
+    for i in range(0, count, chunk):
+        part = prompts[i : i + chunk]
+        result = model.generate(
+            part,
+            max_new_tokens=length - min(map(len, part)),
+            draft="mtp" if num_speculative_tokens else None,
+            num_speculative_tokens=num_speculative_tokens or None,
+            ignore_eos=True,
+            max_batch=64,
+        )
+        for j, (p, new) in enumerate(zip(part, result.tokens, strict=True)):
+            out[i + j] = (p + new)[:length]
+        done = min(i + chunk, count)
+        print(
+            f"own continuations: {done}/{count} windows ({done * length / (time.perf_counter() - t0):,.0f} "
+            "tok/s)",
+            file=sys.stderr,
+        )
+    return out
+
+
+def continuations_path(workdir: str, count: int, length: int, seed: int) -> str:
+    return f"{workdir}.continuations-{count}x{length}-seed{seed}.npy"
+
+
+def load_or_make_continuations(
+    workdir: str, cfg: DeepseekV3Config, params: dict, stream: np.ndarray, count: int, length: int, seed: int
+) -> np.ndarray:
+    """:func:`own_continuations`, kept beside the training state so a resumed run reuses them."""
+    path = continuations_path(workdir, count, length, seed)
+    if os.path.isfile(path):
+        return np.load(path)
+    data = own_continuations(cfg, params, stream, count, length, seed)
+    tmp = path + f".tmp-{os.getpid()}.npy"
+    np.save(tmp, data)
+    os.replace(tmp, path)
+    return data
 
 
 # --- model ------------------------------------------------------------------------------------
@@ -411,6 +479,17 @@ def main() -> int:
         help="chained MTP levels in the loss: 1 = the DeepSeek-V3 objective (t+2 only); D also "
         "trains the layer fed its own state for t+3..t+D+1, as speculative decoding chains it",
     )
+    parser.add_argument(
+        "--own-text",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="with --train mtp: this fraction of each batch is the main model's own greedy continuations "
+        "of training-text prompts (generated once before training; on-policy distillation data)",
+    )
+    parser.add_argument(
+        "--own-text-windows", type=int, default=2048, help="how many own-continuation windows to generate"
+    )
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256, help="training window (tokens)")
@@ -438,6 +517,10 @@ def main() -> int:
         parser.error("--mtp-depth must be at least 1")
     if args.train == "mtp" and not args.init_from:
         parser.error("--train mtp fine-tunes a trained model's draft: give --init-from")
+    if not 0.0 <= args.own_text <= 1.0:
+        parser.error(f"--own-text is a fraction in [0, 1], got {args.own_text}")
+    if args.own_text and args.train != "mtp":
+        parser.error("--own-text needs --train mtp (the main model must not change under its own text)")
     if args.init_from and not os.path.isfile(os.path.join(args.init_from, "tokenizer.json")):
         parser.error(f"--init-from {args.init_from} is not a trained checkpoint (no tokenizer.json)")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
@@ -509,6 +592,11 @@ def main() -> int:
         return balance_bias(params, aux, target=not only_mtp), opt_state, aux
 
     length = args.seq + 1
+    own = round(args.own_text * args.batch)
+    if own:
+        own_windows = load_or_make_continuations(
+            workdir, cfg, params, train_stream, args.own_text_windows, length, args.seed
+        )
     meter = Meter(args.steps, args.batch * args.seq, first_step=start)
     print(
         f"model: {n_params / 1e6:.2f}M parameters; training {'the MTP layer' if only_mtp else 'all'} "
@@ -518,7 +606,11 @@ def main() -> int:
     aux = None
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
     for step in range(start, end):
-        window = jnp.asarray(batch_at(train_stream, args.seed, step, args.batch, length))
+        window = batch_at(train_stream, args.seed, step, args.batch - own, length)
+        if own:
+            pick = np.random.default_rng([args.seed, step, 1]).integers(0, len(own_windows), own)
+            window = np.concatenate([window, own_windows[pick]])
+        window = jnp.asarray(window)
         params, opt_state, aux = train_step(params, opt_state, window)
         if not np.isfinite(float(aux["loss"])):
             raise SystemExit(f"loss is {float(aux['loss'])} at step {step}; lower --lr")
@@ -565,6 +657,8 @@ def main() -> int:
             "trained": args.train,
             "mtp_depth": args.mtp_depth,
             "mtp_labels": args.mtp_labels,
+            "own_text": args.own_text,
+            "own_text_windows": args.own_text_windows if own else 0,
             "init_from": os.path.basename(os.path.normpath(args.init_from)) if args.init_from else None,
             "bias_rate": BIAS_RATE,
             "seconds": round(train_seconds, 1),
@@ -583,6 +677,8 @@ def main() -> int:
     write_checkpoint(args.out, config, cfg, params, tok, report, held_texts, args.acceptance_k)
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f}s in all)", file=sys.stderr)
     shutil.rmtree(workdir, ignore_errors=True)
+    if own:
+        os.remove(continuations_path(workdir, args.own_text_windows, length, args.seed))
     return 0
 
 
@@ -693,6 +789,11 @@ def _training_text(r: dict) -> str:
             objective += f", level j weighted {REACH}^(j-1)"
         if t.get("trained") == "mtp":
             what = f"the MTP layer alone (main model frozen), loss = {objective}"
+            if t.get("own_text"):
+                what += (
+                    f"; {t['own_text']:.0%} of each batch from {t['own_text_windows']:,} windows of the main "
+                    "model's own greedy continuations of training-text prompts (on-policy data)"
+                )
         else:
             what = f"loss = next-token CE + {t['mtp_weight']} x {objective}"
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -80,6 +81,7 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
     assert not resumed.exists() and "rerun the same command to resume" in first.stderr
     tuned = tmp_path / "tuned"
     draft_only = ["--init-from", str(straight), "--train", "mtp", "--mtp-depth", "2", "--steps", "2"]
+    draft_only += ["--own-text", "0.5", "--own-text-windows", "2"]  # one window per batch of 2
     tuning = start(tuned, *draft_only, "--mtp-labels", "target", "--seed", "1", "--acceptance-k")
     second = train(resumed, "--acceptance-k")
     assert second.returncode == 0, second.stderr
@@ -91,6 +93,7 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
     for name in ("model.safetensors", "tokenizer.json"):
         assert (straight / name).read_bytes() == (resumed / name).read_bytes(), name
     assert not (tmp_path / "resumed.train").exists()  # the training state is cleaned up
+    assert sorted(os.listdir(tmp_path)) == ["resumed", "straight", "tuned"]  # the continuations too
 
 
 def test_refuses_to_overwrite(tmp_path):
@@ -113,7 +116,41 @@ def check_draft_fine_tune(base, tuned) -> None:
         report = json.load(f)
     assert report["training"]["trained"] == "mtp" and report["training"]["mtp_depth"] == 2
     assert report["training"]["mtp_labels"] == "target"
+    assert report["training"]["own_text"] == 0.5 and report["training"]["own_text_windows"] == 2
     assert report["base"]["training"]["steps"] == 4  # the run it started from
     assert len(report["heldout"]["level_agreement"]) == 3
     card = (tuned / "README.md").read_text()
     assert "Two runs" in card and "chained" in card and "self-distillation" in card
+    assert "own greedy continuations" in card
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_tiny"] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["train_tiny"]
+    return module
+
+
+def test_own_continuations_are_a_training_prompt_then_the_models_greedy_text(tiny_model):
+    script = load_script()
+    vocab = tiny_model.config.vocab_size
+    stream = np.random.default_rng(0).integers(2, vocab, 400).astype(np.int32)
+    length, cut_max = 40, 17  # prompts of 16..max(17, length // 4) tokens
+    windows = script.own_continuations(
+        tiny_model.config, tiny_model.params, stream, 3, length, seed=0, num_speculative_tokens=0
+    )  # plain decoding: compiles faster; speculative greedy output equals it (tests/test_spec.py)
+    assert windows.shape == (3, length) and windows.dtype == np.int32
+    starts = [
+        [s for s in range(len(stream) - 16) if np.array_equal(stream[s : s + 16], w[:16])] for w in windows
+    ]
+    assert all(starts), "every window starts with a passage of the training stream"
+    assert len({tuple(w) for w in windows}) == 3
+    for w in windows:
+        # from the longest prompt on, each token is the model's argmax given the window before it
+        greedy = np.argmax(tiny_model.logits([w.tolist()])[0], axis=-1)
+        np.testing.assert_array_equal(greedy[cut_max - 1 : -1], w[cut_max:])
+        assert not np.array_equal(greedy[:15], w[1:16])  # the prompt is the stream's, not greedy
