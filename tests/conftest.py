@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import os
+import subprocess
+import sys
+import threading
 
 import jax
 import pytest
@@ -185,3 +189,88 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+# --- child-process checks, run on the second core -----------------------------------------------------
+# Multi-device checks need XLA_FLAGS before JAX starts, so they run `python -c CODE ARGS` in a child
+# process, which mostly compiles on one core. A test marked ``@pytest.mark.child(CODE, *ARGS)`` gets
+# that child started in the background as soon as collection ends (one child at a time, in test
+# order), beside the tests running in this process; the ``child_output`` fixture waits for it.
+CHILD_TIMEOUT = 600
+
+
+@dataclasses.dataclass
+class _ChildJob:
+    argv: list[str]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: subprocess.CompletedProcess | None = None
+
+
+class _ChildRunner:
+    def __init__(self) -> None:
+        self.jobs: dict[str, _ChildJob] = {}
+        self.current: subprocess.Popen | None = None
+        self.stopping = False
+
+    def start(self, items: list) -> None:
+        for item in items:
+            marker = item.get_closest_marker("child")
+            if marker is not None:
+                self.jobs[item.nodeid] = _ChildJob([sys.executable, "-c", *map(str, marker.args)])
+        if self.jobs:
+            threading.Thread(target=self._run_all, name="child-checks", daemon=True).start()
+
+    def _run_all(self) -> None:
+        env = dict(os.environ, PYTHONPATH=REPO)
+        env.pop("XLA_FLAGS", None)  # each child sets its own device count
+        for job in self.jobs.values():
+            if self.stopping:
+                job.result = subprocess.CompletedProcess(job.argv, -1, "", "the test session ended first")
+            else:
+                job.result = self._run(job.argv, env)
+            job.done.set()
+
+    def _run(self, argv: list[str], env: dict) -> subprocess.CompletedProcess:
+        proc = self.current = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        try:
+            out, err = proc.communicate(timeout=CHILD_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += f"\nchild check timed out after {CHILD_TIMEOUT}s"
+        finally:
+            self.current = None
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+    def stop(self) -> None:
+        self.stopping = True
+        proc = self.current
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
+_CHILDREN = _ChildRunner()
+
+
+def pytest_collection_finish(session) -> None:
+    _CHILDREN.start(session.items)
+
+
+def pytest_sessionfinish(session) -> None:
+    _CHILDREN.stop()  # an interrupted run leaves no child behind
+
+
+@pytest.fixture
+def child_output(request) -> str:
+    """The stdout of this test's ``child`` process (started in the background at collection's end);
+    fails the test with the child's stderr when it exited with an error."""
+    job = _CHILDREN.jobs.get(request.node.nodeid)
+    if job is None:
+        raise pytest.UsageError(f"{request.node.nodeid} uses child_output without a child marker")
+    if not job.done.wait(timeout=CHILD_TIMEOUT * (len(_CHILDREN.jobs) + 1)):
+        pytest.fail("the child check did not finish")
+    result = job.result
+    assert result.returncode == 0, f"child exited with {result.returncode}:\n{result.stderr[-4000:]}"
+    return result.stdout

@@ -1,13 +1,11 @@
 """Expert parallelism and data-parallel attention on 8 simulated CPU devices.
 
-Multi-device CPU needs XLA_FLAGS before JAX starts, so each check runs in a child process.
+Multi-device CPU needs XLA_FLAGS before JAX starts, so each check runs in a child process (in the
+background: see ``child`` in tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from mtp_jax import ep
 from mtp_jax.cache import ShardedPageAllocator
 from mtp_jax.sharding import make_mesh, state_logical
-from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.conftest import EMBEDDED_MODEL
 
 PRELUDE = """
 import os, sys
@@ -171,22 +169,15 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
 )
 
 
-def _run(code: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO)
-    out = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out.stdout
-
-
-def test_expert_parallel_moe_matches_single_device():
-    assert "EP-MOE-OK" in _run(MOE_CHILD)
+@pytest.mark.child(MOE_CHILD)
+def test_expert_parallel_moe_matches_single_device(child_output):
+    assert "EP-MOE-OK" in child_output
 
 
 @pytest.mark.slow
-def test_sharded_model_matches_single_device():
-    assert "EP-MODEL-OK" in _run(MODEL_CHILD, EMBEDDED_MODEL)
+@pytest.mark.child(MODEL_CHILD, EMBEDDED_MODEL)
+def test_sharded_model_matches_single_device(child_output):
+    assert "EP-MODEL-OK" in child_output
 
 
 def test_paths_and_capacity():

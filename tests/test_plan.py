@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -26,7 +24,7 @@ from tests.conftest import REPO
 # plan() with the step and prefill. Prints the report as JSON for the parent to check.
 CHILD = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, tempfile
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp
 
@@ -37,7 +35,8 @@ CHILD = textwrap.dedent(
     from mtp_jax.plan import abstract_params, plan, shard_bytes
     from mtp_jax.sharding import make_mesh
 
-    raw, path = json.loads(sys.argv[1]), sys.argv[2]
+    tmp = tempfile.TemporaryDirectory()  # removed when the child exits
+    raw, path = json.loads(sys.argv[1]), os.path.join(tmp.name, "ckpt")
     cfg = DeepseekV3Config.from_dict(raw)
     block = tuple(raw["quantization_config"]["weight_block_size"])
     tensors = hub_tensors(cfg, seed=1)
@@ -75,19 +74,9 @@ CHILD = textwrap.dedent(
 )
 
 
-def _child(code: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO)
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out.stdout
-
-
-def test_abstract_params_match_the_loader_and_the_step_compiles(tmp_path):
-    stdout = _child(CHILD, json.dumps(fp8_config()), str(tmp_path / "ckpt"))
-    report = json.loads(stdout.split("PLAN-JSON ", 1)[1])
+@pytest.mark.child(CHILD, json.dumps(fp8_config()))
+def test_abstract_params_match_the_loader_and_the_step_compiles(child_output):
+    report = json.loads(child_output.split("PLAN-JSON ", 1)[1])
     assert report["mesh"] == {"data": 2, "expert": 4, "tensor": 1} and report["platform"] == "cpu"
     assert [c["name"] for c in report["compiled"]] == ["step", "prefill"]
     # one device holds a quarter of the routed experts (expert=4), as the analytic estimate says

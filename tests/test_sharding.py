@@ -5,16 +5,13 @@ Multi-device CPU needs XLA_FLAGS before JAX starts, so the mesh checks run in a 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import mtp_jax
 from mtp_jax.sharding import check_mesh, make_mesh
-from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.conftest import EMBEDDED_MODEL
 
 CHILD = textwrap.dedent(
     """
@@ -30,7 +27,8 @@ CHILD = textwrap.dedent(
     ref = mtp_jax.load(src, "float32")
     want = ref.logits(ids)
     want_tokens = ref.generate(ids, max_new_tokens=6, ignore_eos=True).tokens
-    dst = os.path.join(tempfile.mkdtemp(), "converted")
+    tmp = tempfile.TemporaryDirectory()  # removed when the child exits
+    dst = os.path.join(tmp.name, "converted")
     convert(src, dst, weights="fp32", progress=False)
     for mesh_shape in [(1, 8), (2, 4)]:
         mesh = mtp_jax.make_mesh(data=mesh_shape[0], expert=mesh_shape[1])
@@ -54,13 +52,9 @@ CHILD = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_load_into_mesh_matches_single_device():
-    env = dict(os.environ, PYTHONPATH=REPO)
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, EMBEDDED_MODEL], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "SHARDED-OK" in out.stdout
+@pytest.mark.child(CHILD, EMBEDDED_MODEL)
+def test_load_into_mesh_matches_single_device(child_output):
+    assert "SHARDED-OK" in child_output
 
 
 def test_mesh_errors():
