@@ -29,7 +29,10 @@ ENV_LAUNCHER_PID = "MTP_JAX_LAUNCHER_PID"
 DEFAULT_SLURM_PORT = 12345
 _GLOO_CHATTER = ("[Gloo]", "peer ranks")
 """Marks of gloo's connection messages. Its threads write them concurrently, so a line can arrive
-cut in two ("[Gloo] Rank 0 is connected to" / " 7 peer ranks. Expected ..."): match either part."""
+cut in two ("[Gloo] Rank 0 is connected to" / " 7 peer ranks. Expected ..."): match either part.
+A cut after the message's last colon leaves its count alone on the next line ("... ranks is : " /
+"7"): :func:`_relay` drops such a line only when a chatter line before it ended unfinished."""
+_GLOO_TEMPLATE = "[Gloo] Rank N is connected to N peer ranks. Expected number of connected peer ranks is : N"
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -190,10 +193,17 @@ def _is_chatter(line: str) -> bool:
 
 
 def _relay(src: IO[str], dst: IO[str]) -> None:
+    unfinished = 0  # chatter messages whose closing count has not been seen yet
     for line in src:
-        if not _is_chatter(line):
-            dst.write(line)
-            dst.flush()
+        if _is_chatter(line):
+            unfinished += line.count("ranks is :") - len(re.findall(r"ranks is : *\d+", line))
+            continue
+        fragment = re.sub(r"\d+", "N", line.strip())
+        if unfinished > 0 and fragment and fragment in _GLOO_TEMPLATE:
+            unfinished -= 1  # the rest of a cut message
+            continue
+        dst.write(line)
+        dst.flush()
 
 
 def spawn_local(

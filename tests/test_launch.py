@@ -140,6 +140,14 @@ def test_gloo_chatter_is_dropped_even_when_its_lines_arrive_cut():
     dst = io.StringIO()
     _relay(src, dst)
     assert dst.getvalue() == '{"tokens": [[1, 2]]}\n'
+    # cut after the last colon, the count alone on its own line (seen in a full local run), also
+    # with another thread's whole message in between; a number the program prints stays
+    cut = "[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer ranks is : "
+    whole = "[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+    for lines in ([cut, "7", "7", "8"], [cut + whole, "7", "7", "8"]):
+        dst = io.StringIO()
+        _relay(io.StringIO("\n".join(lines) + "\n"), dst)
+        assert dst.getvalue() == "7\n8\n", lines
 
 
 # --- cluster discovery -------------------------------------------------------------------------------
