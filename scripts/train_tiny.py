@@ -3,8 +3,8 @@ group-limited routing) jointly with its MTP layer, on the Python standard librar
 
     python scripts/train_tiny.py --out /tmp/base                                     # ~35 min, 2 cores
     python scripts/train_tiny.py --out checkpoints/tiny-deepseek-v3-stdlib --init-from /tmp/base \
-        --train mtp --mtp-depth 4 --mtp-labels target --steps 1000 --lr 1e-3 --warmup 50 \
-        --seed 1 --acceptance-k 1 2 3 4 5                                            # ~22 min
+        --train mtp --mtp-depth 4 --mtp-labels target --own-text 0.5 --steps 1000 --lr 1e-3 \
+        --warmup 50 --seed 1 --acceptance-k 1 2 3 4 5                                # ~27 min
     python scripts/train_tiny.py --out /tmp/smoke --preset smoke --steps 3          # seconds
 
 Data: every ``.py`` file of this interpreter's standard library (tests, demos and site-packages
