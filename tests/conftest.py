@@ -255,7 +255,8 @@ _CHILDREN = _ChildRunner()
 
 
 def pytest_collection_finish(session) -> None:
-    _CHILDREN.start(session.items)
+    if not session.config.option.collectonly:
+        _CHILDREN.start(session.items)
 
 
 def pytest_sessionfinish(session) -> None:
