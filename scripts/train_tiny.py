@@ -217,7 +217,7 @@ def own_continuations(
     prompts = [stream[s : s + c].tolist() for s, c in zip(starts, cut, strict=True)]
     model = Model(cfg, params, dtype="float32", eos_token_ids=[EOS])
     out = np.zeros((count, length), np.int32)
-    t0, chunk = time.perf_counter(), 256
+    t0, chunk, made = time.perf_counter(), 256, 0
     for i in range(0, count, chunk):
         part = prompts[i : i + chunk]
         result = model.generate(
@@ -230,12 +230,10 @@ def own_continuations(
         )
         for j, (p, new) in enumerate(zip(part, result.tokens, strict=True)):
             out[i + j] = (p + new)[:length]
+        made += sum(map(len, result.tokens))
         done = min(i + chunk, count)
-        print(
-            f"own continuations: {done}/{count} windows ({done * length / (time.perf_counter() - t0):,.0f} "
-            "tok/s)",
-            file=sys.stderr,
-        )
+        rate = made / (time.perf_counter() - t0)
+        print(f"own continuations: {done}/{count} windows ({rate:,.0f} new tok/s)", file=sys.stderr)
     return out
 
 
@@ -521,6 +519,10 @@ def main() -> int:
         parser.error(f"--own-text is a fraction in [0, 1], got {args.own_text}")
     if args.own_text and args.train != "mtp":
         parser.error("--own-text needs --train mtp (the main model must not change under its own text)")
+    if args.own_text and round(args.own_text * args.batch) == 0:
+        parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
+    if args.own_text_windows < 1:
+        parser.error("--own-text-windows must be at least 1")
     if args.init_from and not os.path.isfile(os.path.join(args.init_from, "tokenizer.json")):
         parser.error(f"--init-from {args.init_from} is not a trained checkpoint (no tokenizer.json)")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")

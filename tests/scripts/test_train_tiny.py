@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from tests.conftest import REPO
+from tests.conftest import EMBEDDED_MODEL, REPO
 
 SCRIPT = os.path.join(REPO, "scripts", "train_tiny.py")
 SMOKE = ["--preset", "smoke", "--max-files", "12", "--vocab", "300", "--batch", "2", "--seq", "32"]
@@ -154,3 +154,21 @@ def test_own_continuations_are_a_training_prompt_then_the_models_greedy_text(tin
         greedy = np.argmax(tiny_model.logits([w.tolist()])[0], axis=-1)
         np.testing.assert_array_equal(greedy[cut_max - 1 : -1], w[cut_max:])
         assert not np.array_equal(greedy[:15], w[1:16])  # the prompt is the stream's, not greedy
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--own-text", "0.5"], "--own-text needs --train mtp"),
+        (["--train", "mtp", "--init-from", "EMBEDDED", "--own-text", "1.5"], "a fraction in [0, 1]"),
+        (["--train", "mtp", "--init-from", "EMBEDDED", "--own-text", "0.01"], "is not one window"),
+        (["--train", "mtp", "--init-from", "EMBEDDED", "--own-text-windows", "0"], "at least 1"),
+    ],
+)
+def test_own_text_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, message):
+    argv = [a.replace("EMBEDDED", EMBEDDED_MODEL) for a in extra]
+    monkeypatch.setattr(sys, "argv", ["train_tiny.py", "--out", str(tmp_path / "out"), *argv])
+    with pytest.raises(SystemExit) as exit_:
+        load_script().main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
