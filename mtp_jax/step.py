@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.drafts.mtp import mtp_forward
+from mtp_jax.drafts.mtp import mtp_forward, mtp_logits
 from mtp_jax.models.deepseek_v3 import PagedAttention, forward, lm_head
 from mtp_jax.sampling import (
     DRAFT,
@@ -115,15 +115,22 @@ def forward_paged(
     valid: jax.Array,
     page_table: jax.Array,
     mesh: Mesh | None = None,
+    logits: bool = True,
 ):
     """Write tokens [b, t] at positions [b, t] (only where valid) and run the target over the cache
     (``mesh`` as in :func:`mtp_jax.models.deepseek_v3.forward`).
 
-    Returns (post-norm hidden [b, t, d], float32 logits [b, t, V], pages).
+    Returns (post-norm hidden [b, t, d], float32 logits [b, t, V], pages); the logits are None
+    with ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
     """
     paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
     hidden, pages = forward(params, cfg, tokens, positions, paged, mesh=mesh)
-    return hidden.post_norm, lm_head(params, hidden.post_norm), pages
+    return hidden.post_norm, lm_head(params, hidden.post_norm) if logits else None, pages
+
+
+def at_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b]] for x [b, t, ...] and index [b]."""
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
 forward_paged_jit = jax.jit(
@@ -131,14 +138,14 @@ forward_paged_jit = jax.jit(
 )
 
 
-def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid):
+def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid, logits=True):
     paged = PagedAttention(draft_pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
-    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh)
+    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh, logits=logits)
     return out.state, out.logits, out.pages
 
 
-def _propose(params, sc, draft_pages, page_table, active, sampling, g, logits, first_pos):
-    """K drafts per row from the MTP output (g [b, d], logits [b, V]) of the row before them.
+def _propose(params, sc, draft_pages, page_table, active, sampling, g, first_pos):
+    """K drafts per row from the MTP state g [b, d] of the row before them.
 
     The first draft is for position first_pos [b]; each next one feeds the previous draft and the
     recycled state g back through the MTP layer at the following position.
@@ -150,7 +157,7 @@ def _propose(params, sc, draft_pages, page_table, active, sampling, g, logits, f
             return sample(lg, sampling, pos, DRAFT), q
         return jnp.argmax(lg, axis=-1).astype(jnp.int32), jnp.zeros((lg.shape[0], 0), jnp.float32)
 
-    d, q = pick(logits, first_pos)
+    d, q = pick(mtp_logits(params, g), first_pos)
 
     def chain(carry, j):
         d, g, pages = carry
@@ -188,25 +195,23 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
     real = rows < state.active.shape[0]
     valid = (positions < lengths[:, None]) & real[:, None]
-    hidden, logits, target_pages = forward_paged(
-        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, page_table, sc.mesh
+    hidden, _, target_pages = forward_paged(
+        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, page_table, sc.mesh, False
     )
-    last = (lengths - 1)[:, None]
-    first = sample(jnp.take_along_axis(logits, last[..., None], axis=1)[:, 0], sampling, lengths)
+    last = lengths - 1
+    first = sample(lm_head(params, at_rows(hidden, last)), sampling, lengths)
     draft_pages = state.draft_pages
     drafts = jnp.zeros((r, sc.k), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
     if sc.k:
         # MTP row i pairs h_i with token i+1: the prompt shifted left, the sampled token at the end
         shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-        next_tokens = jnp.where(positions == last, first[:, None], shifted)
-        g, dlogits, draft_pages = _mtp_rows(
-            params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid
+        next_tokens = jnp.where(positions == last[:, None], first[:, None], shifted)
+        g, _, draft_pages = _mtp_rows(
+            params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid, logits=False
         )
-        g_last = jnp.take_along_axis(g, last[..., None], axis=1)[:, 0]
-        lg_last = jnp.take_along_axis(dlogits, last[..., None], axis=1)[:, 0]
         drafts, q, draft_pages = _propose(
-            params, sc, draft_pages, page_table, real, sampling, g_last, lg_last, lengths + 1
+            params, sc, draft_pages, page_table, real, sampling, at_rows(g, last), lengths + 1
         )
         q = q if sc.sampled else jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
 
@@ -260,21 +265,12 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
         # tokens that followed them (the emitted ones); rows past n_acc are not written
         positions = seq[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
         catch_valid = state.active[:, None] & (jnp.arange(k + 1)[None, :] <= n_acc[:, None])
-        g, dlogits, draft_pages = _mtp_rows(
-            params, sc, draft_pages, state.page_table, emitted, hidden, positions, catch_valid
+        g, _, draft_pages = _mtp_rows(
+            params, sc, draft_pages, state.page_table, emitted, hidden, positions, catch_valid, logits=False
         )
-        g_last = jnp.take_along_axis(g, n_acc[:, None, None], axis=1)[:, 0]
-        lg_last = jnp.take_along_axis(dlogits, n_acc[:, None, None], axis=1)[:, 0]
+        g_last = at_rows(g, n_acc)  # the head runs on the last accepted row alone
         new_drafts, new_q, draft_pages = _propose(
-            params,
-            sc,
-            draft_pages,
-            state.page_table,
-            state.active,
-            state.sampling,
-            g_last,
-            lg_last,
-            new_seq + 1,
+            params, sc, draft_pages, state.page_table, state.active, state.sampling, g_last, new_seq + 1
         )
         drafts = jnp.where(state.active[:, None], new_drafts, state.drafts)
         if sc.sampled:

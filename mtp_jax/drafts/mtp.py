@@ -34,8 +34,8 @@ def has_mtp(params: dict) -> bool:
 class MtpOutput(NamedTuple):
     state: jax.Array
     """Recycled state g [b, t, d] (post shared_head.norm), the "hidden" of the next chained step."""
-    logits: jax.Array
-    """Float32 logits [b, t, V] for t_{i+2}."""
+    logits: jax.Array | None
+    """Float32 logits [b, t, V] for t_{i+2} (None when not asked for: see :func:`mtp_logits`)."""
     pages: jax.Array | None
     """The MTP layer's updated pages (None without a cache)."""
     expert_load: jax.Array
@@ -51,31 +51,39 @@ def mtp_forward(
     paged: PagedAttention | None = None,
     dispatch: str = "auto",
     mesh: Mesh | None = None,
+    logits: bool = True,
 ) -> MtpOutput:
     """MTP rows for next_tokens [b, t] (t_{i+1}) and hidden [b, t, d] (h_i) at positions [b, t] (i).
 
     Without ``paged`` the rows attend causally among themselves (teacher-forced, positions
     0..t-1); with it they are written to and attend over the MTP layer's paged cache
     (``paged.pages`` is its [P, page, c] pages). ``dispatch`` and ``mesh`` as in
-    :func:`mtp_jax.models.deepseek_v3.forward`.
+    :func:`mtp_jax.models.deepseek_v3.forward`. ``logits=False`` skips the output head: a caller
+    that needs one row per sequence (the prompt's last, the last accepted) picks those states and
+    applies :func:`mtp_logits` to them alone.
     """
     attention = attention_fn(cfg, positions, paged, mesh)
     pages_in = None if paged is None else paged.pages
-    return _mtp_layer(params, cfg, next_tokens, hidden, attention, pages_in, dispatch, mesh)
+    return _mtp_layer(params, cfg, next_tokens, hidden, attention, pages_in, dispatch, mesh, logits)
 
 
-def _mtp_layer(params, cfg, next_tokens, hidden, attention, pages, dispatch, mesh) -> MtpOutput:
+def mtp_logits(params: dict, g: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] for t_{i+2} from MTP states g [..., d]: the layer's shared head (the
+    target's output head unless the checkpoint's MTP copy differs)."""
+    head = params["mtp"]["head"][0] if "head" in params["mtp"] else params["lm_head"]
+    return jnp.einsum("...d,dv->...v", g, head, preferred_element_type=jnp.float32)
+
+
+def _mtp_layer(params, cfg, next_tokens, hidden, attention, pages, dispatch, mesh, logits=True) -> MtpOutput:
     mp = jax.tree.map(lambda x: x[0], params["mtp"])
     eps = cfg.rms_norm_eps
     embed = mp.get("embed", params["embed"])
-    head = mp.get("head", params["lm_head"])
     e = rms_norm(embed[next_tokens], mp["enorm"], eps)
     h = rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)
     x = jnp.einsum("btc,cd->btd", jnp.concatenate([e, h], axis=-1), mp["eh_proj"])
     y, pages, load = decoder_layer(mp["layer"], x, cfg, True, attention, pages, dispatch, mesh)
     g = rms_norm(y, mp["head_norm"], eps)
-    logits = jnp.einsum("btd,dv->btv", g, head, preferred_element_type=jnp.float32)
-    return MtpOutput(g, logits, pages, load)
+    return MtpOutput(g, mtp_logits(params, g) if logits else None, pages, load)
 
 
 def mtp_chain_teacher_forced(
