@@ -69,7 +69,6 @@ def generate(
     # last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)
     need = [math.ceil((len(p) + max_new_tokens + 2 * (sc.k + 1)) / page) for p in prompts]
     width = next_power_of_two(max(need))
-    bucket = next_power_of_two(max(len(p) for p in prompts), minimum=16)
     allocator = ShardedPageAllocator(batch * width, shards)  # slot b's pages live on its row shard
     state = init_state(sc, batch, allocator.num_pages, width, cache_dtype)
     if sc.mesh is not None:
@@ -125,6 +124,9 @@ def generate(
         per = next_power_of_two(per)
         r = per * shards
         rows = np.full(r, batch, np.int32)  # padding rows: an out-of-range slot, ignored
+        # prompt lengths padded to a power of two per admission (one long prompt does not make
+        # every later prefill pay for its length); a few prefill programs at most
+        bucket = next_power_of_two(max(len(prompts[req]) for group in placed for req, _ in group), minimum=16)
         tokens = np.zeros((r, bucket), np.int32)
         lengths = np.ones(r, np.int32)
         tables: list[list[int]] = [[] for _ in range(r)]

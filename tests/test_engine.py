@@ -82,6 +82,19 @@ def test_decoding_compiles_once(tiny_model):
     assert (step._cache_size(), prefill._cache_size()) == seen
 
 
+def test_prefill_pads_each_admission_to_its_own_prompts(tiny_model):
+    """One slot, a 40-token prompt then a short one: the short one is prefilled in the 16-token
+    program, not padded to the long one's 64 (prefill cost grows with the padded length)."""
+    short, long_ = random_prompts(tiny_model.config.vocab_size, [5, 40])
+    kw = dict(max_new_tokens=3, ignore_eos=True, max_batch=1)
+    want = [tiny_model.generate([p], **kw).tokens[0] for p in (long_, short)]
+    jax.clear_caches()
+    assert prefill._cache_size() == 0
+    result = tiny_model.generate([long_, short], **kw)
+    assert result.stats["prefill_calls"] == 2 and result.tokens == want
+    assert prefill._cache_size() == 2  # 64 and 16 tokens
+
+
 def test_decode_state_is_donated(tiny_model):
     sc = StepConfig(tiny_model.config, 4)
     state = init_state(sc, 2, 8, 4, jnp.float32)
