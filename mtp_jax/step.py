@@ -138,10 +138,12 @@ forward_paged_jit = jax.jit(
 )
 
 
-def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid, logits=True):
+def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid):
+    """The MTP layer over rows written to its paged cache: (states g [b, t, d], pages). No head:
+    drafts read it at one state per row (:func:`_propose`)."""
     paged = PagedAttention(draft_pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
-    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh, logits=logits)
-    return out.state, out.logits, out.pages
+    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh, logits=False)
+    return out.state, out.pages
 
 
 def _propose(params, sc, draft_pages, page_table, active, sampling, g, first_pos):
@@ -162,10 +164,8 @@ def _propose(params, sc, draft_pages, page_table, active, sampling, g, first_pos
     def chain(carry, j):
         d, g, pages = carry
         pos = (first_pos - 2 + j)[:, None]  # MTP row i predicts position i + 2 (draft j+1's)
-        g_new, lg, pages = _mtp_rows(
-            params, sc, pages, page_table, d[:, None], g[:, None], pos, active[:, None]
-        )
-        d_new, q_new = pick(lg[:, 0], first_pos + j)
+        g_new, pages = _mtp_rows(params, sc, pages, page_table, d[:, None], g[:, None], pos, active[:, None])
+        d_new, q_new = pick(mtp_logits(params, g_new[:, 0]), first_pos + j)
         return (d_new, g_new[:, 0], pages), (d_new, q_new)
 
     (_, _, draft_pages), (more_d, more_q) = jax.lax.scan(chain, (d, g, draft_pages), jnp.arange(1, sc.k))
@@ -195,8 +195,17 @@ def prefill(
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
     real = rows < state.active.shape[0]
     valid = (positions < lengths[:, None]) & real[:, None]
-    hidden, _, target_pages = forward_paged(
-        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, page_table, sc.mesh, False
+    hidden, _, target_pages = forward_paged(  # no head here: it runs at each prompt's last row below
+        params,
+        state.target_pages,
+        sc.cfg,
+        sc.page_size,
+        tokens,
+        positions,
+        valid,
+        page_table,
+        sc.mesh,
+        logits=False,
     )
     last = lengths - 1
     first = sample(lm_head(params, at_rows(hidden, last)), sampling, lengths)
@@ -207,9 +216,7 @@ def prefill(
         # MTP row i pairs h_i with token i+1: the prompt shifted left, the sampled token at the end
         shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
         next_tokens = jnp.where(positions == last[:, None], first[:, None], shifted)
-        g, _, draft_pages = _mtp_rows(
-            params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid, logits=False
-        )
+        g, draft_pages = _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid)
         drafts, q, draft_pages = _propose(
             params, sc, draft_pages, page_table, real, sampling, at_rows(g, last), lengths + 1
         )
@@ -265,8 +272,8 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
         # tokens that followed them (the emitted ones); rows past n_acc are not written
         positions = seq[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
         catch_valid = state.active[:, None] & (jnp.arange(k + 1)[None, :] <= n_acc[:, None])
-        g, _, draft_pages = _mtp_rows(
-            params, sc, draft_pages, state.page_table, emitted, hidden, positions, catch_valid, logits=False
+        g, draft_pages = _mtp_rows(
+            params, sc, draft_pages, state.page_table, emitted, hidden, positions, catch_valid
         )
         g_last = at_rows(g, n_acc)  # the head runs on the last accepted row alone
         new_drafts, new_q, draft_pages = _propose(
