@@ -20,7 +20,8 @@ Conventions (all counts are numbers of scalar parameters, all sizes are bytes; `
   ``num_experts_per_tok`` routed experts in each MoE layer; the embedding and lm_head are counted in
   full (DeepSeek-V3: ≈ 37.5B, published "37B").
 * Byte estimates describe what our loader holds in memory (MTP duplicates stored once, ``kv_b_proj``
-  dequantised in FP8 mode) unless ``hub_layout=True`` asks for the hub files' size.
+  dequantised in FP8 mode, router gates float32) unless ``hub_layout=True`` asks for the hub files'
+  size.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ GB = 10**9
 
 # Spec kinds: how a tensor is stored.
 _LINEAR = "linear"  # a projection matrix; FP8-quantised (with block scales) in the hub FP8 layout
-_PLAIN = "plain"  # never quantised: embeddings, lm_head, norms, router gate, eh_proj, shared_head
+_PLAIN = "plain"  # never quantised: embeddings, lm_head, norms, eh_proj, shared_head
 _FP32 = "fp32"  # kept float32 in every format: the router's e_score_correction_bias
+_ROUTER = "router"  # the router gate: bfloat16 in the hub, float32 as our loader holds it
 
 COMPONENTS = (
     "embedding",
@@ -101,7 +103,7 @@ def _layer_specs(cfg: DeepseekV3Config, *, dense: bool, count: int, mtp: bool) -
         yield _Spec(comp("dense_mlp"), (d, f), count, _LINEAR)  # down_proj
         return
     f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
-    yield _Spec(comp("routers"), (e, d), count, _PLAIN)
+    yield _Spec(comp("routers"), (e, d), count, _ROUTER)
     yield _Spec(comp("routers"), (e,), count, _FP32)
     yield _Spec(comp("routed_experts"), (f, d), 2 * e * count, _LINEAR, routed=True)
     yield _Spec(comp("routed_experts"), (d, f), e * count, _LINEAR, routed=True)
@@ -214,9 +216,9 @@ def _spec_bytes(
     def add(dtype: str, n: int) -> None:
         out[dtype] = out.get(dtype, 0) + n
 
-    if weights == "fp32" or s.kind == _FP32:
+    if weights == "fp32" or s.kind == _FP32 or (s.kind == _ROUTER and not hub_layout):
         add("float32", 4 * s.numel)
-    elif weights == "bf16" or s.kind == _PLAIN or (s.absorbed and not hub_layout):
+    elif weights == "bf16" or s.kind in (_PLAIN, _ROUTER) or (s.absorbed and not hub_layout):
         add("bfloat16", 2 * s.numel)
     else:  # an FP8-quantised projection: 1 byte per weight + a float32 scale per block
         rows, cols = s.shape
@@ -231,11 +233,14 @@ def weight_bytes(cfg: DeepseekV3Config, weights: str, *, hub_layout: bool = Fals
     ``weights``:
 
     * ``"fp32"``: everything float32 (4 bytes per parameter).
-    * ``"bf16"``: everything bfloat16, except the router ``e_score_correction_bias`` (float32).
+    * ``"bf16"``: everything bfloat16, except the router ``e_score_correction_bias`` (float32) and,
+      as our loader holds it, the router gate (float32: routing is decided in float32; bfloat16 in
+      the hub).
     * ``"fp8"``: DeepSeek's block-FP8 layout: every projection matrix is ``float8_e4m3fn`` (1 byte)
       plus float32 ``weight_scale_inv`` of shape [ceil(out/b0), ceil(in/b1)], (b0, b1) from
       ``quantization_config.weight_block_size`` (128x128 when absent); embeddings, lm_head, norms,
-      router gates, ``eh_proj`` and ``shared_head`` stay bfloat16 and the correction bias float32.
+      router gates (float32 as loaded), ``eh_proj`` and ``shared_head`` stay bfloat16 and the
+      correction bias float32.
       Our loader dequantises ``kv_b_proj`` to bfloat16 (2 bytes, no scales) because it is used in
       absorbed form every step; this estimate does the same unless ``hub_layout``.
 
@@ -447,7 +452,10 @@ def format_report(
         f"  {'total':<16}{format_bytes(sum(loaded.values())):>14}{format_bytes(sum(hub.values())):>14}"
     )
     if weights == "fp8":
-        lines.append("  (as loaded: kv_b_proj dequantised to bf16, MTP embed/head copies stored once)")
+        lines.append(
+            "  (as loaded: kv_b_proj dequantised to bf16, router gates float32, "
+            "MTP embed/head copies stored once)"
+        )
     mesh_txt = " ".join(f"{k}={v}" for k, v in mem.mesh)
     lines += [
         "",

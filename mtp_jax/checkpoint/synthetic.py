@@ -145,7 +145,11 @@ def write_hub_checkpoint(
 def is_quantized_in_hub(key: str) -> bool:
     """Whether DeepSeek's FP8 checkpoints store this tensor as FP8 (every projection of a decoder
     layer except the MTP-only ``eh_proj``; never embeddings, heads, norms or the router)."""
-    return key.startswith("model.layers.") and key.endswith("_proj.weight") and ".eh_proj." not in key
+    return (
+        key.startswith("model.layers.")
+        and key.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+        and ".eh_proj." not in key
+    )
 
 
 def quantize_fp8(

@@ -62,8 +62,8 @@ def _brute_force_fp8(cfg: DeepseekV3Config, block: tuple[int, int], *, hub_layou
     for key, x in hub_tensors(cfg).items():
         if not hub_layout and _MTP_DUPLICATE.match(key):
             continue
-        if key.endswith("e_score_correction_bias"):
-            out["float32"] += 4 * x.size
+        if key.endswith("e_score_correction_bias") or (not hub_layout and key.endswith("mlp.gate.weight")):
+            out["float32"] += 4 * x.size  # the bias always; the router gate as our loader holds it
         elif _UNQUANTISED.search(key) or (not hub_layout and key.endswith("kv_b_proj.weight")):
             out["bfloat16"] += 2 * x.size
         else:
@@ -94,12 +94,16 @@ def test_counts_match_hub_tensors(name):
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert pc.active_per_token == pc.main - routed + per_expert * cfg.num_experts_per_tok * cfg.num_moe_layers
 
-    # fp32: 4 bytes each, MTP duplicates stored once; bf16: 2 bytes except the float32 bias.
+    # fp32: 4 bytes each, MTP duplicates stored once; bf16: 2 bytes except the float32 routers
+    # (bias and gate, as loaded; the hub's gate is bf16).
     assert weight_bytes(cfg, "fp32") == {"float32": 4 * pc.total}
     assert weight_bytes(cfg, "fp32", hub_layout=True) == {"float32": 4 * pc.hub_total}
     bias = cfg.n_routed_experts * (cfg.num_moe_layers + cfg.num_nextn_predict_layers)
-    expected_bf16 = {"bfloat16": 2 * (pc.total - bias)} | ({"float32": 4 * bias} if bias else {})
+    routers = bias * (1 + cfg.hidden_size)
+    expected_bf16 = {"bfloat16": 2 * (pc.total - routers)} | ({"float32": 4 * routers} if bias else {})
     assert weight_bytes(cfg, "bf16") == expected_bf16
+    hub_bf16 = {"bfloat16": 2 * (pc.hub_total - bias)} | ({"float32": 4 * bias} if bias else {})
+    assert weight_bytes(cfg, "bf16", hub_layout=True) == hub_bf16
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 12), (5, 7)])
@@ -147,10 +151,14 @@ def test_deepseek_v3_fp8_bytes_match_the_hub_checkpoint(v3):
     # elements, weight_scale_inv tensors included.
     elements = hub["float8_e4m3fn"] + hub["bfloat16"] // 2 + hub["float32"] // 4
     assert elements == 684_531_386_000
-    # Loaded: kv_b_proj (62 layers) is bf16 without scales; the MTP embed/head copies are dropped.
+    # Loaded: kv_b_proj (62 layers) is bf16 without scales; the MTP embed/head copies are dropped;
+    # the router gates (58 MoE layers + MTP) are float32.
     kv_b = 62 * 128 * (128 + 128) * 512
+    kv_b_scales = 62 * (128 * 256 // 128) * (512 // 128)
+    gates = 59 * 256 * 7168
     assert loaded["float8_e4m3fn"] == hub["float8_e4m3fn"] - kv_b
-    assert loaded["bfloat16"] == hub["bfloat16"] + 2 * kv_b - 2 * 2 * 129280 * 7168
+    assert loaded["bfloat16"] == hub["bfloat16"] + 2 * kv_b - 2 * 2 * 129280 * 7168 - 2 * gates
+    assert loaded["float32"] == hub["float32"] - 4 * kv_b_scales + 4 * gates
 
 
 def test_kv_cache_bytes_per_token(v3):
@@ -179,11 +187,11 @@ def test_per_device_memory_deepseek_v3(v3):
         mem.expert_bytes,
         62_500,
     )
-    # bf16 experts without MTP on one device hold everything.
+    # bf16 experts without MTP on one device hold everything (float32 routers: 2 more bytes each).
     one = per_device_memory(v3, "bf16", {}, 10, include_mtp=False)
     assert (
         one.devices == 1
-        and one.param_bytes + one.expert_bytes == 2 * count_parameters(v3).main + 58 * 256 * 2
+        and one.param_bytes + one.expert_bytes == 2 * count_parameters(v3).main + 58 * 256 * (1 + 7168) * 2
     )
 
 
@@ -215,7 +223,7 @@ def test_format_report_mentions_key_numbers(v3):
         "653.91B",  # routed experts
         "float8_e4m3fn",
         "688.57 GB",  # hub files
-        "685.91 GB",  # as loaded
+        "686.12 GB",  # as loaded
         "32 routed experts per device",
         "83.17 GB",  # experts per device
         "125000 tokens",

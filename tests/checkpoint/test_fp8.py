@@ -109,7 +109,15 @@ def test_fp8_weights_kept_on_device(fp8_pair):
     fp8_dir, dense_dir = fp8_pair
     model = mtp_jax.load(fp8_dir, "float32", weights="fp8")
     attn, experts = model.params["moe"]["attn"], model.params["moe"]["mlp"]
-    for w in (attn["q_a"], attn["q_b"], attn["o"], experts["gate"], experts["down"], experts["shared_up"]):
+    for w in (
+        attn["q_a"],
+        attn["q_b"],
+        attn["kv_a"],
+        attn["o"],
+        experts["gate"],
+        experts["down"],
+        experts["shared_up"],
+    ):
         assert (
             isinstance(w, Fp8Weight) and w.w.dtype == jnp.float8_e4m3fn and w.scale_inv.dtype == jnp.float32
         )
@@ -124,6 +132,19 @@ def test_fp8_weights_kept_on_device(fp8_pair):
         result.tokens
         == mtp_jax.load(dense_dir, "float32").generate(IDS, max_new_tokens=4, ignore_eos=True).tokens
     )
+
+
+@pytest.mark.parametrize("weights", ["fp8", "dense"])
+def test_weight_estimate_is_what_the_loader_holds(fp8_pair, weights):
+    """mtp-jax inspect's byte estimate (from config.json alone) equals the bytes of the loaded tree,
+    dtype by dtype: FP8 weights with their block scales, float32 routers, bfloat16 the rest."""
+    from mtp_jax.checkpoint.estimate import weight_bytes
+
+    model = mtp_jax.load(fp8_pair[0], "bfloat16", weights=weights)
+    held: dict[str, int] = {}
+    for x in jax.tree.leaves(model.params):
+        held[str(x.dtype)] = held.get(str(x.dtype), 0) + x.nbytes
+    assert held == weight_bytes(model.config, "fp8" if weights == "fp8" else "bf16")
 
 
 def test_fp8_errors(make_checkpoint, fp8_pair):
