@@ -18,37 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.roofline import copy_bandwidth, timed
 from pallas_kernels.mla_decode import IMPLS as MLA_IMPLS
 from pallas_kernels.mla_decode import mla_decode
 from pallas_kernels.moe import gmm
-
-
-def timed(fn: Callable[[], jax.Array], iters: int) -> float:
-    """Median seconds per call after compiling and one warm-up call."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth(megabytes: int, iters: int) -> float:
-    """Bytes/s of a jitted copy (each byte read once and written once)."""
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    copy = jax.jit(lambda a: a + 0.0)
-    return 2 * x.nbytes / timed(lambda: copy(x), iters)
 
 
 def mla_case(args: argparse.Namespace, rng: np.random.Generator) -> tuple[dict, int]:

@@ -1,0 +1,415 @@
+"""The unified step against its memory roofline: bytes a step must read, and how long it takes.
+
+    python scripts/bench_step.py                                   # the embedded model, K = 0 1 3
+    python scripts/bench_step.py --k 0 3 --context 4096 --json step.json
+    python scripts/bench_step.py --config configs/deepseek-v3.json --weights fp8 \\
+        --set num_hidden_layers=4 --context 32768 --k 0 3          # V3's real layer sizes, 4 layers
+
+Decode at small batch is memory-bound: a step cannot be faster than the bytes it must read divided
+by the memory bandwidth. Those bytes, counted from the parameters the step actually holds:
+
+- **target**: every weight of the main model once, except the routed experts (only those the step's
+  ``B·(K+1)`` tokens are routed to) and the embedding table (only the rows looked up);
+- **draft** (K > 0): the MTP layer runs K times one after another (the catch-up over the K+1
+  verified rows, then K-1 chained single-token passes), so its weights are read K times, each pass
+  with the experts of its own tokens; the output head it shares with the target is read K more
+  times (one draft distribution per pass);
+- **KV**: every target layer reads each row's latent cache up to the step's last position
+  (``context + K + 1`` positions), and each MTP pass reads the MTP layer's cache the same way.
+
+Routed experts are counted at their expected number under independent uniform routing: ``n``
+tokens each picking ``top_k`` of ``E`` experts touch ``E·(1 - (1 - top_k/E)^n)`` distinct ones.
+Real routing is skewed, so the true number is usually a little lower; the breakdown shows how much
+that term weighs. Writes (the K+1 new cache rows per layer) are left out: they are a few rows.
+
+The step is timed in isolation (the engine's jitted :func:`mtp_jax.step.step`, the same program
+generation runs) at a fixed context: each call starts from the same committed length, so every
+call reads the same bytes. The bandwidth is that of a jitted copy of a large buffer (read + write),
+the practical limit of the device. The ratio step / roofline is what the kernels are judged by
+(issue 7: within 1.5x at batch 1 on the H200). On a CPU the tiny model's weights sit in the
+caches, so the ratio there measures dispatch overhead as much as memory traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The routed experts' stacked projections: [layers, experts, in, out] (or an Fp8Weight of them).
+ROUTED_EXPERT_LEAVES = ("gate", "up", "down")
+WEIGHT_CHOICES = ("bf16", "fp8")
+
+
+def timed(fn: Callable[[], Any], iters: int) -> float:
+    """Median seconds per call of ``fn`` after two untimed calls (compile, warm-up)."""
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(megabytes: int, iters: int) -> float:
+    """Bytes/s of a jitted copy of a ``megabytes`` buffer (each byte read once and written once)."""
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0.0)
+    return 2 * x.nbytes / timed(lambda: copy(x), iters)
+
+
+def expected_experts(n_tokens: int, n_experts: int, top_k: int) -> float:
+    """Expected number of distinct experts ``n_tokens`` tokens touch when each picks ``top_k`` of
+    ``n_experts`` uniformly and independently (each expert is missed by a token with probability
+    1 - top_k / n_experts)."""
+    if n_tokens < 0 or not 0 < top_k <= n_experts:
+        raise ValueError(
+            f"need n_tokens >= 0 and 0 < top_k <= n_experts, got {n_tokens}, {top_k}, {n_experts}"
+        )
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** n_tokens)
+
+
+def _nbytes(x: Any) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+def _names(path: tuple) -> list[str]:
+    return [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+
+
+def _is_routed_expert(names: list[str]) -> bool:
+    """A routed expert's projection (MoE layers and the MTP layer; not the dense layers' MLP)."""
+    return (
+        names[0] in ("moe", "mtp")
+        and "mlp" in names
+        and names[names.index("mlp") + 1] in ROUTED_EXPERT_LEAVES
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    """Bytes one step must read, by what reads them (see the module docstring)."""
+
+    target_weights: float  # main model without routed experts, embedding rows only, head once
+    target_experts: float  # routed experts the verified tokens are expected to touch
+    draft_weights: float  # the MTP layer without routed experts, K passes
+    draft_experts: float  # its routed experts, per pass those of the pass's tokens
+    draft_heads: float  # the output head, once per draft
+    kv: float  # latent cache read by every target layer and every MTP pass
+
+    @property
+    def total(self) -> float:
+        return sum(dataclasses.asdict(self).values())
+
+
+def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cache_itemsize: int) -> StepBytes:
+    """Bytes a step of ``batch`` rows at committed length ``context`` with ``k`` drafts reads.
+
+    ``params`` is the loaded parameter tree (arrays or ShapeDtypeStructs; FP8 weights count their
+    bytes and scales); ``cache_itemsize`` the bytes of one cache value.
+    """
+    if min(batch, context) < 1 or k < 0:
+        raise ValueError(f"need batch >= 1, context >= 1, k >= 0; got {batch}, {context}, {k}")
+    if k and "mtp" not in params:
+        raise ValueError("k > 0 needs the MTP layer in params (load with mtp=True)")
+    e, top_k, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    verified = batch * (k + 1)
+    # Each MTP pass: the catch-up over the K+1 verified rows, then K-1 chained one-token passes.
+    draft_passes = [verified] + [batch] * (k - 1) if k else []
+    parts = dict.fromkeys(
+        ("target_weights", "target_experts", "draft_weights", "draft_experts", "draft_heads"), 0.0
+    )
+    mtp_head = False
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = _names(path)
+        nbytes = _nbytes(leaf)
+        group = names[0]
+        if group == "embed":  # looked up by row: the target's tokens and each draft pass's
+            row = nbytes / leaf.shape[0]
+            parts["target_weights"] += row * min(verified, leaf.shape[0])
+            parts["draft_weights"] += row * sum(min(n, leaf.shape[0]) for n in draft_passes)
+        elif group == "lm_head":
+            parts["target_weights"] += nbytes
+        elif group == "mtp":
+            if not k:
+                continue
+            if names[1] == "head":
+                mtp_head = True
+                parts["draft_heads"] += k * nbytes
+            elif names[1] == "embed":
+                parts["draft_weights"] += (
+                    nbytes / leaf.shape[1] * sum(min(n, leaf.shape[1]) for n in draft_passes)
+                )
+            elif _is_routed_expert(names):
+                parts["draft_experts"] += sum(
+                    nbytes * expected_experts(n, e, top_k) / e for n in draft_passes
+                )
+            else:
+                parts["draft_weights"] += k * nbytes
+        elif _is_routed_expert(names):
+            parts["target_experts"] += nbytes * expected_experts(verified, e, top_k) / e
+        else:
+            parts["target_weights"] += nbytes
+    if k and not mtp_head:  # drafts read the target's head
+        parts["draft_heads"] += k * d * cfg.vocab_size * jnp.dtype(params["lm_head"].dtype).itemsize
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    per_layer = batch * (context + k + 1) * width * cache_itemsize
+    kv = per_layer * (cfg.num_hidden_layers + (k if k else 0))
+    return StepBytes(**parts, kv=float(kv))
+
+
+def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0) -> dict:
+    """Parameters of ``cfg`` with random values, made on the device (nothing read from disk): the
+    structure, shapes and dtypes the loader produces (:func:`mtp_jax.plan.abstract_params`), FP8
+    projections kept FP8 with ``weights="fp8"``. Projections are N(0, 0.02) (FP8: N(0, 1) values
+    with block scales 0.02), norms 1, router biases 0: the activations stay finite, which is all a
+    timing needs."""
+    from mtp_jax.plan import abstract_params
+    from mtp_jax.sharding import make_mesh
+
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    mesh = make_mesh(devices=jax.devices()[:1])
+    shapes = abstract_params(cfg, mesh, dtype, weights=weights)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+
+    def make(key: jax.Array) -> list[jax.Array]:
+        out = []
+        for i, (path, s) in enumerate(flat):
+            name = _names(path)[-1]
+            if name.endswith("norm"):
+                out.append(jnp.ones(s.shape, s.dtype))
+            elif name == "bias":
+                out.append(jnp.zeros(s.shape, s.dtype))
+            elif name == "scale_inv":
+                out.append(jnp.full(s.shape, 0.02, s.dtype))
+            else:
+                std = 1.0 if jnp.dtype(s.dtype).itemsize == 1 else 0.02
+                x = std * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)
+                out.append(x.astype(s.dtype))
+        return out
+
+    leaves = jax.jit(make, out_shardings=[s.sharding for _, s in flat])(jax.random.key(seed))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def time_step(
+    params: dict,
+    cfg: Any,
+    *,
+    k: int,
+    batch: int,
+    context: int,
+    page_size: int,
+    dtype: Any,
+    iters: int,
+) -> float:
+    """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
+    rows whose committed length is ``context``: every timed call starts from that length."""
+    from mtp_jax.step import StepConfig, init_state, step
+
+    sc = StepConfig(cfg, page_size, k, "mtp" if k else None)
+    width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
+    state = init_state(sc, batch, batch * width, width, dtype)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, cfg.vocab_size, (batch, k + 1)).astype(np.int32)
+    state = dataclasses.replace(
+        state,
+        page_table=jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width),
+        next_token=jnp.asarray(ids[:, 0]),
+        drafts=jnp.asarray(ids[:, 1:]),
+        active=jnp.ones((batch,), bool),
+    )
+    seq = np.full((batch,), context, np.int32)
+    holder = [state]
+
+    def one() -> jax.Array:
+        # The state is donated: feed back the new one, with the committed length reset.
+        s = dataclasses.replace(holder[0], seq_len=jnp.asarray(seq))
+        emitted, n_emit, holder[0] = step(params, s, sc)
+        return n_emit
+
+    return timed(one, iters)
+
+
+def _load_config(path: str, overrides: Sequence[str]) -> Any:
+    from mtp_jax.config import DeepseekV3Config
+
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            raw[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--set {key}: value {value!r} is not JSON ({e.msg})") from None
+    return DeepseekV3Config.from_dict(raw)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    src.add_argument("--config", help="config.json: random weights of that shape, made on the device")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a --config field (JSON value)",
+    )
+    parser.add_argument("--weights", choices=WEIGHT_CHOICES, default="bf16", help="--config only")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="parameter and cache dtype (default: float32 for --model, bfloat16 for --config)",
+    )
+    parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3], help="drafts per step (0: plain)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024, help="committed tokens per row")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--copy-mb", type=int, default=1024, help="buffer size of the bandwidth measurement")
+    parser.add_argument("--json", help="write the results here")
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict:
+    from mtp_jax.model import DTYPES
+
+    if min(args.batch, args.context, args.iters, args.page_size, args.copy_mb) < 1 or min(args.k) < 0:
+        raise ValueError("--batch, --context, --iters, --page-size and --copy-mb must be >= 1, --k >= 0")
+    if args.set and not args.config:
+        raise ValueError("--set changes a --config; it does nothing to a checkpoint")
+    if args.config:
+        dtype_name = args.dtype or "bfloat16"
+        cfg = _load_config(args.config, args.set)
+        print(f"random {args.weights} weights for {args.config} {args.set} ...", file=sys.stderr, flush=True)
+        params = random_params(cfg, DTYPES[dtype_name], args.weights)
+        name = f"{os.path.basename(args.config)} {' '.join(args.set)} ({args.weights}, random)".strip()
+    else:
+        import mtp_jax
+        from mtp_jax.cli import default_model_dir
+
+        dtype_name = args.dtype or "float32"
+        path = args.model or default_model_dir()
+        if path is None:
+            raise FileNotFoundError("no --model given and no embedded model found")
+        model = mtp_jax.load(path, dtype=dtype_name)
+        cfg, params = model.config, model.params
+        name = os.path.basename(os.path.abspath(path))
+    if max(args.k) and "mtp" not in params:
+        raise ValueError(f"{name} has no MTP layer: only --k 0 can run")
+    if args.context + 2 * (max(args.k) + 1) > cfg.max_position_embeddings:
+        raise ValueError(
+            f"--context {args.context} plus the step's rows exceeds max_position_embeddings "
+            f"{cfg.max_position_embeddings}"
+        )
+    dtype = DTYPES[dtype_name]
+    bandwidth = copy_bandwidth(args.copy_mb, min(args.iters, 20))
+    print(
+        f"device {jax.devices()[0]}: copy bandwidth {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True
+    )
+    rows = []
+    for k in args.k:
+        print(f"K = {k}: compiling and timing ...", file=sys.stderr, flush=True)
+        need = step_bytes(
+            params, cfg, k=k, batch=args.batch, context=args.context, cache_itemsize=jnp.dtype(dtype).itemsize
+        )
+        seconds = time_step(
+            params,
+            cfg,
+            k=k,
+            batch=args.batch,
+            context=args.context,
+            page_size=args.page_size,
+            dtype=dtype,
+            iters=args.iters,
+        )
+        roofline = need.total / bandwidth
+        rows.append(
+            {
+                "k": k,
+                "step_ms": seconds * 1e3,
+                "bytes": need.total,
+                "bytes_by_part": dataclasses.asdict(need),
+                "roofline_ms": roofline * 1e3,
+                "over_roofline": seconds / roofline,
+                "achieved_gb_s": need.total / seconds / 1e9,
+            }
+        )
+    return {
+        "model": name,
+        "dtype": dtype_name,
+        "batch": args.batch,
+        "context": args.context,
+        "page_size": args.page_size,
+        "iters": args.iters,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "device": str(jax.devices()[0]),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "results": rows,
+    }
+
+
+def table(report: dict) -> str:
+    lines = [
+        "| K | step ms | MB read | of which weights / experts / heads / KV | roofline ms | step / roofline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        p = r["bytes_by_part"]
+        split = " / ".join(
+            f"{x / 1e6:.1f}"
+            for x in (
+                p["target_weights"] + p["draft_weights"],
+                p["target_experts"] + p["draft_experts"],
+                p["draft_heads"],
+                p["kv"],
+            )
+        )
+        lines.append(
+            f"| {r['k']} | {r['step_ms']:.3f} | {r['bytes'] / 1e6:.1f} | {split} | "
+            f"{r['roofline_ms']:.3f} | {r['over_roofline']:.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        report = run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{report['model']}, batch {report['batch']}, context {report['context']}, {report['dtype']}, "
+        f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s on {report['device']}"
+    )
+    print(table(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0

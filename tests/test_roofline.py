@@ -1,0 +1,159 @@
+"""The step's roofline: expected experts against sampled routing, the byte count against the
+parameter counts of :mod:`mtp_jax.checkpoint.estimate` (written from the config, independently of
+the parameter tree), random parameters against the loader's structure, and a CPU smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp_jax import roofline
+from mtp_jax.checkpoint.estimate import count_parameters, weight_bytes
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.plan import abstract_params
+from mtp_jax.roofline import expected_experts, random_params, step_bytes
+from mtp_jax.sharding import make_mesh
+from tests.conftest import REPO, TINY_CONFIG
+
+
+@pytest.mark.parametrize("n_tokens, n_experts, top_k", [(1, 8, 2), (4, 8, 2), (12, 16, 4), (5, 256, 8)])
+def test_expected_experts_matches_sampled_routing(n_tokens, n_experts, top_k):
+    rng = np.random.default_rng(0)
+    trials = 4000
+    picks = np.argsort(rng.random((trials, n_tokens, n_experts)), axis=-1)[..., :top_k]
+    touched = np.array([len(np.unique(p)) for p in picks])
+    sem = touched.std() / np.sqrt(trials)
+    assert abs(touched.mean() - expected_experts(n_tokens, n_experts, top_k)) < 4 * sem + 1e-9
+    assert expected_experts(0, n_experts, top_k) == 0
+    assert expected_experts(1, n_experts, top_k) == pytest.approx(top_k)
+
+
+def test_expected_experts_rejects_bad_counts():
+    with pytest.raises(ValueError, match="top_k"):
+        expected_experts(3, 8, 9)
+    with pytest.raises(ValueError, match="n_tokens"):
+        expected_experts(-1, 8, 2)
+
+
+def _touched(n: int, cfg) -> float:
+    return expected_experts(n, cfg.n_routed_experts, cfg.num_experts_per_tok) / cfg.n_routed_experts
+
+
+@pytest.mark.parametrize("k, batch, context", [(0, 1, 10), (3, 1, 100), (2, 4, 37)])
+def test_step_bytes_of_the_loaded_model_match_the_parameter_count(tiny_model, k, batch, context):
+    cfg = tiny_model.config
+    pc = count_parameters(cfg)
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    per_layer_experts = cfg.n_routed_experts * 3 * d * f  # gate, up, down of every routed expert
+    n = batch * (k + 1)
+    passes = [n] + [batch] * (k - 1) if k else []
+    got = step_bytes(tiny_model.params, cfg, k=k, batch=batch, context=context, cache_itemsize=4)
+    assert got.target_weights == pytest.approx(4 * (pc.main - pc.routed_experts - pc.embedding + n * d))
+    assert got.target_experts == pytest.approx(4 * pc.routed_experts * _touched(n, cfg))
+    assert got.draft_heads == pytest.approx(4 * k * d * cfg.vocab_size)
+    mtp_rest = pc.mtp - per_layer_experts
+    assert got.draft_weights == pytest.approx(4 * (k * mtp_rest + d * sum(passes)))
+    assert got.draft_experts == pytest.approx(4 * per_layer_experts * sum(_touched(p, cfg) for p in passes))
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    layers = cfg.num_hidden_layers + k
+    assert got.kv == 4 * layers * batch * (context + k + 1) * width
+    assert got.total == pytest.approx(sum(vars(got).values()))
+
+
+def test_step_bytes_count_fp8_weights_with_their_scales(monkeypatch):
+    """With every expert touched, a plain step reads the whole main model (FP8 weights, their block
+    scales, the dense rest) except the embedding rows it does not look up: the estimate's bytes."""
+    raw = dict(TINY_CONFIG, hidden_size=256, moe_intermediate_size=128, intermediate_size=384, vocab_size=300)
+    cfg = DeepseekV3Config.from_dict(raw)
+    no_mtp = DeepseekV3Config.from_dict(dict(raw, num_nextn_predict_layers=0))
+    params = abstract_params(
+        cfg, make_mesh(devices=jax.devices()[:1]), jnp.bfloat16, weights="fp8", mtp=False
+    )
+    monkeypatch.setattr(roofline, "expected_experts", lambda n, e, k: e)
+    got = step_bytes(params, cfg, k=0, batch=2, context=5, cache_itemsize=2)
+    held = sum(weight_bytes(no_mtp, "fp8").values())
+    embed_rows = 2 * cfg.hidden_size * 2  # two tokens' rows, bfloat16
+    assert got.target_weights + got.target_experts == held - 2 * cfg.vocab_size * cfg.hidden_size + embed_rows
+    assert got.draft_weights == got.draft_experts == got.draft_heads == 0
+
+
+def test_step_bytes_argument_errors(tiny_model):
+    cfg = tiny_model.config
+    with pytest.raises(ValueError, match="batch >= 1"):
+        step_bytes(tiny_model.params, cfg, k=1, batch=0, context=4, cache_itemsize=4)
+    no_mtp = {k: v for k, v in tiny_model.params.items() if k != "mtp"}
+    with pytest.raises(ValueError, match="MTP layer"):
+        step_bytes(no_mtp, cfg, k=1, batch=1, context=4, cache_itemsize=4)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_random_params_have_the_loaders_structure(weights):
+    cfg = DeepseekV3Config.from_dict(TINY_CONFIG)
+    params = random_params(cfg, jnp.bfloat16, weights, seed=1)
+    shapes = abstract_params(cfg, make_mesh(devices=jax.devices()[:1]), jnp.bfloat16, weights=weights)
+    assert jax.tree.structure(params) == jax.tree.structure(shapes)
+    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shapes), strict=True):
+        assert x.shape == s.shape and x.dtype == s.dtype
+        assert np.isfinite(np.asarray(x, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(params["final_norm"], np.float32), 1.0)
+    assert float(jnp.std(params["lm_head"].astype(jnp.float32))) == pytest.approx(0.02, rel=0.1)
+    with pytest.raises(ValueError, match="weights"):
+        random_params(cfg, jnp.bfloat16, "int4")
+
+
+def _run(*args: str, cwd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+def test_bench_step_smoke_run(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    out = tmp_path / "step.json"
+    args = ["--config", str(config), "--set", "num_hidden_layers=2", "--weights", "fp8", "--k", "0", "2"]
+    args += ["--context", "40", "--page-size", "8", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
+    run = _run(*args, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["copy_bandwidth_gb_s"] > 0 and report["dtype"] == "bfloat16"
+    assert "num_hidden_layers=2" in report["model"]
+    rows = {r["k"]: r for r in report["results"]}
+    assert set(rows) == {0, 2}
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["bytes"] == pytest.approx(sum(r["bytes_by_part"].values()))
+        assert r["over_roofline"] == pytest.approx(r["step_ms"] / r["roofline_ms"])
+    # two layers (one dense, one MoE) read the cache, plus the two MTP passes at K = 2
+    width = TINY_CONFIG["kv_lora_rank"] + TINY_CONFIG["qk_rope_head_dim"]
+    assert rows[2]["bytes_by_part"]["kv"] == (2 + 2) * (40 + 3) * width * 2
+    assert rows[0]["bytes_by_part"]["draft_heads"] == 0 < rows[2]["bytes_by_part"]["draft_heads"]
+    assert "| K | step ms |" in run.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "hidden_size=64"], "--set changes a --config"),
+        (["--config", "CONFIG", "--set", "hidden_size"], "KEY=VALUE"),
+        (["--config", "CONFIG", "--set", "hidden_size=sixty"], "is not JSON"),
+        (["--k", "0", "--batch", "0"], "must be >= 1"),
+        (["--context", "5000"], "max_position_embeddings"),
+    ],
+)
+def test_bench_step_argument_errors(tmp_path, args, message):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_CONFIG))
+    run = _run(*[str(config) if a == "CONFIG" else a for a in args], cwd=str(tmp_path))
+    assert run.returncode == 2 and message in run.stderr, run.stderr
