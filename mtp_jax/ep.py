@@ -274,7 +274,7 @@ def moe_sharded(
             return routed_all_to_all(how, n_local, cap, split, x, weights, idx, gate, up, down, how_exchange)
 
     else:
-        how = resolve_dispatch(dispatch, group, d, f, n_local)
+        how = resolve_dispatch(dispatch, group, d, f, n_local, cfg.num_experts_per_tok)
 
         def experts(x, weights, idx, gate, up, down):
             return routed_replicated(how, n_local, split, x, weights, idx, gate, up, down), jnp.bool_(False)

@@ -8,11 +8,13 @@ Parameters of one layer: ``router`` [d, e] (float32), ``bias`` [e] (float32 corr
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mtp_jax.checkpoint.fp8 import materialize
+from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import Weight, swiglu
 
@@ -80,18 +82,58 @@ def routed_experts_dense(
     return jnp.einsum("end,ne->nd", ys, dense_w).astype(x.dtype)
 
 
-DISPATCH = {"sorted": routed_experts, "dense": routed_experts_dense}
-# "auto" computes every expert densely when that costs at most this many multiply-adds and the
-# backend is the CPU, where ragged_dot runs about ten times slower than a batched matmul of the
-# same rows (tiny models, decode-sized batches); elsewhere it is the sorted grouped matmul.
+def routed_experts_gathered(
+    x: jax.Array, weights: jax.Array, idx: jax.Array, gate: Weight, up: Weight, down: Weight
+) -> jax.Array:
+    """The same sum as :func:`routed_experts`, each token copy multiplied by its own expert's
+    weights, gathered: reads the n·k chosen experts' weights (FP8 ones dequantised after the
+    gather), not all E. For decode-sized batches on the CPU, where both other paths touch every
+    expert (``ragged_dot`` is lowered there to a masked dense matmul over all groups). Ids outside
+    [0, E) contribute nothing (expert parallelism marks copies routed elsewhere so).
+    """
+    n, k = idx.shape
+    e = (gate.w if isinstance(gate, Fp8Weight) else gate).shape[0]
+    flat = idx.reshape(-1)
+    valid = flat < e
+    chosen = jnp.where(valid, flat, 0)
+
+    def pick(w: Weight) -> jax.Array:
+        if isinstance(w, Fp8Weight):
+            w = dataclasses.replace(w, w=w.w[chosen], scale_inv=w.scale_inv[chosen])
+        else:
+            w = w[chosen]
+        return materialize(w, x.dtype).astype(x.dtype)
+
+    xs = jnp.repeat(x, k, axis=0)  # copy j is token j // k
+
+    def matvec(v: jax.Array, w: Weight) -> jax.Array:
+        return jnp.einsum("ri,rio->ro", v, pick(w), preferred_element_type=jnp.float32).astype(x.dtype)
+
+    h = jax.nn.silu(matvec(xs, gate)) * matvec(xs, up)
+    ys = matvec(h, down).astype(jnp.float32)
+    w = jnp.where(valid, weights.reshape(-1), 0.0).astype(jnp.float32)
+    out = jnp.where(valid[:, None], ys * w[:, None], 0.0).reshape(n, k, -1).sum(axis=1)
+    return out.astype(x.dtype)
+
+
+DISPATCH = {"sorted": routed_experts, "dense": routed_experts_dense, "gather": routed_experts_gathered}
+# On the CPU "auto" gathers each copy's expert when there are fewer token copies than experts
+# (decode): the other two paths read every expert's weights. Otherwise it computes every expert
+# densely when that costs at most this many multiply-adds, since ragged_dot runs about ten times
+# slower there than a batched matmul of the same rows (tiny models, decode-sized batches); elsewhere
+# (and for larger sizes) it is the sorted grouped matmul.
 DENSE_DISPATCH_MAX_MACS = 1 << 26
 
 
-def resolve_dispatch(dispatch: str, tokens: int, d: int, f: int, experts: int) -> str:
-    """The evaluation ``dispatch`` stands for at these (static) sizes."""
+def resolve_dispatch(dispatch: str, tokens: int, d: int, f: int, experts: int, k: int = 1) -> str:
+    """The evaluation ``dispatch`` stands for at these (static) sizes: ``tokens`` rows of ``k``
+    expert choices each over ``experts`` experts of width d -> f -> d."""
     if dispatch == "auto":
-        small = tokens * experts * d * f * 3 <= DENSE_DISPATCH_MAX_MACS
-        return "dense" if small and jax.default_backend() == "cpu" else "sorted"
+        if jax.default_backend() != "cpu":
+            return "sorted"
+        if tokens * k < experts:
+            return "gather"
+        return "dense" if tokens * experts * d * f * 3 <= DENSE_DISPATCH_MAX_MACS else "sorted"
     if dispatch not in DISPATCH:
         raise ValueError(f"dispatch must be one of {sorted(DISPATCH) + ['auto']}, got {dispatch!r}")
     return dispatch
@@ -103,8 +145,9 @@ def moe(
     """The MoE block for x [b, t, d]: (output [b, t, d], tokens routed to each expert [e] float32).
 
     ``dispatch`` picks how the routed experts are evaluated (same result): ``"sorted"`` (dropless
-    sort + grouped matmul), ``"dense"`` (:func:`routed_experts_dense`, used for training) or
-    ``"auto"`` (dense for small sizes on CPU, else sorted; see :data:`DENSE_DISPATCH_MAX_MACS`).
+    sort + grouped matmul), ``"dense"`` (:func:`routed_experts_dense`, used for training),
+    ``"gather"`` (:func:`routed_experts_gathered`) or ``"auto"`` (on the CPU gather for fewer token
+    copies than experts, dense for other small sizes, else sorted; see :func:`resolve_dispatch`).
     The per-expert load feeds DeepSeek-V3's auxiliary-loss-free bias update during training.
     With a ``mesh`` of more than one device, routing and the routed experts run under ``shard_map``,
     expert-parallel over its ``expert`` axis (:func:`mtp_jax.ep.moe_sharded`); ``mesh=None`` is the
@@ -121,7 +164,12 @@ def moe(
         out = out.reshape(flat.shape)
     else:
         how = resolve_dispatch(
-            dispatch, flat.shape[0], cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+            dispatch,
+            flat.shape[0],
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
         )
         weights, idx = route(flat, p["router"], p["bias"], cfg)
         out = DISPATCH[how](flat, weights, idx, p["gate"], p["up"], p["down"])

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.moe import moe, resolve_dispatch, route, routed_experts, routed_experts_dense
+from mtp_jax.moe import (
+    moe,
+    resolve_dispatch,
+    route,
+    routed_experts,
+    routed_experts_dense,
+    routed_experts_gathered,
+)
 from tests.conftest import TINY_CONFIG
 
 
@@ -90,9 +97,38 @@ def test_routed_experts_match_loop(monkeypatch, kernels):
             ex = idx[i, j]
             g, u = x[i] @ gate[ex], x[i] @ up[ex]
             want[i] += w[i, j] * ((g / (1 + np.exp(-g)) * u) @ down[ex])
-    for impl in (routed_experts, routed_experts_dense):
+    for impl in (routed_experts, routed_experts_dense, routed_experts_gathered):
         got = np.asarray(impl(*map(jnp.asarray, (x, w, idx, gate, up, down))))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=impl.__name__)
+
+
+def test_gathered_experts_skip_ids_out_of_range_and_take_fp8():
+    """Ids >= E (expert parallelism's copies routed to another device) add nothing, whatever their
+    weight; FP8 experts are dequantised after the gather, as the sorted path dequantises them all."""
+    from mtp_jax.checkpoint.fp8 import Fp8Weight
+
+    rng = np.random.default_rng(3)
+    n, d, f, e, k = 5, 16, 8, 4, 2
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    idx = np.asarray(rng.integers(0, e, (n, k)), np.int32)
+    gate, up = (jnp.asarray(rng.standard_normal((e, d, f)), jnp.float8_e4m3fn) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((e, f, d)), jnp.float8_e4m3fn)
+
+    def fp8(a, block):
+        scales = rng.random((e, -(-a.shape[1] // block[0]), -(-a.shape[2] // block[1]))) * 0.1 + 0.01
+        return Fp8Weight(w=a, scale_inv=jnp.asarray(scales, jnp.float32), shape=a.shape[1:], block=block)
+
+    weights = (fp8(gate, (8, 4)), fp8(up, (8, 4)), fp8(down, (4, 8)))
+    want = routed_experts(x, w, jnp.asarray(idx), *weights)
+    np.testing.assert_allclose(
+        routed_experts_gathered(x, w, jnp.asarray(idx), *weights), want, rtol=1e-5, atol=1e-5
+    )
+    elsewhere = idx.copy()
+    elsewhere[:, 1] = e  # the second copy of every token went to another device
+    only_first = routed_experts(x, w.at[:, 1].set(0.0), jnp.asarray(idx), *weights)
+    got = routed_experts_gathered(x, w, jnp.asarray(elsewhere), *weights)
+    np.testing.assert_allclose(got, only_first, rtol=1e-5, atol=1e-5)
 
 
 def test_moe_block_adds_shared_experts():
@@ -116,8 +152,11 @@ def test_moe_block_adds_shared_experts():
     no_shared = dataclasses.replace(cfg, n_shared_experts=0)
     routed = np.asarray(moe(params, jnp.asarray(x), no_shared)[0])
     assert load.shape == (e,) and float(load.sum()) == 2 * 5 * cfg.num_experts_per_tok
-    assert resolve_dispatch("auto", 4, 8, 8, 8) == "dense"  # tiny, on this CPU
-    assert resolve_dispatch("auto", 4096, 7168, 2048, 256) == "sorted"  # DeepSeek-V3 sizes
+    # on this CPU: fewer token copies than experts gather, other tiny sizes run dense
+    assert resolve_dispatch("auto", 3, 8, 8, 8, k=2) == "gather"
+    assert resolve_dispatch("auto", 4, 8, 8, 8, k=2) == "dense"
+    assert resolve_dispatch("auto", 4, 7168, 2048, 256, k=8) == "gather"  # DeepSeek-V3 decode
+    assert resolve_dispatch("auto", 4096, 7168, 2048, 256, k=8) == "sorted"  # DeepSeek-V3 prefill
     with pytest.raises(ValueError, match="dispatch"):
         moe(params, jnp.asarray(x), cfg, "ragged")
     g, u = x @ p["shared_gate"], x @ p["shared_up"]
