@@ -93,11 +93,11 @@ def test_step_bytes_argument_errors(tiny_model):
         step_bytes(no_mtp, cfg, k=1, batch=1, context=4, cache_itemsize=4)
 
 
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
-def test_random_params_have_the_loaders_structure(weights):
+@pytest.mark.parametrize("weights, planned", [("dense", "bf16"), ("fp8", "fp8")])
+def test_random_params_have_the_loaders_structure(weights, planned):
     cfg = DeepseekV3Config.from_dict(TINY_CONFIG)
     params = random_params(cfg, jnp.bfloat16, weights, seed=1)
-    shapes = abstract_params(cfg, make_mesh(devices=jax.devices()[:1]), jnp.bfloat16, weights=weights)
+    shapes = abstract_params(cfg, make_mesh(devices=jax.devices()[:1]), jnp.bfloat16, weights=planned)
     assert jax.tree.structure(params) == jax.tree.structure(shapes)
     for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shapes), strict=True):
         assert x.shape == s.shape and x.dtype == s.dtype
@@ -128,13 +128,16 @@ def test_bench_step_smoke_run(tmp_path):
     run = _run(*args, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
-    assert report["copy_bandwidth_gb_s"] > 0 and report["dtype"] == "bfloat16"
+    assert min(report["copy_bandwidth_gb_s"], report["read_bandwidth_gb_s"]) > 0
+    assert report["bandwidth_limit_gb_s"] == max(report["copy_bandwidth_gb_s"], report["read_bandwidth_gb_s"])
+    assert report["dtype"] == "bfloat16"
     assert "num_hidden_layers=2" in report["model"]
     rows = {r["k"]: r for r in report["results"]}
     assert set(rows) == {0, 2}
     for r in rows.values():
         assert r["step_ms"] > 0 and r["bytes"] == pytest.approx(sum(r["bytes_by_part"].values()))
         assert r["over_roofline"] == pytest.approx(r["step_ms"] / r["roofline_ms"])
+        assert r["roofline_ms"] == pytest.approx(r["bytes"] / report["bandwidth_limit_gb_s"] / 1e6)
     # two layers (one dense, one MoE) read the cache, plus the two MTP passes at K = 2
     width = TINY_CONFIG["kv_lora_rank"] + TINY_CONFIG["qk_rope_head_dim"]
     assert rows[2]["bytes_by_part"]["kv"] == (2 + 2) * (40 + 3) * width * 2
