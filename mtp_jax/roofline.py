@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -199,25 +200,26 @@ def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0) -> dict:
     mesh = make_mesh(devices=jax.devices()[:1])
     shapes = abstract_params(cfg, mesh, dtype, weights="fp8" if weights == "fp8" else "bf16")
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-
-    def make(key: jax.Array) -> list[jax.Array]:
-        out = []
-        for i, (path, s) in enumerate(flat):
-            name = _names(path)[-1]
-            if name.endswith("norm"):
-                out.append(jnp.ones(s.shape, s.dtype))
-            elif name == "bias":
-                out.append(jnp.zeros(s.shape, s.dtype))
-            elif name == "scale_inv":
-                out.append(jnp.full(s.shape, 0.02, s.dtype))
-            else:
-                std = 1.0 if jnp.dtype(s.dtype).itemsize == 1 else 0.02
-                x = std * jax.random.normal(jax.random.fold_in(key, i), s.shape, jnp.float32)
-                out.append(x.astype(s.dtype))
-        return out
-
-    leaves = jax.jit(make, out_shardings=[s.sharding for _, s in flat])(jax.random.key(seed))
+    key = jax.random.key(seed)
+    leaves = []
+    for i, (path, s) in enumerate(flat):  # one leaf at a time: a full-size temporary stays one leaf's
+        name = _names(path)[-1]
+        kind = "ones" if name.endswith("norm") else name if name in ("bias", "scale_inv") else "normal"
+        leaves.append(_random_leaf(jax.random.fold_in(key, i), kind=kind, shape=s.shape, dtype=s.dtype))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "shape", "dtype"))
+def _random_leaf(key: jax.Array, *, kind: str, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "bias":
+        return jnp.zeros(shape, dtype)
+    if kind == "scale_inv":
+        return jnp.full(shape, 0.02, dtype)
+    narrow = jnp.dtype(dtype).itemsize <= 2  # draw 16-bit values: half the temporary of float32
+    x = jax.random.normal(key, shape, jnp.bfloat16 if narrow else dtype)
+    return (x * (1.0 if jnp.dtype(dtype).itemsize == 1 else 0.02)).astype(dtype)
 
 
 def time_step(
