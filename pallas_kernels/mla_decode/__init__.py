@@ -4,6 +4,9 @@
 (compute capability 9.x) when the inputs suit it (16-bit dtype, a supported page size) and the
 pure-jnp reference everywhere else. The environment variable ``MTP_JAX_KERNELS`` (``reference``,
 ``kernel`` or ``interpret``) overrides what ``"auto"`` would pick; an explicit ``impl`` wins over it.
+When ``"auto"`` picks the kernel, it is first compiled alone at the call's shapes (once per shape,
+:mod:`pallas_kernels.native`); if the device's toolchain refuses it, the reference runs instead,
+with a warning.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import native
 from pallas_kernels.mla_decode.kernel import NATIVE_DTYPES, check_page_size, mla_decode_kernel
 from pallas_kernels.mla_decode.reference import mla_decode_reference
 
@@ -122,6 +126,17 @@ def _reference_in_query_chunks(q, pages, page_table, positions, *, scale, value_
     return out.reshape(batch, n * chunk, heads, value_dim)[:, :tokens]
 
 
+def _kernel_compiles(q, pages, page_table, positions, scale, value_dim, layer) -> bool:
+    """Whether the native kernel compiles for these shapes (see :mod:`pallas_kernels.native`)."""
+    args = (q, pages, page_table, positions) + (() if layer is None else (layer,))
+
+    def run(q, pages, page_table, positions, *stack_layer):
+        at = stack_layer[0] if stack_layer else None
+        return mla_decode_kernel(q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=at)
+
+    return native.compiles_natively("mla_decode", run, args, key=(scale, value_dim))
+
+
 def mla_decode(
     q: jax.Array,
     pages: jax.Array,
@@ -144,7 +159,14 @@ def mla_decode(
     (in chunks of :data:`QUERY_CHUNK` queries).
     """
     _check_args(q, pages, page_table, positions, value_dim, layer)
+    automatic = impl == "auto" and not os.environ.get(ENV_VAR, "").strip()
     impl = resolve_impl(impl, pages)
+    if (
+        automatic
+        and impl == "kernel"
+        and not _kernel_compiles(q, pages, page_table, positions, scale, value_dim, layer)
+    ):
+        impl = "reference"
     if impl == "reference":
         return _reference_in_query_chunks(
             q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=layer

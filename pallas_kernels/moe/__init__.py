@@ -24,6 +24,10 @@ comparison (the Pallas Triton backend is deprecated from JAX 0.11).
 - ``"reference"``: :mod:`pallas_kernels.moe.reference` (every expert on every row; slow).
 - ``"ragged_dot"``: ``jax.lax.ragged_dot`` on the dequantised weights, as :mod:`mtp_jax.moe` does.
 
+When ``"auto"`` picks a compiled kernel ("kernel" or "triton"), it is first compiled alone at the
+call's shapes (once per shape, :mod:`pallas_kernels.native`); if the device's toolchain refuses it,
+``ragged_dot`` runs instead, with a warning.
+
 Permute and combine are jnp (sort, gather, scatter-add) for every ``impl``.
 """
 
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
+from pallas_kernels import native
 from pallas_kernels.moe import kernel, mosaic_gpu, reference
 from pallas_kernels.moe.reference import combine, permute
 
@@ -184,7 +189,15 @@ def gmm(
     are by the non-kernel implementations.
     """
     _check_gmm(lhs, rhs, group_sizes)
+    automatic = impl == "auto" and not os.environ.get(ENV_VAR, "").strip()
     impl = select_impl(impl, rhs.block if isinstance(rhs, Fp8Weight) else None, lhs.dtype)
+    if automatic and impl in ("kernel", "triton"):
+        family = "mosaic_gpu" if impl == "kernel" else "triton"
+        options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS[family]}
+        compiled = functools.partial((mosaic_gpu if impl == "kernel" else kernel).gmm, **options)
+        key = tuple(sorted(options.items()))
+        if not native.compiles_natively(f"gmm ({family})", compiled, (lhs, rhs, group_sizes), key):
+            impl = "ragged_dot"
     if impl in ("kernel", "interpret"):
         options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS["mosaic_gpu"]}
         return mosaic_gpu.gmm(lhs, rhs, group_sizes, interpret=impl == "interpret", **options)

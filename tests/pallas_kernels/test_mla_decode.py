@@ -8,6 +8,8 @@ The ``hopper`` tests compile the kernel natively and only run on a Hopper GPU.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,6 +236,49 @@ def test_dispatcher_auto_is_reference_off_gpu(monkeypatch):
         mla_decode(*inputs, scale=0.3, value_dim=32),
         mla_decode_reference(*inputs, scale=0.3, value_dim=32),
     )
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="needs a device where the native kernel cannot compile")
+def test_auto_falls_back_to_the_reference_when_the_kernel_does_not_compile(monkeypatch):
+    """On a (faked) Hopper GPU "auto" picks the kernel, compiles it alone first and, as it cannot
+    compile here, warns once per shape and runs the reference, also inside a jitted caller."""
+    import pallas_kernels.mla_decode as dispatcher
+    from pallas_kernels import native
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatcher, "_on_hopper", lambda: True)
+    monkeypatch.setattr(native, "_RESULTS", {})
+    inputs = make_inputs(
+        6, batch=2, tokens=2, heads=2, width=64, page_size=16, pages_per_row=3, dtype=jnp.bfloat16
+    )
+    assert resolve_impl("auto", inputs[1]) == "kernel"
+    run = jax.jit(lambda *a: mla_decode(*a, scale=0.3, value_dim=64))
+    with pytest.warns(RuntimeWarning, match="mla_decode: the native kernel did not compile"):
+        out = run(*inputs)
+    assert_close(out, mla_decode_reference(*inputs, scale=0.3, value_dim=64), jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the verdict is cached: no second compile, no second warning
+        mla_decode(*inputs, scale=0.3, value_dim=64)
+    with pytest.raises(ValueError, match="interpret mode"):  # forced, the kernel's own error surfaces
+        mla_decode(*inputs, scale=0.3, value_dim=64, impl="kernel")
+
+
+def test_auto_uses_the_kernel_when_it_compiles(monkeypatch):
+    import pallas_kernels.mla_decode as dispatcher
+    from pallas_kernels import native
+
+    calls = []
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatcher, "_on_hopper", lambda: True)
+    monkeypatch.setattr(
+        native, "compiles_natively", lambda name, fn, args, key=(): calls.append(name) or True
+    )
+    monkeypatch.setattr(dispatcher, "mla_decode_kernel", lambda *a, **kw: calls.append(kw["interpret"]))
+    inputs = make_inputs(
+        7, batch=1, tokens=2, heads=2, width=64, page_size=16, pages_per_row=2, dtype=jnp.bfloat16
+    )
+    mla_decode(*inputs, scale=0.3, value_dim=64)
+    assert calls == ["mla_decode", False]  # probed, then the compiled kernel called
 
 
 @pytest.mark.parametrize("stacked", [False, True])

@@ -463,6 +463,25 @@ def test_select_impl_by_gpu(monkeypatch, capability):
     assert pm.select_impl("triton") == "triton"  # every capability here is >= 8.0
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_auto_falls_back_to_ragged_dot_when_the_kernel_does_not_compile(monkeypatch, capability):
+    """On a (faked) Hopper / Ampere GPU "auto" picks the Mosaic GPU / Triton kernel, compiles it alone
+    first and, as it cannot compile here, warns once per shape and runs ragged_dot."""
+    from pallas_kernels import native
+
+    monkeypatch.delenv(pm.ENV_VAR, raising=False)
+    monkeypatch.setattr(pm, "_cuda_capability", lambda: capability)
+    monkeypatch.setattr(native, "_RESULTS", {})
+    rng = np.random.default_rng(4)
+    lhs = jnp.asarray(rng.standard_normal((16, 64)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, 64, 32)), jnp.bfloat16)
+    sizes = jnp.asarray([5, 0, 9], jnp.int32)
+    family = "mosaic_gpu" if capability[0] == 9 else "triton"
+    with pytest.warns(RuntimeWarning, match=rf"gmm \({family}\): the native kernel did not compile"):
+        out = jax.jit(lambda a, b, c: pm.gmm(a, b, c))(lhs, rhs, sizes)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(pm.gmm(lhs, rhs, sizes, impl="ragged_dot")))
+
+
 def test_environment_routes_the_dispatchers(monkeypatch):
     calls = []
     monkeypatch.setattr(reference, "gmm", lambda *a: calls.append("reference") or jnp.zeros((4, 3)))
