@@ -111,6 +111,32 @@ def _prompts(model, path: str | None, args: argparse.Namespace) -> tuple[list[li
     return ids, f"random prompts of {args.prompt_len} tokens"
 
 
+def model_path(arg: str | None) -> str:
+    """The checkpoint directory a benchmark runs on: ``arg``, else the embedded default model."""
+    from mtp_jax.cli import default_model_dir
+
+    path = arg or default_model_dir()
+    if path is None:
+        raise FileNotFoundError("no --model given and no embedded model found")
+    return path
+
+
+def machine_info() -> dict:
+    """What a benchmark report records about where it ran."""
+    return {
+        "device": str(jax.devices()[0]),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+    }
+
+
+def write_json(path: str, report: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+
+
 def _measure(model, prompts, args: argparse.Namespace, batch: int, configs: list[dict]) -> list[dict]:
     """Decode rates of several configurations: each compiled by an untimed run first, then the
     timed runs interleaved (config 1, 2, ..., 1, 2, ...) so drift on a noisy machine hits all of
@@ -136,7 +162,6 @@ def _measure(model, prompts, args: argparse.Namespace, batch: int, configs: list
 def run(args: argparse.Namespace) -> dict:
     import mtp_jax
     from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
-    from mtp_jax.cli import default_model_dir
     from mtp_jax.config import DeepseekV3Config
 
     if min(args.batch) < 1 or min(args.k) < 0 or args.prompts < 1 or args.repeats < 1:
@@ -149,9 +174,7 @@ def run(args: argparse.Namespace) -> dict:
             write_hub_checkpoint(path, SMALL, oracle_draft_tensors(cfg, 0.01) if oracle else hub_tensors(cfg))
             name = f"synthetic:{args.synthetic}"
         else:
-            path = args.model or default_model_dir()
-            if path is None:
-                raise FileNotFoundError("no --model given and no embedded model found")
+            path = model_path(args.model)
             name = os.path.basename(os.path.abspath(path))
         model = mtp_jax.load(path, dtype=args.dtype)
         prompts, prompt_note = _prompts(model, None if args.synthetic else path, args)
@@ -193,10 +216,7 @@ def run(args: argparse.Namespace) -> dict:
         "prompts_per_run": args.prompts,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
-        "device": str(jax.devices()[0]),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "jax": jax.__version__,
+        **machine_info(),
         "results": rows,
     }
 
@@ -261,9 +281,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return 2
     print(table(report))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json(args.json, report)
     if args.plot:
         plot(report, args.plot)
     return 0

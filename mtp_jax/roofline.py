@@ -41,7 +41,6 @@ import functools
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -249,12 +248,13 @@ def time_step(
         drafts=jnp.asarray(ids[:, 1:]),
         active=jnp.ones((batch,), bool),
     )
-    seq = np.full((batch,), context, np.int32)
+    # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
+    lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(iters + 2)]
     holder = [state]
 
     def one() -> jax.Array:
-        # The state is donated: feed back the new one, with the committed length reset.
-        s = dataclasses.replace(holder[0], seq_len=jnp.asarray(seq))
+        # feed back the new state, with the committed length reset
+        s = dataclasses.replace(holder[0], seq_len=lengths.pop())
         emitted, n_emit, holder[0] = step(params, s, sc)
         return n_emit
 
@@ -311,6 +311,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from mtp_jax.bench import machine_info
     from mtp_jax.model import DTYPES
 
     if min(args.batch, args.context, args.iters, args.page_size, args.copy_mb) < 1 or min(args.k) < 0:
@@ -325,12 +326,10 @@ def run(args: argparse.Namespace) -> dict:
         name = f"{os.path.basename(args.config)} {' '.join(args.set)} ({args.weights}, random)".strip()
     else:
         import mtp_jax
-        from mtp_jax.cli import default_model_dir
+        from mtp_jax.bench import model_path
 
         dtype_name = args.dtype or "float32"
-        path = args.model or default_model_dir()
-        if path is None:
-            raise FileNotFoundError("no --model given and no embedded model found")
+        path = model_path(args.model)
         model = mtp_jax.load(path, dtype=dtype_name)
         cfg, params = model.config, model.params
         name = os.path.basename(os.path.abspath(path))
@@ -388,10 +387,7 @@ def run(args: argparse.Namespace) -> dict:
         "copy_bandwidth_gb_s": copy / 1e9,
         "read_bandwidth_gb_s": read / 1e9,
         "bandwidth_limit_gb_s": bandwidth / 1e9,
-        "device": str(jax.devices()[0]),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "jax": jax.__version__,
+        **machine_info(),
         "results": rows,
     }
 
@@ -434,7 +430,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     )
     print(table(report))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        from mtp_jax.bench import write_json
+
+        write_json(args.json, report)
     return 0

@@ -17,13 +17,13 @@ reason. Each timing: compile, warm up, then the median of ``--iters`` calls.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.bench import write_json
 from mtp_jax.roofline import copy_bandwidth, timed
 from pallas_kernels.mla_decode import IMPLS as MLA_IMPLS
 from pallas_kernels.mla_decode import mla_decode
@@ -116,9 +116,7 @@ def main() -> int:
             "shapes": {"batch": args.batch, "k": args.k, "context": args.context, "small": args.small},
             "results": results,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json(args.json, report)
     return 0
 
 

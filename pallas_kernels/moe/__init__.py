@@ -171,6 +171,10 @@ def _check_gmm(lhs: jax.Array, rhs: jax.Array | Fp8Weight, group_sizes: jax.Arra
         )
 
 
+def _options(family: str, kernel_options: dict) -> dict:
+    return {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS[family]}
+
+
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array | Fp8Weight,
@@ -193,16 +197,16 @@ def gmm(
     impl = select_impl(impl, rhs.block if isinstance(rhs, Fp8Weight) else None, lhs.dtype)
     if automatic and impl in ("kernel", "triton"):
         family = "mosaic_gpu" if impl == "kernel" else "triton"
-        options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS[family]}
+        options = _options(family, kernel_options)
         compiled = functools.partial((mosaic_gpu if impl == "kernel" else kernel).gmm, **options)
         key = tuple(sorted(options.items()))
         if not native.compiles_natively(f"gmm ({family})", compiled, (lhs, rhs, group_sizes), key):
             impl = "ragged_dot"
     if impl in ("kernel", "interpret"):
-        options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS["mosaic_gpu"]}
+        options = _options("mosaic_gpu", kernel_options)
         return mosaic_gpu.gmm(lhs, rhs, group_sizes, interpret=impl == "interpret", **options)
     if impl in ("triton", "triton_interpret"):
-        options = {k: v for k, v in kernel_options.items() if k in KERNEL_OPTIONS["triton"]}
+        options = _options("triton", kernel_options)
         return kernel.gmm(lhs, rhs, group_sizes, interpret=impl == "triton_interpret", **options)
     if impl == "reference":
         return reference.gmm(lhs, rhs, group_sizes)
