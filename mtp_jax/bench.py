@@ -132,9 +132,12 @@ def machine_info() -> dict:
 
 
 def write_json(path: str, report: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Write ``report`` as JSON to ``path`` through a temporary name: never a half-written file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 def _measure(model, prompts, args: argparse.Namespace, batch: int, configs: list[dict]) -> list[dict]:

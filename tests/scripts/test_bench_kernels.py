@@ -13,6 +13,7 @@ from tests.conftest import REPO
 def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
     out = tmp_path / "kernels.json"
     args = ["--small", "--context", "64", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
+    args += ["--gmm-weights", "bf16", "fp8"]
     args += ["--impls", "kernel", "triton", "reference", "ragged_dot"]
     env = dict(os.environ, PYTHONPATH=REPO)
     run = subprocess.run(
@@ -25,7 +26,7 @@ def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert report["copy_bandwidth_gb_s"] > 0
-    rows = {(r["op"], r["impl"]): r for r in report["results"]}
+    rows = {(r["op"], r["impl"]): r for r in report["results"] if r.get("weights") != "fp8"}
     assert set(rows) == {
         ("mla_decode", "kernel"),
         ("gmm", "kernel"),
@@ -38,3 +39,8 @@ def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
         assert "skipped" in rows[key] and "GPU" in rows[key]["skipped"]
     for key in [("mla_decode", "reference"), ("gmm", "reference"), ("gmm", "ragged_dot")]:
         assert rows[key]["seconds"] > 0 and rows[key]["gb_per_s"] > 0 and rows[key]["bytes"] > 0
+        # against the float32-accumulated baseline: bf16 output rounding only
+        assert 0 < rows[key]["rel_err"] < 1e-2
+    fp8 = [r for r in report["results"] if r.get("weights") == "fp8" and r["impl"] == "ragged_dot"]
+    assert len(fp8) == 1 and fp8[0]["rel_err"] < 1e-2
+    assert "| gmm weights=fp8 tokens=4 |" in run.stdout  # the markdown table, one line per case
