@@ -45,3 +45,37 @@ def test_speculative_greedy_equals_plain_greedy(shipped):
     assert spec.finish_reasons == plain.finish_reasons
     # Drafts are really accepted, so the equality above is not vacuous.
     assert spec.stats["acceptance_length"] > 1.3
+
+
+PINS = os.path.join(os.path.dirname(__file__), "fixtures", "embedded_pins.json")
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("plain_greedy", {}),
+        ("mtp_greedy", {"draft": "mtp", "num_speculative_tokens": 3}),
+        ("plain_sampled", {"sampled": True}),
+        ("mtp_argmax_sampled", {"sampled": True, "draft": "mtp", "num_speculative_tokens": 3}),
+        (
+            "mtp_sampled_sampled",
+            {"sampled": True, "draft": "mtp", "num_speculative_tokens": 2, "draft_sampling": "sampled"},
+        ),
+    ],
+)
+def test_output_is_pinned(shipped, name, kwargs):
+    """Tokens, step counts and acceptance of the embedded model, recorded before the target/draft
+    refactor (tests/fixtures/embedded_pins.json, ``recorded_at``): moving MTP onto the draft
+    interface changed nothing, greedy or sampled, and later changes must not either."""
+    model, _, _ = shipped
+    with open(PINS, encoding="utf-8") as f:
+        pins = json.load(f)
+    kwargs = dict(kwargs)
+    if kwargs.pop("sampled", False):
+        kwargs.update(pins["sampling"])
+    result = model.generate(pins["prompts"], max_new_tokens=pins["max_new_tokens"], max_batch=4, **kwargs)
+    want = pins[name]
+    assert result.tokens == want["tokens"]
+    assert result.stats["steps"] == want["steps"]
+    assert result.stats["acceptance_length"] == pytest.approx(want["acceptance_length"], abs=1e-12)
+    assert result.stats["acceptance_rate_per_position"] == pytest.approx(want["per_position"], abs=1e-12)
