@@ -1,18 +1,29 @@
-"""mtp-jax: speculative decoding for DeepSeek-V3-family models in JAX."""
+"""mtp-jax: speculative decoding for DeepSeek-V3-family models and Llama 3 in JAX.
 
-from mtp_jax.config import DeepseekV3Config
-from mtp_jax.engine import GenerateResult
-from mtp_jax.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    ConfigError,
-    InvalidRequestError,
-    MtpJaxError,
-)
-from mtp_jax.model import Model, ScoreResult, load
-from mtp_jax.sharding import make_mesh
+The public names below are imported on first use (PEP 562), so importing one submodule (say the
+FP8 weight type, which the kernels in ``pallas_kernels`` use) does not import the whole engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "CheckpointError": "mtp_jax.errors",
+    "CheckpointNotFoundError": "mtp_jax.errors",
+    "ConfigError": "mtp_jax.errors",
+    "InvalidRequestError": "mtp_jax.errors",
+    "MtpJaxError": "mtp_jax.errors",
+    "DeepseekV3Config": "mtp_jax.config",
+    "GenerateResult": "mtp_jax.engine",
+    "Model": "mtp_jax.model",
+    "ScoreResult": "mtp_jax.model",
+    "load": "mtp_jax.model",
+    "make_mesh": "mtp_jax.sharding",
+}
 
 __all__ = [
     "CheckpointError",
@@ -27,3 +38,29 @@ __all__ = [
     "load",
     "make_mesh",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mtp_jax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.engine import GenerateResult
+    from mtp_jax.errors import (
+        CheckpointError,
+        CheckpointNotFoundError,
+        ConfigError,
+        InvalidRequestError,
+        MtpJaxError,
+    )
+    from mtp_jax.model import Model, ScoreResult, load
+    from mtp_jax.sharding import make_mesh

@@ -113,7 +113,7 @@ def _prompts(model, path: str | None, args: argparse.Namespace) -> tuple[list[li
 
 def model_path(arg: str | None) -> str:
     """The checkpoint directory a benchmark runs on: ``arg``, else the embedded default model."""
-    from mtp_jax.cli import default_model_dir
+    from mtp_jax.embedded import default_model_dir
 
     path = arg or default_model_dir()
     if path is None:

@@ -1,8 +1,9 @@
-"""The paged MLA cache: per layer, pages of [page_size, kv_lora + rope] latent rows.
+"""Paged KV caches, target-independent parts: page allocation and slot arithmetic.
 
-Device side it is a dict ``{stack: [L, num_pages, page_size, kv_lora + rope]}`` (one entry per
-layer stack of the model), plus a page table [B, pages_per_row] naming each row's pages in
-position order. Host side, :class:`PageAllocator` hands pages out and takes them back.
+Device side a cache is whatever its model keeps per token (:attr:`mtp_jax.targets.base.Target.
+init_cache`: DeepSeek-V3's latent rows, Llama's K/V heads), in pages of ``page_size`` positions, plus
+a page table [B, pages_per_row] naming each row's pages in position order. Host side,
+:class:`PageAllocator` hands pages out and takes them back.
 """
 
 from __future__ import annotations
@@ -10,23 +11,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from mtp_jax.config import DeepseekV3Config
-from mtp_jax.models.deepseek_v3 import stack_sizes
-
-
-def latent_width(cfg: DeepseekV3Config) -> int:
-    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
-
-
-def init_pages(
-    cfg: DeepseekV3Config, num_pages: int, page_size: int, dtype: jnp.dtype
-) -> dict[str, jax.Array]:
-    """Zeroed latent pages for every layer stack."""
-    return {
-        name: jnp.zeros((n, num_pages, page_size, latent_width(cfg)), dtype)
-        for name, n in stack_sizes(cfg).items()
-    }
 
 
 class PageAllocator:
@@ -75,6 +59,34 @@ class ShardedPageAllocator:
             mine = [p - base for p in pages if base <= p < base + self.per_shard]
             if mine:
                 part.release(mine)
+
+
+def write_rows(
+    pages: jax.Array, rows: jax.Array, slots: jax.Array, layer: jax.Array | int | None = None
+) -> jax.Array:
+    """Scatter rows [b, t, *item] into pages [P, page, *item] at flat slots [b, t]; slots >= P·page
+    are dropped. ``item`` is what one token keeps per layer: [c] for an MLA latent row, [kv_heads,
+    head_dim] for K or V.
+
+    With ``layer``, ``pages`` is a whole stack [L, P, page, *item] and only layer ``layer`` is written:
+    inside a scan over layers the stack then stays in the loop carry and is updated in place,
+    instead of each layer's pages being sliced out and stacked back (a copy of the whole cache
+    per step).
+    """
+    if layer is None:
+        return write_rows(pages[None], rows, slots, 0)[0]
+    page_size, item = pages.shape[2], pages.shape[3:]
+    slots = slots.reshape(-1)
+    # an out-of-range slot (an invalid token) lands on an out-of-range page, which mode="drop" skips
+    page, offset = slots // page_size, slots % page_size
+    values = rows.reshape(-1, *item).astype(pages.dtype)
+    if pages.dtype.itemsize == 2:
+        # 16-bit caches are scattered as their bit patterns: XLA:CPU has no bfloat16 scatter and would
+        # otherwise convert the whole cache stack to float32 and back on every write (a bitcast is free)
+        bits = jax.lax.bitcast_convert_type(pages, jnp.uint16)
+        bits = bits.at[layer, page, offset].set(jax.lax.bitcast_convert_type(values, jnp.uint16), mode="drop")
+        return jax.lax.bitcast_convert_type(bits, pages.dtype)
+    return pages.at[layer, page, offset].set(values, mode="drop")
 
 
 def slots_for(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:

@@ -19,16 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-DEFAULT_MODEL_NAME = "tiny-deepseek-v3-stdlib"
-
-
-def default_model_dir() -> str | None:
-    env = os.environ.get("MTP_JAX_MODEL")
-    if env:
-        return env
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    candidate = os.path.join(repo, "checkpoints", DEFAULT_MODEL_NAME)
-    return candidate if os.path.isdir(candidate) else None
+from mtp_jax.embedded import default_model_dir
 
 
 class CliError(Exception):
@@ -105,9 +96,11 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", help="destination directory (must not exist)")
     c.add_argument(
         "--weights",
-        default="bf16",
-        choices=["bf16", "fp32", "fp8"],
-        help="stored weights: dense bf16/fp32 (FP8 sources dequantised) or FP8 kept with scales",
+        default="auto",
+        choices=["auto", "bf16", "fp32", "fp8"],
+        help="stored weights: auto = each tensor's own precision (FP8 kept with its scales, BF16 and FP32 "
+        "as they are: loads exactly as the source does); bf16/fp32 = all dense in that dtype (FP8 "
+        "dequantised); fp8 = FP8 kept, the rest bf16",
     )
     c.add_argument("--strict", action="store_true", help="refuse unexpected tensors instead of warning")
     c.add_argument("--no-mtp", action="store_true", help="leave out the MTP/NextN layers")
@@ -178,7 +171,6 @@ def _encode(tok, text: str, bos: int | None) -> list[int]:
 
 def _generate(args: argparse.Namespace) -> int:
     import mtp_jax
-    from mtp_jax.drafts.mtp import has_mtp
 
     model_dir = _model_dir(args.model)
     tok = _tokenizer(model_dir)
@@ -187,7 +179,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = [_encode(tok, text, model.config.bos_token_id) for text in args.prompt]
     draft = args.draft
     if draft == "auto":
-        draft = "mtp" if has_mtp(model.params) else "none"
+        draft = model.drafts[0] if model.drafts else "none"
     if draft == "none" and args.num_speculative_tokens is not None:
         raise CliError("-k needs a draft (the model has no MTP layer, or --draft none was given)")
     t0 = time.perf_counter()

@@ -18,6 +18,8 @@ from mtp_jax.errors import CheckpointNotFoundError, ConfigError
 
 # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type.
 DEEPSEEK_V3_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+LLAMA_MODEL_TYPES = ("llama",)
+MODEL_TYPES = DEEPSEEK_V3_MODEL_TYPES + LLAMA_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,82 @@ class DeepseekV3Config:
     @classmethod
     def from_json_file(cls, path: str | os.PathLike[str]) -> DeepseekV3Config:
         return cls.from_dict(read_json(path, what="config"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency scaling (``rope_type: llama3``): long wavelengths divided by
+    ``factor``, short ones kept, a smooth blend between (:func:`mtp_jax.layers.llama3_frequencies`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Config:
+    """Llama 3 / 3.1 / 3.2 / 3.3 (``LlamaForCausalLM``): GQA attention, rotate-half rope (optionally
+    with llama3 scaling), RMSNorm, SwiGLU, tied or untied embeddings, no biases."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: Llama3RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    quantization_config: None = None  # the checkpoint reader's FP8 path never applies to Llama
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Llama3Config:
+        return _parse_llama3(raw)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike[str]) -> Llama3Config:
+        return cls.from_dict(read_json(path, what="config"))
+
+
+ModelConfig = DeepseekV3Config | Llama3Config
+
+
+def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
+    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``."""
+    if "text_config" in raw:
+        raise ConfigError(
+            "config.json wraps the language model in 'text_config' (a multimodal checkpoint such as "
+            "Kimi-K2.5); this is not supported yet"
+        )
+    model_type = raw.get("model_type")
+    if model_type in DEEPSEEK_V3_MODEL_TYPES:
+        return _parse_deepseek_v3(raw)
+    if model_type in LLAMA_MODEL_TYPES:
+        return _parse_llama3(raw)
+    raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+
+
+def load_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """:func:`parse_config` of a config.json file (or of the config.json in a directory)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    return parse_config(read_json(path, what="config"))
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -336,6 +414,115 @@ def _check_consistency(cfg: DeepseekV3Config) -> None:
         raise ConfigError(f"rms_norm_eps must be positive, got {cfg.rms_norm_eps}")
     if cfg.rope_theta <= 0:
         raise ConfigError(f"rope_theta must be positive, got {cfg.rope_theta}")
+    _check_special_tokens(cfg)
+
+
+def _rope_settings(raw: Mapping[str, Any]) -> tuple[float, Mapping[str, Any] | None]:
+    """(rope_theta, the scaling object or None) from either spelling: top-level ``rope_theta`` and
+    ``rope_scaling`` (hub repos), or ``rope_parameters`` (checkpoints saved by transformers >= 5)."""
+    params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, Mapping):
+        raise ConfigError(f"config field 'rope_parameters' must be an object, got {params!r}")
+    theta = _get(raw, "rope_theta", float, None)
+    if theta is None:
+        theta = _get(params or {}, "rope_theta", float, 10000.0)
+    scaling = raw.get("rope_scaling")
+    if scaling is None and params is not None:
+        scaling = params
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ConfigError(f"config field 'rope_scaling' must be an object or null, got {scaling!r}")
+    return theta, scaling
+
+
+def _parse_llama_rope(scaling: Mapping[str, Any] | None) -> Llama3RopeScaling | None:
+    if scaling is None:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ConfigError(
+            f"rope_scaling.rope_type {kind!r} is not supported for Llama (only 'llama3' or no scaling)"
+        )
+    out = Llama3RopeScaling(
+        factor=_get(scaling, "factor", float),
+        low_freq_factor=_get(scaling, "low_freq_factor", float),
+        high_freq_factor=_get(scaling, "high_freq_factor", float),
+        original_max_position_embeddings=_get(scaling, "original_max_position_embeddings", int),
+    )
+    if out.factor <= 0 or out.low_freq_factor <= 0 or out.original_max_position_embeddings <= 0:
+        raise ConfigError(
+            f"rope_scaling: factor, low_freq_factor and original_max_position_embeddings must be positive, "
+            f"got {out}"
+        )
+    if out.high_freq_factor <= out.low_freq_factor:
+        raise ConfigError(
+            f"rope_scaling.high_freq_factor ({out.high_freq_factor}) must exceed low_freq_factor "
+            f"({out.low_freq_factor})"
+        )
+    return out
+
+
+def _parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
+    model_type = raw.get("model_type")
+    if model_type not in LLAMA_MODEL_TYPES:
+        raise ConfigError(f"model_type {model_type!r} is not a Llama model ({', '.join(LLAMA_MODEL_TYPES)})")
+    for flag in ("attention_bias", "mlp_bias"):
+        if _get(raw, flag, bool, False):
+            raise ConfigError(f"{flag}=true is not supported (Llama 3 projections have no bias)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported (Llama 3 uses 'silu')")
+    if raw.get("sliding_window") is not None:
+        raise ConfigError(
+            f"sliding_window={raw['sliding_window']!r} is not supported (Llama 3 attends over the whole "
+            "context)"
+        )
+    if raw.get("quantization_config") is not None:
+        raise ConfigError("quantization_config is not supported for Llama checkpoints (BF16/FP16/FP32 only)")
+    heads = _positive(raw, "num_attention_heads")
+    kv_heads = _positive(raw, "num_key_value_heads", heads)
+    hidden = _positive(raw, "hidden_size")
+    head_dim = _positive(raw, "head_dim", None)
+    if head_dim is None:
+        if hidden % heads:
+            raise ConfigError(
+                f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}); give head_dim"
+            )
+        head_dim = hidden // heads
+    theta, scaling = _rope_settings(raw)
+    cfg = Llama3Config(
+        vocab_size=_positive(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_positive(raw, "intermediate_size"),
+        num_hidden_layers=_positive(raw, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_get(raw, "rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=_positive(raw, "max_position_embeddings", 2048),
+        rope_scaling=_parse_llama_rope(scaling),
+        tie_word_embeddings=_get(raw, "tie_word_embeddings", bool, False),
+        bos_token_id=_get(raw, "bos_token_id", int, None),
+        eos_token_ids=_parse_eos(raw),
+        model_type=model_type,
+    )
+    if heads % kv_heads:
+        raise ConfigError(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    if head_dim % 2:
+        raise ConfigError(f"head_dim must be even for rotary embedding, got {head_dim}")
+    if cfg.rms_norm_eps <= 0 or cfg.rope_theta <= 0:
+        raise ConfigError(
+            f"rms_norm_eps and rope_theta must be positive, got {cfg.rms_norm_eps} and {cfg.rope_theta}"
+        )
+    _check_special_tokens(cfg)
+    return cfg
+
+
+def _check_special_tokens(cfg: ModelConfig) -> None:
     for tok in cfg.eos_token_ids + ((cfg.bos_token_id,) if cfg.bos_token_id is not None else ()):
         if tok >= cfg.vocab_size:
             raise ConfigError(

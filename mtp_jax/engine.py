@@ -72,7 +72,7 @@ def generate(
     allocator = ShardedPageAllocator(batch * width, shards)  # slot b's pages live on its row shard
     state = init_state(sc, batch, allocator.num_pages, width, cache_dtype)
     if sc.mesh is not None:
-        state = jax.device_put(state, state_shardings(sc.mesh, state))
+        state = jax.device_put(state, state_shardings(sc, state))
     host_sampling = jax.tree.map(np.asarray, sampling)
 
     queue = collections.deque(range(n))

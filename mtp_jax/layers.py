@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
-from mtp_jax.config import YarnRopeScaling, yarn_mscale
+from mtp_jax.config import Llama3RopeScaling, YarnRopeScaling, yarn_mscale
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -60,6 +60,28 @@ def rope_frequencies(dim: int, theta: float, scaling: YarnRopeScaling | None) ->
     return inv_freq.astype(np.float32), float(np.float32(magnitude))
 
 
+def llama3_frequencies(dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
+    """Inverse frequencies [dim/2] of Llama's rotate-half rope, with llama3 scaling when given.
+
+    The scaling changes frequencies, not long positions only, so it applies at every position:
+    wavelengths 2π/inv above ``orig / low_freq_factor`` are divided by ``factor``, those below
+    ``orig / high_freq_factor`` are kept, and in between ``(1 - s)·inv/factor + s·inv`` with
+    ``s = (orig / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+    Computed on the host in float64 and rounded to float32.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if scaling is not None:
+        orig = scaling.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv_freq
+        long = wavelength > orig / scaling.low_freq_factor
+        short = wavelength < orig / scaling.high_freq_factor
+        lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
+        s = (orig / wavelength - lo) / (hi - lo)
+        blended = (1 - s) * inv_freq / scaling.factor + s * inv_freq
+        inv_freq = np.where(long, inv_freq / scaling.factor, np.where(short, inv_freq, blended))
+    return inv_freq.astype(np.float32)
+
+
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, magnitude: float) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables [..., dim/2] in float32 for integer positions [...]."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
@@ -80,6 +102,19 @@ def apply_rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.
     x1, x2 = x32[..., 0::2], x32[..., 1::2]
     out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.reshape(x.shape).astype(x.dtype)
+
+
+def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half (NeoX) rope over the whole last axis: ``x·cos + rotate_half(x)·sin`` with
+    ``rotate_half(x) = cat(-x[d/2:], x[:d/2])`` and each frequency used for both halves.
+
+    x: [b, t, heads, dim]; cos/sin: [b, t, dim/2] float32. Computed in float32, cast back.
+    """
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 Weight = jax.Array | Fp8Weight

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from mtp_jax.cache import write_rows
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import apply_rope_interleaved, rms_norm
@@ -118,32 +119,6 @@ def mla_dense_chain(
     out = jnp.einsum("bhts,bshk->bthk", probs[..., :t], v_base)
     out += jnp.einsum("bhtn,nbthk->bthk", probs[..., t:], v_chain)
     return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), own
-
-
-def write_rows(
-    pages: jax.Array, rows: jax.Array, slots: jax.Array, layer: jax.Array | int | None = None
-) -> jax.Array:
-    """Scatter rows [b, t, c] into pages [P, page, c] at flat slots [b, t]; slots >= P·page are dropped.
-
-    With ``layer``, ``pages`` is a whole stack [L, P, page, c] and only layer ``layer`` is written:
-    inside a scan over layers the stack then stays in the loop carry and is updated in place,
-    instead of each layer's pages being sliced out and stacked back (a copy of the whole cache
-    per step).
-    """
-    if layer is None:
-        return write_rows(pages[None], rows, slots, 0)[0]
-    _, num_pages, page_size, width = pages.shape
-    slots = slots.reshape(-1)
-    # an out-of-range slot (an invalid token) lands on an out-of-range page, which mode="drop" skips
-    page, offset = slots // page_size, slots % page_size
-    values = rows.reshape(-1, width).astype(pages.dtype)
-    if pages.dtype.itemsize == 2:
-        # 16-bit caches are scattered as their bit patterns: XLA:CPU has no bfloat16 scatter and would
-        # otherwise convert the whole cache stack to float32 and back on every write (a bitcast is free)
-        bits = jax.lax.bitcast_convert_type(pages, jnp.uint16)
-        bits = bits.at[layer, page, offset].set(jax.lax.bitcast_convert_type(values, jnp.uint16), mode="drop")
-        return jax.lax.bitcast_convert_type(bits, pages.dtype)
-    return pages.at[layer, page, offset].set(values, mode="drop")
 
 
 def mla_paged(

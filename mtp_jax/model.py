@@ -13,16 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.checkpoint.convert import is_converted, load_converted
-from mtp_jax.checkpoint.deepseek_v3 import WEIGHT_MODES, load_params
+from mtp_jax.checkpoint.formats import checkpoint_format
+from mtp_jax.checkpoint.loader import WEIGHT_MODES
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import DeepseekV3Config, read_json
-from mtp_jax.drafts.mtp import has_mtp
+from mtp_jax.config import ModelConfig, load_config, read_json
+from mtp_jax.drafts import DRAFTS
 from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
-from mtp_jax.models.deepseek_v3 import Hidden, check_capture, forward, lm_head
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.sharding import check_mesh, replicated
+from mtp_jax.sharding import replicated
 from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
+from mtp_jax.targets import Hidden, target_for
+from mtp_jax.targets.base import check_capture
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -42,23 +44,25 @@ class ScoreResult:
 @functools.partial(jax.jit, static_argnames=("cfg", "capture", "mesh"))
 def _teacher_forced(
     params: dict,
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     tokens: jax.Array,
     capture: tuple[int, ...],
     mesh: jax.sharding.Mesh | None = None,
 ):
+    target = target_for(cfg)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    hidden, _ = forward(params, cfg, tokens, positions, capture=capture, mesh=mesh)
+    hidden, _ = target.forward(params, cfg, tokens, positions, capture=capture, mesh=mesh)
     # replicated: every process of a multi-host run can read the whole result
-    return jax.tree.map(lambda x: replicated(x, mesh), (lm_head(params, hidden.post_norm), hidden))
+    return jax.tree.map(lambda x: replicated(x, mesh), (target.lm_head(params, hidden.post_norm), hidden))
 
 
 class Model:
-    """A loaded DeepSeek-V3 model: parameters on device plus what generation needs."""
+    """A loaded target model (DeepSeek-V3 or Llama 3, with any draft it carries): parameters on
+    device plus what generation needs."""
 
     def __init__(
         self,
-        config: DeepseekV3Config,
+        config: ModelConfig,
         params: dict,
         *,
         dtype: str = "bfloat16",
@@ -68,8 +72,7 @@ class Model:
         mesh: jax.sharding.Mesh | None = None,
     ) -> None:
         """``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
-        data-parallel over its ``data`` x ``expert`` devices (attention) and expert-parallel over
-        ``expert`` (MoE layers)."""
+        split over it as :mod:`mtp_jax.sharding` describes."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.config = config
@@ -136,7 +139,7 @@ class Model:
         (layer i = output of decoder layer i, 0-based) stacked as [len(layers), B, T, d]."""
         capture = tuple(int(i) for i in layers)
         try:
-            check_capture(self.config, capture)
+            check_capture(self.config.num_hidden_layers, capture)
         except ValueError as e:
             raise InvalidRequestError(str(e)) from None
         _, hidden = _teacher_forced(
@@ -217,18 +220,23 @@ class Model:
             fused=fused,
         )
 
+    @property
+    def drafts(self) -> tuple[str, ...]:
+        """The draft methods this loaded model can speculate with (e.g. ("mtp",))."""
+        return tuple(name for name, d in DRAFTS.items() if d.available(self.params, self.config) is None)
+
     def _step_config(self, draft: str | None, k: int | None, draft_sampling: str) -> StepConfig:
         if draft is None:
             if k not in (None, 0):
-                raise InvalidRequestError(f"num_speculative_tokens={k} needs a draft (draft='mtp')")
+                raise InvalidRequestError(
+                    f"num_speculative_tokens={k} needs a draft (draft=one of {list(DRAFT_METHODS)})"
+                )
             return StepConfig(self.config, self.page_size, mesh=self.mesh)
         if draft not in DRAFT_METHODS:
             raise InvalidRequestError(f"unknown draft {draft!r}; available: {', '.join(DRAFT_METHODS)}")
-        if not has_mtp(self.params):
-            raise InvalidRequestError(
-                f"draft='mtp' needs a checkpoint with an MTP layer (num_nextn_predict_layers > 0, loaded "
-                f"with mtp=True); {self.path or 'this model'} has none"
-            )
+        why = DRAFTS[draft].available(self.params, self.config)
+        if why is not None:
+            raise InvalidRequestError(f"{why}; {self.path or 'this model'} cannot draft with {draft!r}")
         k = 3 if k is None else k
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise InvalidRequestError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
@@ -250,16 +258,17 @@ def load(
     mesh: jax.sharding.Mesh | None = None,
 ) -> Model:
     """Load a checkpoint directory: Hugging Face layout (config.json + *.safetensors, one file or
-    index-sharded) or one written by ``mtp-jax convert`` (orbax).
+    index-sharded) or one written by ``mtp-jax convert`` (orbax). The model family comes from
+    config.json's ``model_type``: ``deepseek_v3`` / ``kimi_k2`` (DeepSeek-V3) or ``llama`` (Llama 3).
 
     ``dtype`` ("bfloat16" or "float32") is the parameter and activation dtype; routers, softmax
     and sampling always run in float32. ``weights="fp8"`` keeps an FP8 checkpoint's block-quantised
     weights in FP8 on device (dequantised on use); ``"dense"`` dequantises them at load. ``mtp``
     loads the checkpoint's MTP/NextN layers (the draft of speculative decoding) when it has them.
     Unexpected tensors are logged, or refused with ``strict``. With ``mesh`` (see
-    :func:`mtp_jax.make_mesh`) every parameter is placed with its sharding as it is read: routed
-    experts split over the ``expert`` axis, the rest replicated; forward passes and generation then
-    run data-parallel over ``data`` x ``expert`` (rows, their KV pages, attention) and
+    :func:`mtp_jax.make_mesh`) every parameter is placed with its sharding as it is read. DeepSeek-V3:
+    routed experts split over the ``expert`` axis, the rest replicated; forward passes and
+    generation run data-parallel over ``data`` x ``expert`` (rows, their KV pages, attention) and
     expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`). A mesh
     may span the processes of a multi-host run (``scripts/launch.py``): each process then reads only
     the routed experts its own devices hold. EOS ids come from generation_config.json when present,
@@ -272,7 +281,7 @@ def load(
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"model directory not found: {path}")
-    config = DeepseekV3Config.from_json_file(os.path.join(path, "config.json"))
+    config = load_config(os.path.join(path, "config.json"))
     eos = None
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
@@ -287,12 +296,12 @@ def load(
                     f"{gen_path}: eos_token_id {raw!r} must be token ids in [0, {config.vocab_size})"
                 )
     if mesh is not None:
-        check_mesh(mesh, config.n_routed_experts)
+        target_for(config).check_mesh(config, mesh)
     if is_converted(path):
         params = load_converted(path, config, DTYPES[dtype], weights=weights, mtp=mtp, mesh=mesh)
     else:
         reader = CheckpointReader(path)
-        params = load_params(
+        params = checkpoint_format(config).load_params(
             reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
         )
     return Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, page_size=page_size, mesh=mesh)

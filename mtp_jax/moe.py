@@ -4,6 +4,10 @@ Parameters of one layer: ``router`` [d, e] (float32), ``bias`` [e] (float32 corr
 ``gate``/``up`` [e, d, f], ``down`` [e, f, d], and when the config has shared experts
 ``shared_gate``/``shared_up`` [d, f_s], ``shared_down`` [f_s, d]. Expert and shared weights may be
 :class:`Fp8Weight` (dequantised on use, or fed to the FP8 grouped matmul kernel on a GPU).
+
+This module evaluates routing and the routed experts on one device; :mod:`mtp_jax.ep` builds the
+expert-parallel version on it, and the DeepSeek-V3 target (:func:`mtp_jax.targets.deepseek_v3.moe`)
+chooses between them and adds the shared experts.
 """
 
 from __future__ import annotations
@@ -12,11 +16,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.layers import Weight, swiglu
+from mtp_jax.layers import Weight
+from pallas_kernels.moe import routed_experts as kernel_routed_experts
 
 
 def route(
@@ -55,10 +59,6 @@ def routed_experts(
     FP8 weights with their block scales) on a GPU it compiles for, ``lax.ragged_dot`` on the
     dequantised weights elsewhere (``MTP_JAX_KERNELS`` forces one).
     """
-    # imported here: pallas_kernels.moe imports mtp_jax (the FP8 weight type), so importing it at module
-    # level would be circular whichever package is imported first
-    from pallas_kernels.moe import routed_experts as kernel_routed_experts
-
     return kernel_routed_experts(x, weights, idx, gate, up, down)
 
 
@@ -137,43 +137,3 @@ def resolve_dispatch(dispatch: str, tokens: int, d: int, f: int, experts: int, k
     if dispatch not in DISPATCH:
         raise ValueError(f"dispatch must be one of {sorted(DISPATCH) + ['auto']}, got {dispatch!r}")
     return dispatch
-
-
-def moe(
-    p: dict, x: jax.Array, cfg: DeepseekV3Config, dispatch: str = "auto", mesh: Mesh | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """The MoE block for x [b, t, d]: (output [b, t, d], tokens routed to each expert [e] float32).
-
-    ``dispatch`` picks how the routed experts are evaluated (same result): ``"sorted"`` (dropless
-    sort + grouped matmul), ``"dense"`` (:func:`routed_experts_dense`, used for training),
-    ``"gather"`` (:func:`routed_experts_gathered`) or ``"auto"`` (on the CPU gather for fewer token
-    copies than experts, dense for other small sizes, else sorted; see :func:`resolve_dispatch`).
-    The per-expert load feeds DeepSeek-V3's auxiliary-loss-free bias update during training.
-    With a ``mesh`` of more than one device, routing and the routed experts run under ``shard_map``,
-    expert-parallel over its ``expert`` axis (:func:`mtp_jax.ep.moe_sharded`); ``mesh=None`` is the
-    single-device path.
-    """
-    flat = x.reshape(-1, x.shape[-1])
-    if mesh is not None and mesh.devices.size > 1:
-        from mtp_jax.ep import moe_sharded  # ep builds on this module
-
-        # [b, t, d], not flat: tokens stay split by row, as the hidden states around the layer are
-        out, load, _ = moe_sharded(
-            x, p["router"], p["bias"], p["gate"], p["up"], p["down"], cfg, mesh, dispatch
-        )
-        out = out.reshape(flat.shape)
-    else:
-        how = resolve_dispatch(
-            dispatch,
-            flat.shape[0],
-            cfg.hidden_size,
-            cfg.moe_intermediate_size,
-            cfg.n_routed_experts,
-            cfg.num_experts_per_tok,
-        )
-        weights, idx = route(flat, p["router"], p["bias"], cfg)
-        out = DISPATCH[how](flat, weights, idx, p["gate"], p["up"], p["down"])
-        load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)
-    if cfg.n_shared_experts:
-        out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
-    return out.reshape(x.shape), load

@@ -237,7 +237,7 @@ def abstract_state(sc: Any, layout: CacheLayout, dtype: Any) -> Any:
     from mtp_jax.step import init_state
 
     shapes = jax.eval_shape(lambda: init_state(sc, layout.batch, layout.num_pages, layout.width, dtype))
-    shardings = state_shardings(sc.mesh, shapes)
+    shardings = state_shardings(sc, shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
@@ -423,7 +423,7 @@ def plan(
     params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=k > 0)
     state = abstract_state(sc, layout, jdtype)
     replicated, experts = split_param_bytes(params)
-    cache = shard_bytes((state.target_pages, state.draft_pages))
+    cache = shard_bytes((state.target_pages, state.draft_state))
     platform = mesh.devices.flat[0].platform
     disabled = CPU_DISABLED_PASSES if platform == "cpu" and not cpu_as_is else ()
     compiled = [_compile("step", step, (params, state, sc), log, disabled)]

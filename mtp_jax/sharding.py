@@ -133,53 +133,69 @@ def replicated(x: jax.Array, mesh: Mesh | None) -> jax.Array:
     return constrain(x, mesh, (None,) * x.ndim)
 
 
-def state_logical(path: tuple, shape: Sequence[int]) -> tuple[str | None, ...]:
-    """Logical axes of one leaf of a :class:`mtp_jax.step.DecodeState`: the target caches
-    [L, P, page, c] and the draft cache [P, page, c] are split by page, everything else by row."""
+def state_logical(path: tuple, shape: Sequence[int], sc: Any) -> tuple[str | None, ...]:
+    """Logical axes of one leaf of a :class:`mtp_jax.step.DecodeState` decoded with the step
+    config ``sc``: the target's cache leaves as its :attr:`~mtp_jax.targets.base.Target.
+    cache_logical` names them (split by page), the draft's state as the draft names it, and every
+    other leaf by row."""
     first = path[0].name if path and isinstance(path[0], jax.tree_util.GetAttrKey) else None
+    keys = [str(k.key) for k in path[1:] if isinstance(k, jax.tree_util.DictKey)]
     rank = len(shape)
     if first == "target_pages":
-        return (None, "pages") + (None,) * (rank - 2)
-    if first == "draft_pages" and rank > 1:
-        return ("pages",) + (None,) * (rank - 1)
-    if rank == 0 or first == "draft_pages":
-        return (None,) * rank
+        return tuple(sc.target.cache_logical(keys[-1] if keys else "", rank))
+    if first == "draft_state":
+        return tuple(sc.drafter.state_logical(keys, rank))
+    if rank == 0:
+        return ()
     return ("batch",) + (None,) * (rank - 1)
+
+
+ROW_LOGICAL = ("batch", "pages")
+"""The logical axes of a decode state that go over :func:`state_axes` (rows and their pages)."""
 
 
 def state_axes(mesh: Mesh, state: Any) -> tuple[str, ...]:
     """The mesh axes a decode state's rows and pages are split over: the longest prefix of
     :data:`ROW_AXES` that divides both its batch and its page count, so that every row shard holds
     its rows' pages (attention then needs no cache traffic, :func:`mtp_jax.mla.mla_paged`)."""
-    num_pages = next(iter(state.target_pages.values())).shape[1]
+    num_pages = jax.tree.leaves(state.target_pages)[0].shape[1]
     return split_axes(mesh, ROW_AXES, state.seq_len.shape[0], num_pages)
 
 
-def _state_specs(mesh: Mesh, state: Any) -> Any:
-    axes = _entry(state_axes(mesh, state))
+def _state_specs(sc: Any, state: Any) -> Any:
+    mesh = sc.mesh
+    rows = _entry(state_axes(mesh, state))
 
     def spec(path: tuple, x: Any) -> PartitionSpec:
-        return PartitionSpec(*(None if name is None else axes for name in state_logical(path, x.shape)))
+        entries = []
+        for name, n in zip(state_logical(path, x.shape, sc), x.shape, strict=True):
+            if name in ROW_LOGICAL:
+                entries.append(rows)
+            else:
+                axes = RULES.get(name) if name is not None else None
+                entries.append(None if axes is None else _entry(split_axes(mesh, axes, n)))
+        return PartitionSpec(*entries)
 
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def state_shardings(mesh: Mesh, state: Any) -> Any:
-    """NamedShardings for every leaf of a decode state: rows and pages (:func:`state_logical`) over
-    :func:`state_axes`, everything else replicated."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), _state_specs(mesh, state))
+def state_shardings(sc: Any, state: Any) -> Any:
+    """NamedShardings for every leaf of a decode state under ``sc.mesh``: rows and pages
+    (:func:`state_logical`) over :func:`state_axes`, other named axes by :data:`RULES`, everything
+    else replicated."""
+    return jax.tree.map(lambda spec: NamedSharding(sc.mesh, spec), _state_specs(sc, state))
 
 
-def constrain_state(state: Any, mesh: Mesh | None) -> Any:
+def constrain_state(state: Any, sc: Any) -> Any:
     """A decode state with every leaf pinned to :func:`state_shardings` (inside jit); unchanged
     without a mesh. Pinning the step's outputs keeps its input shardings a fixed point, so the step
     compiles once."""
-    if mesh is None:
+    if sc.mesh is None:
         return state
     return jax.tree.map(
-        lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)),
+        lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(sc.mesh, spec)),
         state,
-        _state_specs(mesh, state),
+        _state_specs(sc, state),
     )
 
 

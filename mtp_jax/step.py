@@ -5,21 +5,26 @@ trip inside (DESIGN.md, "The unified step"):
 
 1. merge: the committed-but-uncached ``next_token`` and the K drafts form a [B, K+1] input at
    positions seq_len .. seq_len+K;
-2. target: one forward over those B×(K+1) tokens writes their latent KV and yields logits;
+2. target: one forward over those B×(K+1) tokens writes their KV and yields logits plus the
+   hidden states the draft asks for;
 3. accept (float32): greedy / argmax drafts (each position's token drawn exactly as plain
    decoding would draw it) or sampled drafts (min(1, p/q) with residual resampling);
 4. commit: seq_len += n_accepted + 1; KV beyond it is stale, masked, and overwritten later;
-5. draft: the MTP layer catches up on the newly committed positions (rows seq_len..seq_len+n_acc
-   of its own paged cache) and proposes K new drafts by chaining itself K-1 more times.
+5. draft: the draft consumes the newly committed rows (for MTP: rows seq_len..seq_len+n_acc of its
+   own paged cache) and proposes K new drafts (for MTP: chaining itself K-1 more times).
 
-K = 0 is plain decoding through the same machinery. Shapes (B, K, pages, page-table width) are
-static, so the step compiles once; the state is donated, so caches are updated in place.
+The target and the draft are pieces: :func:`mtp_jax.targets.target_for` gives the target's
+functions from its config, :func:`mtp_jax.drafts.draft_for` the draft's from its name, and nothing
+here depends on which they are. K = 0 is plain decoding through the same machinery. Shapes (B, K,
+pages, page-table width) are static, so the step compiles once; the state is donated, so caches are
+updated in place.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,20 +32,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
-from mtp_jax.config import DeepseekV3Config
-from mtp_jax.drafts.mtp import mtp_forward, mtp_logits
-from mtp_jax.models.deepseek_v3 import PagedAttention, forward, lm_head
-from mtp_jax.sampling import (
-    DRAFT,
-    SamplingParams,
-    accept_argmax_drafts,
-    accept_sampled_drafts,
-    draft_probs,
-    sample,
-)
+from mtp_jax.drafts import DRAFT_METHODS, Draft, Rows, draft_for
+from mtp_jax.drafts.base import at_rows
+from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, sample
 from mtp_jax.sharding import constrain_state, replicated
+from mtp_jax.targets import PagedAttention, Target, target_for
 
-DRAFT_METHODS = ("mtp",)
+__all__ = ["DRAFT_METHODS", "DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "step"]
+
 DRAFT_SAMPLING = ("argmax", "sampled")
 
 
@@ -48,14 +47,37 @@ DRAFT_SAMPLING = ("argmax", "sampled")
 class StepConfig:
     """Everything static about a decoding run (part of the jit cache key)."""
 
-    cfg: DeepseekV3Config
+    cfg: Any
+    """The target's parsed config: its type picks the target (:func:`mtp_jax.targets.target_for`)."""
     page_size: int
     k: int = 0
     draft: str | None = None
+    """The draft method's name (:data:`mtp_jax.drafts.DRAFTS`); None with K = 0."""
     draft_sampling: str = "argmax"
     mesh: Mesh | None = None
     """With a mesh: rows and KV pages split over ``data`` x ``expert`` (data-parallel attention),
     MoE layers expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`)."""
+
+    def __post_init__(self) -> None:
+        if (self.k > 0) != (self.draft is not None):
+            raise ValueError(f"K = {self.k} drafts need a draft method, K = 0 none; got draft={self.draft!r}")
+        if self.draft is not None:
+            draft_for(self.draft)  # a known name
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
+
+    @property
+    def target(self) -> Target:
+        return target_for(self.cfg)
+
+    @property
+    def drafter(self) -> Draft | None:
+        return None if self.draft is None else draft_for(self.draft)
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        """The target layers the draft reads (static)."""
+        return () if self.drafter is None else tuple(self.drafter.capture(self.cfg))
 
     @property
     def sampled(self) -> bool:
@@ -67,14 +89,15 @@ class StepConfig:
 class DecodeState:
     """Per-slot decoding state, all on device. B slots, K drafts, W pages per row.
 
-    target_pages: {stack: [L, P, page, c]}; draft_pages: [P, page, c] (the MTP layer's cache; a
-    [0]-shaped placeholder without a draft); page_table [B, W]; seq_len [B] tokens in the target
-    cache; next_token [B] (committed, not yet cached); drafts [B, K]; draft_q [B, K, V] (sampled
-    drafts only, else [B, 0, 0]); active [B]; sampling: per-row parameters.
+    target_pages: the target's cache (leaves [L, P, page, ...]); draft_state: the draft's device
+    state (for MTP its layer's pages [P, page, c]; {} without a draft); page_table [B, W]; seq_len
+    [B] tokens in the target cache; next_token [B] (committed, not yet cached); drafts [B, K];
+    draft_q [B, K, V] (sampled drafts only, else [B, 0, 0]); active [B]; sampling: per-row
+    parameters.
     """
 
     target_pages: dict
-    draft_pages: jax.Array
+    draft_state: Any
     page_table: jax.Array
     seq_len: jax.Array
     next_token: jax.Array
@@ -85,16 +108,11 @@ class DecodeState:
 
 
 def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) -> DecodeState:
-    from mtp_jax.cache import init_pages, latent_width
-
-    cfg = sc.cfg
-    draft_pages = (
-        jnp.zeros((num_pages, sc.page_size, latent_width(cfg)), dtype) if sc.k else jnp.zeros((0,), dtype)
-    )
-    q_shape = (batch, sc.k, cfg.vocab_size) if sc.sampled else (batch, 0, 0)
+    """A zeroed decode state of ``batch`` slots over ``num_pages`` cache pages, ``width`` per row."""
+    q_shape = (batch, sc.k, sc.cfg.vocab_size) if sc.sampled else (batch, 0, 0)
     return DecodeState(
-        target_pages=init_pages(cfg, num_pages, sc.page_size, dtype),
-        draft_pages=draft_pages,
+        target_pages=sc.target.init_cache(sc.cfg, num_pages, sc.page_size, dtype),
+        draft_state={} if sc.drafter is None else sc.drafter.init_state(sc, num_pages, dtype),
         page_table=jnp.zeros((batch, width), jnp.int32),
         seq_len=jnp.zeros((batch,), jnp.int32),  # every leaf its own buffer: the state is donated
         next_token=jnp.zeros((batch,), jnp.int32),
@@ -108,7 +126,7 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
 def forward_paged(
     params: dict,
     pages: dict,
-    cfg: DeepseekV3Config,
+    cfg: Any,
     page_size: int,
     tokens: jax.Array,
     positions: jax.Array,
@@ -116,62 +134,25 @@ def forward_paged(
     page_table: jax.Array,
     mesh: Mesh | None = None,
     logits: bool = True,
+    capture: tuple[int, ...] = (),
 ):
-    """Write tokens [b, t] at positions [b, t] (only where valid) and run the target over the cache
-    (``mesh`` as in :func:`mtp_jax.models.deepseek_v3.forward`).
+    """Write tokens [b, t] at positions [b, t] (only where valid) and run the target of ``cfg`` over
+    its cache, capturing the outputs of layers ``capture`` (``mesh`` as in the target's forward).
 
-    Returns (post-norm hidden [b, t, d], float32 logits [b, t, V], pages); the logits are None
-    with ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
+    Returns (Hidden [b, t, d] each, float32 logits [b, t, V], pages); the logits are None with
+    ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
     """
+    target = target_for(cfg)
     paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
-    hidden, pages = forward(params, cfg, tokens, positions, paged, mesh=mesh)
-    return hidden.post_norm, lm_head(params, hidden.post_norm) if logits else None, pages
-
-
-def at_rows(x: jax.Array, index: jax.Array) -> jax.Array:
-    """x[b, index[b]] for x [b, t, ...] and index [b]."""
-    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+    hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh)
+    return hidden, target.lm_head(params, hidden.post_norm) if logits else None, pages
 
 
 forward_paged_jit = jax.jit(
-    forward_paged, static_argnames=("cfg", "page_size", "mesh"), donate_argnames=("pages",)
+    forward_paged,
+    static_argnames=("cfg", "page_size", "mesh", "logits", "capture"),
+    donate_argnames=("pages",),
 )
-
-
-def _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid):
-    """The MTP layer over rows written to its paged cache: (states g [b, t, d], pages). No head:
-    drafts read it at one state per row (:func:`_propose`)."""
-    paged = PagedAttention(draft_pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
-    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh, logits=False)
-    return out.state, out.pages
-
-
-def _propose(params, sc, draft_pages, page_table, active, sampling, g, first_pos):
-    """K drafts per row from the MTP state g [b, d] of the row before them.
-
-    The first draft is for position first_pos [b]; each next one feeds the previous draft and the
-    recycled state g back through the MTP layer at the following position.
-    """
-
-    def pick(lg, pos):
-        if sc.sampled:
-            q = draft_probs(lg, sampling)
-            return sample(lg, sampling, pos, DRAFT), q
-        return jnp.argmax(lg, axis=-1).astype(jnp.int32), jnp.zeros((lg.shape[0], 0), jnp.float32)
-
-    d, q = pick(mtp_logits(params, g), first_pos)
-
-    def chain(carry, j):
-        d, g, pages = carry
-        pos = (first_pos - 2 + j)[:, None]  # MTP row i predicts position i + 2 (draft j+1's)
-        g_new, pages = _mtp_rows(params, sc, pages, page_table, d[:, None], g[:, None], pos, active[:, None])
-        d_new, q_new = pick(mtp_logits(params, g_new[:, 0]), first_pos + j)
-        return (d_new, g_new[:, 0], pages), (d_new, q_new)
-
-    (_, _, draft_pages), (more_d, more_q) = jax.lax.scan(chain, (d, g, draft_pages), jnp.arange(1, sc.k))
-    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
-    qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
-    return drafts, qs, draft_pages
 
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
@@ -206,21 +187,23 @@ def prefill(
         page_table,
         sc.mesh,
         logits=False,
+        capture=sc.capture,
     )
     last = lengths - 1
-    first = sample(lm_head(params, at_rows(hidden, last)), sampling, lengths)
-    draft_pages = state.draft_pages
+    first = sample(sc.target.lm_head(params, at_rows(hidden.post_norm, last)), sampling, lengths)
+    draft_state = state.draft_state
     drafts = jnp.zeros((r, sc.k), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
-    if sc.k:
-        # MTP row i pairs h_i with token i+1: the prompt shifted left, the sampled token at the end
+    if sc.drafter is not None:
+        # row i is followed by token i+1: the prompt shifted left, the sampled token at the end
         shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
         next_tokens = jnp.where(positions == last[:, None], first[:, None], shifted)
-        g, draft_pages = _mtp_rows(params, sc, draft_pages, page_table, next_tokens, hidden, positions, valid)
-        drafts, q, draft_pages = _propose(
-            params, sc, draft_pages, page_table, real, sampling, at_rows(g, last), lengths + 1
+        prompt = Rows(tokens, next_tokens, positions, valid, hidden, last)
+        drafts, q_new, draft_state = sc.drafter.extend_and_propose(
+            params, sc, draft_state, page_table, prompt, real, sampling, lengths + 1
         )
-        q = q if sc.sampled else jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
+        if sc.sampled:
+            q = q_new
 
     def put(dst, src):
         return dst.at[rows].set(src, mode="drop")
@@ -228,7 +211,7 @@ def prefill(
     return replicated(first, sc.mesh), constrain_state(
         DecodeState(
             target_pages=target_pages,
-            draft_pages=draft_pages,
+            draft_state=draft_state,
             page_table=put(state.page_table, page_table),
             seq_len=put(state.seq_len, lengths),
             next_token=put(state.next_token, first),
@@ -237,7 +220,7 @@ def prefill(
             active=put(state.active, real),
             sampling=jax.tree.map(put, state.sampling, sampling),
         ),
-        sc.mesh,
+        sc,
     )
 
 
@@ -248,7 +231,16 @@ def _verify(params: dict, state: DecodeState, sc: StepConfig):
     positions = state.seq_len[:, None] + jnp.arange(sc.k + 1, dtype=jnp.int32)
     valid = jnp.broadcast_to(state.active[:, None], (b, sc.k + 1))
     return forward_paged(
-        params, state.target_pages, sc.cfg, sc.page_size, tokens, positions, valid, state.page_table, sc.mesh
+        params,
+        state.target_pages,
+        sc.cfg,
+        sc.page_size,
+        tokens,
+        positions,
+        valid,
+        state.page_table,
+        sc.mesh,
+        capture=sc.capture,
     )
 
 
@@ -260,24 +252,23 @@ def _accept(logits: jax.Array, state: DecodeState, sc: StepConfig) -> tuple[jax.
 
 
 def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
-    """Stages 4-5: advance the committed length, catch the MTP layer up, propose K drafts."""
-    k = sc.k
+    """Stages 4-5: advance the committed length, let the draft consume the committed rows and
+    propose K drafts."""
     seq = state.seq_len
     n_emit = jnp.where(state.active, n_acc + 1, 0)
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
-    draft_pages, drafts, q = state.draft_pages, state.drafts, state.draft_q
-    if k:
-        # catch up: MTP rows seq..seq+n_acc pair the accepted positions' hidden states with the
-        # tokens that followed them (the emitted ones); rows past n_acc are not written
-        positions = seq[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-        catch_valid = state.active[:, None] & (jnp.arange(k + 1)[None, :] <= n_acc[:, None])
-        g, draft_pages = _mtp_rows(
-            params, sc, draft_pages, state.page_table, emitted, hidden, positions, catch_valid
-        )
-        g_last = at_rows(g, n_acc)  # the head runs on the last accepted row alone
-        new_drafts, new_q, draft_pages = _propose(
-            params, sc, draft_pages, state.page_table, state.active, state.sampling, g_last, new_seq + 1
+    draft_state, drafts, q = state.draft_state, state.drafts, state.draft_q
+    if sc.drafter is not None:
+        # the committed rows: the verified positions seq..seq+n_acc, each followed by the token
+        # emitted after it; rows past n_acc are not consumed
+        k1 = sc.k + 1
+        tokens = jnp.concatenate([state.next_token[:, None], state.drafts], axis=1)
+        positions = seq[:, None] + jnp.arange(k1, dtype=jnp.int32)
+        valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
+        committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
+        new_drafts, new_q, draft_state = sc.drafter.extend_and_propose(
+            params, sc, draft_state, state.page_table, committed, state.active, state.sampling, new_seq + 1
         )
         drafts = jnp.where(state.active[:, None], new_drafts, state.drafts)
         if sc.sampled:
@@ -285,7 +276,7 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
     new_state = dataclasses.replace(
         state,
         target_pages=target_pages,
-        draft_pages=draft_pages,
+        draft_state=draft_state,
         seq_len=new_seq,
         next_token=jnp.where(state.active, new_next, state.next_token),
         drafts=drafts,
@@ -301,7 +292,7 @@ def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, j
     hidden, logits, target_pages = _verify(params, state, sc)
     emitted, n_acc = _accept(logits, state, sc)
     n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
-    return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc.mesh)
+    return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc)
 
 
 # The host-orchestrated baseline: the same stages as separate executables with the host reading

@@ -72,7 +72,7 @@ from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.drafts.mtp import mtp_chain_teacher_forced
-from mtp_jax.models.deepseek_v3 import forward, lm_head
+from mtp_jax.targets.deepseek_v3 import forward, lm_head
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 BOS, EOS = 0, 1

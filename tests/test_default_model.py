@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import mtp_jax
-from mtp_jax.cli import DEFAULT_MODEL_NAME, default_model_dir
+from mtp_jax.embedded import DEFAULT_MODEL_NAME, default_model_dir
 from tests.conftest import EMBEDDED_MODEL
 
 

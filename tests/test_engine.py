@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.cache import PageAllocator, init_pages, page_table_array
+from mtp_jax.cache import PageAllocator, page_table_array
 from mtp_jax.model import Model
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.step import StepConfig, forward_paged_jit, init_state, prefill, step
+from mtp_jax.targets.deepseek_v3 import init_cache
 
 RNG = np.random.default_rng(1234)
 
@@ -32,7 +33,7 @@ def test_decode_logits_equal_teacher_forced(tiny_model):
     alloc = PageAllocator(b * width + 5)
     alloc.allocate(5)  # rows get pages that do not start at 0
     table = jnp.asarray(page_table_array([alloc.allocate(width) for _ in range(b)], width))
-    pages = init_pages(cfg, alloc.num_pages, page, jnp.float32)
+    pages = init_cache(cfg, alloc.num_pages, page, jnp.float32)
     tokens = np.zeros((b, bucket), np.int32)
     for i, n in enumerate(lengths):
         tokens[i, :n] = seqs[i][:n]

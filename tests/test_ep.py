@@ -140,7 +140,7 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
         return s + (None,) * (x.ndim - len(s))
     for rows, axes in [(8, ("data", "expert"))]:
         state = step_mod.init_state(sc, rows, 4 * rows, 4, jnp.float32)
-        state = jax.device_put(state, state_shardings(mesh, state))
+        state = jax.device_put(state, state_shardings(sc, state))
         table = np.arange(4 * rows, dtype=np.int32).reshape(rows, 4)
         first, state = step_mod.prefill(
             model.params, state, sc, jnp.arange(rows), np.asarray(ids * (rows // 2), np.int32),
@@ -152,12 +152,12 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
         assert step_mod.step._cache_size() == compiled + 1
         assert np.asarray(n_emit).min() >= 1
         assert spec(state.target_pages["moe"]) == (None, axes, None, None)
-        assert spec(state.draft_pages) == (axes, None, None)
+        assert spec(state.draft_state) == (axes, None, None)
         assert spec(state.seq_len) == (axes,) and spec(state.drafts) == (axes, None)
         shard = state.target_pages["moe"].addressable_shards[0].data.shape[1]
         assert shard == 4 * rows // 8, shard
         hlo = step_mod.step.lower(model.params, state, sc).compile().as_text()
-        page_elems = 4 * rows * sc.page_size * state.draft_pages.shape[-1] // 8  # one layer, one shard
+        page_elems = 4 * rows * sc.page_size * state.draft_state.shape[-1] // 8  # one layer, one shard
         ops = "all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute"
         found = re.findall(r"= \\w+\\[([\\d,]*)\\]\\S* (" + ops + r")\\(", hlo)
         assert any(op == "reduce-scatter" for _, op in found), found  # the MoE hands rows back
@@ -197,15 +197,18 @@ def test_paths_and_capacity():
 def test_state_logical_axes():
     from jax.tree_util import DictKey, GetAttrKey
 
-    assert state_logical((GetAttrKey("target_pages"), DictKey("moe")), (7, 64, 16, 8)) == (
-        None,
-        "pages",
-        None,
-        None,
-    )
-    assert state_logical((GetAttrKey("draft_pages"),), (64, 16, 8)) == ("pages", None, None)
-    assert state_logical((GetAttrKey("draft_pages"),), (0,)) == (None,)
-    assert state_logical((GetAttrKey("drafts"),), (4, 3)) == ("batch", None)
+    from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.step import StepConfig
+    from tests.conftest import TINY_CONFIG
+
+    cfg = DeepseekV3Config.from_dict(TINY_CONFIG)
+    sc, plain = StepConfig(cfg, 16, 3, "mtp"), StepConfig(cfg, 16)
+    target = (GetAttrKey("target_pages"), DictKey("moe"))
+    for config in (sc, plain):  # the target's cache: split by page
+        assert state_logical(target, (7, 64, 16, 8), config) == (None, "pages", None, None)
+    assert state_logical((GetAttrKey("draft_state"),), (64, 16, 8), sc) == ("pages", None, None)
+    assert state_logical((GetAttrKey("drafts"),), (4, 3), sc) == ("batch", None)
+    assert state_logical((GetAttrKey("seq_len"),), (4,), plain) == ("batch",)
 
 
 def test_sharded_page_allocator_keeps_pages_on_their_shard():

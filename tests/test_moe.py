@@ -10,13 +10,13 @@ import pytest
 
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.moe import (
-    moe,
     resolve_dispatch,
     route,
     routed_experts,
     routed_experts_dense,
     routed_experts_gathered,
 )
+from mtp_jax.targets.deepseek_v3 import moe
 from tests.conftest import TINY_CONFIG
 
 

@@ -6,7 +6,7 @@ Layout of a converted directory::
     mtp_jax_manifest.json                                   (format, options, groups, FP8 leaves)
     params/<group>/                                         (one orbax checkpoint per group)
 
-A group is what :func:`mtp_jax.checkpoint.deepseek_v3.param_groups` yields: the embedding, one
+A group is what the model's key map (:mod:`mtp_jax.checkpoint.formats`) yields: the embedding, one
 decoder layer, the final norm, the head, one MTP layer. Weights are already transposed, split per
 head, dequantised or kept FP8, so loading is a plain restore.
 
@@ -31,10 +31,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.deepseek_v3 import FLOAT32_LEAVES, assemble, host_dtype, param_groups
+from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
+from mtp_jax.checkpoint.loader import FLOAT32_LEAVES, host_dtype
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.config import ModelConfig, load_config
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError
 from mtp_jax.progress import Progress
 
@@ -44,7 +45,7 @@ FORMAT = "mtp-jax-orbax"
 FORMAT_VERSION = 1
 MANIFEST = "mtp_jax_manifest.json"
 PROGRESS = "progress.json"
-CONVERT_WEIGHTS = ("bf16", "fp32", "fp8")
+CONVERT_WEIGHTS = ("auto", "bf16", "fp32", "fp8")
 COPIED_FILES = (
     "config.json",
     "generation_config.json",
@@ -115,7 +116,7 @@ def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
-    weights: str = "bf16",
+    weights: str = "auto",
     mtp: bool = True,
     strict: bool = False,
     progress: bool = True,
@@ -123,9 +124,11 @@ def convert(
 ) -> ConvertReport:
     """Convert the hub checkpoint ``src`` into an orbax checkpoint at ``dst``.
 
-    weights: "bf16" or "fp32" (dense, FP8 checkpoints dequantised) or "fp8" (keep FP8 weights and
-    their block scales; other tensors bf16). ``on_group`` is called with each finished group's
-    name (tests use it to interrupt a conversion).
+    weights: "auto" (default) keeps every tensor's stored precision: FP8 weights stay FP8 with their
+    block scales, BF16 stays BF16, FP32 stays FP32, so that loading the converted checkpoint gives
+    exactly what loading the source gives, in any dtype. "bf16" or "fp32" store everything dense in
+    that dtype (FP8 dequantised); "fp8" keeps FP8 weights and stores the rest in bf16. ``on_group``
+    is called with each finished group's name (tests use it to interrupt a conversion).
     """
     import orbax.checkpoint as ocp
 
@@ -138,14 +141,16 @@ def convert(
         raise CheckpointError(f"{src} is already a converted mtp-jax checkpoint")
     if os.path.exists(dst):
         raise FileExistsError(f"destination {dst} already exists; remove it or choose another path")
-    cfg = DeepseekV3Config.from_json_file(os.path.join(src, "config.json"))
+    cfg = load_config(os.path.join(src, "config.json"))
+    fmt = checkpoint_format(cfg)
     reader = CheckpointReader(src)
     if weights == "fp8" and cfg.quantization_config is None:
         raise CheckpointError(
             f"--weights fp8 needs an FP8 source checkpoint; {src}/config.json has no quantization_config"
         )
-    dtype = "float32" if weights == "fp32" else "bfloat16"
-    mode = "fp8" if weights == "fp8" else "dense"
+    dtype = {"auto": None, "fp32": "float32"}.get(weights, "bfloat16")
+    keep_fp8 = weights == "fp8" or (weights == "auto" and cfg.quantization_config is not None)
+    mode = "fp8" if keep_fp8 else "dense"
     options = {"weights": weights, "mtp": mtp, "format_version": FORMAT_VERSION}
 
     work = f"{dst}.partial"
@@ -178,7 +183,7 @@ def convert(
     resumed = len(done)
     t0 = time.perf_counter()
     bytes_read = 0
-    for (name, index, tree), keys in param_groups(
+    for (name, index, tree), keys in fmt.param_groups(
         reader, cfg, dtype, weights=mode, mtp=mtp, strict=strict, skip=skip
     ):
         gdir = _group_dir(name, index)
@@ -210,6 +215,7 @@ def convert(
             "format_version": FORMAT_VERSION,
             "weights": weights,
             "dtype": dtype,
+            "fp8_kept": keep_fp8,
             "mtp": mtp,
             "groups": [{"dir": g, "name": done[g]["name"], "index": done[g]["index"]} for g in order],
             "fp8": state["fp8"],
@@ -247,7 +253,7 @@ def _cast(tree: Any, name: str, dtype: Any, keep_fp8: bool) -> Any:
 
 def load_converted(
     path: str,
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     dtype: Any,
     *,
     weights: str = "dense",
@@ -267,12 +273,12 @@ def load_converted(
             f"{path}/{MANIFEST}: unsupported format {manifest.get('format')!r} version "
             f"{manifest.get('format_version')!r} (this mtp-jax reads {FORMAT} version {FORMAT_VERSION})"
         )
-    if weights == "fp8" and manifest["weights"] != "fp8":
+    if weights == "fp8" and not manifest.get("fp8_kept", manifest["weights"] == "fp8"):
         raise CheckpointError(
-            f"weights='fp8' needs a checkpoint converted with --weights fp8; {path} has "
-            f"{manifest['weights']!r} weights"
+            f"weights='fp8' needs a checkpoint converted with its FP8 weights kept (--weights auto or fp8); "
+            f"{path} has {manifest['weights']!r} weights"
         )
-    if mtp and cfg.num_nextn_predict_layers and not manifest["mtp"]:
+    if mtp and getattr(cfg, "num_nextn_predict_layers", 0) and not manifest["mtp"]:
         log.warning("%s was converted without its MTP layers", path)
     host = host_dtype(dtype)
     checkpointer = ocp.StandardCheckpointer()
@@ -302,6 +308,6 @@ def load_converted(
             )
 
     try:
-        return assemble(groups(), cfg, dtype, mtp=mtp and manifest["mtp"], mesh=mesh)
+        return checkpoint_format(cfg).assemble(groups(), cfg, dtype, mtp=mtp and manifest["mtp"], mesh=mesh)
     finally:
         checkpointer.close()

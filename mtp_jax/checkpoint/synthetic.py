@@ -1,7 +1,8 @@
 """Random checkpoints in the exact hub layout, for tests, benchmarks and the placeholder default.
 
 ``hub_tensors`` draws every tensor a DeepSeek-V3 checkpoint has (MTP layers included when the
-config asks for them) and ``write_hub_checkpoint`` writes a directory the way the hub does:
+config asks for them), ``llama_hub_tensors`` every tensor of a Llama 3 one, and
+``write_hub_checkpoint`` writes a directory the way the hub does:
 config.json plus one safetensors file, or several with a ``model.safetensors.index.json``.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.config import DeepseekV3Config, Llama3Config
 
 
 def layer_tensors(
@@ -98,6 +99,44 @@ def hub_tensors(cfg: DeepseekV3Config, seed: int = 0, std: float = 0.1) -> dict[
             "lm_head.weight", tensors["model.embed_tokens.weight"]
         )
         tensors[f"{pre}embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    return tensors
+
+
+def llama_hub_tensors(
+    cfg: Llama3Config, seed: int = 0, std: float = 0.1, embed_std: float = 1.0
+) -> dict[str, np.ndarray]:
+    """Every tensor of a float32 Llama 3 hub checkpoint (no ``lm_head.weight`` when tied), drawn
+    from a seeded normal (the embedding with ``embed_std``, the projections with ``std``); norms
+    near 1."""
+    rng = np.random.default_rng(seed)
+    d, v, f, hd = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
+    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": (rng.standard_normal((v, d)) * embed_std).astype(np.float32)}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        tensors.update(
+            {
+                f"{pre}input_layernorm.weight": norm(d),
+                f"{pre}self_attn.q_proj.weight": w(h * hd, d),
+                f"{pre}self_attn.k_proj.weight": w(kv * hd, d),
+                f"{pre}self_attn.v_proj.weight": w(kv * hd, d),
+                f"{pre}self_attn.o_proj.weight": w(d, h * hd),
+                f"{pre}post_attention_layernorm.weight": norm(d),
+                f"{pre}mlp.gate_proj.weight": w(f, d),
+                f"{pre}mlp.up_proj.weight": w(f, d),
+                f"{pre}mlp.down_proj.weight": w(d, f),
+            }
+        )
+    tensors["model.norm.weight"] = norm(d)
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = w(v, d)
     return tensors
 
 

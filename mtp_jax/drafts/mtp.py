@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.drafts.base import Draft, Rows, at_rows, choose
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
-from mtp_jax.models.deepseek_v3 import PagedAttention, attention_fn, decoder_layer
+from mtp_jax.targets.deepseek_v3 import PagedAttention, attention_fn, decoder_layer, latent_width
 
 
 def has_mtp(params: dict) -> bool:
@@ -58,7 +60,7 @@ def mtp_forward(
     Without ``paged`` the rows attend causally among themselves (teacher-forced, positions
     0..t-1); with it they are written to and attend over the MTP layer's paged cache
     (``paged.pages`` is its [P, page, c] pages). ``dispatch`` and ``mesh`` as in
-    :func:`mtp_jax.models.deepseek_v3.forward`. ``logits=False`` skips the output head: a caller
+    :func:`mtp_jax.targets.deepseek_v3.forward`. ``logits=False`` skips the output head: a caller
     that needs one row per sequence (the prompt's last, the last accepted) picks those states and
     applies :func:`mtp_logits` to them alone.
     """
@@ -137,3 +139,75 @@ def mtp_chain_teacher_forced(
         outs.append(_mtp_layer(params, cfg, tokens[:, j : j + n], state, chained, None, dispatch, None))
         chain = jnp.concatenate([chain, own[0][None]], axis=0)
     return outs
+
+
+# --- the draft interface (mtp_jax.drafts.base) ---------------------------------------------------
+def _available(params: dict, cfg: object) -> str | None:
+    if not isinstance(cfg, DeepseekV3Config):
+        return f"the MTP draft is DeepSeek-V3's NextN layer; this model is {type(cfg).__name__}"
+    if not has_mtp(params):
+        return (
+            "draft='mtp' needs a checkpoint with an MTP layer (num_nextn_predict_layers > 0, loaded with "
+            "mtp=True)"
+        )
+    return None
+
+
+def _init_state(sc, num_pages: int, dtype) -> jax.Array:
+    """The MTP layer's own paged latent cache [P, page, c], on the target's page ids."""
+    return jnp.zeros((num_pages, sc.page_size, latent_width(sc.cfg)), dtype)
+
+
+def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+    return ("pages",) + (None,) * (rank - 1)
+
+
+def _layer_rows(params, sc, pages, page_table, next_tokens, hidden, positions, valid):
+    """The MTP layer over rows written to its paged cache: (states g [b, t, d], pages). No head:
+    drafts read it at one state per row (:func:`_propose`)."""
+    paged = PagedAttention(pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
+    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh, logits=False)
+    return out.state, out.pages
+
+
+def _propose(params, sc, pages, page_table, active, sampling, g, first_pos):
+    """K drafts per row from the MTP state g [b, d] of the row before them.
+
+    The first draft is for position first_pos [b]; each next one feeds the previous draft and the
+    recycled state g back through the MTP layer at the following position.
+    """
+    d, q = choose(mtp_logits(params, g), sc.sampled, sampling, first_pos)
+
+    def chain(carry, j):
+        d, g, pages = carry
+        pos = (first_pos - 2 + j)[:, None]  # MTP row i predicts position i + 2 (draft j+1's)
+        g_new, pages = _layer_rows(
+            params, sc, pages, page_table, d[:, None], g[:, None], pos, active[:, None]
+        )
+        d_new, q_new = choose(mtp_logits(params, g_new[:, 0]), sc.sampled, sampling, first_pos + j)
+        return (d_new, g_new[:, 0], pages), (d_new, q_new)
+
+    (_, _, pages), (more_d, more_q) = jax.lax.scan(chain, (d, g, pages), jnp.arange(1, sc.k))
+    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
+    qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
+    return drafts, qs, pages
+
+
+def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampling, first_pos):
+    """MTP row i pairs the target's post-norm h_i with token i+1 (``rows.next_tokens``): write the
+    committed rows to the MTP cache, then chain K drafts from the last one's state (the head runs
+    there alone)."""
+    g, pages = _layer_rows(
+        params, sc, pages, page_table, rows.next_tokens, rows.hidden.post_norm, rows.positions, rows.valid
+    )
+    return _propose(params, sc, pages, page_table, active, sampling, at_rows(g, rows.last), first_pos)
+
+
+DRAFT = Draft(
+    name="mtp",
+    available=_available,
+    capture=lambda cfg: (),
+    init_state=_init_state,
+    state_logical=_state_logical,
+    extend_and_propose=_extend_and_propose,
+)

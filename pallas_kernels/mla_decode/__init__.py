@@ -17,10 +17,19 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import native
+from pallas_kernels.chunks import QUERY_CHUNK, in_query_chunks
 from pallas_kernels.mla_decode.kernel import NATIVE_DTYPES, check_page_size, mla_decode_kernel
 from pallas_kernels.mla_decode.reference import mla_decode_reference
 
-__all__ = ["ENV_VAR", "IMPLS", "mla_decode", "mla_decode_kernel", "mla_decode_reference", "resolve_impl"]
+__all__ = [
+    "ENV_VAR",
+    "IMPLS",
+    "QUERY_CHUNK",
+    "mla_decode",
+    "mla_decode_kernel",
+    "mla_decode_reference",
+    "resolve_impl",
+]
 
 ENV_VAR = "MTP_JAX_KERNELS"
 IMPLS = ("auto", "kernel", "interpret", "reference")
@@ -93,39 +102,6 @@ def _check_args(q, pages, page_table, positions, value_dim, layer) -> None:
         raise ValueError(f"mla_decode: value_dim must be in [1, C={width}], got {value_dim}")
 
 
-QUERY_CHUNK = 64
-"""Off the kernel, queries are attended in chunks of this many tokens per row (prefill): the
-reference's float32 scores are [B, T, H, keys], which for a long prompt against a long page table
-is far more than the cache (2k tokens x 128 heads x 32k keys: 34 GB); per chunk it is T/64 of that.
-Decode blocks (K+1 tokens) fit in one chunk and take the reference directly."""
-
-
-def _reference_in_query_chunks(q, pages, page_table, positions, *, scale, value_dim, layer):
-    """:func:`mla_decode_reference` applied to successive chunks of QUERY_CHUNK query tokens (one
-    ``lax.map`` step each); every query is computed exactly as in one call."""
-    batch, tokens, heads, _ = q.shape
-    chunk = QUERY_CHUNK
-    if tokens <= chunk:
-        return mla_decode_reference(
-            q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=layer
-        )
-    n = -(-tokens // chunk)
-    pad = n * chunk - tokens
-    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    positions = jnp.pad(positions, ((0, 0), (0, pad)), constant_values=-1)  # padding sees nothing
-
-    def one(args):
-        q_c, pos_c = args
-        return mla_decode_reference(
-            q_c, pages, page_table, pos_c, scale=scale, value_dim=value_dim, layer=layer
-        )
-
-    qs = jnp.moveaxis(q.reshape(batch, n, chunk, heads, -1), 1, 0)
-    ps = jnp.moveaxis(positions.reshape(batch, n, chunk), 1, 0)
-    out = jnp.moveaxis(jax.lax.map(one, (qs, ps)), 0, 1)  # [B, n, chunk, H, value_dim]
-    return out.reshape(batch, n * chunk, heads, value_dim)[:, :tokens]
-
-
 def _kernel_compiles(q, pages, page_table, positions, scale, value_dim, layer) -> bool:
     """Whether the native kernel compiles for these shapes (see :mod:`pallas_kernels.native`)."""
     args = (q, pages, page_table, positions) + (() if layer is None else (layer,))
@@ -168,9 +144,13 @@ def mla_decode(
     ):
         impl = "reference"
     if impl == "reference":
-        return _reference_in_query_chunks(
-            q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=layer
-        )
+
+        def attend(q, positions):
+            return mla_decode_reference(
+                q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=layer
+            )
+
+        return in_query_chunks(attend, q, positions, QUERY_CHUNK)
     if impl == "kernel" and jnp.dtype(q.dtype) not in NATIVE_DTYPES:
         raise ValueError(
             f"mla_decode: the compiled kernel takes {[str(d) for d in NATIVE_DTYPES]}, got {q.dtype} "

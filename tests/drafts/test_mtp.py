@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.cache import init_pages, page_table_array, slots_for
+from mtp_jax.cache import page_table_array, slots_for
 from mtp_jax.drafts.mtp import mtp_chain_teacher_forced, mtp_forward
-from mtp_jax.models.deepseek_v3 import PagedAttention
+from mtp_jax.targets.deepseek_v3 import PagedAttention, init_cache
 from tests.conftest import PARITY_DIR
 
 
@@ -50,7 +50,7 @@ def test_mtp_paged_in_chunks_matches_transformers(case):
     page = 4
     width = -(-t // page)
     table = jnp.asarray(page_table_array([list(range(i, b * width, b)) for i in range(b)], width))
-    pages = init_pages(model.config, b * width, page, jnp.float32)["moe"][0]
+    pages = init_cache(model.config, b * width, page, jnp.float32)["moe"][0]
     got = []
     for lo, hi in [(0, 5), (5, 6), (6, t - 1)]:
         pos = jnp.broadcast_to(jnp.arange(lo, hi), (b, hi - lo))
@@ -82,7 +82,7 @@ def test_chain_teacher_forced_matches_the_decode_chain(case):
     width = -(-t // page)
     table = jnp.asarray(page_table_array([list(range(r * width, (r + 1) * width)) for r in range(b)], width))
     for i in (0, n - 1):
-        pages = init_pages(model.config, b * width, page, jnp.float32)["moe"][0]
+        pages = init_cache(model.config, b * width, page, jnp.float32)["moe"][0]
         pos = jnp.broadcast_to(jnp.arange(i + 1), (b, i + 1))
         paged = PagedAttention(pages, slots_for(table, pos, jnp.ones(pos.shape, bool), page), table)
         out = mtp_forward(model.params, model.config, ids[:, 1 : i + 2], hidden[:, : i + 1], pos, paged)

@@ -19,7 +19,6 @@ i.e. ``transformers``' ``hidden_states[i + 1]`` (its entry 0 is the embedding ou
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,46 +26,21 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.ep import moe_sharded
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import mla_dense, mla_paged
-from mtp_jax.moe import moe
+from mtp_jax.moe import DISPATCH, resolve_dispatch, route
 from mtp_jax.sharding import ACTIVATION, constrain
+from mtp_jax.targets.base import Hidden, PagedAttention, Target, check_capture, lm_head
+
+__all__ = ["TARGET", "Hidden", "PagedAttention", "decoder_layer", "forward", "init_cache", "lm_head"]
 
 STACKS = ("dense", "moe")
-
-
-class Hidden(NamedTuple):
-    """Hidden states of a forward pass, all [b, t, d] (``layers``: [n_captured, b, t, d])."""
-
-    post_norm: jax.Array
-    pre_norm: jax.Array
-    layers: jax.Array | None
-    expert_load: jax.Array | None = None
-    """Tokens routed to each expert of each MoE layer [n_moe_layers, e] (None without MoE layers)."""
-
-
-class PagedAttention(NamedTuple):
-    """Where a forward pass reads and writes the paged latent cache.
-
-    pages: {"dense": [L, P, page, c], "moe": [L, P, page, c]} (stacks present in the params);
-    slots: flat cache slot [b, t] of each new token (>= P·page: not written);
-    page_table: [b, n] page ids of each row, in position order.
-    """
-
-    pages: dict[str, jax.Array]
-    slots: jax.Array
-    page_table: jax.Array
 
 
 def stack_sizes(cfg: DeepseekV3Config) -> dict[str, int]:
     sizes = {"dense": cfg.num_dense_layers, "moe": cfg.num_moe_layers}
     return {name: n for name, n in sizes.items() if n}
-
-
-def check_capture(cfg: DeepseekV3Config, capture: tuple[int, ...]) -> None:
-    for i in capture:
-        if not 0 <= i < cfg.num_hidden_layers:
-            raise ValueError(f"captured layer {i} is outside [0, {cfg.num_hidden_layers})")
 
 
 def forward(
@@ -84,11 +58,11 @@ def forward(
     Without ``paged``: teacher-forced over whole sequences (positions must be 0..t-1), expanded
     attention, no cache. With ``paged``: absorbed attention against the paged latent cache, which
     is returned updated. ``capture`` (static) selects layer outputs to return in ``Hidden.layers``.
-    ``dispatch`` (static) is how routed experts are evaluated (see :func:`mtp_jax.moe.moe`).
+    ``dispatch`` (static) is how routed experts are evaluated (see :func:`moe`).
     ``mesh`` (static): run MoE layers expert-parallel over it and keep the hidden states split over
     its batch axis at layer boundaries (:func:`mtp_jax.sharding.constrain`); None: one device.
     """
-    check_capture(cfg, capture)
+    check_capture(cfg.num_hidden_layers, capture)
     attention = attention_fn(cfg, positions, paged, mesh)
     h = constrain(params["embed"][tokens], mesh, ACTIVATION)
     captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
@@ -173,6 +147,78 @@ def decoder_layer(
     return h + out, pages, load
 
 
-def lm_head(params: dict, h: jax.Array) -> jax.Array:
-    """Float32 logits [..., V] from post-norm hidden states [..., d]."""
-    return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+def moe(
+    p: dict, x: jax.Array, cfg: DeepseekV3Config, dispatch: str = "auto", mesh: Mesh | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The MoE block for x [b, t, d]: (output [b, t, d], tokens routed to each expert [e] float32).
+
+    ``dispatch`` picks how the routed experts are evaluated (same result): ``"sorted"`` (dropless
+    sort + grouped matmul), ``"dense"`` (:func:`mtp_jax.moe.routed_experts_dense`, used for
+    training), ``"gather"`` (:func:`mtp_jax.moe.routed_experts_gathered`) or ``"auto"`` (on the CPU
+    gather for fewer token copies than experts, dense for other small sizes, else sorted; see
+    :func:`mtp_jax.moe.resolve_dispatch`).
+    The per-expert load feeds DeepSeek-V3's auxiliary-loss-free bias update during training.
+    With a ``mesh`` of more than one device, routing and the routed experts run under ``shard_map``,
+    expert-parallel over its ``expert`` axis (:func:`mtp_jax.ep.moe_sharded`); ``mesh=None`` is the
+    single-device path.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    if mesh is not None and mesh.devices.size > 1:
+        # [b, t, d], not flat: tokens stay split by row, as the hidden states around the layer are
+        out, load, _ = moe_sharded(
+            x, p["router"], p["bias"], p["gate"], p["up"], p["down"], cfg, mesh, dispatch
+        )
+        out = out.reshape(flat.shape)
+    else:
+        how = resolve_dispatch(
+            dispatch,
+            flat.shape[0],
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+        )
+        weights, idx = route(flat, p["router"], p["bias"], cfg)
+        out = DISPATCH[how](flat, weights, idx, p["gate"], p["up"], p["down"])
+        load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)
+    if cfg.n_shared_experts:
+        out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
+    return out.reshape(x.shape), load
+
+
+def latent_width(cfg: DeepseekV3Config) -> int:
+    """Values one token occupies in one layer's cache: the compressed latent and the rope key."""
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+def init_cache(cfg: DeepseekV3Config, num_pages: int, page_size: int, dtype: jnp.dtype) -> dict:
+    """Zeroed latent pages [L, P, page, kv_lora + rope] for every layer stack (``dense``, ``moe``)."""
+    return {
+        name: jnp.zeros((n, num_pages, page_size, latent_width(cfg)), dtype)
+        for name, n in stack_sizes(cfg).items()
+    }
+
+
+def _cache_logical(name: str, rank: int) -> tuple[str | None, ...]:
+    return (None, "pages") + (None,) * (rank - 2)
+
+
+def _cache_bytes_per_token(cfg: DeepseekV3Config, itemsize: int) -> int:
+    return cfg.num_hidden_layers * latent_width(cfg) * itemsize
+
+
+def _check_mesh(cfg: DeepseekV3Config, mesh: Mesh) -> None:
+    from mtp_jax.sharding import check_mesh
+
+    check_mesh(mesh, cfg.n_routed_experts)
+
+
+TARGET = Target(
+    name="deepseek_v3",
+    config_class=DeepseekV3Config,
+    forward=forward,
+    init_cache=init_cache,
+    cache_logical=_cache_logical,
+    cache_bytes_per_token=_cache_bytes_per_token,
+    check_mesh=_check_mesh,
+)

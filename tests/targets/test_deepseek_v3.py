@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.cache import init_pages, page_table_array, slots_for
-from mtp_jax.models.deepseek_v3 import PagedAttention, forward, lm_head
+from mtp_jax.cache import page_table_array, slots_for
+from mtp_jax.targets.deepseek_v3 import PagedAttention, forward, init_cache, lm_head
 from tests.conftest import PARITY_DIR
 
 FIXTURES = sorted(d for d in os.listdir(PARITY_DIR) if os.path.isdir(os.path.join(PARITY_DIR, d)))
@@ -75,7 +75,7 @@ def test_paged_prefill_matches_transformers(parity):
     table = jnp.asarray(page_table_array([list(order[i::b]) for i in range(b)], per_row))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     slots = slots_for(table, positions, jnp.ones((b, t), bool), page_size)
-    pages = init_pages(cfg, b * per_row, page_size, jnp.float32)
+    pages = init_cache(cfg, b * per_row, page_size, jnp.float32)
     hidden, _ = forward(model.params, cfg, tokens, positions, PagedAttention(pages, slots, table))
     logits = np.asarray(lm_head(model.params, hidden.post_norm))
     assert rel_err(logits, ref["logits"]) < 1e-4

@@ -1,0 +1,24 @@
+"""Which key map reads a checkpoint: one module per model family, chosen by the parsed config.
+
+Each module provides ``param_groups(reader, cfg, dtype, *, weights, mtp, strict, skip, experts)``,
+``group_sizes(cfg, mtp)``, ``assemble(groups, cfg, dtype, *, mtp, mesh)``, ``load_params(reader,
+cfg, dtype, *, weights, mtp, strict, mesh)`` and ``STACKED_GROUPS``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from mtp_jax.checkpoint import deepseek_v3, llama3
+from mtp_jax.config import DeepseekV3Config, Llama3Config
+
+_FORMATS: tuple[tuple[type, ModuleType], ...] = ((DeepseekV3Config, deepseek_v3), (Llama3Config, llama3))
+
+
+def checkpoint_format(cfg: Any) -> ModuleType:
+    """The key-map module that reads checkpoints of ``cfg``'s model family."""
+    for kind, module in _FORMATS:
+        if isinstance(cfg, kind):
+            return module
+    raise TypeError(f"no checkpoint format for a config of type {type(cfg).__name__}")

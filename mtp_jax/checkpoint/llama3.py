@@ -1,0 +1,129 @@
+"""Hub-layout Llama 3 tensors -> the parameter pytree of :mod:`mtp_jax.targets.llama3`.
+
+Keys: ``model.embed_tokens.weight`` [V, d]; per layer ``model.layers.{i}.`` ``input_layernorm``,
+``post_attention_layernorm`` [d], ``self_attn.{q,k,v}_proj.weight`` ([H·hd, d], [Hkv·hd, d],
+[Hkv·hd, d]), ``self_attn.o_proj.weight`` [d, H·hd], ``mlp.{gate,up}_proj.weight`` [f, d],
+``mlp.down_proj.weight`` [d, f]; ``model.norm.weight``; ``lm_head.weight`` [V, d] unless the
+embedding is tied. The q/k rows of hub checkpoints are already in the order rotate-half rope
+expects, so they are used as stored.
+
+Weights are transposed to [in, out] with the head axes split out (q [d, H, hd], o [H, hd, d]) and
+the layers stacked (group ``layers``). A tied checkpoint stores no head: the model reads the
+embedding (:func:`mtp_jax.targets.base.lm_head`); a ``lm_head.weight`` it does store must then equal
+the embedding, or loading stops with an error rather than silently using either one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtp_jax.checkpoint.loader import Group, GroupEmitter, HubTensors, assemble_groups, report_unused
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.config import Llama3Config
+from mtp_jax.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+STACKED_GROUPS = ("layers",)
+
+
+def _layer(t: HubTensors, i: int) -> dict:
+    c = t.cfg
+    pre = f"model.layers.{i}."
+    d, h, kv, hd, f = (
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+    )
+    attn = f"{pre}self_attn."
+    return {
+        "input_norm": t.get(f"{pre}input_layernorm.weight", (d,)),
+        "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (d,)),
+        "attn": {
+            "q": t.linear(f"{attn}q_proj.weight", h * hd, d, (d, h, hd)),
+            "k": t.linear(f"{attn}k_proj.weight", kv * hd, d, (d, kv, hd)),
+            "v": t.linear(f"{attn}v_proj.weight", kv * hd, d, (d, kv, hd)),
+            "o": t.linear(f"{attn}o_proj.weight", d, h * hd, (h, hd, d)),
+        },
+        "mlp": {
+            "gate": t.linear(f"{pre}mlp.gate_proj.weight", f, d),
+            "up": t.linear(f"{pre}mlp.up_proj.weight", f, d),
+            "down": t.linear(f"{pre}mlp.down_proj.weight", d, f),
+        },
+    }
+
+
+def param_groups(
+    reader: CheckpointReader,
+    cfg: Llama3Config,
+    dtype: Any,
+    *,
+    weights: str = "dense",
+    mtp: bool = True,
+    strict: bool = False,
+    skip: Mapping[tuple[str, int | None], list[str]] | None = None,
+    experts: Any = None,
+) -> Iterator[tuple[Group, list[str]]]:
+    """Yield ((name, index, host pytree), hub keys consumed) one group at a time: ``embed``, each
+    of ``layers``, ``final_norm`` and (untied) ``lm_head``. ``dtype`` None keeps each tensor's
+    stored dtype. ``skip`` as in :class:`mtp_jax.checkpoint.loader.GroupEmitter`; ``weights``,
+    ``mtp`` and ``experts`` are accepted for a uniform signature and mean nothing here. Tensors
+    nobody asked for are reported at the end (an error with ``strict``)."""
+    if weights != "dense":
+        raise CheckpointError(f"weights={weights!r}: Llama checkpoints are dense (BF16/FP16/FP32)")
+    t = HubTensors(reader, cfg, dtype, weights)
+    d, v = cfg.hidden_size, cfg.vocab_size
+    emit = GroupEmitter(t, skip)
+    yield emit("embed", None, lambda: t.get("model.embed_tokens.weight", (v, d)))
+    for i in range(cfg.num_hidden_layers):
+        yield emit("layers", i, lambda i=i: _layer(t, i))
+    yield emit("final_norm", None, lambda: t.get("model.norm.weight", (d,)))
+    if not cfg.tie_word_embeddings:
+        yield emit("lm_head", None, lambda: np.ascontiguousarray(t.linear("lm_head.weight", v, d)))
+    elif "lm_head.weight" in reader:
+        if not t.same("lm_head.weight", "model.embed_tokens.weight"):
+            raise CheckpointError(
+                f"{reader.directory}: config.json ties the embeddings (tie_word_embeddings=true) but the "
+                "checkpoint's lm_head.weight differs from model.embed_tokens.weight"
+            )
+        emit.used.add("lm_head.weight")  # a stored copy of the tied head: read once, as the embedding
+    report_unused(reader, emit.used, strict=strict, logger=log)
+
+
+def group_sizes(cfg: Llama3Config, mtp: bool = True) -> dict[str, int]:
+    return {"layers": cfg.num_hidden_layers}
+
+
+def assemble(
+    groups: Iterator[Group],
+    cfg: Llama3Config,
+    dtype: Any = None,
+    *,
+    mtp: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict:
+    """Device parameters from groups; a tied model gets no ``lm_head`` (the head reads ``embed``)."""
+    return assemble_groups(groups, group_sizes(cfg), mesh=mesh, copy_tied_head=False)
+
+
+def load_params(
+    reader: CheckpointReader,
+    cfg: Llama3Config,
+    dtype: Any,
+    *,
+    weights: str = "dense",
+    mtp: bool = True,
+    strict: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict:
+    """Read a hub Llama 3 checkpoint into device parameters (with a mesh, each leaf placed with its
+    sharding as it is read)."""
+    groups = (g for g, _ in param_groups(reader, cfg, dtype, weights=weights, strict=strict))
+    return assemble(groups, cfg, dtype, mesh=mesh)

@@ -1,0 +1,81 @@
+"""What every draft method supplies to the unified step.
+
+A draft proposes K tokens per row for the target to verify. Each draft module builds one
+:class:`Draft`, registered by name in :data:`mtp_jax.drafts.DRAFTS`; the step (:mod:`mtp_jax.step`)
+composes any target with any draft through these functions alone.
+
+The one operation a draft performs, in prefill and after every verification alike, is
+``extend_and_propose``: consume the rows the target has just committed (:class:`Rows`: the tokens,
+the token that followed each, their positions and the target's hidden states there), update the
+draft's own device state (its cache, a recycled state), and propose the next K tokens starting
+right after the last committed row. In prefill the rows are the prompt's; after a step they are the
+K+1 verified rows, of which the accepted ones (and the bonus token) are valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.sampling import DRAFT, SamplingParams, draft_probs, sample
+from mtp_jax.targets.base import Hidden
+
+
+class Rows(NamedTuple):
+    """Rows of a batch the target has just written and committed, for a draft to consume.
+
+    tokens [b, t]: the token at each row's position (what the target read there);
+    next_tokens [b, t]: the token that follows it (the next prompt token, the sampled first token,
+    or the emitted token), the pair a draft conditions on;
+    positions [b, t]; valid [b, t]: the rows committed this time (others are not consumed);
+    hidden: the target's hidden states at these rows (those the draft asks for);
+    last [b]: index of each sequence's last valid row: the draft proposes from its state.
+    """
+
+    tokens: jax.Array
+    next_tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    hidden: Hidden
+    last: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """A draft method's functions.
+
+    available(params, cfg) -> None when the loaded model can draft this way, else the reason.
+    capture(cfg) -> the target layers whose outputs the draft reads (static; () for none).
+    init_state(sc, num_pages, dtype) -> the draft's zeroed device state (a pytree; its caches use
+        the target's page table and page ids).
+    state_logical(path_names, rank) -> logical axes of one leaf of that state, for sharding.
+    extend_and_propose(params, sc, state, page_table, rows, active [b], sampling, first_position [b])
+        -> (drafts [b, K] int32 target ids, q [b, K, V] float32 draft distributions in sampled mode
+        else [b, K, 0], new state): see the module docstring. ``first_position`` is the absolute
+        position of the first draft.
+    """
+
+    name: str
+    available: Callable[[dict, Any], str | None]
+    capture: Callable[[Any], tuple[int, ...]]
+    init_state: Callable[..., Any]
+    state_logical: Callable[[list[str], int], tuple[str | None, ...]]
+    extend_and_propose: Callable[..., tuple[jax.Array, jax.Array, Any]]
+
+
+def choose(logits: jax.Array, sampled: bool, sampling: SamplingParams, position: jax.Array):
+    """One draft token per row from draft logits [b, V] for absolute ``position`` [b]: the argmax
+    (q empty, [b, 0]) or, with ``sampled``, a sample from the processed distribution q [b, V]
+    (the row's own sampling parameters, the draft's random stream)."""
+    if sampled:
+        return sample(logits, sampling, position, DRAFT), draft_probs(logits, sampling)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+
+
+def at_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b]] for x [b, t, ...] and index [b]."""
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]

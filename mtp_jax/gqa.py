@@ -1,0 +1,108 @@
+"""Grouped-query attention (Llama 3): H query heads share Hkv key/value heads, query head h reading
+KV head ``h // (H / Hkv)``.
+
+- :func:`gqa_dense`: causal attention over a whole sequence, no cache (teacher-forced scoring,
+  training).
+- :func:`gqa_paged`: writes the new tokens' keys and values into the paged cache, then attends over
+  each row's cache up to each query's position (decode, verification, prefill). The cache holds
+  K and V per layer as pages [P, page, Hkv, d] (a stack [L, P, page, Hkv, d] with a layer index).
+
+Scores and softmax in float32; probabilities cast to the activation dtype for the value product,
+as transformers does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.cache import write_rows
+from pallas_kernels.chunks import in_query_chunks
+
+NEG_INF = float("-inf")
+
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """[b, t, H, d] -> [b, t, Hkv, H/Hkv, d]: query heads grouped by the KV head they read."""
+    b, t, h, d = q.shape
+    return q.reshape(b, t, kv_heads, h // kv_heads, d)
+
+
+def _softmax_values(scores: jax.Array, visible: jax.Array, values: jax.Array, dtype) -> jax.Array:
+    """softmax(scores) @ values over the key axis; scores [b, t, k, g, s] float32, visible
+    broadcastable to it, values [b, s, k, d]. Rows that see no key output zeros."""
+    scores = jnp.where(visible, scores, NEG_INF)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    probs = (p / jnp.where(denom > 0, denom, 1.0)).astype(dtype)
+    out = jnp.einsum("btkgs,bskd->btkgd", probs, values.astype(dtype), preferred_element_type=jnp.float32)
+    b, t, k, g, d = out.shape
+    return out.reshape(b, t, k * g, d).astype(dtype)
+
+
+def gqa_dense(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """Causal attention: q [b, t, H, d], k/v [b, t, Hkv, d] (positions 0..t-1) -> [b, t, H, d]."""
+    t = q.shape[1]
+    qg = _grouped(q, k.shape[2])
+    scores = jnp.einsum("btkgd,bskd->btkgs", qg, k, preferred_element_type=jnp.float32) * scale
+    causal = jnp.tril(jnp.ones((t, t), bool))[None, :, None, None, :]
+    return _softmax_values(scores, causal, v, q.dtype)
+
+
+def gqa_paged_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    layer: jax.Array | int | None = None,
+) -> jax.Array:
+    """Attention of queries q [b, t, H, d] at absolute ``positions`` [b, t] against each row's
+    paged keys and values (pages [P, page, Hkv, d], or layer ``layer`` of a stack): query (b, t)
+    sees positions ``s <= positions[b, t]``; a negative position sees nothing and yields zeros.
+
+    Table entries past a row's needed pages may be garbage: they are clamped into range, and the
+    keys they point at are masked and zeroed (so a NaN there never reaches the output)."""
+    num_pages = k_pages.shape[-4]
+    table = jnp.clip(page_table, 0, num_pages - 1)
+
+    def gather(pages: jax.Array) -> jax.Array:
+        seq = pages[table] if layer is None else pages[layer, table]  # [b, n, page, Hkv, d]
+        return seq.reshape(seq.shape[0], -1, *seq.shape[3:])
+
+    keys, values = gather(k_pages), gather(v_pages)
+    key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
+    visible = key_pos[None, None, :] <= positions[:, :, None]  # [b, t, s]
+    seen = jnp.any(visible, axis=1)[:, :, None, None]
+    keys, values = jnp.where(seen, keys, 0), jnp.where(seen, values, 0)
+    qg = _grouped(q, keys.shape[2])
+    scores = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+    return _softmax_values(scores * scale, visible[:, :, None, None, :], values, q.dtype)
+
+
+def gqa_paged(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pages: dict[str, jax.Array],
+    slots: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    scale: float,
+    layer: jax.Array | int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Write k/v [b, t, Hkv, d] at flat ``slots`` [b, t] of ``pages`` {"k", "v"} (layer ``layer`` of
+    stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
+    the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
+    itself and every earlier position of its row. Returns (out [b, t, H, d], updated pages)."""
+    pages = {
+        "k": write_rows(pages["k"], k, slots, layer),
+        "v": write_rows(pages["v"], v, slots, layer),
+    }
+
+    def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
+        return gqa_paged_reference(q, pages["k"], pages["v"], page_table, positions, scale, layer)
+
+    return in_query_chunks(attend, q, positions), pages

@@ -1,1 +1,0 @@
-"""Model math: pure functions over parameter pytrees."""

@@ -1,0 +1,88 @@
+"""What every target model supplies to the unified step, the engine and the tools.
+
+A target is the model a speculative step verifies with (DeepSeek-V3, Llama 3). Each target module
+builds one :class:`Target`: a frozen table of its functions, looked up from a config's type by
+:func:`mtp_jax.targets.target_for`. The step, the engine, prefill, the host-orchestrated baseline,
+``plan``, ``roofline`` and the benchmarks only ever call these functions, so any target runs with
+any draft (:mod:`mtp_jax.drafts`) without per-pair code.
+
+Conventions every target follows:
+
+- parameters: a dict pytree with ``embed`` [V, d], ``final_norm`` [d] and ``lm_head`` [d, V]
+  (absent when the embedding is tied: the head then reads ``embed``), plus its layer stacks;
+- KV cache: a dict of arrays whose leaves are [L, P, page, ...] (a stack of L layers, P pages of
+  ``page`` positions each): :attr:`Target.cache_logical` names the axes for sharding;
+- captured layers: layer i means the OUTPUT of decoder layer i (0-based), i.e. transformers'
+  ``hidden_states[i + 1]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Hidden(NamedTuple):
+    """Hidden states of a forward pass, all [b, t, d] (``layers``: [n_captured, b, t, d])."""
+
+    post_norm: jax.Array
+    pre_norm: jax.Array
+    layers: jax.Array | None
+    expert_load: jax.Array | None = None
+    """Tokens routed to each expert of each MoE layer [n_moe_layers, e] (None without MoE layers)."""
+
+
+class PagedAttention(NamedTuple):
+    """Where a forward pass reads and writes its paged KV cache.
+
+    pages: the target's cache dict (leaves [L, P, page, ...]), or one layer's pages for a draft;
+    slots: flat cache slot [b, t] of each new token (>= P·page: not written);
+    page_table: [b, n] page ids of each row, in position order.
+    """
+
+    pages: Any
+    slots: jax.Array
+    page_table: jax.Array
+
+
+def lm_head(params: dict, h: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] from post-norm hidden states [..., d]: ``lm_head`` [d, V], or the
+    embedding [V, d] itself when the model ties them (no transposed copy is made)."""
+    if "lm_head" in params:
+        return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
+
+
+def check_capture(num_layers: int, capture: tuple[int, ...]) -> None:
+    for i in capture:
+        if not 0 <= i < num_layers:
+            raise ValueError(f"captured layer {i} is outside [0, {num_layers})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A target model's functions (each module builds one; see the module docstring).
+
+    forward(params, cfg, tokens [b, t], positions [b, t], paged=None, capture=(), mesh=None)
+        -> (Hidden, cache or None): teacher-forced over whole sequences without ``paged``; with it,
+        writes the tokens' KV at ``paged.slots`` and attends over the paged cache.
+    init_cache(cfg, num_pages, page_size, dtype) -> zeroed cache dict.
+    cache_logical(name, rank) -> logical axis names of the cache leaf ``name`` (None = replicated).
+    cache_bytes_per_token(cfg, itemsize) -> bytes one token occupies in the cache, all layers.
+    check_mesh(cfg, mesh) -> None, or ValueError when the mesh cannot split this model.
+    """
+
+    name: str
+    config_class: type
+    forward: Callable[..., tuple[Hidden, Any]]
+    init_cache: Callable[..., dict]
+    cache_logical: Callable[[str, int], tuple[str | None, ...]]
+    cache_bytes_per_token: Callable[[Any, int], int]
+    check_mesh: Callable[[Any, Any], None]
+
+    def lm_head(self, params: dict, h: jax.Array) -> jax.Array:
+        return lm_head(params, h)

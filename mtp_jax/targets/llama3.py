@@ -1,0 +1,166 @@
+"""Llama 3 (3, 3.1, 3.2, 3.3) forward pass over a parameter pytree.
+
+Parameters (weights [in, out], per-head axes split out; a leading L axis on the layer stack)::
+
+    embed [V, d]
+    layers: {input_norm [L, d], post_attn_norm [L, d],
+             attn: {q [L, d, H, hd], k [L, d, Hkv, hd], v [L, d, Hkv, hd], o [L, H, hd, d]},
+             mlp: {gate [L, d, f], up [L, d, f], down [L, f, d]}}
+    final_norm [d]
+    lm_head [d, V]           (absent when the embedding is tied: Llama 3.2 1B / 3B)
+
+Each decoder layer: ``h += o(attn(rope(q), rope(k), v))`` on ``input_norm(h)``, then
+``h += swiglu(post_attn_norm(h))``; rotate-half rope on the whole head with Llama's own
+frequencies (:func:`mtp_jax.layers.llama3_frequencies`), GQA (:mod:`mtp_jax.gqa`), RMSNorm in
+float32. The layers run under ``lax.scan``. The paged cache is ``{"k", "v"}``, each
+[L, P, page, Hkv, hd].
+
+Layer numbering for captured hidden states: layer i means the output of decoder layer i
+(transformers' ``hidden_states[i + 1]``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from mtp_jax.config import Llama3Config
+from mtp_jax.gqa import gqa_dense, gqa_paged
+from mtp_jax.layers import apply_rope_half, llama3_frequencies, rms_norm, rope_cos_sin, swiglu
+from mtp_jax.sharding import ACTIVATION, constrain
+from mtp_jax.targets.base import Hidden, PagedAttention, Target, check_capture
+
+__all__ = ["TARGET", "attention", "decoder_layer", "forward", "init_cache"]
+
+
+def attention(
+    p: dict,
+    x: jax.Array,
+    cfg: Llama3Config,
+    cos: jax.Array,
+    sin: jax.Array,
+    positions: jax.Array,
+    paged: PagedAttention | None,
+    pages: dict | None,
+    layer: jax.Array | int | None,
+) -> tuple[jax.Array, dict | None]:
+    """Self-attention of x [b, t, d]: causal over the sequence without ``paged``; with it, the new
+    keys and values are written to ``pages`` (layer ``layer`` of the stacks) and the queries attend
+    over each row's cache. Returns (out [b, t, d], pages)."""
+    q = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["q"]), cos, sin)
+    k = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["k"]), cos, sin)
+    v = jnp.einsum("btd,dhk->bthk", x, p["v"])
+    scale = cfg.softmax_scale
+    if paged is None:
+        out = gqa_dense(q, k, v, scale)
+    else:
+        out, pages = gqa_paged(q, k, v, pages, paged.slots, paged.page_table, positions, scale, layer)
+    return jnp.einsum("bthk,hkd->btd", out, p["o"]), pages
+
+
+def decoder_layer(
+    p: dict,
+    h: jax.Array,
+    cfg: Llama3Config,
+    cos: jax.Array,
+    sin: jax.Array,
+    positions: jax.Array,
+    paged: PagedAttention | None = None,
+    pages: dict | None = None,
+    layer: jax.Array | int | None = None,
+) -> tuple[jax.Array, dict | None]:
+    """One pre-norm decoder layer (see the module docstring). Returns (h, pages)."""
+    x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
+    attn_out, pages = attention(p["attn"], x, cfg, cos, sin, positions, paged, pages, layer)
+    h = h + attn_out
+    x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
+    return h + swiglu(x, **p["mlp"]), pages
+
+
+def rope_tables(cfg: Llama3Config, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [b, t, head_dim/2] float32 at absolute positions [b, t]."""
+    inv_freq = llama3_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return rope_cos_sin(positions, jnp.asarray(inv_freq), 1.0)
+
+
+def forward(
+    params: dict,
+    cfg: Llama3Config,
+    tokens: jax.Array,
+    positions: jax.Array,
+    paged: PagedAttention | None = None,
+    capture: tuple[int, ...] = (),
+    mesh: Mesh | None = None,
+) -> tuple[Hidden, dict | None]:
+    """Run the decoder on tokens [b, t] at absolute positions [b, t].
+
+    Without ``paged``: teacher-forced over whole sequences (positions must be 0..t-1), no cache.
+    With ``paged``: the tokens' keys and values are written at ``paged.slots`` and attention reads
+    each row's paged cache, which is returned updated. ``capture`` (static) selects layer outputs
+    for ``Hidden.layers``. ``mesh``: hidden states pinned to the row split at layer boundaries.
+    """
+    check_capture(cfg.num_hidden_layers, capture)
+    cos, sin = rope_tables(cfg, positions)
+    h = constrain(params["embed"][tokens], mesh, ACTIVATION)
+    captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
+    slot_of = np.full(cfg.num_hidden_layers, len(capture), np.int32)
+    slot_of[list(capture)] = np.arange(len(capture), dtype=np.int32)
+
+    def layer(carry, xs):
+        h, captured, pages = carry
+        p, slot, index = xs
+        h, pages = decoder_layer(p, h, cfg, cos, sin, positions, paged, pages, index)
+        h = constrain(h, mesh, ACTIVATION)
+        if captured is not None:
+            captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
+        return (h, captured, pages), None
+
+    # the cache stacks ride in the carry and each layer writes its slice in place
+    pages_in = None if paged is None else paged.pages
+    n = cfg.num_hidden_layers
+    xs = (params["layers"], jnp.asarray(slot_of), jnp.arange(n, dtype=jnp.int32))
+    (h, captured, pages), _ = jax.lax.scan(layer, (h, captured, pages_in), xs)
+    hidden = Hidden(
+        post_norm=rms_norm(h, params["final_norm"], cfg.rms_norm_eps),
+        pre_norm=h,
+        layers=None if captured is None else captured[: len(capture)],
+    )
+    return hidden, pages
+
+
+def init_cache(cfg: Llama3Config, num_pages: int, page_size: int, dtype: jnp.dtype) -> dict:
+    """Zeroed K and V pages, each [L, P, page, Hkv, head_dim]."""
+    shape = (cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _cache_logical(name: str, rank: int) -> tuple[str | None, ...]:
+    return (None, "pages", None, "kv_heads", None)
+
+
+def _cache_bytes_per_token(cfg: Llama3Config, itemsize: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def _check_mesh(cfg: Llama3Config, mesh: Mesh) -> None:
+    from mtp_jax.sharding import MESH_AXES
+
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"mesh axes must be {MESH_AXES} (use mtp_jax.make_mesh), got {mesh.axis_names}")
+    if mesh.shape["expert"] != 1:
+        raise ValueError(
+            f"Llama has no experts: use the 'data' and 'tensor' axes (got expert={mesh.shape['expert']})"
+        )
+
+
+TARGET = Target(
+    name="llama",
+    config_class=Llama3Config,
+    forward=forward,
+    init_cache=init_cache,
+    cache_logical=_cache_logical,
+    cache_bytes_per_token=_cache_bytes_per_token,
+    check_mesh=_check_mesh,
+)
