@@ -89,6 +89,17 @@ def write_rows(
     return pages.at[layer, page, offset].set(values, mode="drop")
 
 
+def localize(
+    page_table: jax.Array, slots: jax.Array, first_page: jax.Array, num_pages: int, page_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """Global page ids -> those of a shard holding pages [first_page, first_page + num_pages): the
+    page table clamped into its range (entries outside are never read unmasked) and the write slots
+    moved, those outside made out of range (not written)."""
+    table = jnp.clip(page_table - first_page, 0, num_pages - 1)
+    slots = slots - first_page * page_size
+    return table, jnp.where((slots >= 0) & (slots < num_pages * page_size), slots, jnp.iinfo(jnp.int32).max)
+
+
 def slots_for(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:
     """Flat cache slots [b, t] for tokens at positions [b, t]; invalid tokens get an out-of-range
     slot, which the cache write drops."""

@@ -110,7 +110,13 @@ def _build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="parameter counts and memory estimates from config.json alone")
     i.add_argument("model", nargs="?", help="checkpoint directory (reads its config.json)")
     i.add_argument("--config", help="a config.json file instead of a directory")
-    i.add_argument("--weights", default="bf16", choices=["bf16", "fp32", "fp8"])
+    i.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "bf16", "fp32", "fp8"],
+        help="weights as loaded: auto = as the checkpoint stores them (config.json's quantization_config "
+        "and torch_dtype)",
+    )
     _add_estimate_options(i)
     sub.add_parser(
         "bench", help="plain vs speculative decode throughput and acceptance (mtp-jax bench --help)"
@@ -127,12 +133,26 @@ def _add_plan_parser(sub) -> None:
     )
     p.add_argument("model", nargs="?", help="checkpoint directory (reads its config.json)")
     p.add_argument("--config", help="a config.json file instead of a directory")
-    p.add_argument("--mesh", default="data=1,expert=8", help="mesh axes, e.g. data=1,expert=8")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="mesh axes, e.g. data=1,expert=8 (the default for DeepSeek-V3) or data=1,tensor=8 (Llama's)",
+    )
     p.add_argument("--batch", type=int, default=8, help="decode rows (slots)")
     p.add_argument("--max-len", type=int, default=4096, help="KV-cache tokens per row")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("-k", type=int, default=3, help="MTP drafts per step; 0 = plain decoding")
-    p.add_argument("--weights", default="fp8", choices=["fp8", "bf16"])
+    p.add_argument(
+        "-k",
+        type=int,
+        default=None,
+        help="MTP drafts per step; 0 = plain decoding (default: 3 with an MTP layer)",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        choices=["fp8", "bf16"],
+        help="default: fp8 for an FP8 checkpoint's config, else bf16",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activations/cache")
     p.add_argument(
         "--prefill-len",
@@ -250,10 +270,13 @@ def _parse_mesh(text: str) -> dict[str, int]:
 
 
 def _print_estimates(config_path: str, weights: str, args: argparse.Namespace) -> None:
-    from mtp_jax.checkpoint.estimate import format_report
-    from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.checkpoint.estimate import format_report, stored_format
+    from mtp_jax.config import parse_config, read_json
 
-    cfg = DeepseekV3Config.from_json_file(config_path)
+    raw = read_json(config_path, what="config")
+    cfg = parse_config(raw)
+    if weights == "auto":
+        weights = stored_format(cfg, raw)
     try:
         print(format_report(cfg, weights, _parse_mesh(args.mesh), args.kv_tokens, args.device_memory_gb))
     except ValueError as e:
@@ -293,23 +316,27 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
     import subprocess
 
-    from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.config import Llama3Config, parse_config, read_json
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
 
     if (args.model is None) == (args.config is None):
         raise CliError("give either a checkpoint directory or --config FILE")
     path = args.config or os.path.join(args.model, "config.json")
-    cfg = DeepseekV3Config.from_json_file(path)
+    cfg = parse_config(read_json(path, what="config"))
+    k = args.k
+    if k is None:
+        k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) else 0
     options = {
         "batch": args.batch,
         "max_len": args.max_len,
         "page_size": args.page_size,
-        "k": args.k,
-        "weights": args.weights,
+        "k": k,
+        "weights": args.weights or ("fp8" if cfg.quantization_config is not None else "bf16"),
         "prefill_len": args.prefill_len,
     }
+    mesh = args.mesh or ("data=1,tensor=8" if isinstance(cfg, Llama3Config) else "data=1,expert=8")
     try:  # before any device exists: a bad request never waits for a re-run or a compile
-        axes = check_plan(cfg, _parse_mesh(args.mesh), **options)
+        axes = check_plan(cfg, _parse_mesh(mesh), **options)
     except ValueError as e:
         raise CliError(str(e)) from None
     devices = math.prod(axes.values())

@@ -9,14 +9,21 @@ KV head ``h // (H / Hkv)``.
 
 Scores and softmax in float32; probabilities cast to the activation dtype for the value product,
 as transformers does.
+
+On a mesh (:func:`gqa_paged` with ``mesh``) the paged attention runs under ``shard_map``: rows and
+their pages over the row axes (every device attends for its own rows against its own pages, no
+page crosses devices), query heads over ``tensor``, and KV heads over ``tensor`` too when they
+divide it; otherwise every device keeps all KV heads and reads the one its query heads share.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
-from mtp_jax.cache import write_rows
+from mtp_jax.cache import localize, write_rows
+from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
 from pallas_kernels.chunks import in_query_chunks
 
 NEG_INF = float("-inf")
@@ -82,6 +89,30 @@ def gqa_paged_reference(
     return _softmax_values(scores * scale, visible[:, :, None, None, :], values, q.dtype)
 
 
+def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer):
+    pages = {
+        "k": write_rows(pages["k"], k, slots, layer),
+        "v": write_rows(pages["v"], v, slots, layer),
+    }
+
+    def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
+        return gqa_paged_reference(q, pages["k"], pages["v"], page_table, positions, scale, layer)
+
+    return in_query_chunks(attend, q, positions), pages
+
+
+def check_tensor_split(heads: int, kv_heads: int, tensor: int) -> None:
+    """ValueError unless query heads split evenly over ``tensor`` devices and each device's query
+    heads read either its own KV heads (KV heads split too) or one shared KV head."""
+    if heads % tensor:
+        raise ValueError(f"mesh axis 'tensor'={tensor} does not divide the {heads} attention heads")
+    if kv_heads % tensor and tensor % kv_heads:
+        raise ValueError(
+            f"mesh axis 'tensor'={tensor} and the {kv_heads} KV heads: one must divide the other (KV heads "
+            "are split when the axis divides them, else replicated with each device reading one)"
+        )
+
+
 def gqa_paged(
     q: jax.Array,
     k: jax.Array,
@@ -92,17 +123,63 @@ def gqa_paged(
     positions: jax.Array,
     scale: float,
     layer: jax.Array | int | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Write k/v [b, t, Hkv, d] at flat ``slots`` [b, t] of ``pages`` {"k", "v"} (layer ``layer`` of
     stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
     the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
-    itself and every earlier position of its row. Returns (out [b, t, H, d], updated pages)."""
-    pages = {
-        "k": write_rows(pages["k"], k, slots, layer),
-        "v": write_rows(pages["v"], v, slots, layer),
-    }
+    itself and every earlier position of its row. Returns (out [b, t, H, d], updated pages).
 
-    def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
-        return gqa_paged_reference(q, pages["k"], pages["v"], page_table, positions, scale, layer)
+    With ``mesh``: split as the module docstring says; a row's pages must lie in its shard's range
+    of page ids (:class:`mtp_jax.cache.ShardedPageAllocator` hands them out so)."""
+    page_dim = 0 if layer is None else 1
+    heads, kv_heads = q.shape[2], k.shape[2]
+    rows = () if mesh is None else split_axes(mesh, ROW_AXES, q.shape[0], pages["k"].shape[page_dim])
+    tensor = () if mesh is None else split_axes(mesh, ("tensor",), heads)
+    if not rows and not tensor:
+        return _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer)
+    t_size = mesh.shape["tensor"] if tensor else 1
+    check_tensor_split(heads, kv_heads, t_size)
+    kv_split = tensor if kv_heads % t_size == 0 else ()
+    page_size = pages["k"].shape[page_dim + 1]
+    layer_arg = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
 
-    return in_query_chunks(attend, q, positions), pages
+    def local(q, k, v, pages, slots, table, positions, layer_arg):
+        idx = None if layer is None else layer_arg
+        if rows:
+            n = pages["k"].shape[page_dim]
+            table, slots = localize(table, slots, shard_index(mesh, rows) * n, n, page_size)
+        if not tensor or kv_split:
+            return _paged_local(q, k, v, pages, slots, table, positions, scale, idx)
+        # KV heads replicated: write them all, attend with the one this device's query heads share
+        pages = {
+            "k": write_rows(pages["k"], k, slots, idx),
+            "v": write_rows(pages["v"], v, slots, idx),
+        }
+        shared = jax.lax.axis_index("tensor") * q.shape[2] // (heads // kv_heads)
+        one = {name: jax.lax.dynamic_slice_in_dim(x, shared, 1, axis=x.ndim - 2) for name, x in pages.items()}
+
+        def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
+            return gqa_paged_reference(q, one["k"], one["v"], table, positions, scale, idx)
+
+        return in_query_chunks(attend, q, positions), pages
+
+    r, h, kv = spec_entry(rows), spec_entry(tensor), spec_entry(kv_split)
+    act, kv_act = PartitionSpec(r, None, h, None), PartitionSpec(r, None, kv, None)
+    cache = PartitionSpec(*([None] * page_dim), r, None, kv, None)
+    row_spec = PartitionSpec(r, None)
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            act,
+            kv_act,
+            kv_act,
+            {"k": cache, "v": cache},
+            row_spec,
+            row_spec,
+            row_spec,
+            PartitionSpec(),
+        ),
+        out_specs=(act, {"k": cache, "v": cache}),
+    )(q, k, v, pages, slots, page_table, positions, layer_arg)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from mtp_jax.cache import write_rows
+from mtp_jax.cache import localize, write_rows
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import apply_rope_interleaved, rms_norm
@@ -156,10 +156,7 @@ def mla_paged(
     def local(p, x, cos, sin, positions, slots, pages, table, layer_arg):
         # global page ids -> this shard's: its pages are [base, base + n) of the global range
         n = pages.shape[page_dim]
-        base = shard_index(mesh, axes) * n
-        table = jnp.clip(table - base, 0, n - 1)
-        slots = slots - base * page_size
-        slots = jnp.where((slots >= 0) & (slots < n * page_size), slots, jnp.iinfo(jnp.int32).max)
+        table, slots = localize(table, slots, shard_index(mesh, axes) * n, n, page_size)
         idx = None if layer is None else layer_arg
         return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, table, idx)
 

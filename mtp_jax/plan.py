@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mtp_jax.checkpoint.deepseek_v3 import STACKED_GROUPS, group_sizes
 from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
+from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.config import Llama3Config, ModelConfig
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 
 PLAN_WEIGHTS = ("fp8", "bf16")
@@ -84,12 +84,13 @@ def plan_devices(n: int) -> list[jax.Device]:
 
 # --- abstract parameters ------------------------------------------------------------------------
 class _AbstractParams:
-    """Builds the parameter pytree the loader produces (:mod:`mtp_jax.checkpoint.deepseek_v3`) as
-    ShapeDtypeStructs: weights [in, out] with per-head axes split out, ``kv_b`` as dense ``k_b``/
-    ``v_b``, routers float32, and with ``fp8`` every projection the hub stores in FP8 kept as an
-    :class:`Fp8Weight` (``eh_proj``, embeddings and heads are bfloat16 in the hub and stay dense)."""
+    """Builds the parameter pytree the loader produces (:mod:`mtp_jax.checkpoint.deepseek_v3`,
+    :mod:`mtp_jax.checkpoint.llama3`) as ShapeDtypeStructs: weights [in, out] with per-head axes
+    split out; for DeepSeek-V3 ``kv_b`` as dense ``k_b``/``v_b``, routers float32, and with ``fp8``
+    every projection the hub stores in FP8 kept as an :class:`Fp8Weight` (``eh_proj``, embeddings
+    and heads are bfloat16 in the hub and stay dense); for Llama no head when it is tied."""
 
-    def __init__(self, cfg: DeepseekV3Config, dtype: Any, fp8: bool) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: Any, fp8: bool) -> None:
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.fp8 = fp8
@@ -157,9 +158,34 @@ class _AbstractParams:
             "mlp": mlp,
         }
 
+    def llama_groups(self) -> dict[str, Any]:
+        c = self.cfg
+        d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+        h, kv = c.num_attention_heads, c.num_key_value_heads
+        out = {
+            "embed": self.plain(c.vocab_size, d),
+            "layers": {
+                "input_norm": self.plain(d),
+                "post_attn_norm": self.plain(d),
+                "attn": {
+                    "q": self.plain(d, h, hd),
+                    "k": self.plain(d, kv, hd),
+                    "v": self.plain(d, kv, hd),
+                    "o": self.plain(h, hd, d),
+                },
+                "mlp": {"gate": self.plain(d, f), "up": self.plain(d, f), "down": self.plain(f, d)},
+            },
+            "final_norm": self.plain(d),
+        }
+        if not c.tie_word_embeddings:
+            out["lm_head"] = self.plain(d, c.vocab_size)
+        return out
+
     def groups(self, mtp: bool) -> dict[str, Any]:
         """Group name -> the tree of one group (one layer for the stacked groups)."""
         c = self.cfg
+        if isinstance(c, Llama3Config):
+            return self.llama_groups()
         d, v = c.hidden_size, c.vocab_size
         out = {"embed": self.plain(v, d), "final_norm": self.plain(d), "lm_head": self.plain(d, v)}
         if c.num_dense_layers:
@@ -183,7 +209,7 @@ def _stacked(s: jax.ShapeDtypeStruct, n: int, sharding: Any = None) -> jax.Shape
 
 
 def abstract_params(
-    cfg: DeepseekV3Config, mesh: Mesh, dtype: Any = jnp.bfloat16, *, weights: str = "fp8", mtp: bool = True
+    cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16, *, weights: str = "fp8", mtp: bool = True
 ) -> dict:
     """The parameter pytree of ``mtp_jax.load(..., dtype, weights=, mtp=, mesh=mesh)`` as
     ShapeDtypeStructs carrying the loader's shardings (:func:`mtp_jax.sharding.group_shardings`):
@@ -192,11 +218,13 @@ def abstract_params(
     the config has none) or "bf16" (everything dense in ``dtype``). Routers stay float32."""
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
+    if weights == "fp8" and isinstance(cfg, Llama3Config):
+        raise ValueError("weights 'fp8': Llama checkpoints are dense (use bf16)")
     build = _AbstractParams(cfg, dtype, weights == "fp8")
-    sizes = group_sizes(cfg, mtp)
+    sizes = checkpoint_format(cfg).group_sizes(cfg, mtp)
     params = {}
     for name, tree in build.groups(mtp).items():
-        stacked = name in STACKED_GROUPS
+        stacked = name in sizes
         shardings = group_shardings(mesh, name, tree, stacked=stacked)
         if stacked:
             params[name] = jax.tree.map(lambda s, sh, n=sizes[name]: _stacked(s, n, sh), tree, shardings)
@@ -292,7 +320,8 @@ class CompiledMemory:
 class PlanReport:
     """Per-device memory and compile times of the unified step (and prefill) on a mesh.
 
-    ``param_bytes``/``expert_bytes``: replicated parameters and this device's routed experts;
+    ``param_bytes``/``expert_bytes``: replicated parameters and this device's share of the split
+    ones (DeepSeek-V3's routed experts, Llama's tensor-parallel slices);
     ``cache_bytes``: this device's share of the target and MTP latent caches; ``state_bytes``: the
     rest of the decode state. ``estimate_weight_bytes``: the analytic estimate of ``mtp-jax
     inspect`` (:func:`mtp_jax.checkpoint.estimate.per_device_memory`) for comparison.
@@ -311,6 +340,7 @@ class PlanReport:
     estimate_weight_bytes: int
     compiled: tuple[CompiledMemory, ...]
     disabled_passes: tuple[str, ...] = ()
+    split_label: str = "routed experts"
 
     @property
     def weight_bytes(self) -> int:
@@ -356,7 +386,7 @@ def _compile(
 
 
 def check_plan(
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     mesh_axes: Mapping[str, int],
     batch: int,
     max_len: int,
@@ -373,10 +403,15 @@ def check_plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= k <= 16:
         raise ValueError(f"k must be in [0, 16], got {k}")
-    if k and not cfg.num_nextn_predict_layers:
-        raise ValueError("k > 0 drafts with the MTP layer, but the config has num_nextn_predict_layers 0")
+    if k and not getattr(cfg, "num_nextn_predict_layers", 0):
+        raise ValueError(
+            "k > 0 drafts with the MTP layer, but the model has none (num_nextn_predict_layers 0, or a "
+            "Llama model): use k 0"
+        )
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
+    if weights == "fp8" and isinstance(cfg, Llama3Config):
+        raise ValueError("weights 'fp8': Llama checkpoints are dense (use bf16)")
     if batch % (axes["data"] * axes["expert"]):
         raise ValueError(
             f"batch {batch} must be a multiple of data x expert = {axes['data'] * axes['expert']}: rows "
@@ -388,7 +423,7 @@ def check_plan(
 
 
 def plan(
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     mesh_axes: Mapping[str, int],
     *,
     batch: int = 8,
@@ -445,6 +480,7 @@ def plan(
         estimate_weight_bytes=estimate.weight_bytes,
         compiled=tuple(compiled),
         disabled_passes=disabled,
+        split_label="tensor-split params" if isinstance(cfg, Llama3Config) else "routed experts",
     )
 
 
@@ -473,10 +509,10 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
         "",
         "Per device (from the abstract shardings)",
         f"  {'replicated params':<26}{format_bytes(report.param_bytes):>12}",
-        f"  {'routed experts':<26}{format_bytes(report.expert_bytes):>12}",
+        f"  {report.split_label:<26}{format_bytes(report.expert_bytes):>12}",
         f"  {'weights total':<26}{format_bytes(report.weight_bytes):>12}"
         f"  (analytic estimate {format_bytes(report.estimate_weight_bytes)})",
-        f"  {'KV cache (target + MTP)':<26}{format_bytes(report.cache_bytes):>12}",
+        f"  {'KV cache (target + MTP)' if lay.k else 'KV cache':<26}{format_bytes(report.cache_bytes):>12}",
         f"  {'other decode state':<26}{format_bytes(report.state_bytes):>12}",
     ]
     if report.disabled_passes:

@@ -14,8 +14,9 @@ by the memory bandwidth. Those bytes, counted from the parameters the step actua
   verified rows, then K-1 chained single-token passes), so its weights are read K times, each pass
   with the experts of its own tokens; the output head it shares with the target is read K more
   times (one draft distribution per pass);
-- **KV**: every target layer reads each row's latent cache up to the step's last position
-  (``context + K + 1`` positions), and each MTP pass reads the MTP layer's cache the same way.
+- **KV**: every target layer reads each row's cache up to the step's last position
+  (``context + K + 1`` positions: DeepSeek-V3's latent rows, Llama's K and V), and each MTP pass
+  reads the MTP layer's cache the same way.
 
 Routed experts are counted at their expected number under independent uniform routing: ``n``
 tokens each picking ``top_k`` of ``E`` experts touch ``E·(1 - (1 - top_k/E)^n)`` distinct ones.
@@ -156,7 +157,12 @@ def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cach
         raise ValueError(f"need batch >= 1, context >= 1, k >= 0; got {batch}, {context}, {k}")
     if k and "mtp" not in params:
         raise ValueError("k > 0 needs the MTP layer in params (load with mtp=True)")
-    e, top_k, d = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size
+    from mtp_jax.targets import target_for
+
+    moe = hasattr(cfg, "n_routed_experts")
+    e, top_k = (cfg.n_routed_experts, cfg.num_experts_per_tok) if moe else (1, 1)
+    d = cfg.hidden_size
+    tied = "lm_head" not in params  # the head reads the whole embedding
     verified = batch * (k + 1)
     # Each MTP pass: the catch-up over the K+1 verified rows, then K-1 chained one-token passes.
     draft_passes = [verified] + [batch] * (k - 1) if k else []
@@ -168,7 +174,9 @@ def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cach
         names = _names(path)
         nbytes = _nbytes(leaf)
         group = names[0]
-        if group == "embed":  # looked up by row: the target's tokens and each draft pass's
+        if group == "embed" and tied:  # the output head: read whole
+            parts["target_weights"] += nbytes
+        elif group == "embed":  # looked up by row: the target's tokens and each draft pass's
             row = nbytes / leaf.shape[0]
             parts["target_weights"] += row * min(verified, leaf.shape[0])
             parts["draft_weights"] += row * sum(min(n, leaf.shape[0]) for n in draft_passes)
@@ -190,15 +198,16 @@ def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cach
                 )
             else:
                 parts["draft_weights"] += k * nbytes
-        elif _is_routed_expert(names):
+        elif moe and _is_routed_expert(names):
             parts["target_experts"] += nbytes * expected_experts(verified, e, top_k) / e
         else:
             parts["target_weights"] += nbytes
     if k and not mtp_head:  # drafts read the target's head
         parts["draft_heads"] += k * d * cfg.vocab_size * jnp.dtype(params["lm_head"].dtype).itemsize
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    per_layer = batch * (context + k + 1) * width * cache_itemsize
-    kv = per_layer * (cfg.num_hidden_layers + (k if k else 0))
+    positions = batch * (context + k + 1)
+    kv = positions * target_for(cfg).cache_bytes_per_token(cfg, cache_itemsize)
+    if k:  # every MTP pass reads the MTP layer's latent cache
+        kv += k * positions * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_itemsize
     return StepBytes(**parts, kv=float(kv))
 
 
@@ -279,7 +288,7 @@ def time_step(
 
 
 def _load_config(path: str, overrides: Sequence[str]) -> Any:
-    from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.config import parse_config
 
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
@@ -291,7 +300,7 @@ def _load_config(path: str, overrides: Sequence[str]) -> Any:
             raw[key] = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"--set {key}: value {value!r} is not JSON ({e.msg})") from None
-    return DeepseekV3Config.from_dict(raw)
+    return parse_config(raw)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -1,8 +1,13 @@
 """Meshes and the mapping from parameters to mesh axes: the only module that names mesh axes.
 
-Axes: ``data`` and ``expert`` (together: the devices rows are split over), ``tensor`` (reserved;
-must be 1 for now). Parameters: routed experts are split over ``expert``; every other parameter
-is replicated. Activations and decode state carry logical axis names mapped by :data:`RULES`:
+Axes: ``data`` and ``expert`` (together: the devices rows are split over) and ``tensor``.
+Parameters carry logical axis names (:func:`param_logical`) that :data:`RULES` maps to mesh axes:
+DeepSeek-V3's routed experts go over ``expert`` (the rest of DeepSeek is replicated); Llama's
+attention heads, MLP columns and output vocabulary go over ``tensor`` (Megatron-style: q/k/v and
+gate/up split by column, o and down by row, one reduction per block, inserted by XLA), its KV heads
+too when they divide the axis (else they are replicated and each device reads the one its query
+heads share). A dimension the mesh axes do not divide stays replicated. Activations and decode
+state carry logical axis names mapped by :data:`RULES`:
 ``batch`` (rows of the decode state, of the hidden states at layer boundaries) and ``pages`` (the
 pages of the paged KV caches) go over :data:`ROW_AXES`, ``("data", "expert")``: DeepSeek-style
 data-parallel attention, every device attends for its own rows against its own pages, and the
@@ -32,7 +37,15 @@ ROUTED_EXPERT_SPEC = PartitionSpec("expert")
 """How a routed-expert leaf [E, ...] of one layer is split: its expert axis over ``expert``."""
 ROW_AXES = ("data", "expert")
 """The mesh axes batch rows and their KV pages are split over (data-parallel attention)."""
-RULES: dict[str, str | tuple[str, ...]] = {"batch": ROW_AXES, "pages": ROW_AXES, "experts": "expert"}
+RULES: dict[str, str | tuple[str, ...]] = {
+    "batch": ROW_AXES,
+    "pages": ROW_AXES,
+    "experts": "expert",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "ffn": "tensor",
+    "vocab": "tensor",
+}
 """Logical axis -> mesh axis (or axes, of which the longest prefix that divides the dimension is
 used); logical axes not listed are replicated."""
 ACTIVATION = ("batch", None, None)
@@ -59,8 +72,6 @@ def make_mesh(
     for name, n in sizes.items():
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"mesh axis {name!r} must be a positive integer, got {n!r}")
-    if tensor != 1:
-        raise ValueError("tensor parallelism is not supported yet: use tensor=1")
     devices = list(jax.devices() if devices is None else devices)
     need = data * expert * tensor
     if need != len(devices):
@@ -90,7 +101,7 @@ def row_shards(mesh: Mesh | None) -> int:
 
 def axes_spec(axes: tuple[str, ...], dim: int = 0) -> PartitionSpec:
     """PartitionSpec splitting dimension ``dim`` over ``axes`` (all of them, as one), the rest replicated."""
-    return PartitionSpec(*([None] * dim), _entry(axes))
+    return PartitionSpec(*([None] * dim), spec_entry(axes))
 
 
 def shard_index(mesh: Mesh, axes: tuple[str, ...]) -> jax.Array:
@@ -102,7 +113,8 @@ def shard_index(mesh: Mesh, axes: tuple[str, ...]) -> jax.Array:
     return index
 
 
-def _entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+def spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A PartitionSpec entry splitting one dimension over ``axes`` taken together (None: none)."""
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
@@ -115,7 +127,7 @@ def logical_spec(mesh: Mesh, logical: Sequence[str | None], shape: Sequence[int]
     entries = []
     for name, n in zip(logical, shape, strict=True):
         axes = RULES.get(name) if name is not None else None
-        entries.append(None if axes is None else _entry(split_axes(mesh, axes, n)))
+        entries.append(None if axes is None else spec_entry(split_axes(mesh, axes, n)))
     return PartitionSpec(*entries)
 
 
@@ -164,7 +176,7 @@ def state_axes(mesh: Mesh, state: Any) -> tuple[str, ...]:
 
 def _state_specs(sc: Any, state: Any) -> Any:
     mesh = sc.mesh
-    rows = _entry(state_axes(mesh, state))
+    rows = spec_entry(state_axes(mesh, state))
 
     def spec(path: tuple, x: Any) -> PartitionSpec:
         entries = []
@@ -173,7 +185,7 @@ def _state_specs(sc: Any, state: Any) -> Any:
                 entries.append(rows)
             else:
                 axes = RULES.get(name) if name is not None else None
-                entries.append(None if axes is None else _entry(split_axes(mesh, axes, n)))
+                entries.append(None if axes is None else spec_entry(split_axes(mesh, axes, n)))
         return PartitionSpec(*entries)
 
     return jax.tree_util.tree_map_with_path(spec, state)
@@ -200,25 +212,46 @@ def constrain_state(state: Any, sc: Any) -> Any:
 
 
 def _names(path: tuple) -> list[str]:
-    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+# Logical axes of the parameters, by group and leaf name (a leaf of one layer, no stacking axis).
+_LLAMA_LAYER = {
+    ("attn", "q"): (None, "heads", None),  # [d, H, hd]: column split
+    ("attn", "k"): (None, "kv_heads", None),
+    ("attn", "v"): (None, "kv_heads", None),
+    ("attn", "o"): ("heads", None, None),  # [H, hd, d]: row split, XLA reduces over "tensor"
+    ("mlp", "gate"): (None, "ffn"),
+    ("mlp", "up"): (None, "ffn"),
+    ("mlp", "down"): ("ffn", None),
+}
+
+
+def param_logical(group: str, names: Sequence[str], rank: int) -> tuple[str | None, ...]:
+    """Logical axes of one parameter leaf of ``group`` (e.g. "moe", "layers", "lm_head") at dict
+    path ``names`` inside it, of ``rank`` dimensions (one layer, no stacking axis)."""
+    names = list(names)
     while names and names[-1] in _STORAGE_KEYS:
         names.pop()
-    return names
-
-
-def group_spec(group: str, path: tuple) -> PartitionSpec:
-    """PartitionSpec of one leaf of a parameter group (one layer, no stacking axis)."""
-    names = _names(path)
-    if group in EXPERT_STACKS and "mlp" in names and names[-1] in ROUTED_EXPERT_LEAVES:
-        return ROUTED_EXPERT_SPEC
-    return PartitionSpec()
+    if group in EXPERT_STACKS and "mlp" in names and names and names[-1] in ROUTED_EXPERT_LEAVES:
+        return ("experts",) + (None,) * (rank - 1)
+    if group == "layers" and tuple(names[-2:]) in _LLAMA_LAYER:
+        return _LLAMA_LAYER[tuple(names[-2:])]
+    if group == "lm_head" and rank == 2:  # [d, V]: vocabulary-parallel head
+        return (None, "vocab")
+    return (None,) * rank
 
 
 def group_shardings(mesh: Mesh, group: str, tree: Any, stacked: bool = False) -> Any:
-    """NamedShardings for every leaf of ``tree`` (a group; with a leading layer axis if stacked)."""
+    """NamedShardings for every leaf of ``tree`` (one group, e.g. one layer), from
+    :func:`param_logical` through :data:`RULES`; dimensions the mesh axes do not divide stay
+    replicated. ``stacked``: the shardings of the stack of such layers (a leading layer axis,
+    never split)."""
 
-    def one(path: tuple, _: Any) -> NamedSharding:
-        spec = group_spec(group, path)
+    def one(path: tuple, leaf: Any) -> NamedSharding:
+        shape = tuple(leaf.shape)
+        logical = param_logical(group, _names(path), len(shape))
+        spec = logical_spec(mesh, logical, shape)
         return NamedSharding(mesh, PartitionSpec(None, *spec) if stacked else spec)
 
     return jax.tree_util.tree_map_with_path(one, tree)
@@ -235,8 +268,14 @@ def local_experts(mesh: Mesh, n_experts: int) -> list[int] | None:
 
 
 def check_mesh(mesh: Mesh, n_routed_experts: int) -> None:
+    """A DeepSeek-V3 mesh: the standard axes, no tensor split, ``expert`` dividing the experts."""
     if tuple(mesh.axis_names) != MESH_AXES:
         raise ValueError(f"mesh axes must be {MESH_AXES} (use mtp_jax.make_mesh), got {mesh.axis_names}")
+    if mesh.shape["tensor"] != 1:
+        raise ValueError(
+            f"mesh axis 'tensor'={mesh.shape['tensor']}: DeepSeek-V3 runs data-parallel attention and "
+            "expert-parallel MoE (data x expert); tensor parallelism is for Llama"
+        )
     if n_routed_experts % mesh.shape["expert"]:
         raise ValueError(
             f"mesh axis 'expert'={mesh.shape['expert']} does not divide the model's "

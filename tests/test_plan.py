@@ -169,3 +169,61 @@ def test_cli_reruns_itself_with_simulated_devices_and_prints_the_report(tmp_path
     assert "Device memory 1 GB: fits" in out
     report = json.loads(out_json.read_text())
     assert report["mesh"]["expert"] == 8 and report["layout"]["k"] == 1
+
+
+# Llama: the loader on a data=2 x tensor=4 mesh against abstract_params (structure, shapes, dtypes,
+# shardings), then plan() of the step and prefill for that tiny model and of the step for the real
+# Llama 3.1 8B config, whose per-device weights must be the analytic estimate.
+LLAMA_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp
+
+    import mtp_jax
+    from mtp_jax.checkpoint.estimate import per_device_memory
+    from mtp_jax.config import load_config
+    from mtp_jax.plan import abstract_params, plan
+    from mtp_jax.sharding import make_mesh
+
+    tiny, real_config = sys.argv[1], sys.argv[2]
+    cfg = load_config(tiny)
+    mesh = make_mesh(data=2, tensor=4)
+    real = mtp_jax.load(tiny, "bfloat16", mesh=mesh).params
+    abstract = abstract_params(cfg, mesh, jnp.bfloat16, weights="bf16")
+    assert jax.tree.structure(real) == jax.tree.structure(abstract)
+    for (where, r), a in zip(jax.tree_util.tree_flatten_with_path(real)[0], jax.tree.leaves(abstract)):
+        assert (r.shape, r.dtype) == (a.shape, a.dtype), (where, r.shape, a.shape)
+        assert r.sharding.is_equivalent_to(a.sharding, r.ndim), (where, r.sharding, a.sharding)
+    out = {}
+    options = dict(batch=4, max_len=40, page_size=4, k=0, weights="bf16", prefill_len=16)
+    small = plan(cfg, {"data": 2, "tensor": 4}, **options)
+    out["small"] = small.to_json()
+    out["small_estimate"] = per_device_memory(cfg, "bf16", {"data": 2, "tensor": 4}, 0).weight_bytes
+    big_cfg = load_config(real_config)
+    big = plan(big_cfg, {"tensor": 8}, batch=8, max_len=4096, page_size=16, k=0, weights="bf16")
+    out["big"] = big.to_json()
+    print("PLAN-JSON " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.child(
+    LLAMA_CHILD,
+    os.path.join(REPO, "tests", "fixtures", "parity_llama", "mha_fp16"),
+    os.path.join(REPO, "configs", "llama-3.1-8b.json"),
+)
+def test_llama_abstract_params_match_the_loader_and_plans_compile(child_output):
+    out = json.loads(child_output.split("PLAN-JSON ", 1)[1])
+    small, big = out["small"], out["big"]
+    assert small["mesh"] == {"data": 2, "expert": 1, "tensor": 4}
+    assert [c["name"] for c in small["compiled"]] == ["step", "prefill"]
+    assert small["weight_bytes"] == small["estimate_weight_bytes"] == out["small_estimate"]
+    assert small["split_label"] == "tensor-split params"
+    # 8 KV heads over tensor=4: each device holds a quarter of its data shard's cache
+    lay = small["layout"]
+    pages = lay["batch"] * math.ceil((lay["max_len"] + 2) / lay["page_size"])
+    assert small["cache_bytes"] * 8 == pages * lay["page_size"] * 2 * 8 * 4 * 3 * 2  # K+V, 3 layers, bf16
+    # Llama 3.1 8B on 8 devices: the analytic estimate, exactly; 1/8 of the split weights per device
+    assert big["weight_bytes"] == big["estimate_weight_bytes"]
+    assert 1.8e9 < big["expert_bytes"] < 1.95e9 and big["compiled"][0]["argument_bytes"] > big["weight_bytes"]

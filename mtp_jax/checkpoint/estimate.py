@@ -2,7 +2,9 @@
 
 These back ``mtp-jax inspect`` and ``mtp-jax convert --dry-run``. Everything is derived from one
 enumeration of the hub tensors (:func:`_specs`), grouped by shape with a multiplicity, so the
-numbers for DeepSeek-V3 come out in microseconds and stay consistent with each other.
+numbers for DeepSeek-V3 come out in microseconds and stay consistent with each other. Llama 3
+models enumerate their own tensors (attention, MLPs, norms, embedding, head: no routers, experts or
+MTP) and split over the mesh's ``tensor`` axis as :mod:`mtp_jax.sharding` does.
 
 Conventions (all counts are numbers of scalar parameters, all sizes are bytes; ``GB`` is 10^9 bytes):
 
@@ -30,7 +32,7 @@ import dataclasses
 import math
 from collections.abc import Iterator, Mapping
 
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig
 
 WEIGHT_FORMATS = ("bf16", "fp32", "fp8")
 MESH_AXES = ("data", "expert", "tensor")
@@ -65,7 +67,7 @@ class _Spec:
     shape: tuple[int, ...]
     count: int
     kind: str
-    routed: bool = False  # a routed expert's weight (split over the mesh's expert axis)
+    split: str | None = None  # how the mesh splits it: "expert" (routed experts), "tensor", "kv_heads"
     absorbed: bool = False  # kv_b_proj: our loader dequantises it to bf16 even in FP8 mode
 
     @property
@@ -105,16 +107,34 @@ def _layer_specs(cfg: DeepseekV3Config, *, dense: bool, count: int, mtp: bool) -
     f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
     yield _Spec(comp("routers"), (e, d), count, _ROUTER)
     yield _Spec(comp("routers"), (e,), count, _FP32)
-    yield _Spec(comp("routed_experts"), (f, d), 2 * e * count, _LINEAR, routed=True)
-    yield _Spec(comp("routed_experts"), (d, f), e * count, _LINEAR, routed=True)
+    yield _Spec(comp("routed_experts"), (f, d), 2 * e * count, _LINEAR, split="expert")
+    yield _Spec(comp("routed_experts"), (d, f), e * count, _LINEAR, split="expert")
     if cfg.n_shared_experts:
         fs = f * cfg.n_shared_experts
         yield _Spec(comp("shared_experts"), (fs, d), 2 * count, _LINEAR)
         yield _Spec(comp("shared_experts"), (d, fs), count, _LINEAR)
 
 
-def _specs(cfg: DeepseekV3Config) -> Iterator[_Spec]:
+def _llama_specs(cfg: Llama3Config) -> Iterator[_Spec]:
+    """Every tensor of a Llama 3 hub checkpoint, with the tensor-parallel split of each."""
+    d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    h, kv, hd, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    yield _Spec("embedding", (v, d), 1, _PLAIN)
+    yield _Spec("norms", (d,), 2 * n + 1, _PLAIN)  # input / post_attention layernorms, model.norm
+    yield _Spec("attention", (h * hd, d), n, _LINEAR, split="tensor")  # q_proj
+    yield _Spec("attention", (kv * hd, d), 2 * n, _LINEAR, split="kv_heads")  # k_proj, v_proj
+    yield _Spec("attention", (d, h * hd), n, _LINEAR, split="tensor")  # o_proj
+    yield _Spec("dense_mlp", (f, d), 2 * n, _LINEAR, split="tensor")  # gate_proj, up_proj
+    yield _Spec("dense_mlp", (d, f), n, _LINEAR, split="tensor")  # down_proj
+    if not cfg.tie_word_embeddings:
+        yield _Spec("lm_head", (v, d), 1, _PLAIN, split="tensor")  # vocabulary-parallel head
+
+
+def _specs(cfg: ModelConfig) -> Iterator[_Spec]:
     """Every tensor of the hub checkpoint (MTP duplicates under ``mtp_duplicates``)."""
+    if isinstance(cfg, Llama3Config):
+        yield from _llama_specs(cfg)
+        return
     d, v, n_mtp = cfg.hidden_size, cfg.vocab_size, cfg.num_nextn_predict_layers
     yield _Spec("embedding", (v, d), 1, _PLAIN)
     if cfg.num_dense_layers:
@@ -182,27 +202,39 @@ class ParamCount:
         return {name: getattr(self, name) for name in COMPONENTS}
 
 
-def count_parameters(cfg: DeepseekV3Config) -> ParamCount:
+def count_parameters(cfg: ModelConfig) -> ParamCount:
     """Count the parameters of ``cfg`` by component (numbers of scalars, not bytes)."""
     counts = dict.fromkeys(COMPONENTS, 0)
     for s in _specs(cfg):
         counts[s.component] += s.numel
-    routed_per_expert = (
-        counts["routed_experts"] // (cfg.n_routed_experts * cfg.num_moe_layers) if cfg.num_moe_layers else 0
-    )
     main = sum(counts[c] for c in COMPONENTS[:8])
+    if isinstance(cfg, Llama3Config) or not cfg.num_moe_layers:
+        return ParamCount(**counts, active_per_token=main)
+    routed_per_expert = counts["routed_experts"] // (cfg.n_routed_experts * cfg.num_moe_layers)
     active = (
         main - counts["routed_experts"] + routed_per_expert * cfg.num_experts_per_tok * cfg.num_moe_layers
     )
     return ParamCount(**counts, active_per_token=active)
 
 
-def _check_weights(weights: str) -> None:
+def _check_weights(weights: str, cfg: ModelConfig | None = None) -> None:
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weights == "fp8" and isinstance(cfg, Llama3Config):
+        raise ValueError("weights 'fp8': Llama checkpoints are dense (bf16 or fp32)")
 
 
-def fp8_block(cfg: DeepseekV3Config) -> tuple[int, int]:
+def stored_format(cfg: ModelConfig, raw: Mapping | None = None) -> str:
+    """The weight format a checkpoint stores (what ``mtp-jax convert`` keeps by default): "fp8" for a
+    block-FP8 config, else "fp32" when config.json says its ``torch_dtype`` (``dtype``) is float32,
+    else "bf16"."""
+    if cfg.quantization_config is not None:
+        return "fp8"
+    dtype = (raw or {}).get("torch_dtype", (raw or {}).get("dtype"))
+    return "fp32" if dtype == "float32" else "bf16"
+
+
+def fp8_block(cfg: ModelConfig) -> tuple[int, int]:
     """The FP8 scale block (rows, cols): the config's ``weight_block_size``, else 128x128."""
     q = cfg.quantization_config
     return q.weight_block_size if q is not None else DEFAULT_FP8_BLOCK
@@ -226,7 +258,7 @@ def _spec_bytes(
         add("float32", 4 * math.ceil(rows / block[0]) * math.ceil(cols / block[1]) * s.count)
 
 
-def weight_bytes(cfg: DeepseekV3Config, weights: str, *, hub_layout: bool = False) -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, weights: str, *, hub_layout: bool = False) -> dict[str, int]:
     """Bytes of all weights (MTP layers included) by storage dtype, e.g.
     ``{"float8_e4m3fn": ..., "float32": ..., "bfloat16": ...}`` (dtypes with 0 bytes are left out).
 
@@ -247,8 +279,9 @@ def weight_bytes(cfg: DeepseekV3Config, weights: str, *, hub_layout: bool = Fals
     By default the estimate is what our loader holds: the MTP layers' duplicated ``embed_tokens`` /
     ``shared_head.head`` are not counted (stored once). ``hub_layout=True`` gives the size of the
     hub safetensors files instead: duplicates counted and ``kv_b_proj`` quantised like the rest.
+    Llama models take "bf16" or "fp32".
     """
-    _check_weights(weights)
+    _check_weights(weights, cfg)
     block = fp8_block(cfg)
     out: dict[str, int] = {}
     for s in _specs(cfg):
@@ -259,9 +292,12 @@ def weight_bytes(cfg: DeepseekV3Config, weights: str, *, hub_layout: bool = Fals
     return {k: out[k] for k in order if out.get(k)}
 
 
-def kv_cache_bytes_per_token(cfg: DeepseekV3Config, dtype_bytes: int = 2, include_mtp: bool = True) -> int:
-    """Bytes of paged latent cache one token takes over all layers: (kv_lora_rank + qk_rope_head_dim)
-    values of ``dtype_bytes`` bytes per layer, the MTP layers included when ``include_mtp``."""
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2, include_mtp: bool = True) -> int:
+    """Bytes of paged cache one token takes over all layers: DeepSeek-V3's latent row
+    (kv_lora_rank + qk_rope_head_dim values per layer, the MTP layers included when
+    ``include_mtp``), or Llama's K and V (2 · KV heads · head_dim values per layer)."""
+    if isinstance(cfg, Llama3Config):
+        return 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers * dtype_bytes
     layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if include_mtp else 0)
     return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * dtype_bytes
 
@@ -270,10 +306,11 @@ def kv_cache_bytes_per_token(cfg: DeepseekV3Config, dtype_bytes: int = 2, includ
 class DeviceMemory:
     """Memory one device holds under our sharding plan (all sizes in bytes).
 
-    ``param_bytes``: every parameter except the routed experts (replicated on every device);
-    ``expert_bytes``: this device's ``experts_per_device`` routed experts in every MoE layer (MTP
-    layers included), their FP8 scales included; ``kv_bytes``: ``kv_tokens_per_device`` tokens of
-    latent cache at ``kv_bytes_per_token`` each.
+    ``param_bytes``: the parameters replicated on every device; ``expert_bytes``: this device's
+    share of the split ones: DeepSeek-V3's ``experts_per_device`` routed experts in every MoE layer
+    (MTP layers included, FP8 scales included), Llama's tensor-parallel slices (heads, MLP columns,
+    vocabulary of the head); ``kv_bytes``: ``kv_tokens_per_device`` tokens of cache at
+    ``kv_bytes_per_token`` each (this device's KV heads).
     """
 
     mesh: tuple[tuple[str, int], ...]
@@ -293,6 +330,12 @@ class DeviceMemory:
     def total_bytes(self) -> int:
         return self.param_bytes + self.expert_bytes + self.kv_bytes
 
+    @property
+    def row_shards(self) -> int:
+        """Devices holding different rows (and their cache): data x expert; the tensor axis splits
+        the same rows' heads."""
+        return self.devices // dict(self.mesh)["tensor"]
+
     def kv_tokens_that_fit(self, device_memory_bytes: int) -> int:
         """KV tokens one device can hold in what its weights leave of ``device_memory_bytes``
         (0 when the weights alone do not fit; no allowance is made for activations/workspace)."""
@@ -300,7 +343,7 @@ class DeviceMemory:
         return max(free, 0) // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
 
 
-def _check_mesh(cfg: DeepseekV3Config, mesh: Mapping[str, int]) -> dict[str, int]:
+def _check_mesh(cfg: ModelConfig, mesh: Mapping[str, int]) -> dict[str, int]:
     unknown = sorted(set(mesh) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"unknown mesh axes {unknown}; expected a subset of {list(MESH_AXES)}")
@@ -310,6 +353,15 @@ def _check_mesh(cfg: DeepseekV3Config, mesh: Mapping[str, int]) -> dict[str, int
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"mesh axis '{name}' must be a positive integer, got {size!r}")
         axes[name] = size
+    if isinstance(cfg, Llama3Config):
+        from mtp_jax.gqa import check_tensor_split
+
+        if axes["expert"] != 1:
+            raise ValueError(
+                f"Llama has no experts: use the 'data' and 'tensor' axes (got expert={axes['expert']})"
+            )
+        check_tensor_split(cfg.num_attention_heads, cfg.num_key_value_heads, axes["tensor"])
+        return axes
     if axes["tensor"] != 1:
         raise ValueError(
             f"mesh axis 'tensor'={axes['tensor']} is not supported yet: the sharding plan replicates "
@@ -325,7 +377,7 @@ def _check_mesh(cfg: DeepseekV3Config, mesh: Mapping[str, int]) -> dict[str, int
 
 
 def per_device_memory(
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     weights: str,
     mesh: Mapping[str, int],
     kv_tokens: int,
@@ -344,28 +396,40 @@ def per_device_memory(
       devices (DeepSeek-style DP attention), ``kv_dtype_bytes`` bytes per value.
 
     Weight bytes are as in :func:`weight_bytes` (our loader's layout). ``include_mtp`` counts the
-    MTP layers' weights and cache too.
+    MTP layers' weights and cache too. Llama: attention heads, MLP columns and the head's
+    vocabulary split over ``tensor`` (KV heads too when ``tensor`` divides them, else replicated,
+    their cache with them), everything else replicated, the cache's rows split over ``data``.
     """
-    _check_weights(weights)
+    _check_weights(weights, cfg)
     axes = _check_mesh(cfg, mesh)
     if kv_tokens < 0:
         raise ValueError(f"kv_tokens must be >= 0, got {kv_tokens}")
     devices = axes["data"] * axes["expert"] * axes["tensor"]
     block = fp8_block(cfg)
+    llama = isinstance(cfg, Llama3Config)
+    kv_split = llama and cfg.num_key_value_heads % axes["tensor"] == 0
+    ways = {
+        "expert": axes["expert"],
+        "tensor": axes["tensor"],
+        "kv_heads": axes["tensor"] if kv_split else 1,
+    }
     replicated: dict[str, int] = {}
-    routed: dict[str, int] = {}
+    split = {way: {} for way in ways}
     for s in _specs(cfg):
         if s.component == "mtp_duplicates" or (s.component == "mtp" and not include_mtp):
             continue
-        _spec_bytes(s, weights, block, False, routed if s.routed else replicated)
+        _spec_bytes(s, weights, block, False, replicated if s.split is None else split[s.split])
     per_token = kv_cache_bytes_per_token(cfg, kv_dtype_bytes, include_mtp)
-    tokens = math.ceil(kv_tokens / devices)
+    if kv_split:
+        per_token //= axes["tensor"]
+    # rows (and their cache) split over data x expert; the tensor axis holds the same rows
+    tokens = math.ceil(kv_tokens / (axes["data"] * axes["expert"]))
     return DeviceMemory(
         mesh=tuple(axes.items()),
         devices=devices,
-        experts_per_device=cfg.n_routed_experts // axes["expert"],
+        experts_per_device=0 if llama else cfg.n_routed_experts // axes["expert"],
         param_bytes=sum(replicated.values()),
-        expert_bytes=sum(routed.values()) // axes["expert"],
+        expert_bytes=sum(sum(nbytes.values()) // ways[way] for way, nbytes in split.items()),
         kv_tokens_per_device=tokens,
         kv_bytes_per_token=per_token,
         kv_bytes=tokens * per_token,
@@ -388,8 +452,41 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _summary(cfg: ModelConfig) -> list[str]:
+    if isinstance(cfg, Llama3Config):
+        rope = "no rope scaling"
+        if cfg.rope_scaling is not None:
+            r = cfg.rope_scaling
+            rope = (
+                f"llama3 rope scaling x{r.factor:g} (original {r.original_max_position_embeddings}, "
+                f"low/high freq factors {r.low_freq_factor:g}/{r.high_freq_factor:g})"
+            )
+        return [
+            f"Model: {cfg.model_type} (Llama 3)",
+            f"  layers      {cfg.num_hidden_layers}",
+            f"  attention   {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads (GQA), "
+            f"head_dim {cfg.head_dim}, rope_theta {cfg.rope_theta:g}, {rope}",
+            f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+            + (", tied embeddings" if cfg.tie_word_embeddings else ""),
+        ]
+    n_mtp = cfg.num_nextn_predict_layers
+    q = f"q_lora {cfg.q_lora_rank}" if cfg.q_lora_rank is not None else "q_proj (no q_lora)"
+    return [
+        f"Model: {cfg.model_type}",
+        f"  layers      {cfg.num_hidden_layers} ({cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE)"
+        f" + {n_mtp} MTP",
+        f"  experts     {cfg.n_routed_experts} routed ({cfg.num_experts_per_tok} per token, "
+        f"{cfg.n_group} groups, top {cfg.topk_group}) + {cfg.n_shared_experts} shared, "
+        f"moe_intermediate {cfg.moe_intermediate_size}",
+        f"  attention   {cfg.num_attention_heads} heads MLA, {q}, kv_lora {cfg.kv_lora_rank}, "
+        f"head dims nope/rope/v {cfg.qk_nope_head_dim}/{cfg.qk_rope_head_dim}/{cfg.v_head_dim}",
+        f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+        + (", tied embeddings" if cfg.tie_word_embeddings else ""),
+    ]
+
+
 def format_report(
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     weights: str,
     mesh: Mapping[str, int],
     kv_tokens: int,
@@ -401,29 +498,15 @@ def format_report(
     (as loaded and as in the hub files), per-device memory on ``mesh`` with ``kv_tokens`` KV tokens
     in total and, when ``device_memory_gb`` (10^9 bytes) is given, whether it fits and how many KV
     tokens would fit per device in what the weights leave."""
-    _check_weights(weights)
+    _check_weights(weights, cfg)
     pc = count_parameters(cfg)
     mem = per_device_memory(cfg, weights, mesh, kv_tokens, kv_dtype_bytes=kv_dtype_bytes)
-    n_mtp = cfg.num_nextn_predict_layers
-    q = f"q_lora {cfg.q_lora_rank}" if cfg.q_lora_rank is not None else "q_proj (no q_lora)"
-    lines = [
-        f"Model: {cfg.model_type}",
-        f"  layers      {cfg.num_hidden_layers} ({cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE)"
-        f" + {n_mtp} MTP",
-        f"  experts     {cfg.n_routed_experts} routed ({cfg.num_experts_per_tok} per token, "
-        f"{cfg.n_group} groups, top {cfg.topk_group}) + {cfg.n_shared_experts} shared, "
-        f"moe_intermediate {cfg.moe_intermediate_size}",
-        f"  attention   {cfg.num_attention_heads} heads MLA, {q}, kv_lora {cfg.kv_lora_rank}, "
-        f"head dims nope/rope/v {cfg.qk_nope_head_dim}/{cfg.qk_rope_head_dim}/{cfg.v_head_dim}",
-        f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
-        + (", tied embeddings" if cfg.tie_word_embeddings else ""),
-        "",
-        "Parameters",
-    ]
+    llama = isinstance(cfg, Llama3Config)
+    lines = [*_summary(cfg), "", "Parameters"]
     labels = {
         "embedding": "embedding",
         "attention": "attention",
-        "dense_mlp": "dense MLPs",
+        "dense_mlp": "MLPs" if llama else "dense MLPs",
         "routers": "routers",
         "routed_experts": "routed experts",
         "shared_experts": "shared experts",
@@ -432,13 +515,18 @@ def format_report(
         "mtp": "MTP layers",
         "mtp_duplicates": "MTP embed/head copies",
     }
-    rows = [(labels[k], v) for k, v in pc.components().items()]
-    rows[8:8] = [("main (no MTP)", pc.main)]
-    rows += [
-        ("total (as loaded)", pc.total),
-        ("total (hub files)", pc.hub_total),
-        ("active per token", pc.active_per_token),
-    ]
+    if llama:
+        shown = ("embedding", "attention", "dense_mlp", "norms", "lm_head")
+        rows = [(labels[k], v) for k, v in pc.components().items() if k in shown]
+        rows.append(("total", pc.total))
+    else:
+        rows = [(labels[k], v) for k, v in pc.components().items()]
+        rows[8:8] = [("main (no MTP)", pc.main)]
+        rows += [
+            ("total (as loaded)", pc.total),
+            ("total (hub files)", pc.hub_total),
+            ("active per token", pc.active_per_token),
+        ]
     lines += [f"  {name:<24}{format_count(n):>10}" for name, n in rows]
     lines += ["", f"Weight bytes ({weights})"]
     loaded, hub = weight_bytes(cfg, weights), weight_bytes(cfg, weights, hub_layout=True)
@@ -460,9 +548,13 @@ def format_report(
     lines += [
         "",
         f"Per-device memory (mesh {mesh_txt}: {mem.devices} devices, "
-        f"{mem.experts_per_device} routed experts per device per layer)",
+        + (
+            "heads, MLP columns and head vocabulary split over tensor)"
+            if llama
+            else f"{mem.experts_per_device} routed experts per device per layer)"
+        ),
         f"  {'replicated params':<24}{format_bytes(mem.param_bytes):>14}",
-        f"  {'routed experts':<24}{format_bytes(mem.expert_bytes):>14}",
+        f"  {'tensor-split params' if llama else 'routed experts':<24}{format_bytes(mem.expert_bytes):>14}",
         f"  {'KV cache':<24}{format_bytes(mem.kv_bytes):>14}  ({mem.kv_tokens_per_device} tokens x "
         f"{mem.kv_bytes_per_token} B; {kv_tokens} tokens in total)",
         f"  {'total':<24}{format_bytes(mem.total_bytes):>14}",
@@ -482,7 +574,7 @@ def format_report(
         else:
             fit = mem.kv_tokens_that_fit(capacity)
             lines.append(
-                f"  KV tokens that fit beside the weights: {fit} per device, {fit * mem.devices} in total "
+                f"  KV tokens that fit beside the weights: {fit} per device, {fit * mem.row_shards} in total "
                 f"({format_bytes(capacity - mem.weight_bytes)} free; activations not counted)"
             )
     return "\n".join(lines)

@@ -45,10 +45,12 @@ def attention(
     paged: PagedAttention | None,
     pages: dict | None,
     layer: jax.Array | int | None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """Self-attention of x [b, t, d]: causal over the sequence without ``paged``; with it, the new
     keys and values are written to ``pages`` (layer ``layer`` of the stacks) and the queries attend
-    over each row's cache. Returns (out [b, t, d], pages)."""
+    over each row's cache (split over ``mesh`` as :func:`mtp_jax.gqa.gqa_paged` does). Returns
+    (out [b, t, d], pages)."""
     q = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["q"]), cos, sin)
     k = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["k"]), cos, sin)
     v = jnp.einsum("btd,dhk->bthk", x, p["v"])
@@ -56,7 +58,7 @@ def attention(
     if paged is None:
         out = gqa_dense(q, k, v, scale)
     else:
-        out, pages = gqa_paged(q, k, v, pages, paged.slots, paged.page_table, positions, scale, layer)
+        out, pages = gqa_paged(q, k, v, pages, paged.slots, paged.page_table, positions, scale, layer, mesh)
     return jnp.einsum("bthk,hkd->btd", out, p["o"]), pages
 
 
@@ -70,10 +72,11 @@ def decoder_layer(
     paged: PagedAttention | None = None,
     pages: dict | None = None,
     layer: jax.Array | int | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, dict | None]:
     """One pre-norm decoder layer (see the module docstring). Returns (h, pages)."""
     x = rms_norm(h, p["input_norm"], cfg.rms_norm_eps)
-    attn_out, pages = attention(p["attn"], x, cfg, cos, sin, positions, paged, pages, layer)
+    attn_out, pages = attention(p["attn"], x, cfg, cos, sin, positions, paged, pages, layer, mesh)
     h = h + attn_out
     x = rms_norm(h, p["post_attn_norm"], cfg.rms_norm_eps)
     return h + swiglu(x, **p["mlp"]), pages
@@ -99,7 +102,9 @@ def forward(
     Without ``paged``: teacher-forced over whole sequences (positions must be 0..t-1), no cache.
     With ``paged``: the tokens' keys and values are written at ``paged.slots`` and attention reads
     each row's paged cache, which is returned updated. ``capture`` (static) selects layer outputs
-    for ``Hidden.layers``. ``mesh``: hidden states pinned to the row split at layer boundaries.
+    for ``Hidden.layers``. ``mesh``: the parameters' mesh (:mod:`mtp_jax.sharding`): hidden states
+    pinned to the row split at layer boundaries, heads and MLP columns split over ``tensor`` by
+    the parameters' shardings, paged attention under ``shard_map``.
     """
     check_capture(cfg.num_hidden_layers, capture)
     cos, sin = rope_tables(cfg, positions)
@@ -111,7 +116,7 @@ def forward(
     def layer(carry, xs):
         h, captured, pages = carry
         p, slot, index = xs
-        h, pages = decoder_layer(p, h, cfg, cos, sin, positions, paged, pages, index)
+        h, pages = decoder_layer(p, h, cfg, cos, sin, positions, paged, pages, index, mesh)
         h = constrain(h, mesh, ACTIVATION)
         if captured is not None:
             captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
@@ -145,6 +150,7 @@ def _cache_bytes_per_token(cfg: Llama3Config, itemsize: int) -> int:
 
 
 def _check_mesh(cfg: Llama3Config, mesh: Mesh) -> None:
+    from mtp_jax.gqa import check_tensor_split
     from mtp_jax.sharding import MESH_AXES
 
     if tuple(mesh.axis_names) != MESH_AXES:
@@ -153,6 +159,7 @@ def _check_mesh(cfg: Llama3Config, mesh: Mesh) -> None:
         raise ValueError(
             f"Llama has no experts: use the 'data' and 'tensor' axes (got expert={mesh.shape['expert']})"
         )
+    check_tensor_split(cfg.num_attention_heads, cfg.num_key_value_heads, mesh.shape["tensor"])
 
 
 TARGET = Target(

@@ -47,6 +47,38 @@ def test_round_trip_equals_direct_load(tmp_path, weights, dtype):
     assert converted.tokenizer_path is not None and converted.eos_token_ids == direct.eos_token_ids
 
 
+LLAMA = os.path.join(REPO, "tests", "fixtures", "parity_llama")
+SOURCES = {
+    "deepseek_fp32": os.path.join(REPO, "tests", "fixtures", "parity", "base"),
+    "deepseek_bf16": EMBEDDED_MODEL,
+    "llama_fp32": os.path.join(LLAMA, "llama3_gqa42"),
+    "llama_bf16_sharded": os.path.join(LLAMA, "sharded_bf16_rope_parameters"),
+    "llama_fp16_tied": os.path.join(LLAMA, "mha_fp16"),
+}
+
+
+@pytest.mark.parametrize("source", [*SOURCES, "deepseek_fp8"])
+def test_default_conversion_loads_exactly_as_the_source(tmp_path, source, fp8_pair):  # noqa: F811
+    """Without --weights every tensor keeps its stored precision (FP8 with its scales), so the
+    converted checkpoint gives exactly the parameters and logits of the source, in either dtype."""
+    src = fp8_pair[0] if source == "deepseek_fp8" else SOURCES[source]
+    dst = tmp_path / "out"
+    convert(src, dst, progress=False)
+    manifest = json.loads((dst / MANIFEST).read_text())
+    assert manifest["weights"] == "auto" and manifest["fp8_kept"] == (source == "deepseek_fp8")
+    ids = [[3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3]]
+    for dtype in ("float32", "bfloat16"):
+        direct, converted = mtp_jax.load(src, dtype), mtp_jax.load(dst, dtype)
+        assert_same_params(direct.params, converted.params)
+        np.testing.assert_array_equal(direct.logits(ids), converted.logits(ids))
+    if source == "deepseek_fp8":
+        assert_same_params(
+            mtp_jax.load(src, "bfloat16", weights="fp8").params,
+            mtp_jax.load(dst, "bfloat16", weights="fp8").params,
+        )
+    jax.clear_caches()
+
+
 def test_fp8_conversion(tmp_path, fp8_pair):  # noqa: F811
     fp8_dir, _ = fp8_pair
     dst = tmp_path / "fp8"
@@ -63,7 +95,7 @@ def test_fp8_conversion(tmp_path, fp8_pair):  # noqa: F811
     dense_dst = tmp_path / "dense"
     convert(fp8_dir, dense_dst, weights="fp32", progress=False)
     assert_same_params(mtp_jax.load(fp8_dir, "float32").params, mtp_jax.load(dense_dst, "float32").params)
-    with pytest.raises(mtp_jax.CheckpointError, match="converted with --weights fp8"):
+    with pytest.raises(mtp_jax.CheckpointError, match="converted with its FP8 weights kept"):
         mtp_jax.load(dense_dst, "float32", weights="fp8")
 
 

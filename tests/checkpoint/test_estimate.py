@@ -235,3 +235,68 @@ def test_format_report_mentions_key_numbers(v3):
     assert "does NOT fit" in small and "no room for KV cache" in small
     tiny = report(_cfg(q_lora_rank=None, tie_word_embeddings=True), "bf16", {}, 64)
     assert "no q_lora" in tiny and "tied" in tiny and "Device memory" not in tiny
+
+
+# --- Llama 3 ----------------------------------------------------------------------------------------
+LLAMA_TINY = {
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 6,
+}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_counts_and_bytes_match_hub_tensors(tied):
+    from mtp_jax.checkpoint.synthetic import llama_hub_tensors
+    from mtp_jax.config import Llama3Config
+
+    cfg = Llama3Config.from_dict({**LLAMA_TINY, "tie_word_embeddings": tied})
+    tensors = llama_hub_tensors(cfg)
+    pc = count_parameters(cfg)
+    assert pc.total == pc.hub_total == pc.main == pc.active_per_token == sum(x.size for x in tensors.values())
+    assert pc.lm_head == (0 if tied else 96 * 32)
+    assert pc.routed_experts == pc.routers == pc.mtp == 0
+    assert weight_bytes(cfg, "bf16") == {"bfloat16": 2 * pc.total}
+    assert weight_bytes(cfg, "fp32") == {"float32": 4 * pc.total}
+    with pytest.raises(ValueError, match="Llama checkpoints are dense"):
+        weight_bytes(cfg, "fp8")
+    assert kv_cache_bytes_per_token(cfg, 2) == 2 * 2 * 6 * 3 * 2  # K and V, 2 KV heads, 3 layers
+
+
+def test_llama_per_device_memory_splits_over_tensor():
+    from mtp_jax.config import Llama3Config
+
+    cfg = Llama3Config.from_dict(LLAMA_TINY)  # 8 heads, 2 KV heads, head_dim 6, untied
+    d, f, v, n = 32, 48, 96, 3
+    q_o, kv, mlp = 2 * 8 * 6 * d, 2 * 2 * 6 * d, 3 * d * f
+    one = per_device_memory(cfg, "bf16", {}, 100)
+    assert one.expert_bytes == 2 * (n * (q_o + kv + mlp) + v * d)  # every split weight, whole
+    assert one.param_bytes == 2 * (v * d + (2 * n + 1) * d)  # embedding and norms replicated
+    two = per_device_memory(cfg, "bf16", {"data": 2, "tensor": 2}, 100)
+    assert two.expert_bytes == one.expert_bytes // 2  # KV heads divide: everything split in two
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2 and two.kv_tokens_per_device == 50
+    four = per_device_memory(cfg, "bf16", {"tensor": 4}, 100)  # 2 KV heads: replicated over 4
+    assert four.expert_bytes == 2 * (n * (q_o + mlp) + v * d) // 4 + 2 * n * kv
+    assert four.kv_bytes_per_token == one.kv_bytes_per_token and four.kv_tokens_per_device == 100
+    with pytest.raises(ValueError, match="Llama has no experts"):
+        per_device_memory(cfg, "bf16", {"expert": 2}, 0)
+    with pytest.raises(ValueError, match="does not divide the 8 attention heads"):
+        per_device_memory(cfg, "bf16", {"tensor": 3}, 0)
+
+
+@pytest.mark.parametrize(("name", "published"), [("8b", 8.03e9), ("70b", 70.6e9), ("405b", 405.9e9)])
+def test_llama_3_1_published_parameter_counts(name, published):
+    import os
+
+    from mtp_jax.config import load_config
+    from tests.conftest import REPO
+
+    cfg = load_config(os.path.join(REPO, "configs", f"llama-3.1-{name}.json"))
+    assert abs(count_parameters(cfg).total / published - 1) < 0.001
+    text = report(cfg, "bf16", {"tensor": 8}, 10**6, 141)
+    assert "Llama 3" in text and "tensor-split params" in text and "GQA" in text
