@@ -1,11 +1,18 @@
-"""Train the embedded default model: a tiny DeepSeek-V3 (MLA, a dense layer then MoE layers with
-group-limited routing) jointly with its MTP layer, on the Python standard library's source code.
+"""Train the embedded models: a tiny DeepSeek-V3 (MLA, a dense layer then MoE layers with
+group-limited routing) jointly with its MTP layer, and a tiny Llama 3 (``--arch llama``), on the
+Python standard library's source code.
 
     python scripts/train_tiny.py --out /tmp/base                                     # ~35 min, 2 cores
     python scripts/train_tiny.py --out checkpoints/tiny-deepseek-v3-stdlib --init-from /tmp/base \
         --train mtp --mtp-depth 4 --mtp-labels target --own-text 0.5 --steps 1000 --lr 1e-3 \
         --warmup 50 --seed 1 --acceptance-k 1 2 3 4 5                                # ~27 min
+    python scripts/train_tiny.py --arch llama --out checkpoints/tiny-llama3-stdlib \
+        --tokenizer-from checkpoints/tiny-deepseek-v3-stdlib --steps 1500           # the Llama target
     python scripts/train_tiny.py --out /tmp/smoke --preset smoke --steps 3          # seconds
+
+The tiny Llama 3 (GQA, llama3 rope scaling, SwiGLU, untied head) is trained on the same text, split
+and tokenizer as the DeepSeek-V3 (``--tokenizer-from``): it is the target the EAGLE-3 and DFlash
+drafts are trained against. Its objective is next-token cross-entropy alone.
 
 Data: every ``.py`` file of this interpreter's standard library (tests, demos and site-packages
 excluded), split by module into train and held-out sets by a hash of the module path. A byte-level
@@ -66,13 +73,15 @@ import optax
 import orbax.checkpoint as ocp
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mtp_jax.checkpoint.deepseek_v3 import load_params
 from mtp_jax.checkpoint.export import hub_tensors_from_params
+from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.checkpoint.synthetic import hub_tensors, llama_hub_tensors, write_hub_checkpoint
+from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig, parse_config
 from mtp_jax.drafts.mtp import mtp_chain_teacher_forced
-from mtp_jax.targets.deepseek_v3 import forward, lm_head
+from mtp_jax.targets import target_for
+from mtp_jax.targets.base import lm_head
+from mtp_jax.targets.deepseek_v3 import forward
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 BOS, EOS = 0, 1
@@ -85,8 +94,45 @@ BIAS_RATE = 0.001  # γ of the DeepSeek-V3 report
 REACH = 0.6
 
 
-def model_config(vocab_size: int, preset: str) -> dict:
-    """The architecture: every DeepSeek-V3 feature at a size that trains on two CPU cores."""
+def llama_config(vocab_size: int, preset: str) -> dict:
+    """A Llama 3.1-style architecture (GQA 3:1, llama3 rope scaling, untied head) at a size that
+    trains on two CPU cores."""
+    d, layers, ffn, heads, kv_heads = {"default": (192, 6, 512, 6, 2), "smoke": (32, 2, 64, 4, 2)}[preset]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": d,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        # Llama 3.1's frequency scaling, with the original context at this model's training window
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def model_config(vocab_size: int, preset: str, arch: str = "deepseek_v3") -> dict:
+    """The architecture: every DeepSeek-V3 feature (or Llama 3's) at a size that trains on two CPU
+    cores."""
+    if arch == "llama":
+        return llama_config(vocab_size, preset)
     sizes = {
         # d, layers, dense ffn, experts, expert ffn, heads, q_lora, kv_lora
         "default": (128, 8, 384, 8, 64, 4, 64, 48),
@@ -258,13 +304,15 @@ def load_or_make_continuations(
 # --- model ------------------------------------------------------------------------------------
 
 
-def init_hub_tensors(cfg: DeepseekV3Config, seed: int) -> dict[str, np.ndarray]:
+def init_hub_tensors(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Hub-layout initial weights: N(0, 0.02) projections (output projections scaled by
     1/sqrt(2·layers)), unit norms, zero correction biases; the MTP copies of the embedding and
     head are the main ones (shared, as in DeepSeek-V3)."""
-    shapes = hub_tensors(cfg, seed=0)  # only the names and shapes are used
+    llama = isinstance(cfg, Llama3Config)
+    shapes = (llama_hub_tensors if llama else hub_tensors)(cfg, seed=0)  # only names and shapes are used
     rng = np.random.default_rng(seed)
-    out_scale = 1.0 / math.sqrt(2 * (cfg.num_hidden_layers + 1))
+    mtp_layers = 0 if llama else cfg.num_nextn_predict_layers
+    out_scale = 1.0 / math.sqrt(2 * (cfg.num_hidden_layers + mtp_layers))
     tensors = {}
     for name in sorted(shapes):
         shape = shapes[name].shape
@@ -275,18 +323,23 @@ def init_hub_tensors(cfg: DeepseekV3Config, seed: int) -> dict[str, np.ndarray]:
         else:
             std = 0.02 * (out_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
             tensors[name] = (rng.standard_normal(shape) * std).astype(np.float32)
-    for k in range(cfg.num_nextn_predict_layers):
+    for k in range(mtp_layers):
         pre = f"model.layers.{cfg.num_hidden_layers + k}."
         tensors[f"{pre}embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
         tensors[f"{pre}shared_head.head.weight"] = tensors["lm_head.weight"]
     return tensors
 
 
-def init_params(cfg: DeepseekV3Config, config: dict, seed: int) -> dict:
+def init_params(cfg: ModelConfig, config: dict, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "init")
         write_hub_checkpoint(path, config, init_hub_tensors(cfg, seed))
-        return load_params(CheckpointReader(path), cfg, jnp.float32, strict=True)
+        return load_params(path, cfg)
+
+
+def load_params(path: str, cfg: ModelConfig) -> dict:
+    """The checkpoint at ``path`` as float32 parameters, read strictly."""
+    return checkpoint_format(cfg).load_params(CheckpointReader(path), cfg, jnp.float32, strict=True)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -310,6 +363,8 @@ def losses(
     ``aux["level_loss"]`` is always the CE against the text, comparable across runs."""
     if labels not in ("data", "target"):
         raise ValueError(f"labels must be 'data' or 'target', got {labels!r}")
+    if isinstance(cfg, Llama3Config):  # no draft layer: next-token cross-entropy alone
+        return target_losses(params, cfg, window)
     inputs = window[:, :-1]
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -344,6 +399,15 @@ def losses(
         "mtp_load": sum(level.expert_load for level in levels),
     }
     return main + MTP_WEIGHT * draft_loss, aux
+
+
+def target_losses(params: dict, cfg: ModelConfig, window: jax.Array) -> tuple[jax.Array, dict]:
+    """Next-token cross-entropy of the target on windows [b, s] predicting window[:, 1:]."""
+    inputs = window[:, :-1]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions)
+    main = cross_entropy(lm_head(params, hidden.post_norm), window[:, 1:])
+    return main, {"loss": main}
 
 
 def balance_bias(params: dict, aux: dict, target: bool = True) -> dict:
@@ -412,18 +476,19 @@ class Meter:
         eta = (self.total - step) * self.tokens_per_step / rate if rate else math.inf
         frac = step / self.total
         bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
+        draft = ""
+        if "mtp_loss" in aux:
+            agree = "/".join(f"{a:.2f}" for a in aux["level_agreement"])
+            draft = f"mtp {aux['mtp_loss']:.3f} agree {agree} "
         line = (
-            f"train [{bar}] step {step}/{self.total} loss {aux['loss']:.3f} "
-            f"mtp {aux['mtp_loss']:.3f} agree {'/'.join(f'{a:.2f}' for a in aux['level_agreement'])} "
+            f"train [{bar}] step {step}/{self.total} loss {aux['loss']:.3f} {draft}"
             f"{rate:,.0f} tok/s ETA {eta / 60:.1f} min"
         )
         sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
         sys.stderr.flush()
 
 
-def evaluate(
-    params: dict, cfg: DeepseekV3Config, stream: np.ndarray, length: int, count: int, depth: int
-) -> dict:
+def evaluate(params: dict, cfg: ModelConfig, stream: np.ndarray, length: int, count: int, depth: int) -> dict:
     """Mean held-out losses over ``count`` fixed, evenly spaced windows (MTP levels 1..depth)."""
     starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
     windows = np.stack([stream[s : s + length] for s in starts])
@@ -432,7 +497,7 @@ def evaluate(
     totals: dict[str, np.ndarray] = {}
     for i in range(0, count, 8):
         aux = fn(params, jnp.asarray(windows[i : i + 8]))
-        for key in keys:
+        for key in (k for k in keys if k in aux):
             totals[key] = totals.get(key, 0.0) + np.asarray(aux[key], np.float64) * len(windows[i : i + 8])
     out = {k: (v / count).tolist() for k, v in totals.items()}
     out["perplexity"] = math.exp(out["loss"])
@@ -449,7 +514,18 @@ def main() -> int:
     )
     parser.add_argument("--workdir", help="orbax training state, for resuming (default: OUT.train)")
     parser.add_argument("--preset", default="default", choices=["default", "smoke"])
+    parser.add_argument(
+        "--arch",
+        default="deepseek_v3",
+        choices=["deepseek_v3", "llama"],
+        help="deepseek_v3 (with its MTP layer) or llama (a Llama 3 target, next-token loss only)",
+    )
     parser.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
+    parser.add_argument(
+        "--tokenizer-from",
+        metavar="DIR",
+        help="use DIR/tokenizer.json instead of training one (the same tokenizer as that model)",
+    )
     parser.add_argument(
         "--init-from",
         metavar="DIR",
@@ -525,6 +601,10 @@ def main() -> int:
         parser.error("--own-text-windows must be at least 1")
     if args.init_from and not os.path.isfile(os.path.join(args.init_from, "tokenizer.json")):
         parser.error(f"--init-from {args.init_from} is not a trained checkpoint (no tokenizer.json)")
+    if args.tokenizer_from and not os.path.isfile(os.path.join(args.tokenizer_from, "tokenizer.json")):
+        parser.error(f"--tokenizer-from {args.tokenizer_from} has no tokenizer.json")
+    if args.arch == "llama" and (args.train != "all" or args.mtp_depth != 1 or args.mtp_labels != "data"):
+        parser.error("--arch llama trains the whole model on next-token loss: no --train/--mtp-* options")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
 
     t0 = time.perf_counter()
@@ -536,8 +616,13 @@ def main() -> int:
         f"({sum(map(len, train_texts)) / 1e6:.1f} MB of code)",
         file=sys.stderr,
     )
-    if args.init_from:
-        tok = Tokenizer.from_file(os.path.join(args.init_from, "tokenizer.json"))
+    tokenizer_dir = args.init_from or args.tokenizer_from
+    if tokenizer_dir:
+        tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+        if tok.token_to_id(SPECIAL[BOS]) != BOS or tok.token_to_id(SPECIAL[EOS]) != EOS:
+            raise SystemExit(
+                f"{tokenizer_dir}/tokenizer.json does not have {SPECIAL[:2]} at ids {BOS}, {EOS}"
+            )
     else:
         tok = train_tokenizer(train_texts, args.vocab)
     train_stream, held_stream = token_stream(tok, train_texts), token_stream(tok, held_texts)
@@ -551,16 +636,17 @@ def main() -> int:
     if args.init_from:
         with open(os.path.join(args.init_from, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
-        cfg = DeepseekV3Config.from_dict(config)
-        params = load_params(CheckpointReader(args.init_from), cfg, jnp.float32, strict=True)
+        cfg = parse_config(config)
+        params = load_params(args.init_from, cfg)
         eval_path = os.path.join(args.init_from, "eval.json")
         if os.path.isfile(eval_path):
             with open(eval_path, encoding="utf-8") as f:
                 base = json.load(f)
     else:
-        config = model_config(args.vocab, args.preset)
-        cfg = DeepseekV3Config.from_dict(config)
+        config = model_config(tok.get_vocab_size(), args.preset, args.arch)
+        cfg = parse_config(config)
         params = init_params(cfg, config, args.seed)
+    has_mtp = "mtp" in params
     n_params = sum(x.size for x in jax.tree.leaves(params))
     only_mtp = args.train == "mtp"
 
@@ -591,7 +677,9 @@ def main() -> int:
         updates, opt_state = optimizer.update(grads, opt_state, part)
         part = optax.apply_updates(part, updates)
         params = {**params, "mtp": part} if only_mtp else part
-        return balance_bias(params, aux, target=not only_mtp), opt_state, aux
+        if has_mtp:
+            params = balance_bias(params, aux, target=not only_mtp)
+        return params, opt_state, aux
 
     length = args.seq + 1
     own = round(args.own_text * args.batch)
@@ -600,9 +688,11 @@ def main() -> int:
             workdir, cfg, params, train_stream, args.own_text_windows, length, args.seed
         )
     meter = Meter(args.steps, args.batch * args.seq, first_step=start)
+    objective = f" (MTP depth {args.mtp_depth})" if has_mtp else " (next-token loss)"
     print(
-        f"model: {n_params / 1e6:.2f}M parameters; training {'the MTP layer' if only_mtp else 'all'} "
-        f"(MTP depth {args.mtp_depth}) for {args.steps} steps x {args.batch} x {args.seq} tokens",
+        f"model: {cfg.model_type}, {n_params / 1e6:.2f}M parameters; training "
+        f"{'the MTP layer' if only_mtp else 'all'}{objective} for {args.steps} steps x {args.batch} x "
+        f"{args.seq} tokens",
         file=sys.stderr,
     )
     aux = None
@@ -617,7 +707,7 @@ def main() -> int:
         if not np.isfinite(float(aux["loss"])):
             raise SystemExit(f"loss is {float(aux['loss'])} at step {step}; lower --lr")
         shown = ("loss", "mtp_loss", "mtp_agreement", "level_agreement")
-        stats = {k: np.asarray(aux[k]).tolist() for k in shown}
+        stats = {k: np.asarray(aux[k]).tolist() for k in shown if k in aux}
         meter.show(step + 1, stats, force=step + 1 == args.steps)
         if (step + 1) % args.save_every == 0 or step + 1 == end:
             manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
@@ -630,13 +720,17 @@ def main() -> int:
     train_seconds = time.perf_counter() - meter.start
 
     held = evaluate(params, cfg, held_stream, length, args.eval_windows, max(args.mtp_depth, 3))
+    drafting = ""
+    if has_mtp:
+        drafting = (
+            f", MTP loss {held['mtp_loss']:.3f}, teacher-forced MTP agreement by level "
+            f"{' '.join(f'{a:.3f}' for a in held['level_agreement'])}"
+        )
     print(
-        f"held-out: loss {held['loss']:.3f} (perplexity {held['perplexity']:.2f}), MTP loss "
-        f"{held['mtp_loss']:.3f}, teacher-forced MTP agreement by level "
-        f"{' '.join(f'{a:.3f}' for a in held['level_agreement'])}",
+        f"held-out: loss {held['loss']:.3f} (perplexity {held['perplexity']:.2f}){drafting}",
         file=sys.stderr,
     )
-    loads = np.asarray(aux["moe_load"]) if aux is not None else None
+    loads = np.asarray(aux["moe_load"]) if aux is not None and "moe_load" in aux else None
     report = {
         "data": {
             "source": "Python standard library source code (.py files; tests, demos, site-packages excluded)",
@@ -667,11 +761,18 @@ def main() -> int:
             "resumed_from": start,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}",
             "final_expert_load_min_max": None if loads is None else [float(loads.min()), float(loads.max())],
+            "tokenizer_from": os.path.basename(os.path.normpath(args.tokenizer_from))
+            if args.tokenizer_from
+            else None,
         },
         "parameters": int(n_params),
         "heldout": held,
         "heldout_modules": held_files,
     }
+    if not has_mtp:  # a target alone: no draft settings to record
+        for key in ("mtp_weight", "mtp_depth", "mtp_labels", "own_text", "own_text_windows", "bias_rate"):
+            report["training"].pop(key)
+        report["training"].pop("final_expert_load_min_max")
     if base is not None:  # the run this one started from, as its own eval.json recorded it
         report["base"] = {k: base[k] for k in ("training", "heldout", "acceptance") if k in base}
         if "base" in base:
@@ -688,7 +789,7 @@ def snippet(tok: Tokenizer, held_texts: list[str], tokens: int = 256) -> str:
     """A held-out passage of about ``tokens`` tokens, cut at line ends, for the perplexity test."""
     text = max(held_texts, key=len)
     lines, out = text.splitlines(keepends=True), []
-    for line in lines[20:]:
+    for line in lines[min(20, len(lines) // 2) :]:  # past the module docstring, if there is room
         out.append(line)
         if len(tok.encode("".join(out)).ids) >= tokens:
             break
@@ -709,7 +810,7 @@ def prompts(held_texts: list[str], count: int = 32, chars: int = 160) -> list[st
 
 
 def acceptance_lengths(
-    cfg: DeepseekV3Config, params: dict, tok: Tokenizer, texts: list[str], ks: list[int]
+    cfg: ModelConfig, params: dict, tok: Tokenizer, texts: list[str], ks: list[int]
 ) -> dict:
     """Greedy acceptance length of K MTP drafts over the held-out prompts (64 new tokens)."""
     from mtp_jax.model import Model
@@ -727,7 +828,7 @@ def acceptance_lengths(
 def write_checkpoint(
     out: str,
     config: dict,
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     params: dict,
     tok: Tokenizer,
     report: dict,
@@ -742,12 +843,13 @@ def write_checkpoint(
     exported = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, ml_dtypes.bfloat16), jnp.float32), params)
     window = jnp.asarray([ids])
     positions = jnp.arange(len(ids) - 1, dtype=jnp.int32)[None]
-    hidden, _ = forward(exported, cfg, window[:, :-1], positions)
+    hidden, _ = target_for(cfg).forward(exported, cfg, window[:, :-1], positions)
     logp = jax.nn.log_softmax(lm_head(exported, hidden.post_norm), -1)
     nll = -jnp.take_along_axis(logp, window[:, 1:, None], -1).mean()
     report["snippet"] = {"text": passage, "tokens": len(ids), "perplexity": math.exp(float(nll))}
     report["prompts"] = prompts(held_texts)
-    report["acceptance"] = acceptance_lengths(cfg, exported, tok, report["prompts"], acceptance_k)
+    if "mtp" in params:
+        report["acceptance"] = acceptance_lengths(cfg, exported, tok, report["prompts"], acceptance_k)
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
         for name, content in (
@@ -762,7 +864,7 @@ def write_checkpoint(
         tok.save(files["tokenizer.json"])
         files["README.md"] = os.path.join(tmp, "README.md")
         with open(files["README.md"], "w", encoding="utf-8") as f:
-            f.write(model_card(config, report))
+            f.write(card_for(config, report))
         write_hub_checkpoint(out, config, tensors, extra_files=files)
 
 
@@ -774,9 +876,73 @@ def rewrite_card(directory: str) -> None:
         report = json.load(f)
     tmp = os.path.join(directory, f".README.md.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(model_card(config, report))
+        f.write(card_for(config, report))
     os.replace(tmp, os.path.join(directory, "README.md"))
     print(f"rewrote {directory}/README.md", file=sys.stderr)
+
+
+def card_for(config: dict, report: dict) -> str:
+    return llama_card(config, report) if config["model_type"] == "llama" else model_card(config, report)
+
+
+def llama_card(config: dict, r: dict) -> str:
+    d, h, c, t = r["data"], r["heldout"], config, r["training"]
+    rs = c["rope_scaling"]
+    shape = " / ".join(
+        str(x)
+        for x in (
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c["hidden_size"] // c["num_attention_heads"],
+        )
+    )
+    rope = (
+        f"theta {c['rope_theta']:g}, llama3 scaling x{rs['factor']:g} (original "
+        f"{rs['original_max_position_embeddings']} positions, low/high frequency factors "
+        f"{rs['low_freq_factor']:g}/{rs['high_freq_factor']:g})"
+    )
+    tokenizer = (
+        f"the tokenizer of `{t['tokenizer_from']}` (`tokenizer.json`, copied)"
+        if t.get("tokenizer_from")
+        else "a byte-level BPE trained on the training split (`tokenizer.json`)"
+    )
+    return f"""# Tiny Llama 3 trained on the Python standard library
+
+The embedded Llama 3 target of mtp-jax, written by `scripts/train_tiny.py --arch llama`. A real
+`LlamaForCausalLM` — grouped-query attention, rotate-half rope with Llama 3.1's `llama3`
+frequency scaling, RMSNorm, SwiGLU, an untied output head — at {r["parameters"] / 1e6:.2f}M
+parameters, trained on the same text, split and tokenizer as the embedded tiny DeepSeek-V3. It is
+the target the EAGLE-3 and DFlash drafts are trained against. It writes Python-looking code; it
+knows nothing else. It has no draft of its own: `mtp-jax generate` decodes it plainly.
+
+| | |
+|---|---|
+| hidden / layers / heads / KV heads / head_dim | {shape} |
+| MLP | SwiGLU, intermediate {c["intermediate_size"]} |
+| rope | {rope} |
+| vocabulary | {c["vocab_size"]} tokens: {tokenizer} |
+| weights | bfloat16 safetensors, Hugging Face Llama layout |
+
+## Data
+{d["source"]}, Python {d["python"]}: {d["train_modules"]} modules for training
+({d["train_tokens"]:,} tokens) and {d["heldout_modules"]} held out by a hash of the module path
+({d["heldout_tokens"]:,} tokens; listed in `eval.json`). The standard library is under the PSF license.
+
+## Training
+{t["steps"]} steps of {t["batch"]} x {t["seq"]} tokens ({t["tokens_seen"]:,} tokens), AdamW (lr {t["lr"]},
+warm-up {t["warmup"]}, cosine decay), next-token cross-entropy, seed {t["seed"]};
+{t["seconds"] / 60:.1f} minutes on {t["machine"]}.
+
+## Held-out results
+| | |
+|---|---|
+| next-token loss / perplexity | {h["loss"]:.3f} / {h["perplexity"]:.2f} |
+| perplexity of the test snippet (`eval.json`) | {r["snippet"]["perplexity"]:.2f} |
+
+Plain decoding speed is in the repository's BENCHMARKS.md.
+"""
 
 
 def _training_text(r: dict) -> str:

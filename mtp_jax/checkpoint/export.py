@@ -1,9 +1,10 @@
-"""The parameter pytree -> hub-layout DeepSeek-V3 tensors: the inverse of :mod:`.deepseek_v3`.
+"""The parameter pytree -> hub-layout tensors: the inverse of :mod:`.deepseek_v3` and :mod:`.llama3`.
 
 Used to save trained models (``scripts/train_tiny.py``) in the exact layout ``transformers`` and
-every other engine read: [out, in] projections, one tensor per expert, the MTP layer as
-``model.layers.{N}`` with its own copies of the embedding and head (``embed_tokens``,
-``shared_head.head``) as published checkpoints have them.
+every other engine read: [out, in] projections; for DeepSeek-V3 one tensor per expert and the MTP
+layer as ``model.layers.{N}`` with its own copies of the embedding and head (``embed_tokens``,
+``shared_head.head``) as published checkpoints have them; for Llama no ``lm_head.weight`` when the
+embedding is tied.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig
 
 
 def _np(x: Any, dtype: np.dtype) -> np.ndarray:
@@ -63,13 +64,32 @@ def _layer(p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dty
     return t
 
 
-def hub_tensors_from_params(
-    params: dict, cfg: DeepseekV3Config, dtype: Any = np.float32
-) -> dict[str, np.ndarray]:
-    """Every hub tensor of ``params`` (as built by the loader) in ``dtype``; routers and correction
-    biases stay float32 as in the published checkpoints."""
+def _llama_tensors(params: dict, cfg: Llama3Config, dtype: np.dtype) -> dict[str, np.ndarray]:
+    t = {"model.embed_tokens.weight": _np(params["embed"], dtype)}
+    for i in range(cfg.num_hidden_layers):
+        p = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+        pre = f"model.layers.{i}."
+        t[f"{pre}input_layernorm.weight"] = _np(p["input_norm"], dtype)
+        for name in ("q", "k", "v"):
+            t[f"{pre}self_attn.{name}_proj.weight"] = _linear(p["attn"][name], dtype)
+        o = _np(p["attn"]["o"], dtype)  # [h, hd, d]
+        t[f"{pre}self_attn.o_proj.weight"] = np.ascontiguousarray(o.reshape(-1, o.shape[-1]).T)
+        t[f"{pre}post_attention_layernorm.weight"] = _np(p["post_attn_norm"], dtype)
+        for name in ("gate", "up", "down"):
+            t[f"{pre}mlp.{name}_proj.weight"] = _linear(p["mlp"][name], dtype)
+    t["model.norm.weight"] = _np(params["final_norm"], dtype)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = np.ascontiguousarray(_np(params["lm_head"], dtype).T)
+    return t
+
+
+def hub_tensors_from_params(params: dict, cfg: ModelConfig, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    """Every hub tensor of ``params`` (as built by the loader) in ``dtype``; DeepSeek-V3's routers
+    and correction biases stay float32 as in the published checkpoints."""
     dtype = np.dtype(dtype)
     params = jax.device_get(params)
+    if isinstance(cfg, Llama3Config):
+        return _llama_tensors(params, cfg, dtype)
     t = {"model.embed_tokens.weight": _np(params["embed"], dtype)}
     layer = 0
     for name, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):

@@ -48,3 +48,20 @@ def test_fp8_weights_are_refused(make_checkpoint):
     model = mtp_jax.load(path, "float32", weights="fp8")
     with pytest.raises(ValueError, match="FP8"):
         hub_tensors_from_params(model.params, cfg)
+
+
+@pytest.mark.parametrize("name", ["llama3_gqa42", "gqa81_tied_head_dim"])
+def test_llama_round_trip_is_bit_exact(name):
+    import os
+
+    from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+    from tests.conftest import REPO
+
+    path = os.path.join(REPO, "tests", "fixtures", "parity_llama", name)
+    model = mtp_jax.load(path, "float32", strict=True)
+    reader = CheckpointReader(path)
+    back = hub_tensors_from_params(model.params, model.config)
+    assert sorted(back) == sorted(reader.keys())  # a tied model writes no lm_head.weight
+    for key in reader.keys():
+        want = reader.get(key)
+        assert back[key].dtype == want.dtype and np.array_equal(back[key], want), key

@@ -172,3 +172,41 @@ def test_own_text_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, me
         load_script().main()
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_llama_smoke_run_reuses_the_tokenizer_and_writes_a_llama_checkpoint(tmp_path):
+    """--arch llama: the same data and the given model's tokenizer, next-token loss only, a Llama
+    hub checkpoint that loads strictly, generates, and reproduces its recorded perplexity."""
+    out = tmp_path / "llama"
+    run = train(out, "--arch", "llama", "--tokenizer-from", EMBEDDED_MODEL, "--acceptance-k")
+    assert run.returncode == 0, run.stderr
+    assert "model: llama" in run.stderr and "(next-token loss)" in run.stderr and "mtp " not in run.stderr
+    with open(out / "config.json") as f:
+        config = json.load(f)
+    assert config["model_type"] == "llama" and config["rope_scaling"]["rope_type"] == "llama3"
+    shared = (out / "tokenizer.json").read_bytes()
+    with open(os.path.join(EMBEDDED_MODEL, "tokenizer.json"), "rb") as f:
+        assert shared == f.read()
+    with open(out / "eval.json") as f:
+        report = json.load(f)
+    assert "acceptance" not in report and "mtp_weight" not in report["training"]
+    assert report["training"]["tokenizer_from"] == os.path.basename(EMBEDDED_MODEL)
+    model = mtp_jax.load(out, "float32", strict=True)
+    assert model.drafts == () and "layers" in model.params
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = [config["bos_token_id"], *tok.encode(report["snippet"]["text"]).ids]
+    assert model.score(ids).perplexity == pytest.approx(report["snippet"]["perplexity"], rel=1e-3)
+    assert len(model.generate([ids[:8]], max_new_tokens=4, ignore_eos=True).tokens[0]) == 4
+    card = (out / "README.md").read_text()
+    assert "Tiny Llama 3" in card and "llama3 scaling" in card
+
+
+def test_llama_refuses_draft_options(tmp_path, monkeypatch, capsys):
+    argv = ["train_tiny.py", "--out", str(tmp_path / "out"), "--arch", "llama", "--mtp-depth", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        load_script().main()
+    assert exit_.value.code == 2 and "--arch llama trains the whole model" in capsys.readouterr().err
