@@ -305,10 +305,10 @@ def test_directory_without_safetensors(tmp_path, tiny_config):
 def test_bad_config_is_a_config_error(make_checkpoint, tiny_config):
     path = make_checkpoint()
     bad = copy.deepcopy(tiny_config)
-    bad["model_type"] = "llama"
+    bad["model_type"] = "mistral"
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(bad, f)
-    with pytest.raises(ConfigError, match="llama"):
+    with pytest.raises(ConfigError, match="unsupported model_type 'mistral'"):
         mtp_jax.load(path, dtype="float32")
 
 
