@@ -77,7 +77,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode slots")
     parser.add_argument(
-        "--k", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="drafts per step; 0 = plain"
+        "--k",
+        type=int,
+        nargs="+",
+        default=None,
+        help="drafts per step; 0 = plain (default: 0 1 2 3 4 with a draft, else 0)",
     )
     parser.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sampled"])
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -167,7 +171,7 @@ def run(args: argparse.Namespace) -> dict:
     from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config
 
-    if min(args.batch) < 1 or min(args.k) < 0 or args.prompts < 1 or args.repeats < 1:
+    if min(args.batch) < 1 or min(args.k or [0]) < 0 or args.prompts < 1 or args.repeats < 1:
         raise ValueError("--batch, --prompts and --repeats must be >= 1 and --k >= 0")
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
@@ -180,6 +184,11 @@ def run(args: argparse.Namespace) -> dict:
             path = model_path(args.model)
             name = os.path.basename(os.path.abspath(path))
         model = mtp_jax.load(path, dtype=args.dtype)
+        draft = model.drafts[0] if model.drafts else None
+        if args.k is None:
+            args.k = [0, 1, 2, 3, 4] if draft else [0]
+        if max(args.k) and draft is None:
+            raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
         prompts, prompt_note = _prompts(model, None if args.synthetic else path, args)
         rows = []
         for b in args.batch:
@@ -188,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
             for k in args.k:
                 spec = {"temperature": args.temperature, "draft_sampling": args.draft_sampling}
                 if k:
-                    spec.update(draft="mtp", num_speculative_tokens=k)
+                    spec.update(draft=draft, num_speculative_tokens=k)
                 configs.append(spec)
                 keys.append((k, True))
                 if k and not args.no_baseline:

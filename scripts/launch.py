@@ -2,8 +2,10 @@
 
 Run the same command on every host; the cluster comes from the flags, else ``JAX_COORDINATOR_ADDRESS``
 / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, else SLURM (``srun``), else, with ``--auto``,
-``jax.distributed.initialize``'s own detection (Cloud TPU VMs). Each host reads only its share of
-the routed experts; results are printed by process 0 only.
+``jax.distributed.initialize``'s own detection (Cloud TPU VMs). With DeepSeek-V3 each host reads
+only its share of the routed experts; Llama models split heads and MLP columns over ``tensor``
+(every host reads the checkpoint and keeps its devices' slices). Results are printed by process 0
+only.
 
     # two hosts, eight devices in all, experts split over both
     python scripts/launch.py --coordinator host0:1234 --num-processes 2 --process-id 0 \\
@@ -13,6 +15,8 @@ the routed experts; results are printed by process 0 only.
     python scripts/launch.py --local 2 --mesh data=1,expert=8 --prompt "import os" -k 3
     python scripts/launch.py --local 2 --mesh data=2,expert=4 --bench --prompt "import os" --batch 4 \
         --new-tokens 32
+    python scripts/launch.py --local 2 --mesh data=2,tensor=4 --model checkpoints/tiny-llama3-stdlib \
+        --prompt "import os"
 """
 
 from __future__ import annotations
@@ -50,13 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", help="checkpoint directory (default: the embedded model)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     m.add_argument(
-        "--mesh", help="mesh over all devices of the run, e.g. data=2,expert=4 (default: expert=all)"
+        "--mesh",
+        help="mesh over all devices of the run, e.g. data=2,expert=4 or data=2,tensor=4 (default: all "
+        "devices on expert for DeepSeek-V3, on tensor for Llama)",
     )
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     g.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
     g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--draft", choices=["mtp", "none"], default="mtp")
+    g.add_argument(
+        "--draft",
+        choices=["auto", "mtp", "none"],
+        default="auto",
+        help="auto = the model's own draft (the MTP layer) when it has one, else plain decoding",
+    )
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=0)
@@ -84,13 +95,14 @@ def _without_launcher_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def _mesh_axes(text: str | None, n_devices: int) -> dict[str, int]:
+def _mesh_axes(text: str | None, n_devices: int, split: str = "expert") -> dict[str, int]:
+    """The mesh axes of ``--mesh``, or all devices on ``split`` (the model's model-parallel axis)."""
     from mtp_jax.cli import _parse_mesh
 
-    axes = _parse_mesh(text) if text else {"data": 1, "expert": n_devices}
+    axes = _parse_mesh(text) if text else {"data": 1, split: n_devices}
     unknown = set(axes) - {"data", "expert", "tensor"}
     if unknown:
-        raise LaunchError(f"unknown mesh axes {sorted(unknown)}; use data, expert (and tensor=1)")
+        raise LaunchError(f"unknown mesh axes {sorted(unknown)}; use data, expert, tensor")
     return axes
 
 
@@ -124,27 +136,32 @@ def run(args: argparse.Namespace) -> int:
 
     import mtp_jax
     from mtp_jax.cli import _model_dir
+    from mtp_jax.config import Llama3Config, load_config
 
     lead = jax.process_index() == 0
     n_dev = jax.device_count()
-    axes = _mesh_axes(args.mesh, n_dev)
+    model_dir = _model_dir(args.model)
+    llama = isinstance(load_config(model_dir), Llama3Config)
+    axes = _mesh_axes(args.mesh, n_dev, "tensor" if llama else "expert")
     if math.prod(axes.values()) != n_dev:
         raise LaunchError(
             f"--mesh {args.mesh} needs {math.prod(axes.values())} devices, but the run has {n_dev} "
             f"({jax.process_count()} processes x {jax.local_device_count()} devices)"
         )
     mesh = mtp_jax.make_mesh(**axes)
-    model_dir = _model_dir(args.model)
     t0 = time.perf_counter()
     model = mtp_jax.load(model_dir, args.dtype, mesh=mesh)
     load_s = time.perf_counter() - t0
     prompts, tok = _prompts(args, model_dir, model.config.bos_token_id)
     if not prompts:
         raise LaunchError("give --prompt TEXT or --prompt-ids 1,2,3")
+    draft = args.draft
+    if draft == "auto":
+        draft = model.drafts[0] if model.drafts else "none"
     gen = {
         "temperature": args.temperature,
         "seed": args.seed,
-        "draft": None if args.draft == "none" else args.draft,
+        "draft": None if draft == "none" else draft,
         "num_speculative_tokens": args.num_speculative_tokens,
     }
     where = {

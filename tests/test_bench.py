@@ -28,6 +28,22 @@ def test_bench_on_the_embedded_model_writes_json(tmp_path, capsys, monkeypatch):
     assert spec["decode_tok_s"] > 0 and spec["fused_over_host"] > 0  # the baseline ran too
 
 
+def test_bench_on_a_model_without_a_draft_times_plain_decoding(tmp_path, capsys):
+    import os
+
+    from tests.conftest import REPO
+
+    model = os.path.join(REPO, "tests", "fixtures", "parity_llama", "llama3_gqa42")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--model", model, "--batch", "2", "--prompts", "2", "--new-tokens", "4"]
+    assert main([*argv, "--repeats", "1", "--json", str(out)]) == 0  # default K: 0 alone
+    report = json.loads(out.read_text())
+    assert [r["k"] for r in report["results"]] == [0] and "random prompts" in report["prompts"]
+    capsys.readouterr()
+    assert main([*argv, "--k", "0", "2"]) == 2
+    assert "has no draft to speculate with: only --k 0" in capsys.readouterr().err
+
+
 def test_bench_refuses_bad_arguments(capsys):
     assert main(["bench", "--batch", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err

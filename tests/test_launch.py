@@ -60,6 +60,28 @@ def test_two_processes_generate_the_tokens_of_one():
     assert got["tokens"] == want.tokens
 
 
+@pytest.mark.slow
+def test_two_processes_run_a_tensor_parallel_llama_like_one():
+    """Llama over 2 processes x 4 devices, rows over data and heads over tensor: the tokens of one
+    process, sampled ones included (the model has no draft: --draft auto decodes plainly)."""
+    import mtp_jax
+
+    model_dir = os.path.join(REPO, "tests", "fixtures", "parity_llama", "mha_fp16")
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79]]
+    out = _launch(
+        "--local", "2", "--mesh", "data=2,tensor=4", "--model", model_dir,
+        *(f"--prompt-ids={','.join(map(str, p))}" for p in prompts), "--temperature", "0.8", "--seed", "4",
+        "--max-new-tokens", "10", "--ignore-eos", "--json", "--timeout", "500",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["mesh"] == {"data": 2, "tensor": 4} and got["stats"]["num_speculative_tokens"] == 0
+    want = mtp_jax.load(model_dir, "float32").generate(
+        prompts, max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=4
+    )
+    assert got["tokens"] == want.tokens
+
+
 # Each of 2 processes (4 devices each) on mesh data=1, expert=8 holds experts 4p..4p+3: it must read
 # only those from the safetensors, and the shards it holds must equal a plain load's, for the hub
 # checkpoint and for the orbax one (restored straight into the target sharding). Teacher-forced
