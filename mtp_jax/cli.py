@@ -53,7 +53,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mtp-jax", description="Speculative decoding for DeepSeek-V3 in JAX"
+        prog="mtp-jax", description="Speculative decoding for DeepSeek-V3 and Llama 3 in JAX"
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -201,7 +201,7 @@ def _generate(args: argparse.Namespace) -> int:
     if draft == "auto":
         draft = model.drafts[0] if model.drafts else "none"
     if draft == "none" and args.num_speculative_tokens is not None:
-        raise CliError("-k needs a draft (the model has no MTP layer, or --draft none was given)")
+        raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
     t0 = time.perf_counter()
     result = model.generate(
         prompts,

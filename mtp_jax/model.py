@@ -179,14 +179,14 @@ class Model:
         """Generate up to ``max_new_tokens`` per prompt (stopping at EOS unless ``ignore_eos``).
 
         Sampling parameters and seeds are scalars or one value per prompt; temperature 0 is greedy.
-        ``draft="mtp"`` decodes speculatively with the checkpoint's MTP layer proposing
-        ``num_speculative_tokens`` (default 3) tokens per step; ``draft_sampling`` "argmax" proposes
-        the draft's argmax (each position's token is then drawn exactly as plain decoding draws it),
-        "sampled" draws drafts from the draft distribution and accepts with min(1, p/q). Either way
-        the output distribution is the target's. Up to ``max_batch`` prompts decode at once; the
-        others join as slots free (continuous batching). On a mesh the slots are padded to a
-        multiple of its data x expert devices (every device attends for its own rows; padding
-        slots stay idle). ``on_token(prompt_index, token)`` streams.
+        ``draft`` names a draft method the model has (:attr:`drafts`; ``"mtp"``: the checkpoint's MTP
+        layer) that proposes ``num_speculative_tokens`` (default 3) tokens per step;
+        ``draft_sampling`` "argmax" proposes the draft's argmax (each position's token is then drawn
+        exactly as plain decoding draws it), "sampled" draws drafts from the draft distribution and
+        accepts with min(1, p/q). Either way the output distribution is the target's. Up to
+        ``max_batch`` prompts decode at once; the others join as slots free (continuous batching). On
+        a mesh the slots are padded to a multiple of its row devices (data x expert: every device
+        attends for its own rows; padding slots stay idle). ``on_token(prompt_index, token)`` streams.
         ``fused=False`` selects the host-orchestrated baseline step (for benchmarks).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
