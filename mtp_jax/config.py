@@ -162,13 +162,17 @@ class Llama3Config:
 ModelConfig = DeepseekV3Config | Llama3Config
 
 
-def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``."""
+def _refuse_wrapped(raw: Mapping[str, Any]) -> None:
     if "text_config" in raw:
         raise ConfigError(
             "config.json wraps the language model in 'text_config' (a multimodal checkpoint such as "
             "Kimi-K2.5); this is not supported yet"
         )
+
+
+def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
+    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``."""
+    _refuse_wrapped(raw)
     model_type = raw.get("model_type")
     if model_type in DEEPSEEK_V3_MODEL_TYPES:
         return _parse_deepseek_v3(raw)
@@ -313,11 +317,7 @@ def _parse_eos(raw: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def _parse_deepseek_v3(raw: Mapping[str, Any]) -> DeepseekV3Config:
-    if "text_config" in raw:
-        raise ConfigError(
-            "config.json wraps the language model in 'text_config' (a multimodal checkpoint such as "
-            "Kimi-K2.5); this is not supported yet"
-        )
+    _refuse_wrapped(raw)
     model_type = raw.get("model_type")
     if model_type not in DEEPSEEK_V3_MODEL_TYPES:
         raise ConfigError(
