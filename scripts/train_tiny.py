@@ -903,6 +903,12 @@ def llama_card(config: dict, r: dict) -> str:
         f"{rs['original_max_position_embeddings']} positions, low/high frequency factors "
         f"{rs['low_freq_factor']:g}/{rs['high_freq_factor']:g})"
     )
+    command = (
+        "python scripts/train_tiny.py --arch llama --out checkpoints/tiny-llama3-stdlib "
+        f"--steps {t['steps']} --batch {t['batch']} --seq {t['seq']} --lr {t['lr']} "
+        f"--warmup {t['warmup']} --seed {t['seed']}"
+        + (f" --tokenizer-from checkpoints/{t['tokenizer_from']}" if t.get("tokenizer_from") else "")
+    )
     tokenizer = (
         f"the tokenizer of `{t['tokenizer_from']}` (`tokenizer.json`, copied)"
         if t.get("tokenizer_from")
@@ -933,7 +939,10 @@ knows nothing else. It has no draft of its own: `mtp-jax generate` decodes it pl
 ## Training
 {t["steps"]} steps of {t["batch"]} x {t["seq"]} tokens ({t["tokens_seen"]:,} tokens), AdamW (lr {t["lr"]},
 warm-up {t["warmup"]}, cosine decay), next-token cross-entropy, seed {t["seed"]};
-{t["seconds"] / 60:.1f} minutes on {t["machine"]}.
+{t["seconds"] / 60:.1f} minutes on {t["machine"]}. The command (resumable: rerun it after an
+interruption):
+
+    {command}
 
 ## Held-out results
 | | |
