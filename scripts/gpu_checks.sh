@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 21's checks on a Hopper GPU, in one command: the environment, the native kernel tests, the
 # kernel sweep and the unified step against its roofline. Logs and JSON go to OUT_DIR (default
-# ./gpu-out). Stages: env tests kernels step (default all), e.g. `bash scripts/gpu_checks.sh env tests`.
+# ./gpu-out). Stages: env tests kernels step step_dsf (default: the first four), e.g.
+# `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's dynamic-slice fusion on.
 # Each stage runs under its own time limit (seconds, TESTS_S / KERNELS_S / STEP_S) so a hang in one
 # leaves the others their time.
 set -uo pipefail
@@ -33,6 +34,13 @@ for stage in $stages; do
         ${STEP_ARGS:---set num_hidden_layers=3 --set first_k_dense_replace=1 --context 4096 --k 0 1 3 --iters 10} \
         --json "$OUT_DIR/step.json" >"$OUT_DIR/step.md" 2>"$OUT_DIR/step.log"
       echo "step rc=$?"; cat "$OUT_DIR/step.md"; tail -5 "$OUT_DIR/step.log"
+      ;;
+    step_dsf)  # the same step with XLA's dynamic-slice fusion: the scanned layers' weight slices read in place
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout "${STEP_S:-300}" \
+        $PY scripts/bench_step.py --config configs/deepseek-v3.json --weights fp8 \
+        ${STEP_ARGS:---set num_hidden_layers=3 --set first_k_dense_replace=1 --context 4096 --k 0 1 3 --iters 10} \
+        --json "$OUT_DIR/step_dsf.json" >"$OUT_DIR/step_dsf.md" 2>"$OUT_DIR/step_dsf.log"
+      echo "step_dsf rc=$?"; cat "$OUT_DIR/step_dsf.md"; tail -5 "$OUT_DIR/step_dsf.log"
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
