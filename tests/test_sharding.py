@@ -60,7 +60,7 @@ def test_load_into_mesh_matches_single_device(child_output):
 def test_mesh_errors():
     with pytest.raises(ValueError, match="needs 2 devices"):
         make_mesh(data=2)
-    with pytest.raises(ValueError, match="tensor parallelism"):
+    with pytest.raises(ValueError, match="tensor=2 needs 2 devices"):
         make_mesh(tensor=2)
     with pytest.raises(ValueError, match="'expert' must be a positive integer"):
         make_mesh(expert=0)

@@ -17,7 +17,8 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures", "parity_llama")
 # Against one device: logits, greedy and sampled generation on every (data, tensor) split of 8
 # devices, for KV heads split over `tensor` (4 KV heads, tensor 2 / 4) and replicated (tensor 8, and
 # the 1-KV-head fixture); the weights really split; one compilation of the step per mesh; the
-# cache's KV heads split exactly when they divide the axis; no collective moves a cache page.
+# cache's KV heads split exactly when they divide the axis; no collective moves a cache page; a
+# converted (orbax) checkpoint restores straight into the tensor-parallel shardings.
 TP_CHILD = textwrap.dedent(
     """
     import os, re, sys
@@ -86,6 +87,22 @@ TP_CHILD = textwrap.dedent(
                 assert elems < page_elems * cfg.num_key_value_heads, (name, op, dims)
             print(name, data_n, tensor_n, "ok", flush=True)
             jax.clear_caches()
+
+    # a converted (orbax) checkpoint restores straight into the tensor-parallel shardings
+    import tempfile
+    from mtp_jax.checkpoint.convert import convert
+    src = os.path.join(root, "llama3_gqa42")
+    with tempfile.TemporaryDirectory() as tmp:
+        convert(src, os.path.join(tmp, "orbax"), progress=False)
+        mesh = mtp_jax.make_mesh(data=4, tensor=2)
+        restored = mtp_jax.load(os.path.join(tmp, "orbax"), "float32", mesh=mesh)
+        hub = mtp_jax.load(src, "float32", mesh=mesh)
+        for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(hub.params)):
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        ids = np.load(os.path.join(src, "reference.npz"))["input_ids"]
+        want = mtp_jax.load(src, "float32").logits(ids)
+        np.testing.assert_allclose(restored.logits(ids), want, rtol=2e-5, atol=2e-5)
     print("TP-OK")
     """
 )
