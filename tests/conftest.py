@@ -6,15 +6,39 @@ import copy
 import dataclasses
 import gc
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
-import jax
-import pytest
+# One on-disk compilation cache for the whole run, shared by this process and every process it
+# starts (CLI and script subprocesses, multi-device children, multi-process launches), set before
+# JAX starts. The suite compiles the same small programs many times over: in subprocesses, and here
+# after each module drops its compiled programs (below); a cache hit skips XLA's compile. Made
+# fresh for each run and removed at its end, so nothing carries over between runs.
+_JIT_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _JIT_CACHE = tempfile.mkdtemp(prefix="mtp-jax-tests-jit-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _JIT_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The tests compile thousands of tiny programs and run each a few times: LLVM's optimisation of
+# the generated CPU code is most of every compile and buys nothing at these sizes (about 30% of the
+# suite's time). Every process the tests start inherits it (children append their device count).
+# Benchmarks and the package itself never set it.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
-from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
-from mtp_jax.config import DeepseekV3Config
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from mtp_jax.checkpoint.synthetic import (  # noqa: E402
+    hub_tensors,
+    oracle_draft_tensors,
+    write_hub_checkpoint,
+)
+from mtp_jax.config import DeepseekV3Config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARITY_DIR = os.path.join(REPO, "tests", "fixtures", "parity")
@@ -221,8 +245,7 @@ class _ChildRunner:
             threading.Thread(target=self._run_all, name="child-checks", daemon=True).start()
 
     def _run_all(self) -> None:
-        env = dict(os.environ, PYTHONPATH=REPO)
-        env.pop("XLA_FLAGS", None)  # each child sets its own device count
+        env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS=TEST_XLA_FLAGS)  # each child adds its device count
         for job in self.jobs.values():
             if self.stopping:
                 job.result = subprocess.CompletedProcess(job.argv, -1, "", "the test session ended first")
@@ -261,6 +284,8 @@ def pytest_collection_finish(session) -> None:
 
 def pytest_sessionfinish(session) -> None:
     _CHILDREN.stop()  # an interrupted run leaves no child behind
+    if _JIT_CACHE is not None:
+        shutil.rmtree(_JIT_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from tests.conftest import EMBEDDED_MODEL
 
 PRELUDE = """
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax, jax.numpy as jnp, numpy as np
 assert len(jax.devices()) == 8
 """

@@ -25,7 +25,7 @@ from tests.conftest import REPO
 CHILD = textwrap.dedent(
     """
     import json, os, sys, tempfile
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp
 
     import mtp_jax
@@ -177,7 +177,7 @@ def test_cli_reruns_itself_with_simulated_devices_and_prints_the_report(tmp_path
 LLAMA_CHILD = textwrap.dedent(
     """
     import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp
 
     import mtp_jax

@@ -16,7 +16,7 @@ from tests.conftest import EMBEDDED_MODEL
 CHILD = textwrap.dedent(
     """
     import os, sys, tempfile
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, numpy as np
     import mtp_jax
     from mtp_jax.checkpoint.convert import convert

@@ -22,7 +22,7 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures", "parity_llama")
 TP_CHILD = textwrap.dedent(
     """
     import os, re, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     assert len(jax.devices()) == 8
     import mtp_jax
