@@ -3,6 +3,7 @@
     mtp-jax bench                                             # the embedded default model
     mtp-jax bench --k 0 1 2 3 4 --batch 1 8 --json out.json --plot out.png
     mtp-jax bench --synthetic oracle-small --k 0 3            # a generated checkpoint
+    mtp-jax bench --model T --draft-model D --draft mtp eagle3 # draft methods side by side
     python scripts/bench.py ...                               # the same
 
 Prompts: a checkpoint's held-out prompts when it ships them (``eval.json``, written by
@@ -84,6 +85,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="drafts per step; 0 = plain (default: 0 1 2 3 4 with a draft, else 0)",
     )
     parser.add_argument("--draft-sampling", default="argmax", choices=["argmax", "sampled"])
+    parser.add_argument(
+        "--draft",
+        nargs="+",
+        default=None,
+        help="draft methods to compare (default: every one the model has, e.g. mtp eagle3)",
+    )
+    parser.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per run (shared by the slots)")
     parser.add_argument("--prompt-len", type=int, default=32, help="random prompts only: tokens each")
@@ -183,40 +191,46 @@ def run(args: argparse.Namespace) -> dict:
         else:
             path = model_path(args.model)
             name = os.path.basename(os.path.abspath(path))
-        model = mtp_jax.load(path, dtype=args.dtype)
-        draft = model.drafts[0] if model.drafts else None
+        model = mtp_jax.load(path, dtype=args.dtype, draft_model=args.draft_model)
+        drafts = list(model.drafts) if args.draft is None else args.draft
+        missing = [d for d in drafts if d not in model.drafts]
+        if missing:
+            raise ValueError(f"{name} cannot draft with {missing}; it has {list(model.drafts) or 'no draft'}")
         if args.k is None:
-            args.k = [0, 1, 2, 3, 4] if draft else [0]
-        if max(args.k) and draft is None:
+            args.k = [0, 1, 2, 3, 4] if drafts else [0]
+        if max(args.k) and not drafts:
             raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
         prompts, prompt_note = _prompts(model, None if args.synthetic else path, args)
+        # (draft, K) pairs: plain decoding once, every draft at every K > 0
+        pairs = [(None, 0)] * (0 in args.k) + [(d, k) for d in drafts for k in args.k if k]
         rows = []
         for b in args.batch:
-            print(f"batch {b}: K = {args.k} ...", file=sys.stderr, flush=True)
+            print(f"batch {b}: K = {args.k}, drafts {drafts} ...", file=sys.stderr, flush=True)
             configs, keys = [], []
-            for k in args.k:
+            for draft, k in pairs:
                 spec = {"temperature": args.temperature, "draft_sampling": args.draft_sampling}
                 if k:
                     spec.update(draft=draft, num_speculative_tokens=k)
                 configs.append(spec)
-                keys.append((k, True))
+                keys.append((draft, k, True))
                 if k and not args.no_baseline:
                     configs.append({**spec, "fused": False})
-                    keys.append((k, False))
+                    keys.append((draft, k, False))
             measured = dict(zip(keys, _measure(model, prompts, args, b, configs), strict=True))
-            base = measured[(0, True)]["decode_tok_s"] if (0, True) in measured else None
-            for k in args.k:
-                fused = measured[(k, True)]
+            base = measured[(None, 0, True)]["decode_tok_s"] if (None, 0, True) in measured else None
+            for draft, k in pairs:
+                fused = measured[(draft, k, True)]
                 row = {
                     "batch": b,
+                    "draft": draft,
                     "k": k,
                     "acceptance_length": fused["stats"]["acceptance_length"],
                     "acceptance_by_position": fused["stats"]["acceptance_rate_per_position"],
                     "decode_tok_s": fused["decode_tok_s"],
                     "speedup_vs_plain": fused["decode_tok_s"] / base if base else None,
                 }
-                if (k, False) in measured:
-                    row["host_orchestrated_tok_s"] = measured[(k, False)]["decode_tok_s"]
+                if (draft, k, False) in measured:
+                    row["host_orchestrated_tok_s"] = measured[(draft, k, False)]["decode_tok_s"]
                     row["fused_over_host"] = fused["decode_tok_s"] / row["host_orchestrated_tok_s"]
                 rows.append(row)
     return {
@@ -235,16 +249,17 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(report: dict) -> str:
     lines = [
-        "| batch | K | acceptance length | acceptance by position | decode tok/s | vs plain | fused / host |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | draft | K | acceptance length | acceptance by position | decode tok/s | vs plain | "
+        "fused / host |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         by_pos = " ".join(f"{x:.2f}" for x in r["acceptance_by_position"]) or "-"
         ratio = f"{r['fused_over_host']:.2f}x" if "fused_over_host" in r else "-"
         vs = f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] is not None else "-"
         lines.append(
-            f"| {r['batch']} | {r['k']} | {r['acceptance_length']:.2f} | {by_pos} | "
-            f"{r['decode_tok_s']:.1f} | {vs} | {ratio} |"
+            f"| {r['batch']} | {r['draft'] or 'plain'} | {r['k']} | {r['acceptance_length']:.2f} | "
+            f"{by_pos} | {r['decode_tok_s']:.1f} | {vs} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -264,7 +279,7 @@ def plot(report: dict, path: str) -> None:
     for r in rows:
         if r["batch"] == first_batch and r["k"] > 0:
             pos = range(1, len(r["acceptance_by_position"]) + 1)
-            left.plot(pos, r["acceptance_by_position"], marker="o", label=f"K={r['k']}")
+            left.plot(pos, r["acceptance_by_position"], marker="o", label=f"{r['draft']} K={r['k']}")
     left.set(
         xlabel="draft position",
         ylabel="fraction of steps accepting it",
@@ -272,9 +287,13 @@ def plot(report: dict, path: str) -> None:
         ylim=(0, 1),
     )
     left.legend()
-    for b in sorted({r["batch"] for r in rows}):
-        pts = [(r["k"], r["speedup_vs_plain"]) for r in rows if r["batch"] == b and r["speedup_vs_plain"]]
-        right.plot([k for k, _ in pts], [s for _, s in pts], marker="o", label=f"batch {b}")
+    for b, draft in sorted({(r["batch"], r["draft"]) for r in rows if r["draft"]}):
+        pts = [
+            (r["k"], r["speedup_vs_plain"])
+            for r in rows
+            if r["batch"] == b and r["draft"] == draft and r["speedup_vs_plain"]
+        ]
+        right.plot([k for k, _ in pts], [s for _, s in pts], marker="o", label=f"{draft}, batch {b}")
     right.axhline(1.0, color="gray", linewidth=0.8)
     right.set(xlabel="K (drafts per step)", ylabel="decode tok/s vs plain", title="Speed-up over plain")
     right.legend()

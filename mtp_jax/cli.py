@@ -69,9 +69,17 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument(
         "--draft",
-        choices=["auto", "mtp", "none"],
+        choices=["auto", "mtp", "eagle3", "none"],
         default="auto",
-        help="speculative decoding draft: auto = the checkpoint's MTP layer when it has one; none = plain",
+        help="speculative decoding draft: auto = the --draft-model when given, else the checkpoint's MTP "
+        "layer when it has one; none = plain",
+    )
+    g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3)")
+    g.add_argument(
+        "--draft-layer-ids",
+        choices=["inputs", "outputs"],
+        default="inputs",
+        help="read the draft config's captured-layer ids as target layer inputs (vLLM) or outputs (SGLang)",
     )
     g.add_argument(
         "-k",
@@ -195,11 +203,15 @@ def _generate(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.model)
     tok = _tokenizer(model_dir)
     print(f"loading {model_dir} ({args.dtype}) ...", file=sys.stderr)
-    model = mtp_jax.load(model_dir, dtype=args.dtype)
+    if args.draft == "eagle3" and args.draft_model is None:
+        raise CliError("--draft eagle3 needs --draft-model DIR (the EAGLE-3 draft's directory)")
+    model = mtp_jax.load(
+        model_dir, dtype=args.dtype, draft_model=args.draft_model, draft_layer_ids=args.draft_layer_ids
+    )
     prompts = [_encode(tok, text, model.config.bos_token_id) for text in args.prompt]
     draft = args.draft
     if draft == "auto":
-        draft = model.drafts[0] if model.drafts else "none"
+        draft = "eagle3" if "eagle3" in model.drafts else (model.drafts[0] if model.drafts else "none")
     if draft == "none" and args.num_speculative_tokens is not None:
         raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
     t0 = time.perf_counter()

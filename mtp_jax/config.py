@@ -528,3 +528,149 @@ def _check_special_tokens(cfg: ModelConfig) -> None:
             raise ConfigError(
                 f"special token id {tok} is outside the vocabulary (vocab_size {cfg.vocab_size})"
             )
+
+
+# --- EAGLE-3 drafts ------------------------------------------------------------------------------
+EAGLE3_LAYER_READINGS = ("inputs", "outputs")
+# Variant flags of published EAGLE-3 drafts: those whose math we implement, and those refused by name.
+EAGLE3_FLAGS = ("norm_before_residual", "norm_output")
+EAGLE3_REFUSED_FLAGS = ("norm_before_fc", "fc_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """An EAGLE-3 draft (one Llama-style decoder layer over three fused target hidden states).
+
+    ``aux_layer_ids``: the captured-layer ids written in its config (None: the default), as
+    written; ``capture`` is what they mean for a particular target, resolved at load
+    (:func:`eagle3_capture`): target layer outputs, -1 for the embedding.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: Llama3RopeScaling | None = None
+    aux_layer_ids: tuple[int, ...] | None = None
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    capture: tuple[int, ...] = ()
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Eagle3Config:
+        return parse_eagle3_config(raw)
+
+
+def parse_eagle3_config(raw: Mapping[str, Any]) -> Eagle3Config:
+    """An EAGLE-3 draft's config.json (any of the published spellings; FORMATS.md "EAGLE-3 drafts")."""
+    layers = _positive(raw, "num_hidden_layers", 1)
+    if layers != 1:
+        raise ConfigError(f"num_hidden_layers={layers}: an EAGLE-3 draft has exactly one decoder layer")
+    for flag in ("attention_bias", "mlp_bias"):
+        if _get(raw, flag, bool, False):
+            raise ConfigError(f"{flag}=true is not supported (EAGLE-3 draft projections have no bias)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported (EAGLE-3 drafts use 'silu')")
+    for flag in EAGLE3_REFUSED_FLAGS:
+        if _get(raw, flag, bool, False):
+            raise ConfigError(
+                f"{flag}=true is not supported for EAGLE-3 drafts (supported variant flags: "
+                f"{', '.join(EAGLE3_FLAGS)})"
+            )
+    eagle = raw.get("eagle_config") or {}
+    if not isinstance(eagle, Mapping):
+        raise ConfigError(f"config field 'eagle_config' must be an object, got {eagle!r}")
+    if eagle.get("use_aux_hidden_state", True) is False:
+        raise ConfigError(
+            "eagle_config.use_aux_hidden_state=false describes an EAGLE-1/2 draft (one hidden state), "
+            "not EAGLE-3"
+        )
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
+    if ids is not None and (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise ConfigError(
+            "eagle_aux_hidden_state_layer_ids must be a non-empty list of non-negative layer ids, "
+            f"got {ids!r}"
+        )
+    heads = _positive(raw, "num_attention_heads")
+    kv_heads = _positive(raw, "num_key_value_heads", heads)
+    hidden = _positive(raw, "hidden_size")
+    head_dim = _positive(raw, "head_dim", None) or (hidden // heads if hidden % heads == 0 else None)
+    if head_dim is None:
+        raise ConfigError(
+            f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}); give head_dim"
+        )
+    if heads % kv_heads:
+        raise ConfigError(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    if head_dim % 2:
+        raise ConfigError(f"head_dim must be even for rotary embedding, got {head_dim}")
+    vocab = _positive(raw, "vocab_size")
+    draft_vocab = _positive(raw, "draft_vocab_size", vocab)
+    if draft_vocab > vocab:
+        raise ConfigError(f"draft_vocab_size ({draft_vocab}) exceeds vocab_size ({vocab})")
+    theta, scaling = _rope_settings(raw)
+    cfg = Eagle3Config(
+        hidden_size=hidden,
+        intermediate_size=_positive(raw, "intermediate_size"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=_positive(raw, "target_hidden_size", hidden),
+        rms_norm_eps=_get(raw, "rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=_positive(raw, "max_position_embeddings", 2048),
+        rope_scaling=_parse_llama_rope(scaling),
+        aux_layer_ids=None if ids is None else tuple(ids),
+        **{flag: _get(raw, flag, bool, False) for flag in EAGLE3_FLAGS},
+    )
+    if cfg.rms_norm_eps <= 0 or cfg.rope_theta <= 0:
+        raise ConfigError(
+            f"rms_norm_eps and rope_theta must be positive, got {cfg.rms_norm_eps} and {cfg.rope_theta}"
+        )
+    return cfg
+
+
+def eagle3_capture(cfg: Eagle3Config, num_target_layers: int, layer_ids: str = "inputs") -> tuple[int, ...]:
+    """The target layers an EAGLE-3 draft reads, as target layer OUTPUTS (-1: the embedding).
+
+    ``layer_ids="inputs"`` reads a config id i as the input of decoder layer i (vLLM and MAX;
+    transformers' ``hidden_states[i]``), ``"outputs"`` as the output of layer i (SGLang; what
+    SpecForge writes). Without ids: the inputs of layers 2, L/2 and L-3 (EAGLE-3's default)."""
+    if layer_ids not in EAGLE3_LAYER_READINGS:
+        raise ValueError(f"layer_ids must be one of {EAGLE3_LAYER_READINGS}, got {layer_ids!r}")
+    n = num_target_layers
+    if cfg.aux_layer_ids is None:
+        return tuple(max(i, 0) - 1 for i in (2, n // 2, n - 3))
+    shift = 1 if layer_ids == "inputs" else 0
+    for i in cfg.aux_layer_ids:
+        if not 0 <= i < n:
+            raise ConfigError(
+                f"eagle_aux_hidden_state_layer_ids {list(cfg.aux_layer_ids)}: id {i} is beyond the "
+                f"target's {n} layers (ids read as layer {layer_ids}: 0..{n - 1})"
+            )
+    return tuple(i - shift for i in cfg.aux_layer_ids)
+
+
+def describe_capture(capture: tuple[int, ...]) -> str:
+    """Words for captured layers: 'outputs of layers 1, 15, 28' or 'the embedding, ...'."""
+    parts = ["the embedding" if i == -1 else f"layer {i}" for i in capture]
+    return "outputs of " + ", ".join(parts) + " (0-based)"

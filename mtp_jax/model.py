@@ -7,6 +7,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from mtp_jax.checkpoint.convert import is_converted, load_converted
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.loader import WEIGHT_MODES
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import ModelConfig, load_config, read_json
+from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, read_json
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
@@ -56,6 +57,13 @@ def _teacher_forced(
     return jax.tree.map(lambda x: replicated(x, mesh), (target.lm_head(params, hidden.post_norm), hidden))
 
 
+@functools.partial(jax.jit, static_argnames=("sc",))
+def _draft_logits(params: dict, sc: StepConfig, tokens: jax.Array) -> jax.Array:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    hidden, _ = sc.target.forward(params, sc.cfg, tokens, positions, capture=sc.capture, mesh=sc.mesh)
+    return replicated(sc.drafter.teacher_forced(params, sc, tokens, hidden), sc.mesh)
+
+
 class Model:
     """A loaded target model (DeepSeek-V3 or Llama 3, with any draft it carries): parameters on
     device plus what generation needs."""
@@ -70,9 +78,11 @@ class Model:
         eos_token_ids: Sequence[int] | None = None,
         page_size: int = 16,
         mesh: jax.sharding.Mesh | None = None,
+        draft_config: Any = None,
     ) -> None:
         """``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
-        split over it as :mod:`mtp_jax.sharding` describes."""
+        split over it as :mod:`mtp_jax.sharding` describes. ``draft_config``: the parsed config of a
+        separately loaded draft (EAGLE-3), whose weights are in ``params``."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.config = config
@@ -82,6 +92,7 @@ class Model:
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.page_size = page_size
         self.mesh = mesh
+        self.draft_config = draft_config
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -157,6 +168,21 @@ class Model:
         picked = np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids[1:])[:, None], axis=-1))[:, 0]
         return ScoreResult(token_ids=ids, logprobs=[float(x) for x in picked])
 
+    def draft_logits(self, token_ids: object, draft: str | None = None) -> np.ndarray:
+        """The draft's teacher-forced first-step logits over the TARGET vocabulary: int [B, T] ->
+        float32 [B, T-1, V]. Row i reads the target's features at position i with token i+1 and
+        predicts token i+2; ids outside the draft's vocabulary get -inf. ``draft``: a method of
+        :attr:`drafts` (default: the only one, else "eagle3" when loaded, else "mtp")."""
+        tokens = self._check_batch(token_ids)
+        if tokens.shape[1] < 2:
+            raise InvalidRequestError("draft_logits needs sequences of at least two tokens")
+        if draft is None:
+            if not self.drafts:
+                raise InvalidRequestError(f"{self.path or 'this model'} has no draft")
+            draft = "eagle3" if "eagle3" in self.drafts else self.drafts[0]
+        sc = self._step_config(draft, 1, "argmax")
+        return np.asarray(_draft_logits(self.params, sc, tokens))
+
     # --- generation -------------------------------------------------------------------------
     def generate(
         self,
@@ -231,7 +257,7 @@ class Model:
                 raise InvalidRequestError(
                     f"num_speculative_tokens={k} needs a draft (draft=one of {list(DRAFT_METHODS)})"
                 )
-            return StepConfig(self.config, self.page_size, mesh=self.mesh)
+            return StepConfig(self.config, self.page_size, mesh=self.mesh, draft_cfg=self.draft_config)
         if draft not in DRAFT_METHODS:
             raise InvalidRequestError(f"unknown draft {draft!r}; available: {', '.join(DRAFT_METHODS)}")
         why = DRAFTS[draft].available(self.params, self.config)
@@ -244,7 +270,7 @@ class Model:
             raise InvalidRequestError(
                 f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}"
             )
-        return StepConfig(self.config, self.page_size, k, draft, draft_sampling, self.mesh)
+        return StepConfig(self.config, self.page_size, k, draft, draft_sampling, self.mesh, self.draft_config)
 
 
 def load(
@@ -256,6 +282,8 @@ def load(
     strict: bool = False,
     page_size: int = 16,
     mesh: jax.sharding.Mesh | None = None,
+    draft_model: str | os.PathLike[str] | None = None,
+    draft_layer_ids: str = "inputs",
 ) -> Model:
     """Load a checkpoint directory: Hugging Face layout (config.json + *.safetensors, one file or
     index-sharded) or one written by ``mtp-jax convert`` (orbax). The model family comes from
@@ -273,12 +301,20 @@ def load(
     may span the processes of a multi-host run (``scripts/launch.py``): each process then reads only
     the routed experts its own devices hold. EOS ids come from generation_config.json when present,
     else from config.json.
+
+    ``draft_model``: a separately trained draft's directory, loaded beside the target in the same
+    dtype and on the same mesh (today: EAGLE-3, any of its published key layouts; then
+    ``generate(draft="eagle3")``). ``draft_layer_ids``: how its config's captured-layer ids are read:
+    "inputs" (id i = the input of target layer i, as vLLM reads them) or "outputs" (the output of
+    layer i, as SGLang does); the layers chosen are printed.
     """
     path = os.fspath(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
+    if draft_layer_ids not in EAGLE3_LAYER_READINGS:
+        raise ValueError(f"draft_layer_ids must be one of {EAGLE3_LAYER_READINGS}, got {draft_layer_ids!r}")
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"model directory not found: {path}")
     config = load_config(os.path.join(path, "config.json"))
@@ -304,4 +340,45 @@ def load(
         params = checkpoint_format(config).load_params(
             reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
         )
-    return Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, page_size=page_size, mesh=mesh)
+    draft_config = None
+    if draft_model is not None:
+        draft_config, params["eagle3"] = load_draft(
+            draft_model, config, params, DTYPES[dtype], layer_ids=draft_layer_ids, strict=strict, mesh=mesh
+        )
+    return Model(
+        config,
+        params,
+        dtype=dtype,
+        path=path,
+        eos_token_ids=eos,
+        page_size=page_size,
+        mesh=mesh,
+        draft_config=draft_config,
+    )
+
+
+def load_draft(
+    path: str | os.PathLike[str],
+    config: ModelConfig,
+    params: dict,
+    dtype: Any,
+    *,
+    layer_ids: str = "inputs",
+    strict: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+) -> tuple[Any, dict]:
+    """A separately trained draft for the target (``config``, device ``params``): (its config, its
+    parameter subtree). The kind comes from the draft's config.json and tensor names."""
+    from mtp_jax.checkpoint.eagle3 import is_eagle3, load_eagle3
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"draft model directory not found: {path}")
+    raw = read_json(os.path.join(path, "config.json"), what="draft config")
+    if not is_eagle3(raw, CheckpointReader(path)):
+        archs = raw.get("architectures")
+        raise ConfigError(
+            f"{path}: not a supported draft model (architectures {archs!r}); supported: EAGLE-3 "
+            "(an 'fc' fusion layer over target features)"
+        )
+    return load_eagle3(path, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)

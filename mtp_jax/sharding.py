@@ -235,10 +235,10 @@ def param_logical(group: str, names: Sequence[str], rank: int) -> tuple[str | No
         names.pop()
     if group in EXPERT_STACKS and "mlp" in names and names and names[-1] in ROUTED_EXPERT_LEAVES:
         return ("experts",) + (None,) * (rank - 1)
-    if group == "layers" and tuple(names[-2:]) in _LLAMA_LAYER:
+    if group in ("layers", "eagle3") and tuple(names[-2:]) in _LLAMA_LAYER:
         return _LLAMA_LAYER[tuple(names[-2:])]
-    if group == "lm_head" and rank == 2:  # [d, V]: vocabulary-parallel head
-        return (None, "vocab")
+    if rank == 2 and (group == "lm_head" or (group == "eagle3" and names == ["lm_head"])):
+        return (None, "vocab")  # [d, V]: vocabulary-parallel head
     return (None,) * rank
 
 

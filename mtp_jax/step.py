@@ -57,6 +57,9 @@ class StepConfig:
     mesh: Mesh | None = None
     """With a mesh: rows and KV pages split over ``data`` x ``expert`` (data-parallel attention),
     MoE layers expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`)."""
+    draft_cfg: Any = None
+    """A separately loaded draft's parsed config (EAGLE-3's :class:`mtp_jax.config.Eagle3Config`), or
+    None for drafts that live in the target's checkpoint (MTP)."""
 
     def __post_init__(self) -> None:
         if (self.k > 0) != (self.draft is not None):
@@ -77,7 +80,7 @@ class StepConfig:
     @property
     def capture(self) -> tuple[int, ...]:
         """The target layers the draft reads (static)."""
-        return () if self.drafter is None else tuple(self.drafter.capture(self.cfg))
+        return () if self.drafter is None else tuple(self.drafter.capture(self))
 
     @property
     def sampled(self) -> bool:

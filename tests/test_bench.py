@@ -17,12 +17,12 @@ def test_bench_on_the_embedded_model_writes_json(tmp_path, capsys, monkeypatch):
     argv = ["bench", "--k", "0", "2", "--batch", "1", "--prompts", "2", "--new-tokens", "6"]
     assert main([*argv, "--repeats", "1", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| batch | K | acceptance length")
+    assert table.startswith("| batch | draft | K | acceptance length")
     report = json.loads(out.read_text())
     assert report["model"] == "tiny-deepseek-v3-stdlib"
     assert "held-out prompts (eval.json)" in report["prompts"]
     plain, spec = report["results"]
-    assert (plain["k"], spec["k"]) == (0, 2)
+    assert (plain["draft"], plain["k"], spec["draft"], spec["k"]) == (None, 0, "mtp", 2)
     assert plain["acceptance_length"] == 1.0 and plain["speedup_vs_plain"] == 1.0
     assert 1.0 <= spec["acceptance_length"] <= 3.0 and len(spec["acceptance_by_position"]) == 2
     assert spec["decode_tok_s"] > 0 and spec["fused_over_host"] > 0  # the baseline ran too
@@ -42,6 +42,22 @@ def test_bench_on_a_model_without_a_draft_times_plain_decoding(tmp_path, capsys)
     capsys.readouterr()
     assert main([*argv, "--k", "0", "2"]) == 2
     assert "has no draft to speculate with: only --k 0" in capsys.readouterr().err
+    # with an EAGLE-3 draft beside it, the draft method is an axis of the table
+    from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint
+    from mtp_jax.config import Eagle3Config
+    from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS
+
+    draft = tmp_path / "eagle3"
+    write_hub_checkpoint(
+        draft, DRAFT_A, eagle3_hub_tensors(Eagle3Config.from_dict(DRAFT_A), draft_ids=DRAFT_IDS)
+    )
+    argv += ["--draft-model", str(draft), "--repeats", "1", "--no-baseline"]
+    assert main([*argv, "--k", "0", "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["draft"], r["k"]) for r in report["results"]] == [(None, 0), ("eagle3", 2)]
+    assert "| 2 | eagle3 | 2 |" in capsys.readouterr().out
+    assert main([*argv, "--draft", "mtp"]) == 2
+    assert "cannot draft with ['mtp']; it has ['eagle3']" in capsys.readouterr().err
 
 
 def test_bench_refuses_bad_arguments(capsys):

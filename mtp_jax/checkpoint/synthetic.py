@@ -1,7 +1,8 @@
 """Random checkpoints in the exact hub layout, for tests, benchmarks and the placeholder default.
 
 ``hub_tensors`` draws every tensor a DeepSeek-V3 checkpoint has (MTP layers included when the
-config asks for them), ``llama_hub_tensors`` every tensor of a Llama 3 one, and
+config asks for them), ``llama_hub_tensors`` every tensor of a Llama 3 one, ``eagle3_hub_tensors``
+those of an EAGLE-3 draft, and
 ``write_hub_checkpoint`` writes a directory the way the hub does:
 config.json plus one safetensors file, or several with a ``model.safetensors.index.json``.
 """
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
-from mtp_jax.config import DeepseekV3Config, Llama3Config
+from mtp_jax.config import DeepseekV3Config, Eagle3Config, Llama3Config
 
 
 def layer_tensors(
@@ -137,6 +138,58 @@ def llama_hub_tensors(
     tensors["model.norm.weight"] = norm(d)
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = w(v, d)
+    return tensors
+
+
+def eagle3_hub_tensors(
+    cfg: Eagle3Config,
+    seed: int = 0,
+    std: float = 0.1,
+    *,
+    layer_prefix: str = "midlayer.",
+    draft_ids: np.ndarray | None = None,
+    embed: np.ndarray | None = None,
+    n_features: int = 3,
+) -> dict[str, np.ndarray]:
+    """Every tensor of a float32 EAGLE-3 draft in the published layout of ``layer_prefix``
+    ("midlayer.", "layers.0." or NeMo's "model.layers.0.", which also prefixes fc, embed_tokens and
+    norm with "model."). ``draft_ids``: the target ids of the draft vocabulary (ascending), stored as
+    ``d2t`` offsets and a ``t2d`` mask; ``embed``: an ``embed_tokens.weight`` to include."""
+    rng = np.random.default_rng(seed)
+    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    top = "model." if layer_prefix.startswith("model.") else ""
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    pre = layer_prefix
+    tensors = {
+        f"{top}fc.weight": w(h, n_features * cfg.target_hidden_size),
+        f"{pre}hidden_norm.weight": norm(h),
+        f"{pre}input_layernorm.weight": norm(h),
+        f"{pre}self_attn.q_proj.weight": w(nh * hd, 2 * h),
+        f"{pre}self_attn.k_proj.weight": w(nkv * hd, 2 * h),
+        f"{pre}self_attn.v_proj.weight": w(nkv * hd, 2 * h),
+        f"{pre}self_attn.o_proj.weight": w(h, nh * hd),
+        f"{pre}post_attention_layernorm.weight": norm(h),
+        f"{pre}mlp.gate_proj.weight": w(f, h),
+        f"{pre}mlp.up_proj.weight": w(f, h),
+        f"{pre}mlp.down_proj.weight": w(h, f),
+        f"{top}norm.weight": norm(h),
+        "lm_head.weight": w(cfg.draft_vocab_size, h),
+    }
+    if draft_ids is not None:
+        ids = np.asarray(draft_ids, np.int64)
+        tensors["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+        t2d = np.zeros(cfg.vocab_size, bool)
+        t2d[ids] = True
+        tensors["t2d"] = t2d
+    if embed is not None:
+        tensors[f"{top}embed_tokens.weight"] = np.asarray(embed, np.float32)
     return tensors
 
 

@@ -49,7 +49,8 @@ class Draft:
     """A draft method's functions.
 
     available(params, cfg) -> None when the loaded model can draft this way, else the reason.
-    capture(cfg) -> the target layers whose outputs the draft reads (static; () for none).
+    capture(sc) -> the target layers whose outputs the draft reads (static; () for none; numbered
+        as :class:`mtp_jax.targets.base.CapturePlan` numbers them), for a :class:`StepConfig` ``sc``.
     init_state(sc, num_pages, dtype) -> the draft's zeroed device state (a pytree; its caches use
         the target's page table and page ids).
     state_logical(path_names, rank) -> logical axes of one leaf of that state, for sharding.
@@ -57,6 +58,9 @@ class Draft:
         -> (drafts [b, K] int32 target ids, q [b, K, V] float32 draft distributions in sampled mode
         else [b, K, 0], new state): see the module docstring. ``first_position`` is the absolute
         position of the first draft.
+    teacher_forced(params, sc, tokens [b, T], hidden) -> float32 [b, T-1, V]: the draft's first-step
+        logits over whole sequences, row i from the target's hidden states at i (``hidden``, with
+        the captured layers) and token i+1, predicting token i+2 (-inf at ids it cannot propose).
     """
 
     name: str
@@ -65,6 +69,7 @@ class Draft:
     init_state: Callable[..., Any]
     state_logical: Callable[[list[str], int], tuple[str | None, ...]]
     extend_and_propose: Callable[..., tuple[jax.Array, jax.Array, Any]]
+    teacher_forced: Callable[..., jax.Array]
 
 
 def choose(logits: jax.Array, sampled: bool, sampling: SamplingParams, position: jax.Array):
@@ -74,6 +79,28 @@ def choose(logits: jax.Array, sampled: bool, sampling: SamplingParams, position:
     if sampled:
         return sample(logits, sampling, position, DRAFT), draft_probs(logits, sampling)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
+
+
+def chain_drafts(
+    sc, sampling: SamplingParams, first_pos: jax.Array, logits: jax.Array, state, cache, advance
+):
+    """K drafts per row, chained: the first chosen from ``logits`` [b, V] (for position first_pos
+    [b]); each next one from ``advance(draft [b], state, cache, row_position [b]) -> (logits, state,
+    cache)``, which feeds the previous draft and the recycled ``state`` back through the draft at
+    the row before it (position first_pos - 2 + j for draft j, 0-based). Returns (drafts [b, K],
+    q [b, K, V] or [b, K, 0], cache)."""
+    d, q = choose(logits, sc.sampled, sampling, first_pos)
+
+    def link(carry, j):
+        d, state, cache = carry
+        logits, state, cache = advance(d, state, cache, first_pos - 2 + j)
+        d_new, q_new = choose(logits, sc.sampled, sampling, first_pos + j)
+        return (d_new, state, cache), (d_new, q_new)
+
+    (_, _, cache), (more_d, more_q) = jax.lax.scan(link, (d, state, cache), jnp.arange(1, sc.k))
+    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
+    qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
+    return drafts, qs, cache
 
 
 def at_rows(x: jax.Array, index: jax.Array) -> jax.Array:

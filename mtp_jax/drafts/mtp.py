@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.drafts.base import Draft, Rows, at_rows, choose
+from mtp_jax.drafts.base import Draft, Rows, at_rows, chain_drafts
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.targets.deepseek_v3 import PagedAttention, attention_fn, decoder_layer, latent_width
@@ -170,29 +170,6 @@ def _layer_rows(params, sc, pages, page_table, next_tokens, hidden, positions, v
     return out.state, out.pages
 
 
-def _propose(params, sc, pages, page_table, active, sampling, g, first_pos):
-    """K drafts per row from the MTP state g [b, d] of the row before them.
-
-    The first draft is for position first_pos [b]; each next one feeds the previous draft and the
-    recycled state g back through the MTP layer at the following position.
-    """
-    d, q = choose(mtp_logits(params, g), sc.sampled, sampling, first_pos)
-
-    def chain(carry, j):
-        d, g, pages = carry
-        pos = (first_pos - 2 + j)[:, None]  # MTP row i predicts position i + 2 (draft j+1's)
-        g_new, pages = _layer_rows(
-            params, sc, pages, page_table, d[:, None], g[:, None], pos, active[:, None]
-        )
-        d_new, q_new = choose(mtp_logits(params, g_new[:, 0]), sc.sampled, sampling, first_pos + j)
-        return (d_new, g_new[:, 0], pages), (d_new, q_new)
-
-    (_, _, pages), (more_d, more_q) = jax.lax.scan(chain, (d, g, pages), jnp.arange(1, sc.k))
-    drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
-    qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
-    return drafts, qs, pages
-
-
 def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampling, first_pos):
     """MTP row i pairs the target's post-norm h_i with token i+1 (``rows.next_tokens``): write the
     committed rows to the MTP cache, then chain K drafts from the last one's state (the head runs
@@ -200,14 +177,30 @@ def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampl
     g, pages = _layer_rows(
         params, sc, pages, page_table, rows.next_tokens, rows.hidden.post_norm, rows.positions, rows.valid
     )
-    return _propose(params, sc, pages, page_table, active, sampling, at_rows(g, rows.last), first_pos)
+    g = at_rows(g, rows.last)
+
+    def advance(d, g, pages, position):
+        g, pages = _layer_rows(
+            params, sc, pages, page_table, d[:, None], g[:, None], position[:, None], active[:, None]
+        )
+        return mtp_logits(params, g[:, 0]), g[:, 0], pages
+
+    return chain_drafts(sc, sampling, first_pos, mtp_logits(params, g), g, pages, advance)
+
+
+def teacher_forced_logits(params: dict, cfg: DeepseekV3Config, tokens: jax.Array, hidden) -> jax.Array:
+    """First-step MTP logits [b, T-1, V]: row i pairs the target's post-norm h_i with token i+1."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
+    return mtp_forward(params, cfg, tokens[:, 1:], hidden.post_norm[:, : t - 1], positions).logits
 
 
 DRAFT = Draft(
     name="mtp",
     available=_available,
-    capture=lambda cfg: (),
+    capture=lambda sc: (),
     init_state=_init_state,
     state_logical=_state_logical,
     extend_and_propose=_extend_and_propose,
+    teacher_forced=lambda params, sc, tokens, hidden: teacher_forced_logits(params, sc.cfg, tokens, hidden),
 )

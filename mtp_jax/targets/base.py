@@ -13,7 +13,8 @@ Conventions every target follows:
 - KV cache: a dict of arrays whose leaves are [L, P, page, ...] (a stack of L layers, P pages of
   ``page`` positions each): :attr:`Target.cache_logical` names the axes for sharding;
 - captured layers: layer i means the OUTPUT of decoder layer i (0-based), i.e. transformers'
-  ``hidden_states[i + 1]``.
+  ``hidden_states[i + 1]``; layer -1 is the embedding output (the input of layer 0). A forward
+  collects them with :class:`CapturePlan`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Hidden(NamedTuple):
@@ -59,8 +61,42 @@ def lm_head(params: dict, h: jax.Array) -> jax.Array:
 
 def check_capture(num_layers: int, capture: tuple[int, ...]) -> None:
     for i in capture:
-        if not 0 <= i < num_layers:
-            raise ValueError(f"captured layer {i} is outside [0, {num_layers})")
+        if not -1 <= i < num_layers:
+            raise ValueError(
+                f"captured layer {i} is outside [-1, {num_layers}) (layer i: the output of decoder layer i; "
+                "-1: the embedding)"
+            )
+
+
+class CapturePlan:
+    """How a scanned forward collects the outputs of layers ``capture`` (static; any order,
+    repeats allowed, -1 = the embedding output) in one buffer riding in the scan's carry.
+
+    ``start(h)`` makes the buffer [n_distinct + 1, ...h.shape] (the last slot is scratch for the
+    layers nobody asked for) with the embedding already stored when asked; layer i writes its
+    output to slot ``slot_of[i]``; ``finish(buffer)`` returns [len(capture), ...] in the asked order.
+    """
+
+    def __init__(self, num_layers: int, capture: tuple[int, ...]) -> None:
+        check_capture(num_layers, capture)
+        self.capture = tuple(capture)
+        self.distinct = sorted(set(capture))
+        self.slot_of = np.full(num_layers, len(self.distinct), np.int32)
+        for slot, layer in enumerate(self.distinct):
+            if layer >= 0:
+                self.slot_of[layer] = slot
+
+    def start(self, h: jax.Array) -> jax.Array | None:
+        if not self.capture:
+            return None
+        buffer = jnp.zeros((len(self.distinct) + 1,) + h.shape, h.dtype)
+        return buffer.at[0].set(h) if self.distinct[0] == -1 else buffer
+
+    def finish(self, buffer: jax.Array | None) -> jax.Array | None:
+        if buffer is None:
+            return None
+        order = [self.distinct.index(i) for i in self.capture]
+        return buffer[np.asarray(order)] if order != list(range(len(order))) else buffer[: len(order)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
@@ -31,7 +30,7 @@ from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import mla_dense, mla_paged
 from mtp_jax.moe import DISPATCH, resolve_dispatch, route
 from mtp_jax.sharding import ACTIVATION, constrain
-from mtp_jax.targets.base import Hidden, PagedAttention, Target, check_capture, lm_head
+from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, lm_head
 
 __all__ = ["TARGET", "Hidden", "PagedAttention", "decoder_layer", "forward", "init_cache", "lm_head"]
 
@@ -62,12 +61,10 @@ def forward(
     ``mesh`` (static): run MoE layers expert-parallel over it and keep the hidden states split over
     its batch axis at layer boundaries (:func:`mtp_jax.sharding.constrain`); None: one device.
     """
-    check_capture(cfg.num_hidden_layers, capture)
+    plan = CapturePlan(cfg.num_hidden_layers, capture)
     attention = attention_fn(cfg, positions, paged, mesh)
     h = constrain(params["embed"][tokens], mesh, ACTIVATION)
-    captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
-    slot_of = np.full(cfg.num_hidden_layers, len(capture), np.int32)
-    slot_of[list(capture)] = np.arange(len(capture), dtype=np.int32)
+    captured = plan.start(h)
 
     new_pages = {}
     expert_load = None
@@ -85,7 +82,7 @@ def forward(
 
         # the stack's pages ride in the carry and each layer writes its slice in place
         pages_in = None if paged is None else paged.pages[name]
-        xs = (params[name], jnp.asarray(slot_of[first : first + n]), jnp.arange(n, dtype=jnp.int32))
+        xs = (params[name], jnp.asarray(plan.slot_of[first : first + n]), jnp.arange(n, dtype=jnp.int32))
         (h, captured, pages_out), load = jax.lax.scan(layer, (h, captured, pages_in), xs)
         new_pages[name] = pages_out
         if load is not None:
@@ -94,7 +91,7 @@ def forward(
     hidden = Hidden(
         post_norm=rms_norm(h, params["final_norm"], cfg.rms_norm_eps),
         pre_norm=h,
-        layers=None if captured is None else captured[: len(capture)],
+        layers=plan.finish(captured),
         expert_load=expert_load,
     )
     return hidden, (None if paged is None else new_pages)

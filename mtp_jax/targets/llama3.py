@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.config import Llama3Config
 from mtp_jax.gqa import gqa_dense, gqa_paged
 from mtp_jax.layers import apply_rope_half, llama3_frequencies, rms_norm, rope_cos_sin, swiglu
 from mtp_jax.sharding import ACTIVATION, constrain
-from mtp_jax.targets.base import Hidden, PagedAttention, Target, check_capture
+from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target
 
 __all__ = ["TARGET", "attention", "decoder_layer", "forward", "init_cache"]
 
@@ -106,12 +105,10 @@ def forward(
     pinned to the row split at layer boundaries, heads and MLP columns split over ``tensor`` by
     the parameters' shardings, paged attention under ``shard_map``.
     """
-    check_capture(cfg.num_hidden_layers, capture)
+    plan = CapturePlan(cfg.num_hidden_layers, capture)
     cos, sin = rope_tables(cfg, positions)
     h = constrain(params["embed"][tokens], mesh, ACTIVATION)
-    captured = jnp.zeros((len(capture) + 1,) + h.shape, h.dtype) if capture else None
-    slot_of = np.full(cfg.num_hidden_layers, len(capture), np.int32)
-    slot_of[list(capture)] = np.arange(len(capture), dtype=np.int32)
+    captured = plan.start(h)
 
     def layer(carry, xs):
         h, captured, pages = carry
@@ -125,12 +122,12 @@ def forward(
     # the cache stacks ride in the carry and each layer writes its slice in place
     pages_in = None if paged is None else paged.pages
     n = cfg.num_hidden_layers
-    xs = (params["layers"], jnp.asarray(slot_of), jnp.arange(n, dtype=jnp.int32))
+    xs = (params["layers"], jnp.asarray(plan.slot_of), jnp.arange(n, dtype=jnp.int32))
     (h, captured, pages), _ = jax.lax.scan(layer, (h, captured, pages_in), xs)
     hidden = Hidden(
         post_norm=rms_norm(h, params["final_norm"], cfg.rms_norm_eps),
         pre_norm=h,
-        layers=None if captured is None else captured[: len(capture)],
+        layers=plan.finish(captured),
     )
     return hidden, pages
 

@@ -1,0 +1,236 @@
+"""EAGLE-3 draft checkpoints -> ``params["eagle3"]`` (:mod:`mtp_jax.drafts.eagle3`).
+
+Published producers name the same tensors three ways (FORMATS.md, "EAGLE-3 drafts"): the decoder
+layer under ``midlayer.`` (EAGLE, SpecForge, SGLang), ``layers.0.`` (vLLM, NVIDIA) or
+``model.layers.0.`` (NeMo, which also prefixes ``fc``, ``embed_tokens`` and the norm with
+``model.``). A checkpoint must use one of them throughout; a mix is refused, as is anything that
+does not fit the target it is loaded beside (the target's hidden width and vocabulary, its layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.config import Eagle3Config, describe_capture, eagle3_capture, parse_eagle3_config, read_json
+from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+
+log = logging.getLogger(__name__)
+
+LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")
+_MLA_KEYS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
+
+
+def is_eagle3(raw: dict, reader: CheckpointReader) -> bool:
+    """Whether a draft directory holds an EAGLE-3 draft: its architecture says so, or it has the
+    fusion layer ``fc`` over target features."""
+    archs = raw.get("architectures") or []
+    return any("eagle3" in str(a).lower() for a in archs) or any(
+        k in reader for k in ("fc.weight", "model.fc.weight")
+    )
+
+
+class _Keys:
+    """Resolves the dialect's key names and refuses mixes."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+        found = [p for p in LAYER_PREFIXES if any(k.startswith(p) for k in reader.keys())]
+        if not found:
+            raise CheckpointError(
+                f"{reader.directory}: no EAGLE-3 decoder layer found (expected tensors under one of "
+                f"{', '.join(LAYER_PREFIXES)})"
+            )
+        if len(found) > 1:
+            raise CheckpointError(
+                f"{reader.directory}: the checkpoint mixes EAGLE-3 key dialects ({', '.join(found)}); "
+                "a draft must use one throughout"
+            )
+        self.layer = found[0]
+
+    def top(self, name: str, required: bool = True) -> str | None:
+        """The stored key of a top-level tensor: ``name`` or ``model.name`` (never both)."""
+        have = [k for k in (name, f"model.{name}") if k in self.reader]
+        if len(have) > 1:
+            raise CheckpointError(
+                f"{self.reader.directory}: both '{have[0]}' and '{have[1]}' are present (mixed key dialects)"
+            )
+        if not have:
+            if required:
+                raise CheckpointError(f"EAGLE-3 draft {self.reader.directory} is missing tensor '{name}'")
+            return None
+        return have[0]
+
+
+def _layer(t: HubTensors, keys: _Keys, c: Eagle3Config) -> dict:
+    pre, h, nh, nkv, hd, f = (
+        keys.layer,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+    )
+    attn = f"{pre}self_attn."
+    return {
+        "hidden_norm": t.get(f"{pre}hidden_norm.weight", (h,)),
+        "input_norm": t.get(f"{pre}input_layernorm.weight", (h,)),
+        "attn": {
+            "q": t.linear(f"{attn}q_proj.weight", nh * hd, 2 * h, (2 * h, nh, hd)),
+            "k": t.linear(f"{attn}k_proj.weight", nkv * hd, 2 * h, (2 * h, nkv, hd)),
+            "v": t.linear(f"{attn}v_proj.weight", nkv * hd, 2 * h, (2 * h, nkv, hd)),
+            "o": t.linear(f"{attn}o_proj.weight", h, nh * hd, (nh, hd, h)),
+        },
+        "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (h,)),
+        "mlp": {
+            "gate": t.linear(f"{pre}mlp.gate_proj.weight", f, h),
+            "up": t.linear(f"{pre}mlp.up_proj.weight", f, h),
+            "down": t.linear(f"{pre}mlp.down_proj.weight", h, f),
+        },
+    }
+
+
+def _vocab_map(reader: CheckpointReader, keys: _Keys, c: Eagle3Config, used: set[str]) -> np.ndarray | None:
+    """Target id of each draft id (int32 [Vd]) from ``d2t`` offsets, checked against ``t2d``; None
+    when draft ids are target ids."""
+    d2t_key, t2d_key = keys.top("d2t", required=False), keys.top("t2d", required=False)
+    if d2t_key is None:
+        if c.draft_vocab_size != c.vocab_size:
+            raise CheckpointError(
+                f"{reader.directory}: draft_vocab_size {c.draft_vocab_size} < vocab_size {c.vocab_size} "
+                "but the checkpoint has no 'd2t' mapping draft ids to target ids"
+            )
+        return None
+    used.add(d2t_key)
+    if reader.shape(d2t_key) != (c.draft_vocab_size,) or not np.issubdtype(reader.dtype(d2t_key), np.integer):
+        raise CheckpointError(
+            f"tensor '{d2t_key}' must be integer offsets [{c.draft_vocab_size}] (draft_vocab_size), got "
+            f"{reader.dtype(d2t_key)} {list(reader.shape(d2t_key))}"
+        )
+    d2t = reader.get(d2t_key).astype(np.int64)
+    ids = np.arange(c.draft_vocab_size) + d2t  # OFFSETS: target id = i + d2t[i]
+    bad = np.flatnonzero((ids < 0) | (ids >= c.vocab_size))
+    if len(bad):
+        i = int(bad[0])
+        raise CheckpointError(
+            f"tensor '{d2t_key}': draft id {i} maps to target id {int(ids[i])} (= {i} + d2t[{i}] = {i} + "
+            f"{int(d2t[i])}), outside [0, {c.vocab_size}); d2t holds offsets, not ids"
+        )
+    uniq, counts = np.unique(ids, return_counts=True)
+    if len(uniq) != len(ids):
+        raise CheckpointError(
+            f"tensor '{d2t_key}' maps several draft ids to target id {int(uniq[counts > 1][0])}"
+        )
+    if t2d_key is not None:
+        used.add(t2d_key)
+        t2d = reader.get(t2d_key)
+        if t2d.shape != (c.vocab_size,):
+            raise CheckpointError(
+                f"tensor '{t2d_key}' has shape {list(t2d.shape)}, expected [{c.vocab_size}]"
+            )
+        if int(t2d.astype(bool).sum()) != c.draft_vocab_size or not t2d.astype(bool)[ids].all():
+            raise CheckpointError(
+                f"tensors '{d2t_key}' and '{t2d_key}' disagree on which target ids the draft vocabulary holds"
+            )
+    if c.draft_vocab_size == c.vocab_size and not d2t.any():
+        return None  # the identity
+    return ids.astype(np.int32)
+
+
+def load_eagle3(
+    path: str | os.PathLike[str],
+    target_cfg: Any,
+    target_params: dict,
+    dtype: Any,
+    *,
+    layer_ids: str = "inputs",
+    strict: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    verbose: bool = True,
+) -> tuple[Eagle3Config, dict]:
+    """Read an EAGLE-3 draft directory for the target ``target_cfg`` (whose device parameters are
+    ``target_params``). Returns (config with its captured layers resolved, ``params["eagle3"]``).
+
+    ``layer_ids``: how the config's ``eagle_aux_hidden_state_layer_ids`` are read ("inputs": id i is
+    the input of target layer i, as vLLM reads them; "outputs": the output of layer i, as SGLang
+    does). The resolved layers are printed (``verbose``) and logged."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"draft model directory not found: {path}")
+    raw = read_json(os.path.join(path, "config.json"), what="draft config")
+    cfg = parse_eagle3_config(raw)
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ConfigError(
+            f"{path}: the EAGLE-3 draft's vocab_size is {cfg.vocab_size}, the target's "
+            f"{target_cfg.vocab_size}"
+        )
+    if cfg.target_hidden_size != target_cfg.hidden_size:
+        raise ConfigError(
+            f"{path}: the EAGLE-3 draft reads target hidden states of width {cfg.target_hidden_size} "
+            f"(target_hidden_size), but the target's hidden_size is {target_cfg.hidden_size}"
+        )
+    capture = eagle3_capture(cfg, target_cfg.num_hidden_layers, layer_ids)
+    cfg = dataclasses.replace(cfg, capture=capture)
+    reader = CheckpointReader(path)
+    keys = _Keys(reader)
+    if any(f"{keys.layer}{k}" in reader for k in _MLA_KEYS):
+        raise CheckpointError(
+            f"{path}: an EAGLE-3 draft with MLA attention (self_attn.q_a_proj / kv_a_proj_with_mqa) is not "
+            "supported yet; drafts with a Llama-style attention layer (q/k/v/o_proj) are"
+        )
+    fc_key = keys.top("fc.weight")
+    width = len(capture) * cfg.target_hidden_size
+    if reader.shape(fc_key) != (cfg.hidden_size, width):
+        raise CheckpointError(
+            f"tensor '{fc_key}' has shape {list(reader.shape(fc_key))}, but fusing {len(capture)} target "
+            f"layers of width {cfg.target_hidden_size} into hidden_size {cfg.hidden_size} needs "
+            f"[{cfg.hidden_size}, {width}]"
+        )
+    t = HubTensors(reader, cfg, dtype)
+    h = cfg.hidden_size
+    tree = {"fc": t.linear(fc_key, h, width), **_layer(t, keys, cfg)}
+    tree["norm"] = t.get(keys.top("norm.weight"), (h,))
+    tree["lm_head"] = np.ascontiguousarray(t.linear(keys.top("lm_head.weight"), cfg.draft_vocab_size, h))
+    used = set(t.used)
+    vocab_map = _vocab_map(reader, keys, cfg, used)
+    if vocab_map is not None:
+        tree["draft_to_target"] = vocab_map
+    embed_key = keys.top("embed_tokens.weight", required=False)
+    if embed_key is not None:
+        embed = t.get(embed_key, (cfg.vocab_size, h))
+        used.add(embed_key)
+        if not _same_as_target(embed, target_params["embed"]):
+            tree["embed"] = embed
+    elif h != target_cfg.hidden_size:
+        raise CheckpointError(
+            f"{path}: the draft has no embed_tokens.weight, so it would use the target's embedding "
+            f"(width {target_cfg.hidden_size}), but its hidden_size is {h}"
+        )
+    report_unused(reader, used, strict=strict, logger=log)
+    how = "as written in its config" if cfg.aux_layer_ids is not None else "by default"
+    note = (
+        f"EAGLE-3 draft {path}: reads target {describe_capture(capture)} ({how}"
+        + (f": ids {list(cfg.aux_layer_ids)} read as layer {layer_ids}" if cfg.aux_layer_ids else "")
+        + ")"
+    )
+    log.info(note)
+    if verbose:
+        print(note, file=sys.stderr)
+    return cfg, assemble_groups([("eagle3", None, tree)], {}, mesh=mesh)["eagle3"]
+
+
+def _same_as_target(embed: np.ndarray, target_embed: jax.Array) -> bool:
+    """Whether the draft's embedding equals the target's (then it is stored once)."""
+    if tuple(embed.shape) != tuple(target_embed.shape):
+        return False
+    equal = jax.jit(lambda a, b: jnp.array_equal(a, b))(target_embed, jnp.asarray(embed, target_embed.dtype))
+    return bool(equal)

@@ -1,0 +1,175 @@
+"""EAGLE-3 draft: one Llama-style decoder layer over three fused target hidden states.
+
+Row i pairs the target's features at position i (the residual stream of three captured layers,
+concatenated low, mid, high) with the token at i+1, sits at rope position i, and predicts token
+i+2 (FORMATS.md, "EAGLE-3 drafts")::
+
+    g   = fc(cat(f_low, f_mid, f_high))            # [H]; a recycled draft state skips fc
+    u   = cat(input_norm(embed(x_{i+1})), hidden_norm(g))   # [2H], EMBEDDING FIRST
+    h1  = g + o(attn(q/k/v(u)))                    # residual g raw (hidden_norm(g) with
+                                                   #   norm_before_residual); causal over the
+                                                   #   draft's own paged K/V, its own rope
+    h2  = h1 + mlp(post_attn_norm(h1))
+    logits = lm_head(norm(h2))                     # over the draft vocabulary Vd
+
+A chained step recycles the pre-norm ``h2`` (``norm(h2)`` with ``norm_output``) as the next
+row's ``g``. Draft id j is target id ``draft_to_target[j]`` (the checkpoint's ``j + d2t[j]``);
+everything the step sees is in target ids: logits over the target vocabulary with -inf outside
+the draft's, so the draft distribution is exactly zero there.
+
+Parameters (``params["eagle3"]``; weights [in, out], head axes split out)::
+
+    fc [n·Ht, H], hidden_norm [H], input_norm [H],
+    attn: {q [2H, nh, hd], k [2H, nkv, hd], v [2H, nkv, hd], o [nh, hd, H]},
+    post_attn_norm [H], mlp: {gate [H, f], up [H, f], down [f, H]}, norm [H], lm_head [H, Vd],
+    draft_to_target int32 [Vd]   (absent: draft ids are target ids)
+    embed [V, H]                 (absent: the target's embedding)
+
+After each verification the draft re-runs over the accepted rows with the TARGET's features (not
+its own recycled states), overwriting its cache there, then chains K drafts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from mtp_jax.cache import slots_for
+from mtp_jax.config import Eagle3Config
+from mtp_jax.drafts.base import Draft, Rows, at_rows, chain_drafts
+from mtp_jax.layers import rms_norm, swiglu
+from mtp_jax.targets.base import Hidden, PagedAttention
+from mtp_jax.targets.llama3 import attention, rope_tables
+
+NEG_INF = float("-inf")
+
+
+def fused_features(layers: jax.Array) -> jax.Array:
+    """[n, b, t, Ht] captured layers -> [b, t, n·Ht], concatenated in capture order (low first)."""
+    return jnp.concatenate(list(layers), axis=-1)
+
+
+def eagle3_layer(
+    params: dict,
+    cfg: Eagle3Config,
+    next_tokens: jax.Array,
+    state: jax.Array,
+    positions: jax.Array,
+    *,
+    features: bool,
+    paged: PagedAttention | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, jax.Array, dict | None]:
+    """The draft layer over rows (next_tokens [b, t], state [b, t, ·]) at rope ``positions`` [b, t].
+
+    ``features``: ``state`` is fused target features [b, t, n·Ht] (fc applies) rather than a
+    recycled draft state [b, t, H]. Without ``paged`` the rows attend causally among themselves
+    (positions 0..t-1); with it they are written to and attend over the draft's paged K/V
+    (``paged.pages`` {"k", "v"} [P, page, nkv, hd]). Returns (h2 [b, t, H] pre-norm,
+    normed [b, t, H] = norm(h2), pages)."""
+    p = params["eagle3"]
+    eps = cfg.rms_norm_eps
+    embed = p.get("embed", params["embed"])
+    g = jnp.einsum("btc,cd->btd", state.astype(p["fc"].dtype), p["fc"]) if features else state
+    e = rms_norm(embed[next_tokens], p["input_norm"], eps)
+    hn = rms_norm(g.astype(e.dtype), p["hidden_norm"], eps)
+    u = jnp.concatenate([e, hn], axis=-1)
+    cos, sin = rope_tables(cfg, positions)
+    pages = None if paged is None else paged.pages
+    out, pages = attention(p["attn"], u, cfg, cos, sin, positions, paged, pages, None, mesh)
+    h1 = (hn if cfg.norm_before_residual else g.astype(e.dtype)) + out
+    h2 = h1 + swiglu(rms_norm(h1, p["post_attn_norm"], eps), **p["mlp"])
+    return h2, rms_norm(h2, p["norm"], eps), pages
+
+
+def eagle3_logits(params: dict, cfg: Eagle3Config, normed: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] over the TARGET vocabulary from norm(h2) [..., H]: the draft head's
+    Vd logits placed at their target ids, -inf at ids the draft cannot propose."""
+    p = params["eagle3"]
+    logits = jnp.einsum("...d,dv->...v", normed, p["lm_head"], preferred_element_type=jnp.float32)
+    if "draft_to_target" not in p:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), NEG_INF, jnp.float32)
+    return full.at[..., p["draft_to_target"]].set(logits, unique_indices=True)
+
+
+def recycled(cfg: Eagle3Config, h2: jax.Array, normed: jax.Array) -> jax.Array:
+    """The state a chained step feeds back: pre-norm h2, or norm(h2) with ``norm_output``."""
+    return normed if cfg.norm_output else h2
+
+
+def teacher_forced_logits(params: dict, cfg: Eagle3Config, tokens: jax.Array, hidden: Hidden) -> jax.Array:
+    """First-step draft logits [b, T-1, V] for whole sequences tokens [b, T]: row i reads the target
+    features at i with token i+1 and predicts token i+2 (causal over rows, no cache)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
+    feats = fused_features(hidden.layers)[:, : t - 1]
+    _, normed, _ = eagle3_layer(params, cfg, tokens[:, 1:], feats, positions, features=True)
+    return eagle3_logits(params, cfg, normed)
+
+
+# --- the draft interface (mtp_jax.drafts.base) ---------------------------------------------------
+def _available(params: dict, cfg: object) -> str | None:
+    if "eagle3" not in params:
+        return "draft='eagle3' needs an EAGLE-3 draft loaded beside the target (load(..., draft_model=DIR))"
+    return None
+
+
+def _init_state(sc, num_pages: int, dtype) -> dict:
+    """The draft layer's paged K and V [P, page, nkv, hd], on the target's page ids."""
+    c = sc.draft_cfg
+    shape = (num_pages, sc.page_size, c.num_key_value_heads, c.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+    return ("pages", None, "kv_heads", None)
+
+
+def _rows(params, sc, pages, page_table, next_tokens, state, positions, valid, features):
+    paged = PagedAttention(pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
+    return eagle3_layer(
+        params, sc.draft_cfg, next_tokens, state, positions, features=features, paged=paged, mesh=sc.mesh
+    )
+
+
+def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampling, first_pos):
+    """Write the committed rows (target features with the token after each) to the draft cache,
+    then chain K drafts from the last one's output."""
+    cfg = sc.draft_cfg
+    feats = fused_features(rows.hidden.layers)
+    h2, normed, pages = _rows(
+        params, sc, pages, page_table, rows.next_tokens, feats, rows.positions, rows.valid, True
+    )
+    last_h2, last_normed = at_rows(h2, rows.last), at_rows(normed, rows.last)
+
+    def advance(d, state, pages, position):
+        h2, normed, pages = _rows(
+            params,
+            sc,
+            pages,
+            page_table,
+            d[:, None],
+            state[:, None],
+            position[:, None],
+            active[:, None],
+            False,
+        )
+        return eagle3_logits(params, cfg, normed[:, 0]), recycled(cfg, h2[:, 0], normed[:, 0]), pages
+
+    first = eagle3_logits(params, cfg, last_normed)
+    return chain_drafts(sc, sampling, first_pos, first, recycled(cfg, last_h2, last_normed), pages, advance)
+
+
+DRAFT = Draft(
+    name="eagle3",
+    available=_available,
+    capture=lambda sc: tuple(sc.draft_cfg.capture),
+    init_state=_init_state,
+    state_logical=_state_logical,
+    extend_and_propose=_extend_and_propose,
+    teacher_forced=lambda params, sc, tokens, hidden: teacher_forced_logits(
+        params, sc.draft_cfg, tokens, hidden
+    ),
+)

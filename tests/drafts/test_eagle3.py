@@ -1,0 +1,429 @@
+"""EAGLE-3 drafts: the draft forward against an independent float64 reference of the published math
+(FORMATS.md, "EAGLE-3 drafts") on transformers' own hidden states, the three key dialects, the
+errors a bad draft gets, and speculative generation with it on both targets."""
+
+from __future__ import annotations
+
+import copy
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint
+from mtp_jax.config import Eagle3Config, eagle3_capture
+from mtp_jax.errors import CheckpointError, ConfigError
+from tests.conftest import REPO
+
+TARGET = os.path.join(REPO, "tests", "fixtures", "parity_llama", "llama3_gqa42")  # L = 3, d = 32, V = 128
+REF = dict(np.load(os.path.join(TARGET, "reference.npz")))  # transformers' hidden_states [L + 1, b, T, d]
+
+# A GQA draft with a 48-token draft vocabulary, its own llama3-scaled rope, ids read as layer inputs.
+DRAFT_A = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+    "num_hidden_layers": 1,
+    "vocab_size": 128,
+    "draft_vocab_size": 48,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 5000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "max_position_embeddings": 512,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True},
+}
+# A narrower draft (own embedding) with both supported variant flags and the default layers.
+DRAFT_B = {
+    "architectures": ["Eagle3LlamaForCausalLM"],
+    "hidden_size": 24,
+    "target_hidden_size": 32,
+    "intermediate_size": 40,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
+    "vocab_size": 128,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 512,
+    "norm_before_residual": True,
+    "norm_output": True,
+}
+DRAFT_IDS = np.sort(np.random.default_rng(5).choice(128, 48, replace=False))
+
+
+def draft_tensors(raw: dict, prefix: str = "midlayer.", seed: int = 1) -> dict:
+    cfg = Eagle3Config.from_dict(raw)
+    embed = None
+    if cfg.hidden_size != 32:
+        embed = np.random.default_rng(seed + 100).standard_normal((128, cfg.hidden_size)).astype(np.float32)
+    ids = DRAFT_IDS if cfg.draft_vocab_size < cfg.vocab_size else None
+    return eagle3_hub_tensors(cfg, seed, 0.2, layer_prefix=prefix, draft_ids=ids, embed=embed)
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> dict:
+    """name -> (draft directory, its tensors, its raw config)."""
+    root = tmp_path_factory.mktemp("eagle3")
+    out = {}
+    for name, raw, prefix in (
+        ("a_midlayer", DRAFT_A, "midlayer."),
+        ("a_layers0", DRAFT_A, "layers.0."),
+        ("a_nemo", DRAFT_A, "model.layers.0."),
+        ("b", DRAFT_B, "model.layers.0."),
+    ):
+        tensors = draft_tensors(raw, prefix)
+        write_hub_checkpoint(root / name, raw, tensors)
+        out[name] = (str(root / name), tensors, raw)
+    return out
+
+
+# --- the independent reference ------------------------------------------------------------------
+def _rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _inv_freq(raw: dict, head_dim: int) -> np.ndarray:
+    """Rotate-half rope frequencies, llama3-scaled as Llama 3.1 publishes the rule."""
+    theta = raw.get("rope_theta", 10000.0)
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    rs = raw.get("rope_scaling")
+    if not rs:
+        return inv
+    factor, lo, hi, orig = (
+        rs["factor"],
+        rs["low_freq_factor"],
+        rs["high_freq_factor"],
+        rs["original_max_position_embeddings"],
+    )
+    out = []
+    for f in inv:
+        wavelen = 2 * np.pi / f
+        if wavelen < orig / hi:
+            out.append(f)
+        elif wavelen > orig / lo:
+            out.append(f / factor)
+        else:
+            s = (orig / wavelen - lo) / (hi - lo)
+            out.append((1 - s) * f / factor + s * f)
+    return np.asarray(out)
+
+
+def _rope(x, pos, inv):  # x [b, t, heads, d]
+    ang = pos[:, None] * inv[None, :]  # [t, d/2]
+    cos = np.concatenate([np.cos(ang)] * 2, -1)[None, :, None, :]
+    sin = np.concatenate([np.sin(ang)] * 2, -1)[None, :, None, :]
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+def reference_draft_logits(
+    tensors: dict,
+    raw: dict,
+    hidden_states: np.ndarray,
+    tokens: np.ndarray,
+    ids: list[int],
+    target_embed: np.ndarray,
+    perturb: str | None = None,
+) -> np.ndarray:
+    """First-step logits [b, T-1, V] in float64, straight from the hub tensors: row i fuses
+    transformers' hidden_states[id] (the INPUT of layer id) at position i with token i+1."""
+    t = {
+        k.removeprefix("model.").replace("layers.0.", "midlayer."): np.asarray(v, np.float64)
+        for k, v in tensors.items()
+    }
+    eps = raw["rms_norm_eps"]
+    h = raw["hidden_size"]
+    nh, nkv = raw["num_attention_heads"], raw["num_key_value_heads"]
+    hd = raw.get("head_dim", h // nh)
+    vocab, n = raw["vocab_size"], tokens.shape[1] - 1
+    if perturb == "shift_layers":
+        ids = [i + 1 for i in ids]
+    feats = np.concatenate([hidden_states[i][:, :n] for i in ids], -1).astype(np.float64)
+    g = feats @ t["fc.weight"].T
+    embed = t.get("embed_tokens.weight", np.asarray(target_embed, np.float64))
+    e = _rms(embed[tokens[:, 1:]], t["midlayer.input_layernorm.weight"], eps)
+    hn = _rms(g, t["midlayer.hidden_norm.weight"], eps)
+    u = np.concatenate([hn, e] if perturb == "swap_concat" else [e, hn], -1)
+    norm_residual = raw.get("norm_before_residual", False) != (perturb == "norm_residual")
+    residual = hn if norm_residual else g
+    a = "midlayer.self_attn."
+    b = tokens.shape[0]
+    q = (u @ t[a + "q_proj.weight"].T).reshape(b, n, nh, hd)
+    k = (u @ t[a + "k_proj.weight"].T).reshape(b, n, nkv, hd)
+    v = (u @ t[a + "v_proj.weight"].T).reshape(b, n, nkv, hd)
+    pos = np.arange(n, dtype=np.float64)
+    inv = _inv_freq(raw, hd)
+    q, k = _rope(q, pos, inv), _rope(k, pos, inv)
+    k, v = np.repeat(k, nh // nkv, axis=2), np.repeat(v, nh // nkv, axis=2)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
+    scores = np.where(np.tril(np.ones((n, n), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    attn = np.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, n, nh * hd)
+    h1 = residual + attn @ t[a + "o_proj.weight"].T
+    x = _rms(h1, t["midlayer.post_attention_layernorm.weight"], eps)
+    gate, up = x @ t["midlayer.mlp.gate_proj.weight"].T, x @ t["midlayer.mlp.up_proj.weight"].T
+    h2 = h1 + (gate / (1 + np.exp(-gate)) * up) @ t["midlayer.mlp.down_proj.weight"].T
+    logits = _rms(h2, t["norm.weight"], eps) @ t["lm_head.weight"].T
+    if "d2t" not in t:
+        return logits
+    d2t = t["d2t"].astype(np.int64)
+    target_ids = d2t if perturb == "d2t_as_ids" else np.arange(len(d2t)) + d2t
+    full = np.full(logits.shape[:-1] + (vocab,), -np.inf)
+    full[..., target_ids] = logits
+    return full
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    assert np.array_equal(np.isinf(got), np.isinf(want)), "the -inf pattern (draft vocabulary) differs"
+    fin = np.isfinite(want)
+    return float(np.linalg.norm(got[fin] - want[fin]) / np.linalg.norm(want[fin]))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return mtp_jax.load(TARGET, "float32", strict=True)
+
+
+def _with_draft(path: str, **kw) -> mtp_jax.Model:
+    return mtp_jax.load(TARGET, "float32", strict=True, draft_model=path, **kw)
+
+
+# --- the forward ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a_midlayer", "b"])
+def test_draft_logits_match_the_published_math(drafts, target, name):
+    path, tensors, raw = drafts[name]
+    model = _with_draft(path)
+    tokens = REF["input_ids"]
+    got = model.draft_logits(tokens)
+    embed = np.asarray(target.params["embed"])
+    ids = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids", [2, 3 // 2, 3 - 3])
+    want = reference_draft_logits(tensors, raw, REF["hidden_states"], tokens, ids, embed)
+    assert got.shape == (2, tokens.shape[1] - 1, 128) and got.dtype == np.float32
+    assert _rel(got, want) < 1e-5
+    # each way of getting the published math wrong moves the logits far outside that tolerance
+    perturbations = ["swap_concat", "norm_residual", "shift_layers"] + (
+        ["d2t_as_ids"] if "d2t" in tensors else []
+    )
+    for perturb in perturbations:
+        wrong = reference_draft_logits(tensors, raw, REF["hidden_states"], tokens, ids, embed, perturb)
+        fin = np.isfinite(got) & np.isfinite(wrong)
+        err = np.linalg.norm(got[fin] - wrong[fin]) / np.linalg.norm(wrong[fin])
+        assert (np.isinf(got) != np.isinf(wrong)).any() or err > 1e-2, perturb
+
+
+def test_layer_ids_read_as_outputs(tmp_path):
+    # ids [0, 1, 1] (a repeat too): as outputs, transformers' hidden_states[1], [2], [2] (its last
+    # entry, [3], is after the final norm, so the last layer's output is not in the fixture)
+    raw = {**DRAFT_A, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]}}
+    tensors = draft_tensors(raw)
+    write_hub_checkpoint(tmp_path / "d", raw, tensors)
+    model = _with_draft(str(tmp_path / "d"), draft_layer_ids="outputs")
+    assert model.draft_config.capture == (0, 1, 1)
+    got = model.draft_logits(REF["input_ids"])
+    embed = np.asarray(model.params["embed"])
+    want = reference_draft_logits(tensors, raw, REF["hidden_states"], REF["input_ids"], [1, 2, 2], embed)
+    assert _rel(got, want) < 1e-5
+
+
+def test_three_dialects_load_the_same_draft(drafts, capsys):
+    logits = []
+    for name in ("a_midlayer", "a_layers0", "a_nemo"):
+        model = _with_draft(drafts[name][0])
+        assert model.drafts == ("eagle3",)
+        assert "embed" not in model.params["eagle3"]  # absent: the target's is used
+        logits.append(model.draft_logits(REF["input_ids"][:1, :12]))
+    np.testing.assert_array_equal(logits[0], logits[1])
+    np.testing.assert_array_equal(logits[0], logits[2])
+    assert "reads target outputs of the embedding, layer 0, layer 1" in capsys.readouterr().err
+
+
+def test_capture_defaults_and_readings():
+    cfg = Eagle3Config.from_dict({k: v for k, v in DRAFT_A.items() if k != "eagle_config"})
+    assert eagle3_capture(cfg, 32) == (1, 15, 28)  # inputs of 2, 16, 29 (Llama 3.1 8B)
+    assert eagle3_capture(cfg, 61) == (1, 29, 57)  # inputs of 2, 30, 58 (DeepSeek-V3)
+    top_level = {k: v for k, v in DRAFT_A.items() if k != "eagle_config"}
+    spec = Eagle3Config.from_dict({**top_level, "eagle_aux_hidden_state_layer_ids": [1, 29, 57]})
+    assert eagle3_capture(spec, 61, "outputs") == (1, 29, 57)
+    assert eagle3_capture(spec, 61, "inputs") == (0, 28, 56)
+    with pytest.raises(ConfigError, match="id 61 is beyond the target's 61 layers"):
+        eagle3_capture(
+            Eagle3Config.from_dict(
+                {**DRAFT_A, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 30, 61]}}
+            ),
+            61,
+        )
+
+
+def test_embedding_equal_to_the_target_is_stored_once(drafts, target, tmp_path):
+    _, tensors, raw = drafts["a_midlayer"]
+    same = dict(tensors, **{"embed_tokens.weight": np.asarray(target.params["embed"])})
+    write_hub_checkpoint(tmp_path / "same", raw, same)
+    model = _with_draft(str(tmp_path / "same"))
+    assert "embed" not in model.params["eagle3"]
+    other = dict(tensors, **{"embed_tokens.weight": np.asarray(target.params["embed"]) * 2})
+    write_hub_checkpoint(tmp_path / "other", raw, other)
+    model = _with_draft(str(tmp_path / "other"))
+    assert "embed" in model.params["eagle3"]
+    want = reference_draft_logits(other, raw, REF["hidden_states"], REF["input_ids"], [0, 1, 2], None)
+    assert _rel(model.draft_logits(REF["input_ids"]), want) < 1e-5
+
+
+# --- bad drafts -----------------------------------------------------------------------------------
+def _bad(tmp_path, raw=None, tensors=None, drop=(), **extra) -> str:
+    raw = copy.deepcopy(DRAFT_A if raw is None else raw)
+    tensors = dict(draft_tensors(DRAFT_A) if tensors is None else tensors, **extra)
+    for key in drop:
+        tensors.pop(key)
+    path = tmp_path / f"bad{len(os.listdir(tmp_path))}"
+    write_hub_checkpoint(path, raw, tensors)
+    return str(path)
+
+
+def test_bad_drafts_are_refused_by_name(tmp_path):
+    t = draft_tensors(DRAFT_A)
+    mixed = {k.replace("midlayer.mlp", "layers.0.mlp"): v for k, v in t.items()}
+    cases = [
+        (_bad(tmp_path, tensors=mixed), CheckpointError, "mixes EAGLE-3 key dialects"),
+        (_bad(tmp_path, {**DRAFT_A, "target_hidden_size": 48}), ConfigError, "width 48 .* hidden_size is 32"),
+        (_bad(tmp_path, {**DRAFT_A, "vocab_size": 129}), ConfigError, "vocab_size is 129, the target's 128"),
+        (_bad(tmp_path, d2t=t["d2t"] + 200), CheckpointError, "outside \\[0, 128\\); d2t holds offsets"),
+        (_bad(tmp_path, d2t=5 - np.arange(48, dtype=np.int64)), CheckpointError, "maps several draft ids"),
+        (_bad(tmp_path, drop=["d2t", "t2d"]), CheckpointError, "no 'd2t'"),
+        (_bad(tmp_path, {**DRAFT_A, "draft_vocab_size": 47}), CheckpointError, "lm_head.weight' has shape"),
+        (
+            _bad(tmp_path, {**DRAFT_A, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}),
+            ConfigError,
+            "id 3 is beyond the target's 3 layers",
+        ),
+        (
+            _bad(tmp_path, {**DRAFT_A, "norm_before_fc": True}),
+            ConfigError,
+            "norm_before_fc=true is not supported",
+        ),
+        (
+            _bad(tmp_path, drop=["midlayer.hidden_norm.weight"]),
+            CheckpointError,
+            "missing tensor 'midlayer.hidden_norm",
+        ),
+        (
+            _bad(tmp_path, **{"midlayer.self_attn.q_a_proj.weight": np.zeros((4, 64), np.float32)}),
+            CheckpointError,
+            "MLA attention",
+        ),
+        (_bad(tmp_path, {**DRAFT_A, "num_hidden_layers": 2}), ConfigError, "exactly one decoder layer"),
+    ]
+    for path, error, match in cases:
+        with pytest.raises(error, match=match):
+            _with_draft(path)
+    with pytest.raises(ValueError, match="draft_layer_ids must be one of"):
+        _with_draft(cases[0][0], draft_layer_ids="middle")
+    with pytest.raises(mtp_jax.InvalidRequestError, match="needs an EAGLE-3 draft loaded"):
+        mtp_jax.load(TARGET, "float32").generate([[1, 2]], draft="eagle3")
+
+
+# --- speculative generation -----------------------------------------------------------------------
+PROMPTS = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [100], [8, 8, 8, 8, 8, 8, 8]]
+
+
+@pytest.mark.parametrize("name", ["a_midlayer", "b"])
+def test_greedy_speculation_is_lossless_on_llama(drafts, target, name):
+    model = _with_draft(drafts[name][0])
+    plain = target.generate(PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3)
+    for k in (1, 3, 5):
+        out = model.generate(
+            PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="eagle3", num_speculative_tokens=k
+        )
+        assert out.tokens == plain.tokens, k
+
+
+def test_greedy_speculation_is_lossless_on_deepseek(tmp_path, tiny_model):
+    raw = {
+        **DRAFT_A,
+        "vocab_size": 97,
+        "draft_vocab_size": 97,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]},
+    }
+    cfg = Eagle3Config.from_dict(raw)
+    write_hub_checkpoint(tmp_path / "d", raw, eagle3_hub_tensors(cfg, 3, 0.2))
+    model = mtp_jax.load(tiny_model.path, "float32", page_size=4, draft_model=str(tmp_path / "d"))
+    assert set(model.drafts) == {"mtp", "eagle3"}
+    prompts = [[p % 97 for p in prompt] for prompt in PROMPTS]
+    plain = tiny_model.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    for k in (1, 4):
+        out = model.generate(
+            prompts, max_new_tokens=10, ignore_eos=True, draft="eagle3", num_speculative_tokens=k
+        )
+        assert out.tokens == plain.tokens, k
+    assert model.draft_logits([prompts[1]], draft="mtp").shape == (1, len(prompts[1]) - 1, 97)
+
+
+# Sharded like the target, on 8 simulated devices: Llama 3 + EAGLE-3 tensor-parallel (draft heads,
+# MLP columns and draft vocabulary split; KV heads split over 2, replicated over 4) and DeepSeek-V3 +
+# EAGLE-3 expert-parallel; draft logits, greedy and sampled speculative tokens equal one device's.
+SHARDED_CHILD = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    assert len(jax.devices()) == 8
+    import mtp_jax
+    from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, hub_tensors, write_hub_checkpoint
+    from mtp_jax.config import DeepseekV3Config, Eagle3Config
+    from tests.conftest import TINY_CONFIG
+    from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS, TARGET
+
+    tmp = tempfile.mkdtemp()
+    llama_draft = os.path.join(tmp, "llama_draft")
+    raw = dict(DRAFT_A, num_key_value_heads=2)
+    tensors = eagle3_hub_tensors(Eagle3Config.from_dict(raw), 1, 0.2, draft_ids=DRAFT_IDS)
+    write_hub_checkpoint(llama_draft, raw, tensors)
+    ds_target, ds_draft = os.path.join(tmp, "ds"), os.path.join(tmp, "ds_draft")
+    write_hub_checkpoint(ds_target, TINY_CONFIG, hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0))
+    raw = dict(DRAFT_A, vocab_size=97, draft_vocab_size=97)
+    write_hub_checkpoint(ds_draft, raw, eagle3_hub_tensors(Eagle3Config.from_dict(raw), 2, 0.2))
+
+    prompts = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [10], [8, 8, 8, 8, 8, 8, 8], [3, 1]]
+    spec = dict(max_new_tokens=10, ignore_eos=True, draft="eagle3", num_speculative_tokens=3)
+    sampled = dict(spec, temperature=0.9, top_k=20, seed=[1, 2, 3, 4, 5])
+    for target, draft, meshes in [
+        (TARGET, llama_draft, [dict(data=4, tensor=2), dict(data=2, tensor=4)]),
+        (ds_target, ds_draft, [dict(data=2, expert=4), dict(data=8)]),
+    ]:
+        one = mtp_jax.load(target, "float32", page_size=4, draft_model=draft)
+        want_logits = one.draft_logits([prompts[1]])
+        want = {how: one.generate(prompts, draft_sampling=how, **kw).tokens
+                for how, kw in (("argmax", spec), ("sampled", sampled))}
+        for axes in meshes:
+            mesh = mtp_jax.make_mesh(**axes)
+            model = mtp_jax.load(target, "float32", page_size=4, draft_model=draft, mesh=mesh)
+            got = model.draft_logits([prompts[1]])
+            fin = np.isfinite(want_logits)
+            assert np.array_equal(fin, np.isfinite(got)), axes
+            np.testing.assert_allclose(got[fin], want_logits[fin], rtol=2e-5, atol=2e-5)
+            for how, kw in (("argmax", spec), ("sampled", sampled)):
+                got = model.generate(prompts, draft_sampling=how, **kw).tokens
+                assert got == want[how], (target, axes, how)
+            if "tensor" in axes:
+                q = model.params["eagle3"]["attn"]["q"]
+                assert q.addressable_shards[0].data.shape[1] == 4 // axes["tensor"], q.sharding
+    print("EAGLE3-SHARDED-OK")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.child(SHARDED_CHILD)
+def test_sharded_like_the_target(child_output):
+    assert "EAGLE3-SHARDED-OK" in child_output
