@@ -381,4 +381,4 @@ def load_draft(
             f"{path}: not a supported draft model (architectures {archs!r}); supported: EAGLE-3 "
             "(an 'fc' fusion layer over target features)"
         )
-    return load_eagle3(path, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)
+    return load_eagle3(path, raw, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)

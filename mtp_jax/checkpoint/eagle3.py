@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 from typing import Any
 
@@ -19,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.checkpoint.llama3 import decoder_layer_tensors
 from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import Eagle3Config, describe_capture, eagle3_capture, parse_eagle3_config, read_json
-from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from mtp_jax.config import Eagle3Config, describe_capture, eagle3_capture, parse_eagle3_config
+from mtp_jax.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -72,31 +72,12 @@ class _Keys:
 
 
 def _layer(t: HubTensors, keys: _Keys, c: Eagle3Config) -> dict:
-    pre, h, nh, nkv, hd, f = (
-        keys.layer,
-        c.hidden_size,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
-        c.intermediate_size,
+    h = c.hidden_size
+    pre = keys.layer
+    layer = decoder_layer_tensors(
+        t, pre, h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, d_in=2 * h
     )
-    attn = f"{pre}self_attn."
-    return {
-        "hidden_norm": t.get(f"{pre}hidden_norm.weight", (h,)),
-        "input_norm": t.get(f"{pre}input_layernorm.weight", (h,)),
-        "attn": {
-            "q": t.linear(f"{attn}q_proj.weight", nh * hd, 2 * h, (2 * h, nh, hd)),
-            "k": t.linear(f"{attn}k_proj.weight", nkv * hd, 2 * h, (2 * h, nkv, hd)),
-            "v": t.linear(f"{attn}v_proj.weight", nkv * hd, 2 * h, (2 * h, nkv, hd)),
-            "o": t.linear(f"{attn}o_proj.weight", h, nh * hd, (nh, hd, h)),
-        },
-        "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (h,)),
-        "mlp": {
-            "gate": t.linear(f"{pre}mlp.gate_proj.weight", f, h),
-            "up": t.linear(f"{pre}mlp.up_proj.weight", f, h),
-            "down": t.linear(f"{pre}mlp.down_proj.weight", h, f),
-        },
-    }
+    return {"hidden_norm": t.get(f"{pre}hidden_norm.weight", (h,)), **layer}
 
 
 def _vocab_map(reader: CheckpointReader, keys: _Keys, c: Eagle3Config, used: set[str]) -> np.ndarray | None:
@@ -147,7 +128,8 @@ def _vocab_map(reader: CheckpointReader, keys: _Keys, c: Eagle3Config, used: set
 
 
 def load_eagle3(
-    path: str | os.PathLike[str],
+    path: str,
+    raw: dict,
     target_cfg: Any,
     target_params: dict,
     dtype: Any,
@@ -157,16 +139,13 @@ def load_eagle3(
     mesh: jax.sharding.Mesh | None = None,
     verbose: bool = True,
 ) -> tuple[Eagle3Config, dict]:
-    """Read an EAGLE-3 draft directory for the target ``target_cfg`` (whose device parameters are
-    ``target_params``). Returns (config with its captured layers resolved, ``params["eagle3"]``).
+    """Read an EAGLE-3 draft directory (its parsed config.json: ``raw``) for the target
+    ``target_cfg`` (whose device parameters are ``target_params``). Returns (config with its
+    captured layers resolved, ``params["eagle3"]``).
 
     ``layer_ids``: how the config's ``eagle_aux_hidden_state_layer_ids`` are read ("inputs": id i is
     the input of target layer i, as vLLM reads them; "outputs": the output of layer i, as SGLang
     does). The resolved layers are printed (``verbose``) and logged."""
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"draft model directory not found: {path}")
-    raw = read_json(os.path.join(path, "config.json"), what="draft config")
     cfg = parse_eagle3_config(raw)
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ConfigError(

@@ -32,24 +32,21 @@ log = logging.getLogger(__name__)
 STACKED_GROUPS = ("layers",)
 
 
-def _layer(t: HubTensors, i: int) -> dict:
-    c = t.cfg
-    pre = f"model.layers.{i}."
-    d, h, kv, hd, f = (
-        c.hidden_size,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
-        c.intermediate_size,
-    )
+def decoder_layer_tensors(
+    t: HubTensors, pre: str, d: int, h: int, kv: int, hd: int, f: int, d_in: int | None = None
+) -> dict:
+    """One Llama decoder layer's tensors under key prefix ``pre`` (width d, h query and kv key/value
+    heads of hd, MLP width f); the attention projections read inputs of width ``d_in`` (default d;
+    an EAGLE-3 draft's read 2d)."""
+    d_in = d if d_in is None else d_in
     attn = f"{pre}self_attn."
     return {
         "input_norm": t.get(f"{pre}input_layernorm.weight", (d,)),
         "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (d,)),
         "attn": {
-            "q": t.linear(f"{attn}q_proj.weight", h * hd, d, (d, h, hd)),
-            "k": t.linear(f"{attn}k_proj.weight", kv * hd, d, (d, kv, hd)),
-            "v": t.linear(f"{attn}v_proj.weight", kv * hd, d, (d, kv, hd)),
+            "q": t.linear(f"{attn}q_proj.weight", h * hd, d_in, (d_in, h, hd)),
+            "k": t.linear(f"{attn}k_proj.weight", kv * hd, d_in, (d_in, kv, hd)),
+            "v": t.linear(f"{attn}v_proj.weight", kv * hd, d_in, (d_in, kv, hd)),
             "o": t.linear(f"{attn}o_proj.weight", d, h * hd, (h, hd, d)),
         },
         "mlp": {
@@ -58,6 +55,19 @@ def _layer(t: HubTensors, i: int) -> dict:
             "down": t.linear(f"{pre}mlp.down_proj.weight", d, f),
         },
     }
+
+
+def _layer(t: HubTensors, i: int) -> dict:
+    c = t.cfg
+    return decoder_layer_tensors(
+        t,
+        f"model.layers.{i}.",
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+    )
 
 
 def param_groups(
