@@ -427,3 +427,30 @@ SHARDED_CHILD = textwrap.dedent(
 @pytest.mark.child(SHARDED_CHILD)
 def test_sharded_like_the_target(child_output):
     assert "EAGLE3-SHARDED-OK" in child_output
+
+
+def test_k16_is_lossless_compiles_once_and_rows_ignore_the_batch(drafts, target):
+    """K = 16 (the largest) in one compilation, and a sampled row's tokens the same alone and in a
+    batch of other prompts, seeds and sampling parameters."""
+    from mtp_jax.step import step
+
+    model = _with_draft(drafts["a_midlayer"][0])
+    spec = dict(max_new_tokens=20, ignore_eos=True, draft="eagle3", num_speculative_tokens=16)
+    plain = target.generate(PROMPTS[:2], max_new_tokens=20, ignore_eos=True)
+    assert model.generate(PROMPTS[:2], **spec).tokens == plain.tokens
+    seen = step._cache_size()
+    again = model.generate(PROMPTS[:2], **{**spec, "max_new_tokens": 25})
+    assert again.stats["steps"] > 3 and step._cache_size() == seen
+    mine = dict(temperature=0.9, top_k=30, top_p=0.95, seed=11)
+    kw = dict(max_new_tokens=12, ignore_eos=True, draft="eagle3", num_speculative_tokens=3)
+    kw["draft_sampling"] = "sampled"
+    alone = model.generate([PROMPTS[1]], **mine, **kw).tokens[0]
+    batch = model.generate(
+        [PROMPTS[0], PROMPTS[1], PROMPTS[3]],
+        temperature=[1.2, 0.9, 0.0],
+        top_k=[0, 30, 5],
+        top_p=[0.8, 0.95, 1.0],
+        seed=[4, 11, 9],
+        **kw,
+    ).tokens
+    assert batch[1] == alone
