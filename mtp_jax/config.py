@@ -316,6 +316,17 @@ def _parse_eos(raw: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _mla_widths(raw: Mapping[str, Any]) -> dict[str, int | None]:
+    """MLA's low-rank and head widths (q_lora_rank may be absent: a full-rank query projection)."""
+    return {
+        "q_lora_rank": _positive(raw, "q_lora_rank", None),
+        **{
+            k: _positive(raw, k)
+            for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        },
+    }
+
+
 def _parse_deepseek_v3(raw: Mapping[str, Any]) -> DeepseekV3Config:
     _refuse_wrapped(raw)
     model_type = raw.get("model_type")
@@ -353,11 +364,7 @@ def _parse_deepseek_v3(raw: Mapping[str, Any]) -> DeepseekV3Config:
         moe_intermediate_size=_positive(raw, "moe_intermediate_size"),
         num_hidden_layers=_positive(raw, "num_hidden_layers"),
         num_attention_heads=heads,
-        q_lora_rank=_positive(raw, "q_lora_rank", None),
-        kv_lora_rank=_positive(raw, "kv_lora_rank"),
-        qk_nope_head_dim=_positive(raw, "qk_nope_head_dim"),
-        qk_rope_head_dim=_positive(raw, "qk_rope_head_dim"),
-        v_head_dim=_positive(raw, "v_head_dim"),
+        **_mla_widths(raw),
         n_routed_experts=_positive(raw, "n_routed_experts"),
         n_shared_experts=_get(raw, "n_shared_experts", int, 0),
         num_experts_per_tok=_positive(raw, "num_experts_per_tok"),
@@ -558,6 +565,9 @@ class Eagle3Config:
     rope_theta: float
     max_position_embeddings: int
     rope_scaling: Llama3RopeScaling | None = None
+    mla: DeepseekV3Config | None = None
+    """For an MLA draft: its attention's config (a one-layer dense DeepSeek-V3 config: the MLA
+    widths, rope and YaRN scaling); None for a GQA draft."""
     aux_layer_ids: tuple[int, ...] | None = None
     norm_before_residual: bool = False
     norm_output: bool = False
@@ -572,8 +582,11 @@ class Eagle3Config:
         return parse_eagle3_config(raw)
 
 
-def parse_eagle3_config(raw: Mapping[str, Any]) -> Eagle3Config:
-    """An EAGLE-3 draft's config.json (any of the published spellings; FORMATS.md "EAGLE-3 drafts")."""
+def parse_eagle3_config(raw: Mapping[str, Any], mla: bool = False) -> Eagle3Config:
+    """An EAGLE-3 draft's config.json (any of the published spellings; FORMATS.md "EAGLE-3 drafts").
+    ``mla``: the draft's attention is DeepSeek's MLA (its checkpoint has ``q_a_proj`` /
+    ``kv_a_proj_with_mqa``), described by the DeepSeek fields (``kv_lora_rank``, ...) and a YaRN
+    ``rope_scaling``; otherwise Llama-style GQA with the llama3 scaling or none."""
     layers = _positive(raw, "num_hidden_layers", 1)
     if layers != 1:
         raise ConfigError(f"num_hidden_layers={layers}: an EAGLE-3 draft has exactly one decoder layer")
@@ -608,19 +621,23 @@ def parse_eagle3_config(raw: Mapping[str, Any]) -> Eagle3Config:
             f"got {ids!r}"
         )
     heads = _positive(raw, "num_attention_heads")
-    kv_heads = _positive(raw, "num_key_value_heads", heads)
     hidden = _positive(raw, "hidden_size")
-    head_dim = _positive(raw, "head_dim", None) or (hidden // heads if hidden % heads == 0 else None)
-    if head_dim is None:
-        raise ConfigError(
-            f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}); give head_dim"
-        )
-    if heads % kv_heads:
-        raise ConfigError(
-            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-        )
-    if head_dim % 2:
-        raise ConfigError(f"head_dim must be even for rotary embedding, got {head_dim}")
+    if mla:
+        # MLA attention is described by DeepSeek's fields; the GQA ones below then mean nothing
+        kv_heads, head_dim = heads, 2
+    else:
+        kv_heads = _positive(raw, "num_key_value_heads", heads)
+        head_dim = _positive(raw, "head_dim", None) or (hidden // heads if hidden % heads == 0 else None)
+        if head_dim is None:
+            raise ConfigError(
+                f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}); give head_dim"
+            )
+        if heads % kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
+        if head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embedding, got {head_dim}")
     vocab = _positive(raw, "vocab_size")
     draft_vocab = _positive(raw, "draft_vocab_size", vocab)
     if draft_vocab > vocab:
@@ -638,7 +655,8 @@ def parse_eagle3_config(raw: Mapping[str, Any]) -> Eagle3Config:
         rms_norm_eps=_get(raw, "rms_norm_eps", float, 1e-6),
         rope_theta=theta,
         max_position_embeddings=_positive(raw, "max_position_embeddings", 2048),
-        rope_scaling=_parse_llama_rope(scaling),
+        rope_scaling=None if mla else _parse_llama_rope(scaling),
+        mla=_eagle3_mla(raw, hidden, heads) if mla else None,
         aux_layer_ids=None if ids is None else tuple(ids),
         **{flag: _get(raw, flag, bool, False) for flag in EAGLE3_FLAGS},
     )
@@ -647,6 +665,32 @@ def parse_eagle3_config(raw: Mapping[str, Any]) -> Eagle3Config:
             f"rms_norm_eps and rope_theta must be positive, got {cfg.rms_norm_eps} and {cfg.rope_theta}"
         )
     return cfg
+
+
+def _eagle3_mla(raw: Mapping[str, Any], hidden: int, heads: int) -> DeepseekV3Config:
+    """The attention config of an MLA EAGLE-3 draft: one dense DeepSeek-V3 layer (no experts)."""
+    inter = _positive(raw, "intermediate_size")
+    return DeepseekV3Config(
+        vocab_size=_positive(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        moe_intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        **_mla_widths(raw),
+        n_routed_experts=1,
+        n_shared_experts=0,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        rms_norm_eps=_get(raw, "rms_norm_eps", float, 1e-6),
+        rope_theta=_get(raw, "rope_theta", float, 10000.0),
+        max_position_embeddings=_positive(raw, "max_position_embeddings", 2048),
+        rope_scaling=_parse_rope_scaling(raw),
+    )
 
 
 def eagle3_capture(cfg: Eagle3Config, num_target_layers: int, layer_ids: str = "inputs") -> tuple[int, ...]:

@@ -67,18 +67,21 @@ log = logging.getLogger(__name__)
 STACKED_GROUPS = ("dense", "moe", "mtp")
 
 
-def _attention(t: HubTensors, pre: str) -> dict:
+def attention_tensors(t: HubTensors, pre: str, d_in: int | None = None) -> dict:
+    """One MLA attention's tensors under ``pre`` (``...self_attn.``); the first projections
+    (q_a / q, kv_a) read inputs of width ``d_in`` (default hidden_size; an EAGLE-3 draft's read 2H)."""
     c = t.cfg
     d, h, qk = c.hidden_size, c.num_attention_heads, c.qk_head_dim
+    d_in = d if d_in is None else d_in
     p: dict = {}
     if c.q_lora_rank is None:
-        p["q"] = t.linear(f"{pre}q_proj.weight", h * qk, d, (d, h, qk))
+        p["q"] = t.linear(f"{pre}q_proj.weight", h * qk, d_in, (d_in, h, qk))
     else:
         r = c.q_lora_rank
-        p["q_a"] = t.linear(f"{pre}q_a_proj.weight", r, d)
+        p["q_a"] = t.linear(f"{pre}q_a_proj.weight", r, d_in)
         p["q_a_norm"] = t.get(f"{pre}q_a_layernorm.weight", (r,))
         p["q_b"] = t.linear(f"{pre}q_b_proj.weight", h * qk, r, (r, h, qk))
-    p["kv_a"] = t.linear(f"{pre}kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, d)
+    p["kv_a"] = t.linear(f"{pre}kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, d_in)
     p["kv_a_norm"] = t.get(f"{pre}kv_a_layernorm.weight", (c.kv_lora_rank,))
     nope_v = c.qk_nope_head_dim + c.v_head_dim
     kv_b = t.linear(
@@ -90,7 +93,7 @@ def _attention(t: HubTensors, pre: str) -> dict:
     return p
 
 
-def _swiglu(t: HubTensors, pre: str, d: int, f: int) -> dict:
+def swiglu_tensors(t: HubTensors, pre: str, d: int, f: int) -> dict:
     return {
         "gate": t.linear(f"{pre}gate_proj.weight", f, d),
         "up": t.linear(f"{pre}up_proj.weight", f, d),
@@ -103,7 +106,7 @@ def _moe(t: HubTensors, pre: str) -> dict:
     d, f, e = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
 
     def expert(i: int) -> dict:
-        return _swiglu(t, f"{pre}experts.{i}.", d, f)
+        return swiglu_tensors(t, f"{pre}experts.{i}.", d, f)
 
     experts = stack_leaves(expert, e) if t.experts is None else stack_rows(expert, t.experts, e)
     p = {
@@ -112,7 +115,7 @@ def _moe(t: HubTensors, pre: str) -> dict:
         **experts,
     }
     if c.n_shared_experts:
-        shared = _swiglu(t, f"{pre}shared_experts.", d, f * c.n_shared_experts)
+        shared = swiglu_tensors(t, f"{pre}shared_experts.", d, f * c.n_shared_experts)
         p.update({f"shared_{k}": v for k, v in shared.items()})
     return p
 
@@ -124,8 +127,10 @@ def _layer(t: HubTensors, i: int) -> dict:
     return {
         "input_norm": t.get(f"{pre}input_layernorm.weight", (d,)),
         "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (d,)),
-        "attn": _attention(t, f"{pre}self_attn."),
-        "mlp": _moe(t, f"{pre}mlp.") if is_moe else _swiglu(t, f"{pre}mlp.", d, t.cfg.intermediate_size),
+        "attn": attention_tensors(t, f"{pre}self_attn."),
+        "mlp": _moe(t, f"{pre}mlp.")
+        if is_moe
+        else swiglu_tensors(t, f"{pre}mlp.", d, t.cfg.intermediate_size),
     }
 
 

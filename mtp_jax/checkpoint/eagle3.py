@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.checkpoint.deepseek_v3 import attention_tensors, swiglu_tensors
 from mtp_jax.checkpoint.llama3 import decoder_layer_tensors
 from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
@@ -27,6 +28,7 @@ from mtp_jax.errors import CheckpointError, ConfigError
 log = logging.getLogger(__name__)
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.")
+# An MLA draft (SGLang's Eagle3DeepseekV2ForCausalLM, MAX's Eagle3DeepseekV3) is told by its keys.
 _MLA_KEYS = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight")
 
 
@@ -72,11 +74,21 @@ class _Keys:
 
 
 def _layer(t: HubTensors, keys: _Keys, c: Eagle3Config) -> dict:
-    h = c.hidden_size
+    h, f = c.hidden_size, c.intermediate_size
     pre = keys.layer
-    layer = decoder_layer_tensors(
-        t, pre, h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, d_in=2 * h
-    )
+    if c.mla is None:
+        layer = decoder_layer_tensors(
+            t, pre, h, c.num_attention_heads, c.num_key_value_heads, c.head_dim, f, d_in=2 * h
+        )
+    else:
+        mla = HubTensors(t.reader, c.mla, t.dtype)  # the MLA key map reads its widths from cfg.mla
+        layer = {
+            "input_norm": t.get(f"{pre}input_layernorm.weight", (h,)),
+            "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (h,)),
+            "attn": attention_tensors(mla, f"{pre}self_attn.", d_in=2 * h),
+            "mlp": swiglu_tensors(t, f"{pre}mlp.", h, f),
+        }
+        t.used += mla.used
     return {"hidden_norm": t.get(f"{pre}hidden_norm.weight", (h,)), **layer}
 
 
@@ -146,7 +158,9 @@ def load_eagle3(
     ``layer_ids``: how the config's ``eagle_aux_hidden_state_layer_ids`` are read ("inputs": id i is
     the input of target layer i, as vLLM reads them; "outputs": the output of layer i, as SGLang
     does). The resolved layers are printed (``verbose``) and logged."""
-    cfg = parse_eagle3_config(raw)
+    reader = CheckpointReader(path)
+    keys = _Keys(reader)
+    cfg = parse_eagle3_config(raw, mla=any(f"{keys.layer}{k}" in reader for k in _MLA_KEYS))
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ConfigError(
             f"{path}: the EAGLE-3 draft's vocab_size is {cfg.vocab_size}, the target's "
@@ -159,13 +173,6 @@ def load_eagle3(
         )
     capture = eagle3_capture(cfg, target_cfg.num_hidden_layers, layer_ids)
     cfg = dataclasses.replace(cfg, capture=capture)
-    reader = CheckpointReader(path)
-    keys = _Keys(reader)
-    if any(f"{keys.layer}{k}" in reader for k in _MLA_KEYS):
-        raise CheckpointError(
-            f"{path}: an EAGLE-3 draft with MLA attention (self_attn.q_a_proj / kv_a_proj_with_mqa) is not "
-            "supported yet; drafts with a Llama-style attention layer (q/k/v/o_proj) are"
-        )
     fc_key = keys.top("fc.weight")
     width = len(capture) * cfg.target_hidden_size
     if reader.shape(fc_key) != (cfg.hidden_size, width):

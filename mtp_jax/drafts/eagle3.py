@@ -17,10 +17,15 @@ row's ``g``. Draft id j is target id ``draft_to_target[j]`` (the checkpoint's ``
 everything the step sees is in target ids: logits over the target vocabulary with -inf outside
 the draft's, so the draft distribution is exactly zero there.
 
+The attention is Llama-style GQA with the draft's own rope, or DeepSeek's MLA (drafts for
+DeepSeek-V3 / Kimi targets, told by their ``q_a_proj`` / ``kv_a_proj_with_mqa`` keys) with its own
+YaRN rope and a paged latent cache, exactly the target's MLA (:mod:`mtp_jax.mla`) on a 2H input.
+
 Parameters (``params["eagle3"]``; weights [in, out], head axes split out)::
 
     fc [n·Ht, H], hidden_norm [H], input_norm [H],
-    attn: {q [2H, nh, hd], k [2H, nkv, hd], v [2H, nkv, hd], o [nh, hd, H]},
+    attn: {q [2H, nh, hd], k [2H, nkv, hd], v [2H, nkv, hd], o [nh, hd, H]}
+          (MLA: q_a [2H, r], q_a_norm, q_b, kv_a [2H, kv_lora + rope], kv_a_norm, k_b, v_b, o),
     post_attn_norm [H], mlp: {gate [H, f], up [H, f], down [f, H]}, norm [H], lm_head [H, Vd],
     draft_to_target int32 [Vd]   (absent: draft ids are target ids)
     embed [V, H]                 (absent: the target's embedding)
@@ -40,6 +45,7 @@ from mtp_jax.config import Eagle3Config
 from mtp_jax.drafts.base import Draft, Rows, at_rows, chain_drafts
 from mtp_jax.layers import rms_norm, swiglu
 from mtp_jax.targets.base import Hidden, PagedAttention
+from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
 from mtp_jax.targets.llama3 import attention, rope_tables
 
 NEG_INF = float("-inf")
@@ -75,9 +81,12 @@ def eagle3_layer(
     e = rms_norm(embed[next_tokens], p["input_norm"], eps)
     hn = rms_norm(g.astype(e.dtype), p["hidden_norm"], eps)
     u = jnp.concatenate([e, hn], axis=-1)
-    cos, sin = rope_tables(cfg, positions)
     pages = None if paged is None else paged.pages
-    out, pages = attention(p["attn"], u, cfg, cos, sin, positions, paged, pages, None, mesh)
+    if cfg.mla is None:
+        cos, sin = rope_tables(cfg, positions)
+        out, pages = attention(p["attn"], u, cfg, cos, sin, positions, paged, pages, None, mesh)
+    else:
+        out, pages = attention_fn(cfg.mla, positions, paged, mesh)(p["attn"], u, pages)
     h1 = (hn if cfg.norm_before_residual else g.astype(e.dtype)) + out
     h2 = h1 + swiglu(rms_norm(h1, p["post_attn_norm"], eps), **p["mlp"])
     return h2, rms_norm(h2, p["norm"], eps), pages
@@ -116,15 +125,20 @@ def _available(params: dict, cfg: object) -> str | None:
     return None
 
 
-def _init_state(sc, num_pages: int, dtype) -> dict:
-    """The draft layer's paged K and V [P, page, nkv, hd], on the target's page ids."""
+def _init_state(sc, num_pages: int, dtype) -> dict | jax.Array:
+    """The draft layer's paged cache on the target's page ids: K and V [P, page, nkv, hd] (GQA) or
+    latent rows [P, page, kv_lora + rope] (MLA)."""
     c = sc.draft_cfg
+    if c.mla is not None:
+        return jnp.zeros((num_pages, sc.page_size, latent_width(c.mla)), dtype)
     shape = (num_pages, sc.page_size, c.num_key_value_heads, c.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
 def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
-    return ("pages", None, "kv_heads", None)
+    if names in (["k"], ["v"]):
+        return ("pages", None, "kv_heads", None)
+    return ("pages",) + (None,) * (rank - 1)  # MLA latent rows
 
 
 def _rows(params, sc, pages, page_table, next_tokens, state, positions, valid, features):

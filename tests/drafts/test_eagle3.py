@@ -13,7 +13,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint
-from mtp_jax.config import Eagle3Config, eagle3_capture
+from mtp_jax.config import Eagle3Config, eagle3_capture, parse_eagle3_config
 from mtp_jax.errors import CheckpointError, ConfigError
 from tests.conftest import REPO
 
@@ -58,13 +58,35 @@ DRAFT_B = {
     "norm_before_residual": True,
     "norm_output": True,
 }
+# An MLA draft (SGLang's Eagle3DeepseekV2ForCausalLM layout) for the DeepSeek-V3 parity fixture
+# "base" (d = 48, L = 3, V = 128), with a draft vocabulary and its own plain rope.
+DEEPSEEK_TARGET = os.path.join(REPO, "tests", "fixtures", "parity", "base")
+DEEPSEEK_REF = dict(np.load(os.path.join(DEEPSEEK_TARGET, "reference.npz")))
+DRAFT_MLA = {
+    "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_attention_heads": 2,
+    "q_lora_rank": 12,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "num_hidden_layers": 1,
+    "vocab_size": 128,
+    "draft_vocab_size": 48,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 5000.0,
+    "max_position_embeddings": 256,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 0]},
+}
 DRAFT_IDS = np.sort(np.random.default_rng(5).choice(128, 48, replace=False))
 
 
 def draft_tensors(raw: dict, prefix: str = "midlayer.", seed: int = 1) -> dict:
-    cfg = Eagle3Config.from_dict(raw)
+    cfg = parse_eagle3_config(raw, mla="kv_lora_rank" in raw)
     embed = None
-    if cfg.hidden_size != 32:
+    if cfg.hidden_size != cfg.target_hidden_size:
         embed = np.random.default_rng(seed + 100).standard_normal((128, cfg.hidden_size)).astype(np.float32)
     ids = DRAFT_IDS if cfg.draft_vocab_size < cfg.vocab_size else None
     return eagle3_hub_tensors(cfg, seed, 0.2, layer_prefix=prefix, draft_ids=ids, embed=embed)
@@ -80,6 +102,7 @@ def drafts(tmp_path_factory) -> dict:
         ("a_layers0", DRAFT_A, "layers.0."),
         ("a_nemo", DRAFT_A, "model.layers.0."),
         ("b", DRAFT_B, "model.layers.0."),
+        ("mla", DRAFT_MLA, "layers.0."),
     ):
         tensors = draft_tensors(raw, prefix)
         write_hub_checkpoint(root / name, raw, tensors)
@@ -127,6 +150,65 @@ def _rope(x, pos, inv):  # x [b, t, heads, d]
     return x * cos + rot * sin
 
 
+def _causal_softmax(scores: np.ndarray) -> np.ndarray:  # [b, h, q, k]
+    n = scores.shape[-1]
+    scores = np.where(np.tril(np.ones((n, n), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def _gqa_attention(t: dict, raw: dict, u: np.ndarray, a: str, nh: int) -> np.ndarray:
+    """Llama attention of u [b, n, 2H]: rotate-half rope with the draft's llama3-scaled frequencies."""
+    b, n = u.shape[:2]
+    nkv = raw["num_key_value_heads"]
+    hd = raw.get("head_dim", raw["hidden_size"] // nh)
+    q = (u @ t[a + "q_proj.weight"].T).reshape(b, n, nh, hd)
+    k = (u @ t[a + "k_proj.weight"].T).reshape(b, n, nkv, hd)
+    v = (u @ t[a + "v_proj.weight"].T).reshape(b, n, nkv, hd)
+    pos = np.arange(n, dtype=np.float64)
+    inv = _inv_freq(raw, hd)
+    q, k = _rope(q, pos, inv), _rope(k, pos, inv)
+    k, v = np.repeat(k, nh // nkv, axis=2), np.repeat(v, nh // nkv, axis=2)
+    p = _causal_softmax(np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd))
+    return np.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, n, nh * hd)
+
+
+def _mla_attention(t: dict, raw: dict, u: np.ndarray, a: str, nh: int) -> np.ndarray:
+    """DeepSeek MLA of u [b, n, 2H], expanded: low-rank q with its norm, one shared rope key from
+    kv_a, per-head keys/values up-projected from the normed latent; rope on adjacent pairs
+    (DeepSeek's layout), plain frequencies; scale 1/sqrt(nope + rope)."""
+    b, n = u.shape[:2]
+    nope, rope, vd, kvr = (
+        raw["qk_nope_head_dim"],
+        raw["qk_rope_head_dim"],
+        raw["v_head_dim"],
+        raw["kv_lora_rank"],
+    )
+    eps = raw["rms_norm_eps"]
+    q = _rms(u @ t[a + "q_a_proj.weight"].T, t[a + "q_a_layernorm.weight"], eps) @ t[a + "q_b_proj.weight"].T
+    q = q.reshape(b, n, nh, nope + rope)
+    ckv = u @ t[a + "kv_a_proj_with_mqa.weight"].T
+    latent = _rms(ckv[..., :kvr], t[a + "kv_a_layernorm.weight"], eps)
+    kv = (latent @ t[a + "kv_b_proj.weight"].T).reshape(b, n, nh, nope + vd)
+    inv = 1.0 / raw.get("rope_theta", 10000.0) ** (np.arange(0, rope, 2, dtype=np.float64) / rope)
+    ang = np.arange(n, dtype=np.float64)[:, None] * inv[None, :]  # [n, rope/2]
+
+    def rotate_pairs(x):  # x [..., n, (heads,) rope]: pairs (2i, 2i+1) rotated by ang[:, i]
+        c, s = np.cos(ang), np.sin(ang)
+        if x.ndim == 4:
+            c, s = c[:, None, :], s[:, None, :]
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = x0 * c - x1 * s, x0 * s + x1 * c
+        return out
+
+    q_pe, k_pe = rotate_pairs(q[..., nope:]), rotate_pairs(ckv[..., kvr:])
+    scores = np.einsum("bqhd,bkhd->bhqk", q[..., :nope], kv[..., :nope])
+    scores = (scores + np.einsum("bqhd,bkd->bhqk", q_pe, k_pe)) / np.sqrt(nope + rope)
+    p = _causal_softmax(scores)
+    return np.einsum("bhqk,bkhd->bqhd", p, kv[..., nope:]).reshape(b, n, nh * vd)
+
+
 def reference_draft_logits(
     tensors: dict,
     raw: dict,
@@ -143,9 +225,7 @@ def reference_draft_logits(
         for k, v in tensors.items()
     }
     eps = raw["rms_norm_eps"]
-    h = raw["hidden_size"]
-    nh, nkv = raw["num_attention_heads"], raw["num_key_value_heads"]
-    hd = raw.get("head_dim", h // nh)
+    nh = raw["num_attention_heads"]
     vocab, n = raw["vocab_size"], tokens.shape[1] - 1
     if perturb == "shift_layers":
         ids = [i + 1 for i in ids]
@@ -158,19 +238,8 @@ def reference_draft_logits(
     norm_residual = raw.get("norm_before_residual", False) != (perturb == "norm_residual")
     residual = hn if norm_residual else g
     a = "midlayer.self_attn."
-    b = tokens.shape[0]
-    q = (u @ t[a + "q_proj.weight"].T).reshape(b, n, nh, hd)
-    k = (u @ t[a + "k_proj.weight"].T).reshape(b, n, nkv, hd)
-    v = (u @ t[a + "v_proj.weight"].T).reshape(b, n, nkv, hd)
-    pos = np.arange(n, dtype=np.float64)
-    inv = _inv_freq(raw, hd)
-    q, k = _rope(q, pos, inv), _rope(k, pos, inv)
-    k, v = np.repeat(k, nh // nkv, axis=2), np.repeat(v, nh // nkv, axis=2)
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
-    scores = np.where(np.tril(np.ones((n, n), bool)), scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    attn = np.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, n, nh * hd)
+    attend = _mla_attention if "kv_lora_rank" in raw else _gqa_attention
+    attn = attend(t, raw, u, a, nh)
     h1 = residual + attn @ t[a + "o_proj.weight"].T
     x = _rms(h1, t["midlayer.post_attention_layernorm.weight"], eps)
     gate, up = x @ t["midlayer.mlp.gate_proj.weight"].T, x @ t["midlayer.mlp.up_proj.weight"].T
@@ -280,6 +349,33 @@ def test_embedding_equal_to_the_target_is_stored_once(drafts, target, tmp_path):
     assert _rel(model.draft_logits(REF["input_ids"]), want) < 1e-5
 
 
+def test_mla_draft_matches_the_published_math(drafts):
+    """An MLA draft on a DeepSeek-V3 target: transformers' hidden states, ids [1, 2, 0] read as
+    layer inputs (a repeat-free but unordered choice: concatenated in the order written)."""
+    path, tensors, raw = drafts["mla"]
+    model = mtp_jax.load(DEEPSEEK_TARGET, "float32", strict=True, draft_model=path)
+    assert model.draft_config.mla is not None and model.draft_config.capture == (0, 1, -1)
+    tokens = DEEPSEEK_REF["input_ids"]
+    embed = np.asarray(model.params["embed"])
+    got = model.draft_logits(tokens)
+    want = reference_draft_logits(tensors, raw, DEEPSEEK_REF["hidden_states"], tokens, [1, 2, 0], embed)
+    assert _rel(got, want) < 1e-5
+    for perturb in ("swap_concat", "norm_residual", "d2t_as_ids"):
+        wrong = reference_draft_logits(
+            tensors, raw, DEEPSEEK_REF["hidden_states"], tokens, [1, 2, 0], embed, perturb
+        )
+        fin = np.isfinite(got) & np.isfinite(wrong)
+        err = np.linalg.norm(got[fin] - wrong[fin]) / np.linalg.norm(wrong[fin])
+        assert (np.isinf(got) != np.isinf(wrong)).any() or err > 1e-2, perturb
+    # its cache is MLA's latent rows, and speculation with it is lossless
+    plain = model.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
+    for k in (1, 4):
+        spec = model.generate(
+            PROMPTS, max_new_tokens=10, ignore_eos=True, draft="eagle3", num_speculative_tokens=k
+        )
+        assert spec.tokens == plain.tokens, k
+
+
 # --- bad drafts -----------------------------------------------------------------------------------
 def _bad(tmp_path, raw=None, tensors=None, drop=(), **extra) -> str:
     raw = copy.deepcopy(DRAFT_A if raw is None else raw)
@@ -319,8 +415,8 @@ def test_bad_drafts_are_refused_by_name(tmp_path):
         ),
         (
             _bad(tmp_path, **{"midlayer.self_attn.q_a_proj.weight": np.zeros((4, 64), np.float32)}),
-            CheckpointError,
-            "MLA attention",
+            ConfigError,
+            "missing the required field 'kv_lora_rank'",
         ),
         (_bad(tmp_path, {**DRAFT_A, "num_hidden_layers": 2}), ConfigError, "exactly one decoder layer"),
     ]
@@ -371,7 +467,8 @@ def test_greedy_speculation_is_lossless_on_deepseek(tmp_path, tiny_model):
 
 # Sharded like the target, on 8 simulated devices: Llama 3 + EAGLE-3 tensor-parallel (draft heads,
 # MLP columns and draft vocabulary split; KV heads split over 2, replicated over 4) and DeepSeek-V3 +
-# EAGLE-3 expert-parallel; draft logits, greedy and sampled speculative tokens equal one device's.
+# EAGLE-3 (GQA and MLA drafts) expert-parallel; draft logits, greedy and sampled speculative tokens
+# equal one device's.
 SHARDED_CHILD = textwrap.dedent(
     """
     import os, sys, tempfile
@@ -380,9 +477,9 @@ SHARDED_CHILD = textwrap.dedent(
     assert len(jax.devices()) == 8
     import mtp_jax
     from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, hub_tensors, write_hub_checkpoint
-    from mtp_jax.config import DeepseekV3Config, Eagle3Config
+    from mtp_jax.config import DeepseekV3Config, Eagle3Config, parse_eagle3_config
     from tests.conftest import TINY_CONFIG
-    from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS, TARGET
+    from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS, DRAFT_MLA, TARGET
 
     tmp = tempfile.mkdtemp()
     llama_draft = os.path.join(tmp, "llama_draft")
@@ -393,6 +490,10 @@ SHARDED_CHILD = textwrap.dedent(
     write_hub_checkpoint(ds_target, TINY_CONFIG, hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0))
     raw = dict(DRAFT_A, vocab_size=97, draft_vocab_size=97)
     write_hub_checkpoint(ds_draft, raw, eagle3_hub_tensors(Eagle3Config.from_dict(raw), 2, 0.2))
+    ds_mla = os.path.join(tmp, "ds_mla")
+    raw = dict(DRAFT_MLA, hidden_size=32, vocab_size=97, draft_vocab_size=40)
+    cfg = parse_eagle3_config(raw, mla=True)
+    write_hub_checkpoint(ds_mla, raw, eagle3_hub_tensors(cfg, 3, 0.2, draft_ids=np.arange(0, 80, 2)))
 
     prompts = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [10], [8, 8, 8, 8, 8, 8, 8], [3, 1]]
     spec = dict(max_new_tokens=10, ignore_eos=True, draft="eagle3", num_speculative_tokens=3)
@@ -400,6 +501,7 @@ SHARDED_CHILD = textwrap.dedent(
     for target, draft, meshes in [
         (TARGET, llama_draft, [dict(data=4, tensor=2), dict(data=2, tensor=4)]),
         (ds_target, ds_draft, [dict(data=2, expert=4), dict(data=8)]),
+        (ds_target, ds_mla, [dict(data=2, expert=4)]),
     ]:
         one = mtp_jax.load(target, "float32", page_size=4, draft_model=draft)
         want_logits = one.draft_logits([prompts[1]])
