@@ -141,33 +141,9 @@ def llama_hub_tensors(
     return tensors
 
 
-def eagle3_hub_tensors(
-    cfg: Eagle3Config,
-    seed: int = 0,
-    std: float = 0.1,
-    *,
-    layer_prefix: str = "midlayer.",
-    draft_ids: np.ndarray | None = None,
-    embed: np.ndarray | None = None,
-    n_features: int = 3,
-) -> dict[str, np.ndarray]:
-    """Every tensor of a float32 EAGLE-3 draft in the published layout of ``layer_prefix``
-    ("midlayer.", "layers.0." or NeMo's "model.layers.0.", which also prefixes fc, embed_tokens and
-    norm with "model."); MLA attention tensors when ``cfg.mla`` is set. ``draft_ids``: the target
-    ids of the draft vocabulary (ascending), stored as ``d2t`` offsets and a ``t2d`` mask;
-    ``embed``: an ``embed_tokens.weight`` to include."""
-    rng = np.random.default_rng(seed)
-    h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    top = "model." if layer_prefix.startswith("model.") else ""
-
-    def w(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * std).astype(np.float32)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    pre = layer_prefix
+def _eagle3_attention(cfg: Eagle3Config, pre: str, w: Any, norm: Any) -> dict[str, np.ndarray]:
+    """The draft layer's attention tensors (GQA, or MLA with ``cfg.mla``), drawn in key order."""
+    h, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     a = f"{pre}self_attn."
     if cfg.mla is None:
         attn = {
@@ -191,11 +167,40 @@ def eagle3_hub_tensors(
             attn[f"{a}q_a_proj.weight"] = w(m.q_lora_rank, 2 * h)
             attn[f"{a}q_a_layernorm.weight"] = norm(m.q_lora_rank)
             attn[f"{a}q_b_proj.weight"] = w(nh * qk, m.q_lora_rank)
+    return attn
+
+
+def eagle3_hub_tensors(
+    cfg: Eagle3Config,
+    seed: int = 0,
+    std: float = 0.1,
+    *,
+    layer_prefix: str = "midlayer.",
+    draft_ids: np.ndarray | None = None,
+    embed: np.ndarray | None = None,
+    n_features: int = 3,
+) -> dict[str, np.ndarray]:
+    """Every tensor of a float32 EAGLE-3 draft in the published layout of ``layer_prefix``
+    ("midlayer.", "layers.0." or NeMo's "model.layers.0.", which also prefixes fc, embed_tokens and
+    norm with "model."); MLA attention tensors when ``cfg.mla`` is set. ``draft_ids``: the target
+    ids of the draft vocabulary (ascending), stored as ``d2t`` offsets and a ``t2d`` mask;
+    ``embed``: an ``embed_tokens.weight`` to include."""
+    rng = np.random.default_rng(seed)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    top = "model." if layer_prefix.startswith("model.") else ""
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    pre = layer_prefix
     tensors = {
         f"{top}fc.weight": w(h, n_features * cfg.target_hidden_size),
         f"{pre}hidden_norm.weight": norm(h),
         f"{pre}input_layernorm.weight": norm(h),
-        **attn,
+        **_eagle3_attention(cfg, pre, w, norm),
         f"{pre}post_attention_layernorm.weight": norm(h),
         f"{pre}mlp.gate_proj.weight": w(f, h),
         f"{pre}mlp.up_proj.weight": w(f, h),
