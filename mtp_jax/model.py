@@ -375,10 +375,11 @@ def load_draft(
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"draft model directory not found: {path}")
     raw = read_json(os.path.join(path, "config.json"), what="draft config")
-    if not is_eagle3(raw, CheckpointReader(path)):
+    reader = CheckpointReader(path)
+    if not is_eagle3(raw, reader):
         archs = raw.get("architectures")
         raise ConfigError(
             f"{path}: not a supported draft model (architectures {archs!r}); supported: EAGLE-3 "
             "(an 'fc' fusion layer over target features)"
         )
-    return load_eagle3(path, raw, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)
+    return load_eagle3(reader, raw, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)

@@ -140,7 +140,7 @@ def _vocab_map(reader: CheckpointReader, keys: _Keys, c: Eagle3Config, used: set
 
 
 def load_eagle3(
-    path: str,
+    reader: CheckpointReader,
     raw: dict,
     target_cfg: Any,
     target_params: dict,
@@ -151,14 +151,14 @@ def load_eagle3(
     mesh: jax.sharding.Mesh | None = None,
     verbose: bool = True,
 ) -> tuple[Eagle3Config, dict]:
-    """Read an EAGLE-3 draft directory (its parsed config.json: ``raw``) for the target
+    """Read an EAGLE-3 draft (its tensors: ``reader``; its parsed config.json: ``raw``) for the target
     ``target_cfg`` (whose device parameters are ``target_params``). Returns (config with its
     captured layers resolved, ``params["eagle3"]``).
 
     ``layer_ids``: how the config's ``eagle_aux_hidden_state_layer_ids`` are read ("inputs": id i is
     the input of target layer i, as vLLM reads them; "outputs": the output of layer i, as SGLang
     does). The resolved layers are printed (``verbose``) and logged."""
-    reader = CheckpointReader(path)
+    path = reader.directory
     keys = _Keys(reader)
     cfg = parse_eagle3_config(raw, mla=any(f"{keys.layer}{k}" in reader for k in _MLA_KEYS))
     if cfg.vocab_size != target_cfg.vocab_size:
