@@ -3,6 +3,8 @@ KV head ``h // (H / Hkv)``.
 
 - :func:`gqa_dense`: causal attention over a whole sequence, no cache (teacher-forced scoring,
   training).
+- :func:`gqa_dense_chain`: chained draft rows over a first level's keys and their own chain, the
+  decode-time cache pattern of a chained draft, all rows at once (training).
 - :func:`gqa_paged`: writes the new tokens' keys and values into the paged cache, then attends over
   each row's cache up to each query's position (decode, verification, prefill). The cache holds
   K and V per layer as pages [P, page, Hkv, d] (a stack [L, P, page, Hkv, d] with a layer index).
@@ -55,6 +57,35 @@ def gqa_dense(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Arr
     scores = jnp.einsum("btkgd,bskd->btkgs", qg, k, preferred_element_type=jnp.float32) * scale
     causal = jnp.tril(jnp.ones((t, t), bool))[None, :, None, None, :]
     return _softmax_values(scores, causal, v, q.dtype)
+
+
+def gqa_dense_chain(
+    q: jax.Array,
+    k_base: jax.Array,
+    v_base: jax.Array,
+    k_chain: jax.Array,
+    v_chain: jax.Array,
+    scale: float,
+) -> jax.Array:
+    """Attention of one chained level's rows as a chained draft runs them, for training.
+
+    q [b, t, H, d]: row i of the level. Row i sees the first level's keys/values ``k_base`` /
+    ``v_base`` [b, t, Hkv, d] at rows 0..i (in decoding: the cache rows the catch-up wrote) and
+    row i of every chained level up to and including its own, ``k_chain`` / ``v_chain``
+    [n, b, t, Hkv, d] (the rows its own chain wrote; the last is the level itself).
+    Returns [b, t, H, d]."""
+    t = q.shape[1]
+    qg = _grouped(q, k_base.shape[2])  # [b, t, k, g, d]
+    f32 = jnp.float32
+    base = jnp.einsum("btkgd,bskd->btkgs", qg, k_base, preferred_element_type=f32) * scale
+    base = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None, :, None, None, :], base, NEG_INF)
+    diag = jnp.einsum("btkgd,nbtkd->btkgn", qg, k_chain, preferred_element_type=f32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([base, diag], axis=-1), axis=-1).astype(q.dtype)
+    v_base, v_chain = v_base.astype(q.dtype), v_chain.astype(q.dtype)
+    out = jnp.einsum("btkgs,bskd->btkgd", probs[..., :t], v_base, preferred_element_type=f32)
+    out += jnp.einsum("btkgn,nbtkd->btkgd", probs[..., t:], v_chain, preferred_element_type=f32)
+    b, _, k, g, d = out.shape
+    return out.reshape(b, t, k * g, d).astype(q.dtype)
 
 
 def gqa_paged_reference(

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig
+from mtp_jax.config import DeepseekV3Config, Eagle3Config, Llama3Config, ModelConfig
 
 
 def _np(x: Any, dtype: np.dtype) -> np.ndarray:
@@ -64,19 +64,23 @@ def _layer(p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dty
     return t
 
 
+def _llama_layer(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndarray]:
+    t = {f"{pre}input_layernorm.weight": _np(p["input_norm"], dtype)}
+    for name in ("q", "k", "v"):
+        t[f"{pre}self_attn.{name}_proj.weight"] = _linear(p["attn"][name], dtype)
+    o = _np(p["attn"]["o"], dtype)  # [h, hd, d]
+    t[f"{pre}self_attn.o_proj.weight"] = np.ascontiguousarray(o.reshape(-1, o.shape[-1]).T)
+    t[f"{pre}post_attention_layernorm.weight"] = _np(p["post_attn_norm"], dtype)
+    for name in ("gate", "up", "down"):
+        t[f"{pre}mlp.{name}_proj.weight"] = _linear(p["mlp"][name], dtype)
+    return t
+
+
 def _llama_tensors(params: dict, cfg: Llama3Config, dtype: np.dtype) -> dict[str, np.ndarray]:
     t = {"model.embed_tokens.weight": _np(params["embed"], dtype)}
     for i in range(cfg.num_hidden_layers):
-        p = jax.tree.map(lambda x, i=i: x[i], params["layers"])
-        pre = f"model.layers.{i}."
-        t[f"{pre}input_layernorm.weight"] = _np(p["input_norm"], dtype)
-        for name in ("q", "k", "v"):
-            t[f"{pre}self_attn.{name}_proj.weight"] = _linear(p["attn"][name], dtype)
-        o = _np(p["attn"]["o"], dtype)  # [h, hd, d]
-        t[f"{pre}self_attn.o_proj.weight"] = np.ascontiguousarray(o.reshape(-1, o.shape[-1]).T)
-        t[f"{pre}post_attention_layernorm.weight"] = _np(p["post_attn_norm"], dtype)
-        for name in ("gate", "up", "down"):
-            t[f"{pre}mlp.{name}_proj.weight"] = _linear(p["mlp"][name], dtype)
+        layer = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+        t.update(_llama_layer(layer, f"model.layers.{i}.", dtype))
     t["model.norm.weight"] = _np(params["final_norm"], dtype)
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = np.ascontiguousarray(_np(params["lm_head"], dtype).T)
@@ -117,4 +121,31 @@ def hub_tensors_from_params(params: dict, cfg: ModelConfig, dtype: Any = np.floa
             t[f"{pre}shared_head.head.weight"] = (
                 np.ascontiguousarray(_np(mp["head"], dtype).T) if "head" in mp else head
             )
+    return t
+
+
+def eagle3_hub_tensors_from_params(
+    tree: dict, cfg: Eagle3Config, dtype: Any = np.float32, layer_prefix: str = "layers.0."
+) -> dict[str, np.ndarray]:
+    """An EAGLE-3 draft (``params["eagle3"]``, as :func:`mtp_jax.checkpoint.eagle3.load_eagle3` builds
+    it) as hub tensors in the dialect of ``layer_prefix`` ("layers.0." as vLLM and NVIDIA write it,
+    "midlayer." as EAGLE and SpecForge do): ``fc``, the layer (GQA, or MLA with ``cfg.mla``), ``norm``,
+    ``lm_head`` over the draft vocabulary, ``d2t`` offsets and the ``t2d`` mask when the draft
+    vocabulary is a subset, ``embed_tokens`` only when the draft has its own embedding."""
+    dtype = np.dtype(dtype)
+    tree = jax.device_get(tree)
+    pre = layer_prefix
+    t = _llama_layer(tree, pre, dtype) if cfg.mla is None else _layer(tree, cfg.mla, pre, False, dtype)
+    t[f"{pre}hidden_norm.weight"] = _np(tree["hidden_norm"], dtype)
+    t["fc.weight"] = _linear(tree["fc"], dtype)
+    t["norm.weight"] = _np(tree["norm"], dtype)
+    t["lm_head.weight"] = _linear(tree["lm_head"], dtype)
+    if "draft_to_target" in tree:
+        ids = np.asarray(tree["draft_to_target"], np.int64)
+        t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)  # OFFSETS: target id = i + d2t[i]
+        t2d = np.zeros(cfg.vocab_size, bool)
+        t2d[ids] = True
+        t["t2d"] = t2d
+    if "embed" in tree:
+        t["embed_tokens.weight"] = _np(tree["embed"], dtype)
     return t

@@ -36,6 +36,8 @@ its own recycled states), overwriting its cache there, then chains K drafts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -43,10 +45,12 @@ from jax.sharding import Mesh
 from mtp_jax.cache import slots_for
 from mtp_jax.config import Eagle3Config
 from mtp_jax.drafts.base import Draft, Rows, at_rows, chain_drafts
-from mtp_jax.layers import rms_norm, swiglu
+from mtp_jax.gqa import gqa_dense, gqa_dense_chain
+from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
+from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.targets.base import Hidden, PagedAttention
 from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
-from mtp_jax.targets.llama3 import attention, rope_tables
+from mtp_jax.targets.llama3 import attention, qkv, rope_tables
 
 NEG_INF = float("-inf")
 
@@ -66,14 +70,16 @@ def eagle3_layer(
     features: bool,
     paged: PagedAttention | None = None,
     mesh: Mesh | None = None,
+    attend: Callable[[dict, jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, dict | None]:
     """The draft layer over rows (next_tokens [b, t], state [b, t, ·]) at rope ``positions`` [b, t].
 
     ``features``: ``state`` is fused target features [b, t, n·Ht] (fc applies) rather than a
     recycled draft state [b, t, H]. Without ``paged`` the rows attend causally among themselves
     (positions 0..t-1); with it they are written to and attend over the draft's paged K/V
-    (``paged.pages`` {"k", "v"} [P, page, nkv, hd]). Returns (h2 [b, t, H] pre-norm,
-    normed [b, t, H] = norm(h2), pages)."""
+    (``paged.pages`` {"k", "v"} [P, page, nkv, hd]). ``attend(attn params, u) -> out`` replaces
+    the attention (training's chained levels, :func:`eagle3_chain_teacher_forced`).
+    Returns (h2 [b, t, H] pre-norm, normed [b, t, H] = norm(h2), pages)."""
     p = params["eagle3"]
     eps = cfg.rms_norm_eps
     embed = p.get("embed", params["embed"])
@@ -82,7 +88,9 @@ def eagle3_layer(
     hn = rms_norm(g.astype(e.dtype), p["hidden_norm"], eps)
     u = jnp.concatenate([e, hn], axis=-1)
     pages = None if paged is None else paged.pages
-    if cfg.mla is None:
+    if attend is not None:
+        out = attend(p["attn"], u)
+    elif cfg.mla is None:
         cos, sin = rope_tables(cfg, positions)
         out, pages = attention(p["attn"], u, cfg, cos, sin, positions, paged, pages, None, mesh)
     else:
@@ -96,11 +104,17 @@ def eagle3_logits(params: dict, cfg: Eagle3Config, normed: jax.Array) -> jax.Arr
     """Float32 logits [..., V] over the TARGET vocabulary from norm(h2) [..., H]: the draft head's
     Vd logits placed at their target ids, -inf at ids the draft cannot propose."""
     p = params["eagle3"]
-    logits = jnp.einsum("...d,dv->...v", normed, p["lm_head"], preferred_element_type=jnp.float32)
+    logits = draft_vocab_logits(params, normed)
     if "draft_to_target" not in p:
         return logits
     full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), NEG_INF, jnp.float32)
     return full.at[..., p["draft_to_target"]].set(logits, unique_indices=True)
+
+
+def draft_vocab_logits(params: dict, normed: jax.Array) -> jax.Array:
+    """Float32 logits [..., Vd] of the draft head over the draft vocabulary (draft ids)."""
+    head = params["eagle3"]["lm_head"]
+    return jnp.einsum("...d,dv->...v", normed, head, preferred_element_type=jnp.float32)
 
 
 def recycled(cfg: Eagle3Config, h2: jax.Array, normed: jax.Array) -> jax.Array:
@@ -116,6 +130,76 @@ def teacher_forced_logits(params: dict, cfg: Eagle3Config, tokens: jax.Array, hi
     feats = fused_features(hidden.layers)[:, : t - 1]
     _, normed, _ = eagle3_layer(params, cfg, tokens[:, 1:], feats, positions, features=True)
     return eagle3_logits(params, cfg, normed)
+
+
+def eagle3_chain_teacher_forced(
+    params: dict, cfg: Eagle3Config, tokens: jax.Array, features: jax.Array, depth: int
+) -> list[jax.Array]:
+    """The draft chained ``depth`` times over whole sequences as speculative decoding chains it,
+    true tokens standing in for the drafts: EAGLE-3's training-time test.
+
+    tokens [b, s]; features [b, >= n, n_feat·Ht]: the fused target features (row i from tokens
+    0..i). Rows i = 0..n-1, n = s - 1 - depth. Level 1 is the first draft step (features at i with
+    token i+1, position i, predicts token i+2); level j > 1 feeds level j-1's recycled state back
+    with token i+j at position i+j-1 and predicts token i+j+1. Attention follows the decode-time
+    cache exactly: a level-j row sees the level-1 rows 0..i (what the catch-up wrote from target
+    features), its own chain's rows at levels 2..j-1, and itself. Returns norm(h2) [b, n, H] per
+    level (:func:`draft_vocab_logits` / :func:`eagle3_logits` turn them into logits); level j's
+    predict tokens[:, j + 1 : j + 1 + n]."""
+    b, s = tokens.shape
+    n = s - 1 - depth
+    if depth < 1 or n < 1:
+        raise ValueError(f"depth {depth} needs sequences longer than {depth + 1} tokens, got {s}")
+    rows = jnp.arange(n, dtype=jnp.int32)
+    first: list = []  # level 1's keys and values (GQA) or latent rows (MLA)
+    chain: list = []  # the same for each chained level so far
+
+    def at(level: int) -> jax.Array:  # level j's rows sit at positions i + j - 1
+        return jnp.broadcast_to(rows + level - 1, (b, n))
+
+    def attend_at(level: int) -> Callable[[dict, jax.Array], jax.Array]:
+        positions = at(level)
+        if cfg.mla is None:
+            cos, sin = rope_tables(cfg, positions)
+
+            def gqa(p: dict, u: jax.Array) -> jax.Array:
+                q, k, v = qkv(p, u, cos, sin)
+                if level == 1:
+                    first.append((k, v))
+                    out = gqa_dense(q, k, v, cfg.softmax_scale)
+                else:
+                    chain.append((k, v))
+                    ks, vs = (jnp.stack([c[i] for c in chain]) for i in (0, 1))
+                    out = gqa_dense_chain(q, *first[0], ks, vs, cfg.softmax_scale)
+                return jnp.einsum("bthk,hkd->btd", out, p["o"])
+
+            return gqa
+        m = cfg.mla
+        inv_freq, magnitude = rope_frequencies(m.qk_rope_head_dim, m.rope_theta, m.rope_scaling)
+        cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq), magnitude)
+
+        def mla(p: dict, u: jax.Array) -> jax.Array:
+            if level == 1:
+                first.append(latent_rows(p, u, m, cos, sin))
+                return mla_dense(p, u, m, cos, sin)
+            earlier = jnp.stack(chain) if chain else jnp.zeros((0, *first[0].shape), first[0].dtype)
+            out, own = mla_dense_chain(p, u, m, cos, sin, first[0], earlier)
+            chain.append(own)
+            return out
+
+        return mla
+
+    h2, normed, _ = eagle3_layer(
+        params, cfg, tokens[:, 1 : 1 + n], features[:, :n], at(1), features=True, attend=attend_at(1)
+    )
+    levels = [normed]
+    for j in range(2, depth + 1):
+        state = recycled(cfg, h2, normed)
+        h2, normed, _ = eagle3_layer(
+            params, cfg, tokens[:, j : j + n], state, at(j), features=False, attend=attend_at(j)
+        )
+        levels.append(normed)
+    return levels
 
 
 # --- the draft interface (mtp_jax.drafts.base) ---------------------------------------------------

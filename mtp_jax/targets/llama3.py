@@ -31,7 +31,14 @@ from mtp_jax.layers import apply_rope_half, llama3_frequencies, rms_norm, rope_c
 from mtp_jax.sharding import ACTIVATION, constrain
 from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target
 
-__all__ = ["TARGET", "attention", "decoder_layer", "forward", "init_cache"]
+__all__ = ["TARGET", "attention", "decoder_layer", "forward", "init_cache", "qkv"]
+
+
+def qkv(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [b, t, H, hd] and keys [b, t, Hkv, hd] with rope applied, values [b, t, Hkv, hd]."""
+    q = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["q"]), cos, sin)
+    k = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["k"]), cos, sin)
+    return q, k, jnp.einsum("btd,dhk->bthk", x, p["v"])
 
 
 def attention(
@@ -50,9 +57,7 @@ def attention(
     keys and values are written to ``pages`` (layer ``layer`` of the stacks) and the queries attend
     over each row's cache (split over ``mesh`` as :func:`mtp_jax.gqa.gqa_paged` does). Returns
     (out [b, t, d], pages)."""
-    q = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["q"]), cos, sin)
-    k = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["k"]), cos, sin)
-    v = jnp.einsum("btd,dhk->bthk", x, p["v"])
+    q, k, v = qkv(p, x, cos, sin)
     scale = cfg.softmax_scale
     if paged is None:
         out = gqa_dense(q, k, v, scale)

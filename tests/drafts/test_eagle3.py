@@ -8,6 +8,7 @@ import copy
 import os
 import textwrap
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ import mtp_jax
 from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import Eagle3Config, eagle3_capture, parse_eagle3_config
 from mtp_jax.errors import CheckpointError, ConfigError
+from mtp_jax.targets.base import PagedAttention
 from tests.conftest import REPO
 
 TARGET = os.path.join(REPO, "tests", "fixtures", "parity_llama", "llama3_gqa42")  # L = 3, d = 32, V = 128
@@ -374,6 +376,78 @@ def test_mla_draft_matches_the_published_math(drafts):
             PROMPTS, max_new_tokens=10, ignore_eos=True, draft="eagle3", num_speculative_tokens=k
         )
         assert spec.tokens == plain.tokens, k
+
+
+@pytest.mark.parametrize("name", ["a_midlayer", "b", "mla"])
+def test_export_round_trips_bit_exact(drafts, name):
+    """params["eagle3"] -> hub tensors (the layers.0. dialect our training script writes) gives back
+    exactly the published tensors, d2t/t2d and an own embedding included."""
+    from mtp_jax.checkpoint.export import eagle3_hub_tensors_from_params
+
+    path, tensors, raw = drafts[name]
+    target_dir = DEEPSEEK_TARGET if name == "mla" else TARGET
+    model = mtp_jax.load(target_dir, "float32", strict=True, draft_model=path)
+    back = eagle3_hub_tensors_from_params(model.params["eagle3"], model.draft_config)
+    prefix = {"a_midlayer": "midlayer.", "b": "model.layers.0.", "mla": "layers.0."}[name]
+    want = {k.replace(prefix, "layers.0.").removeprefix("model."): v for k, v in tensors.items()}
+    assert sorted(back) == sorted(want)
+    for key, value in want.items():
+        assert back[key].dtype == value.dtype and np.array_equal(back[key], value), key
+
+
+# --- training's chained levels -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a_midlayer", "b", "mla"])
+def test_chain_teacher_forced_matches_the_decode_chain(drafts, name):
+    """The training-time test (all chained levels at once, dense) equals decoding's chain over the
+    draft's paged cache: catch-up rows 0..i from target features, then the draft fed its own
+    recycled state (pre-norm, or post-norm with norm_output) and the next true token at positions
+    i+1, i+2 (GQA with a draft vocabulary, GQA with both variant flags, MLA)."""
+    from mtp_jax.cache import page_table_array, slots_for
+    from mtp_jax.drafts.eagle3 import (
+        DRAFT,
+        draft_vocab_logits,
+        eagle3_chain_teacher_forced,
+        eagle3_layer,
+        eagle3_logits,
+        fused_features,
+        recycled,
+    )
+    from mtp_jax.step import StepConfig
+
+    path = drafts[name][0]
+    target_dir, ref = (DEEPSEEK_TARGET, DEEPSEEK_REF) if name == "mla" else (TARGET, REF)
+    model = mtp_jax.load(target_dir, "float32", strict=True, draft_model=path)
+    cfg, params = model.draft_config, model.params
+    ids = jnp.asarray(ref["input_ids"])
+    b, t = ids.shape
+    feats = jnp.asarray(fused_features(model.hidden_states(ref["input_ids"], cfg.capture).layers))
+    depth = 3
+    n = t - 1 - depth
+    levels = eagle3_chain_teacher_forced(params, cfg, ids, feats, depth)
+    assert [lv.shape for lv in levels] == [(b, n, cfg.hidden_size)] * depth
+    first = model.draft_logits(ref["input_ids"])[:, :n]
+    assert _rel(np.asarray(eagle3_logits(params, cfg, levels[0])), first) < 1e-5
+    assert draft_vocab_logits(params, levels[0]).shape == (b, n, cfg.draft_vocab_size)
+    page = 4
+    width = -(-t // page)
+    table = jnp.asarray(page_table_array([list(range(r * width, (r + 1) * width)) for r in range(b)], width))
+    sc = StepConfig(model.config, page, 1, "eagle3", draft_cfg=cfg)
+
+    def run(pages, tokens, state, pos, features):
+        paged = PagedAttention(pages, slots_for(table, pos, jnp.ones(pos.shape, bool), page), table)
+        return eagle3_layer(params, cfg, tokens, state, pos, features=features, paged=paged)
+
+    for i in (n // 2,):  # a middle row: sees earlier rows, must not see later ones
+        pages = DRAFT.init_state(sc, b * width, jnp.float32)
+        pos = jnp.broadcast_to(jnp.arange(i + 1), (b, i + 1))
+        h2, normed, pages = run(pages, ids[:, 1 : i + 2], feats[:, : i + 1], pos, True)
+        assert _rel(np.asarray(normed[:, -1]), np.asarray(levels[0][:, i])) < 1e-5
+        state = recycled(cfg, h2[:, -1:], normed[:, -1:])
+        for j in range(2, depth + 1):
+            pos = jnp.full((b, 1), i + j - 1)
+            h2, normed, pages = run(pages, ids[:, i + j : i + j + 1], state, pos, False)
+            state = recycled(cfg, h2, normed)
+            assert _rel(np.asarray(normed[:, 0]), np.asarray(levels[j - 1][:, i])) < 1e-5, (i, j)
 
 
 # --- bad drafts -----------------------------------------------------------------------------------
