@@ -153,7 +153,18 @@ def _add_plan_parser(sub) -> None:
         "-k",
         type=int,
         default=None,
-        help="MTP drafts per step; 0 = plain decoding (default: 3 with an MTP layer)",
+        help="drafts per step; 0 = plain decoding (default: 3 with an MTP layer or --draft-config)",
+    )
+    p.add_argument(
+        "--draft-config",
+        metavar="FILE",
+        help="plan an EAGLE-3 draft beside the target: the draft's config.json (instead of MTP)",
+    )
+    p.add_argument(
+        "--draft-layer-ids",
+        default="inputs",
+        choices=["inputs", "outputs"],
+        help="how the draft config's eagle_aux_hidden_state_layer_ids are read (as load() reads them)",
     )
     p.add_argument(
         "--weights",
@@ -325,19 +336,26 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> int:
+    import dataclasses
     import json
     import subprocess
 
-    from mtp_jax.config import Llama3Config, parse_config, read_json
+    from mtp_jax.config import Llama3Config, eagle3_capture, parse_config, parse_eagle3_config, read_json
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
 
     if (args.model is None) == (args.config is None):
         raise CliError("give either a checkpoint directory or --config FILE")
     path = args.config or os.path.join(args.model, "config.json")
     cfg = parse_config(read_json(path, what="config"))
+    draft_cfg = None
+    if args.draft_config:
+        raw = read_json(args.draft_config, what="EAGLE-3 draft config")
+        draft_cfg = parse_eagle3_config(raw, mla="kv_lora_rank" in raw)  # MLA drafts carry its widths
+        capture = eagle3_capture(draft_cfg, cfg.num_hidden_layers, args.draft_layer_ids)
+        draft_cfg = dataclasses.replace(draft_cfg, capture=capture)
     k = args.k
     if k is None:
-        k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) else 0
+        k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) or draft_cfg is not None else 0
     options = {
         "batch": args.batch,
         "max_len": args.max_len,
@@ -345,6 +363,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         "k": k,
         "weights": args.weights or ("fp8" if cfg.quantization_config is not None else "bf16"),
         "prefill_len": args.prefill_len,
+        "draft_cfg": draft_cfg,
     }
     mesh = args.mesh or ("data=1,tensor=8" if isinstance(cfg, Llama3Config) else "data=1,expert=8")
     try:  # before any device exists: a bad request never waits for a re-run or a compile

@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import Llama3Config, ModelConfig
+from mtp_jax.config import Eagle3Config, Llama3Config, ModelConfig
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 
 PLAN_WEIGHTS = ("fp8", "bf16")
@@ -114,17 +114,18 @@ class _AbstractParams:
             block=(b_in, b_out),
         )
 
-    def attention(self) -> dict:
+    def attention(self, d_in: int | None = None) -> dict:
         c = self.cfg
         d, h, qk = c.hidden_size, c.num_attention_heads, c.qk_head_dim
+        d_in = d if d_in is None else d_in
         p: dict = {}
         if c.q_lora_rank is None:
-            p["q"] = self.linear(h * qk, d, (d, h, qk))
+            p["q"] = self.linear(h * qk, d_in, (d_in, h, qk))
         else:
-            p["q_a"] = self.linear(c.q_lora_rank, d)
+            p["q_a"] = self.linear(c.q_lora_rank, d_in)
             p["q_a_norm"] = self.plain(c.q_lora_rank)
             p["q_b"] = self.linear(h * qk, c.q_lora_rank, (c.q_lora_rank, h, qk))
-        p["kv_a"] = self.linear(c.kv_lora_rank + c.qk_rope_head_dim, d)
+        p["kv_a"] = self.linear(c.kv_lora_rank + c.qk_rope_head_dim, d_in)
         p["kv_a_norm"] = self.plain(c.kv_lora_rank)
         p["k_b"] = self.plain(c.kv_lora_rank, h, c.qk_nope_head_dim)
         p["v_b"] = self.plain(c.kv_lora_rank, h, c.v_head_dim)
@@ -181,6 +182,31 @@ class _AbstractParams:
             out["lm_head"] = self.plain(d, c.vocab_size)
         return out
 
+    def eagle3(self, c: Eagle3Config) -> dict:
+        """``params["eagle3"]`` as :func:`mtp_jax.checkpoint.eagle3.load_eagle3` builds it (dense: drafts
+        are published in bf16), using the target's embedding and with a ``draft_to_target`` map
+        when the draft vocabulary is smaller than the target's."""
+        h, f, plain = c.hidden_size, c.intermediate_size, self.plain
+        if c.mla is None:
+            nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            attn = {"q": plain(2 * h, nh, hd), "k": plain(2 * h, nkv, hd), "v": plain(2 * h, nkv, hd)}
+            attn["o"] = plain(nh, hd, h)
+        else:
+            attn = _AbstractParams(c.mla, self.dtype, False).attention(d_in=2 * h)
+        tree = {
+            "fc": plain(len(c.capture) * c.target_hidden_size, h),
+            "hidden_norm": plain(h),
+            "input_norm": plain(h),
+            "post_attn_norm": plain(h),
+            "attn": attn,
+            "mlp": {"gate": plain(h, f), "up": plain(h, f), "down": plain(f, h)},
+            "norm": plain(h),
+            "lm_head": plain(h, c.draft_vocab_size),
+        }
+        if c.draft_vocab_size < c.vocab_size:
+            tree["draft_to_target"] = plain(c.draft_vocab_size, dtype=jnp.int32)
+        return tree
+
     def groups(self, mtp: bool) -> dict[str, Any]:
         """Group name -> the tree of one group (one layer for the stacked groups)."""
         c = self.cfg
@@ -209,13 +235,21 @@ def _stacked(s: jax.ShapeDtypeStruct, n: int, sharding: Any = None) -> jax.Shape
 
 
 def abstract_params(
-    cfg: ModelConfig, mesh: Mesh, dtype: Any = jnp.bfloat16, *, weights: str = "fp8", mtp: bool = True
+    cfg: ModelConfig,
+    mesh: Mesh,
+    dtype: Any = jnp.bfloat16,
+    *,
+    weights: str = "fp8",
+    mtp: bool = True,
+    draft_cfg: Eagle3Config | None = None,
 ) -> dict:
     """The parameter pytree of ``mtp_jax.load(..., dtype, weights=, mtp=, mesh=mesh)`` as
     ShapeDtypeStructs carrying the loader's shardings (:func:`mtp_jax.sharding.group_shardings`):
     same structure, shapes and dtypes, nothing allocated. ``weights``: "fp8" (the hub's FP8
     projections kept FP8 with their block scales; blocks from ``quantization_config``, 128x128 when
-    the config has none) or "bf16" (everything dense in ``dtype``). Routers stay float32."""
+    the config has none) or "bf16" (everything dense in ``dtype``). Routers stay float32.
+    ``draft_cfg``: an EAGLE-3 draft loaded beside the target (``load(..., draft_model=)``; its
+    captured layers resolved), added as the ``eagle3`` group."""
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
     if weights == "fp8" and isinstance(cfg, Llama3Config):
@@ -223,7 +257,10 @@ def abstract_params(
     build = _AbstractParams(cfg, dtype, weights == "fp8")
     sizes = checkpoint_format(cfg).group_sizes(cfg, mtp)
     params = {}
-    for name, tree in build.groups(mtp).items():
+    groups = build.groups(mtp)
+    if draft_cfg is not None:
+        groups["eagle3"] = build.eagle3(draft_cfg)
+    for name, tree in groups.items():
         stacked = name in sizes
         shardings = group_shardings(mesh, name, tree, stacked=stacked)
         if stacked:
@@ -341,6 +378,8 @@ class PlanReport:
     compiled: tuple[CompiledMemory, ...]
     disabled_passes: tuple[str, ...] = ()
     split_label: str = "routed experts"
+    draft: str | None = None
+    """The draft method planned ("mtp", "eagle3"; None with K = 0)."""
 
     @property
     def weight_bytes(self) -> int:
@@ -394,6 +433,7 @@ def check_plan(
     k: int,
     weights: str,
     prefill_len: int,
+    draft_cfg: Eagle3Config | None = None,
 ) -> dict[str, int]:
     """Validate :func:`plan`'s arguments before anything is compiled (ValueError with the reason);
     returns the mesh axes with missing ones set to 1."""
@@ -403,10 +443,18 @@ def check_plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= k <= 16:
         raise ValueError(f"k must be in [0, 16], got {k}")
-    if k and not getattr(cfg, "num_nextn_predict_layers", 0):
+    if draft_cfg is not None:
+        if draft_cfg.target_hidden_size != cfg.hidden_size or draft_cfg.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"the EAGLE-3 draft reads hidden states of width {draft_cfg.target_hidden_size} over a "
+                f"vocabulary of {draft_cfg.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}"
+            )
+        if not draft_cfg.capture:
+            raise ValueError("the EAGLE-3 draft config has no captured layers resolved (eagle3_capture)")
+    elif k and not getattr(cfg, "num_nextn_predict_layers", 0):
         raise ValueError(
             "k > 0 drafts with the MTP layer, but the model has none (num_nextn_predict_layers 0, or a "
-            "Llama model): use k 0"
+            "Llama model): use k 0, or plan an EAGLE-3 draft (--draft-config)"
         )
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
@@ -436,26 +484,30 @@ def plan(
     model: str = "",
     log: TextIO | None = None,
     cpu_as_is: bool = False,
+    draft_cfg: Eagle3Config | None = None,
 ) -> PlanReport:
     """Lower and compile the unified step for ``cfg`` on a mesh of ``mesh_axes`` (data, expert,
     tensor; missing axes 1) from abstract shapes, and measure it per device.
 
-    ``batch`` rows of ``max_len`` tokens (KV cache, see :class:`CacheLayout`), ``k`` MTP drafts per
-    step (0: plain decoding, no draft), weights as in :func:`abstract_params`, ``dtype`` for the
-    dense parameters, activations and caches. ``prefill_len`` > 0 also compiles prefill of prompts
-    of that many tokens, one per row shard (data x expert rows: admitting one request, the engine
-    pads its prefill batch so). The process needs the mesh's devices (:func:`request_host_devices`).
-    Progress lines go to ``log`` (e.g. sys.stderr). On the CPU backend the passes in
-    :data:`CPU_DISABLED_PASSES` are off unless ``cpu_as_is``.
+    ``batch`` rows of ``max_len`` tokens (KV cache, see :class:`CacheLayout`), ``k`` drafts per
+    step (0: plain decoding, no draft) from the MTP layer or, with ``draft_cfg``, an EAGLE-3 draft
+    (its layers captured by the target, its own paged cache), weights as in :func:`abstract_params`,
+    ``dtype`` for the dense parameters, activations and caches. ``prefill_len`` > 0 also compiles
+    prefill of prompts of that many tokens, one per row shard (data x expert rows: admitting one
+    request, the engine pads its prefill batch so). The process needs the mesh's devices
+    (:func:`request_host_devices`). Progress lines go to ``log`` (e.g. sys.stderr). On the CPU
+    backend the passes in :data:`CPU_DISABLED_PASSES` are off unless ``cpu_as_is``.
     """
     from mtp_jax.step import StepConfig, prefill, step
 
-    axes = check_plan(cfg, mesh_axes, batch, max_len, page_size, k, weights, prefill_len)
+    axes = check_plan(cfg, mesh_axes, batch, max_len, page_size, k, weights, prefill_len, draft_cfg)
     jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
     mesh = make_mesh(**axes, devices=plan_devices(math.prod(axes.values())))
     layout = CacheLayout(batch, max_len, page_size, k)
-    sc = StepConfig(cfg, page_size, k, "mtp" if k else None, "argmax", mesh)
-    params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=k > 0)
+    draft_cfg = draft_cfg if k else None
+    draft = None if not k else ("eagle3" if draft_cfg is not None else "mtp")
+    sc = StepConfig(cfg, page_size, k, draft, "argmax", mesh, draft_cfg=draft_cfg)
+    params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=draft == "mtp", draft_cfg=draft_cfg)
     state = abstract_state(sc, layout, jdtype)
     replicated, experts = split_param_bytes(params)
     cache = shard_bytes((state.target_pages, state.draft_state))
@@ -465,7 +517,9 @@ def plan(
     if prefill_len:
         args = (params, state, sc, *_prefill_args(layout, prefill_len, row_shards(mesh)))
         compiled.append(_compile("prefill", prefill, args, log, disabled))
-    estimate = per_device_memory(cfg, "fp8" if weights == "fp8" else "bf16", axes, 0, include_mtp=k > 0)
+    estimate = per_device_memory(
+        cfg, "fp8" if weights == "fp8" else "bf16", axes, 0, include_mtp=draft == "mtp"
+    )  # the target (and its MTP layer): an EAGLE-3 draft's weights are not in the analytic estimate
     return PlanReport(
         model=model,
         mesh=axes,
@@ -481,6 +535,7 @@ def plan(
         compiled=tuple(compiled),
         disabled_passes=disabled,
         split_label="tensor-split params" if isinstance(cfg, Llama3Config) else "routed experts",
+        draft=draft,
     )
 
 
@@ -500,7 +555,9 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
     function, and with ``device_memory_gb`` (10^9 bytes) whether the peak fits and by how much."""
     lay = report.layout
     mesh = " ".join(f"{k}={v}" for k, v in report.mesh.items())
-    draft = f"MTP K={lay.k}" if lay.k else "plain (K=0)"
+    name = {"mtp": "MTP", "eagle3": "EAGLE-3"}.get(report.draft or "mtp", report.draft)
+    draft = f"{name} K={lay.k}" if lay.k else "plain (K=0)"
+    cache_label = f"KV cache (target + {name})" if lay.k else "KV cache"
     lines = [
         f"Plan: {report.model or 'model'} on mesh {mesh} ({math.prod(report.mesh.values())} "
         f"{report.platform} devices), {report.weights} weights, {report.dtype} activations/cache",
@@ -511,8 +568,9 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
         f"  {'replicated params':<26}{format_bytes(report.param_bytes):>12}",
         f"  {report.split_label:<26}{format_bytes(report.expert_bytes):>12}",
         f"  {'weights total':<26}{format_bytes(report.weight_bytes):>12}"
-        f"  (analytic estimate {format_bytes(report.estimate_weight_bytes)})",
-        f"  {'KV cache (target + MTP)' if lay.k else 'KV cache':<26}{format_bytes(report.cache_bytes):>12}",
+        f"  (analytic estimate {format_bytes(report.estimate_weight_bytes)}"
+        + (", the target alone)" if report.draft == "eagle3" else ")"),
+        f"  {cache_label:<26}{format_bytes(report.cache_bytes):>12}",
         f"  {'other decode state':<26}{format_bytes(report.state_bytes):>12}",
     ]
     if report.disabled_passes:

@@ -64,6 +64,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +240,7 @@ def batch_at(stream: np.ndarray, seed: int, step: int, batch: int, length: int) 
 
 
 def own_continuations(
-    cfg: DeepseekV3Config,
+    cfg: ModelConfig,
     params: dict,
     stream: np.ndarray,
     count: int,
@@ -288,13 +289,20 @@ def continuations_path(workdir: str, count: int, length: int, seed: int) -> str:
 
 
 def load_or_make_continuations(
-    workdir: str, cfg: DeepseekV3Config, params: dict, stream: np.ndarray, count: int, length: int, seed: int
+    workdir: str,
+    cfg: ModelConfig,
+    params: dict,
+    stream: np.ndarray,
+    count: int,
+    length: int,
+    seed: int,
+    num_speculative_tokens: int = 3,
 ) -> np.ndarray:
     """:func:`own_continuations`, kept beside the training state so a resumed run reuses them."""
     path = continuations_path(workdir, count, length, seed)
     if os.path.isfile(path):
         return np.load(path)
-    data = own_continuations(cfg, params, stream, count, length, seed)
+    data = own_continuations(cfg, params, stream, count, length, seed, num_speculative_tokens)
     tmp = path + f".tmp-{os.getpid()}.npy"
     np.save(tmp, data)
     os.replace(tmp, path)
@@ -457,7 +465,7 @@ def make_optimizer(args: argparse.Namespace, params: dict) -> optax.GradientTran
 
 @dataclasses.dataclass
 class Meter:
-    """A one-line progress display: step, loss, MTP loss and agreement, tokens/s, ETA."""
+    """A one-line progress display: step, loss, the draft's loss and agreement, tokens/s, ETA."""
 
     total: int
     tokens_per_step: int
@@ -465,6 +473,8 @@ class Meter:
     first_step: int = 0
     tty: bool = dataclasses.field(default_factory=lambda: sys.stderr.isatty())
     last: float = -math.inf
+    name: str = "mtp"
+    """What the draft is called on the line."""
 
     def show(self, step: int, aux: dict, force: bool = False) -> None:
         now = time.perf_counter()
@@ -477,15 +487,72 @@ class Meter:
         frac = step / self.total
         bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
         draft = ""
-        if "mtp_loss" in aux:
+        if "level_agreement" in aux:
             agree = "/".join(f"{a:.2f}" for a in aux["level_agreement"])
-            draft = f"mtp {aux['mtp_loss']:.3f} agree {agree} "
+            loss = f" {aux['mtp_loss']:.3f}" if "mtp_loss" in aux else ""
+            draft = f"{self.name}{loss} agree {agree} "
         line = (
             f"train [{bar}] step {step}/{self.total} loss {aux['loss']:.3f} {draft}"
             f"{rate:,.0f} tok/s ETA {eta / 60:.1f} min"
         )
         sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
         sys.stderr.flush()
+
+
+def training_window(
+    args: argparse.Namespace, stream: np.ndarray, own_windows: np.ndarray | None, step: int
+) -> np.ndarray:
+    """Step ``step``'s batch [batch, seq + 1]: windows of the stream at offsets drawn from (seed,
+    step), the last ``own_text`` fraction picked from ``own_windows`` (the model's own text)."""
+    own = 0 if own_windows is None else round(args.own_text * args.batch)
+    window = batch_at(stream, args.seed, step, args.batch - own, args.seq + 1)
+    if own:
+        pick = np.random.default_rng([args.seed, step, 1]).integers(0, len(own_windows), own)
+        window = np.concatenate([window, own_windows[pick]])
+    return window
+
+
+def train_loop(
+    args: argparse.Namespace,
+    workdir: str,
+    state: dict,
+    step_fn: Callable[[dict, jax.Array], tuple[dict, dict]],
+    stream: np.ndarray,
+    own_windows: np.ndarray | None,
+    name: str = "mtp",
+) -> tuple[dict, dict | None, int, float] | None:
+    """The resumable training loop: ``state`` (a dict of pytrees, e.g. parameters and optimizer
+    state) restored from the latest orbax save in ``workdir`` when there is one, then
+    ``state, aux = step_fn(state, window)`` for the remaining steps (``--stop-after`` of them at
+    most) with the progress line, saved every ``--save-every`` steps and at the end of the run.
+    Returns (state, the last step's aux or None, the step this run started at, seconds), or None
+    when the run stopped before ``--steps`` (rerun to resume)."""
+    manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+    start = 0
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        state = dict(manager.restore(start, args=ocp.args.StandardRestore(abstract)))
+        print(f"resuming from step {start} in {workdir}", file=sys.stderr)
+    meter = Meter(args.steps, args.batch * args.seq, first_step=start, name=name)
+    aux = None
+    end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    for step in range(start, end):
+        state, aux = step_fn(state, jnp.asarray(training_window(args, stream, own_windows, step)))
+        if not np.isfinite(float(aux["loss"])):
+            raise SystemExit(f"loss is {float(aux['loss'])} at step {step}; lower --lr")
+        shown = ("loss", "mtp_loss", "mtp_agreement", "level_agreement")
+        stats = {k: np.asarray(aux[k]).tolist() for k in shown if k in aux}
+        meter.show(step + 1, stats, force=step + 1 == args.steps)
+        if (step + 1) % args.save_every == 0 or step + 1 == end:
+            manager.save(step + 1, args=ocp.args.StandardSave(state))
+    manager.wait_until_finished()
+    if end < args.steps:
+        print(f"stopped after step {end}; rerun the same command to resume from {workdir}", file=sys.stderr)
+        return None
+    if meter.tty:
+        sys.stderr.write("\n")
+    return state, aux, start, time.perf_counter() - meter.start
 
 
 def evaluate(params: dict, cfg: ModelConfig, stream: np.ndarray, length: int, count: int, depth: int) -> dict:
@@ -656,15 +723,6 @@ def main() -> int:
     optimizer = make_optimizer(args, trainable(params))
     opt_state = optimizer.init(trainable(params))
 
-    manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
-    start = 0
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
-        state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
-        params, opt_state = state["params"], state["opt_state"]
-        print(f"resuming from step {start} in {workdir}", file=sys.stderr)
-
     @jax.jit
     def train_step(params, opt_state, window):
         def objective(part):
@@ -687,7 +745,6 @@ def main() -> int:
         own_windows = load_or_make_continuations(
             workdir, cfg, params, train_stream, args.own_text_windows, length, args.seed
         )
-    meter = Meter(args.steps, args.batch * args.seq, first_step=start)
     objective = f" (MTP depth {args.mtp_depth})" if has_mtp else " (next-token loss)"
     print(
         f"model: {cfg.model_type}, {n_params / 1e6:.2f}M parameters; training "
@@ -695,29 +752,17 @@ def main() -> int:
         f"{args.seq} tokens",
         file=sys.stderr,
     )
-    aux = None
-    end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
-    for step in range(start, end):
-        window = batch_at(train_stream, args.seed, step, args.batch - own, length)
-        if own:
-            pick = np.random.default_rng([args.seed, step, 1]).integers(0, len(own_windows), own)
-            window = np.concatenate([window, own_windows[pick]])
-        window = jnp.asarray(window)
-        params, opt_state, aux = train_step(params, opt_state, window)
-        if not np.isfinite(float(aux["loss"])):
-            raise SystemExit(f"loss is {float(aux['loss'])} at step {step}; lower --lr")
-        shown = ("loss", "mtp_loss", "mtp_agreement", "level_agreement")
-        stats = {k: np.asarray(aux[k]).tolist() for k in shown if k in aux}
-        meter.show(step + 1, stats, force=step + 1 == args.steps)
-        if (step + 1) % args.save_every == 0 or step + 1 == end:
-            manager.save(step + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-    manager.wait_until_finished()
-    if end < args.steps:
-        print(f"stopped after step {end}; rerun the same command to resume from {workdir}", file=sys.stderr)
+
+    def step_fn(state: dict, window: jax.Array) -> tuple[dict, dict]:
+        params, opt_state, aux = train_step(state["params"], state["opt_state"], window)
+        return {"params": params, "opt_state": opt_state}, aux
+
+    state = {"params": params, "opt_state": opt_state}
+    done = train_loop(args, workdir, state, step_fn, train_stream, own_windows if own else None)
+    if done is None:
         return 0
-    if meter.tty:
-        sys.stderr.write("\n")
-    train_seconds = time.perf_counter() - meter.start
+    state, aux, start, train_seconds = done
+    params = state["params"]
 
     held = evaluate(params, cfg, held_stream, length, args.eval_windows, max(args.mtp_depth, 3))
     drafting = ""
@@ -732,23 +777,9 @@ def main() -> int:
     )
     loads = np.asarray(aux["moe_load"]) if aux is not None and "moe_load" in aux else None
     report = {
-        "data": {
-            "source": "Python standard library source code (.py files; tests, demos, site-packages excluded)",
-            "python": platform.python_version(),
-            "train_modules": len(train_files),
-            "heldout_modules": len(held_files),
-            "heldout_percent": HELDOUT_PERCENT,
-            "train_tokens": int(len(train_stream)),
-            "heldout_tokens": int(len(held_stream)),
-        },
+        "data": data_report(train_files, held_files, train_stream, held_stream),
         "training": {
-            "steps": args.steps,
-            "batch": args.batch,
-            "seq": args.seq,
-            "tokens_seen": args.steps * args.batch * args.seq,
-            "lr": args.lr,
-            "warmup": args.warmup,
-            "seed": args.seed,
+            **run_report(args),
             "mtp_weight": MTP_WEIGHT,
             "trained": args.train,
             "mtp_depth": args.mtp_depth,
@@ -783,6 +814,32 @@ def main() -> int:
     if own:
         os.remove(continuations_path(workdir, args.own_text_windows, length, args.seed))
     return 0
+
+
+def data_report(train_files: list[str], held_files: list[str], train: np.ndarray, held: np.ndarray) -> dict:
+    """eval.json's account of the data: the split and its token counts."""
+    return {
+        "source": "Python standard library source code (.py files; tests, demos, site-packages excluded)",
+        "python": platform.python_version(),
+        "train_modules": len(train_files),
+        "heldout_modules": len(held_files),
+        "heldout_percent": HELDOUT_PERCENT,
+        "train_tokens": int(len(train)),
+        "heldout_tokens": int(len(held)),
+    }
+
+
+def run_report(args: argparse.Namespace) -> dict:
+    """eval.json's account of the optimisation every training script shares."""
+    return {
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens_seen": args.steps * args.batch * args.seq,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "seed": args.seed,
+    }
 
 
 def snippet(tok: Tokenizer, held_texts: list[str], tokens: int = 256) -> str:
@@ -868,15 +925,17 @@ def write_checkpoint(
         write_hub_checkpoint(out, config, tensors, extra_files=files)
 
 
-def rewrite_card(directory: str) -> None:
-    """Re-render a trained checkpoint's model card from its config.json and eval.json."""
+def rewrite_card(directory: str, render: Callable[[dict, dict], str] | None = None) -> None:
+    """Re-render a trained checkpoint's model card from its config.json and eval.json with
+    ``render(config, report)`` (default: this script's cards)."""
+    render = render or card_for
     with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     with open(os.path.join(directory, "eval.json"), encoding="utf-8") as f:
         report = json.load(f)
     tmp = os.path.join(directory, f".README.md.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(card_for(config, report))
+        f.write(render(config, report))
     os.replace(tmp, os.path.join(directory, "README.md"))
     print(f"rewrote {directory}/README.md", file=sys.stderr)
 

@@ -128,6 +128,17 @@ def test_bad_requests_are_refused_before_compiling(tmp_path, capsys, extra, mess
     assert "re-running" not in err
 
 
+def test_an_eagle3_draft_that_does_not_fit_is_refused_before_compiling(tmp_path, capsys):
+    from tests.drafts.test_eagle3 import DRAFT_A  # 128 tokens; this target has 97
+
+    draft = tmp_path / "draft.json"
+    draft.write_text(json.dumps(DRAFT_A))
+    assert cli.main(["plan", "--config", _write_config(tmp_path), "--draft-config", str(draft)]) == 2
+    err = capsys.readouterr().err
+    assert "the EAGLE-3 draft reads hidden states of width 32 over a vocabulary of 128" in err
+    assert "re-running" not in err
+
+
 def test_plan_needs_one_config(tmp_path, capsys):
     assert cli.main(["plan"]) == 2
     assert "give either a checkpoint directory or --config FILE" in capsys.readouterr().err

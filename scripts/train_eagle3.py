@@ -1,0 +1,506 @@
+"""Train an EAGLE-3 draft against a frozen target (the embedded tiny Llama 3 or DeepSeek-V3) on the
+Python standard library, and write it in the published hub layout.
+
+    python scripts/train_eagle3.py --target checkpoints/tiny-llama3-stdlib \\
+        --out checkpoints/tiny-llama3-stdlib-eagle3                                  # GQA draft
+    python scripts/train_eagle3.py --target checkpoints/tiny-deepseek-v3-stdlib \\
+        --out checkpoints/tiny-deepseek-v3-stdlib-eagle3                             # MLA draft
+    python scripts/train_eagle3.py --target DIR --out /tmp/smoke --preset smoke      # seconds
+
+The draft (FORMATS.md, "EAGLE-3 drafts"; :mod:`mtp_jax.drafts.eagle3`) is one decoder layer over
+the concatenated residual streams of three target layers (``--layer-ids``, read as layer INPUTS as
+vLLM reads ``eagle_aux_hidden_state_layer_ids``) fused by ``fc``, and the embedding of the next
+token. Its attention is the target's kind: Llama-style GQA for a Llama target, DeepSeek's MLA
+(SGLang's ``Eagle3DeepseekV2ForCausalLM`` layout) for a DeepSeek-V3 target (``--attention``). It
+uses the target's embedding (not stored); its head covers a draft vocabulary of the ``--draft-vocab``
+most frequent tokens of the training data (``d2t`` offsets and the ``t2d`` mask), initialised
+from the target's head rows.
+
+Recipe (EAGLE-3, "training-time test"): the draft is unrolled ``--depth`` steps over whole
+windows exactly as speculative decoding chains it: step 1 reads the target's features with the
+next token; step j > 1 reads step j-1's own recycled state with the next true token, its attention
+seeing what the decode-time cache holds (step-1 rows before it and its own chain;
+:func:`mtp_jax.drafts.eagle3.eagle3_chain_teacher_forced`). Each step's labels are the target's
+own next-token distribution restricted to the draft vocabulary (soft cross-entropy:
+self-distillation, what acceptance measures); step j is weighted ``--step-decay``^(j-1)
+(normalised). ``--own-text F`` takes a fraction F of each batch from the target's own greedy
+continuations of training-text prompts (generated once, kept beside the training state): at
+temperature 0 a draft is scored on the target's text, not the library's. The target is frozen:
+its features and labels are recomputed every step from its shipped weights.
+
+AdamW with warm-up and cosine decay, clipping at 1.0, deterministic given ``--seed`` (batches are
+drawn from (seed, step), so a resumed run sees the same ones). The training state is saved with
+orbax to ``--workdir`` every ``--save-every`` steps; rerunning the same command resumes. At the end
+the draft is written as bf16 safetensors in the ``layers.0.*`` dialect with a ``config.json``
+carrying ``eagle_config.eagle_aux_hidden_state_layer_ids``, ``eval.json`` (held-out per-step
+agreement, greedy acceptance lengths of speculative decoding with the target) and a model card,
+atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+from tokenizers import Tokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_tiny import (  # noqa: E402  (the data pipeline and optimizer the targets were trained with)
+    BOS,
+    EOS,
+    continuations_path,
+    data_report,
+    load_or_make_continuations,
+    load_params,
+    make_optimizer,
+    read_text,
+    rewrite_card,
+    run_report,
+    stdlib_modules,
+    token_stream,
+    train_loop,
+)
+
+import mtp_jax  # noqa: E402
+from mtp_jax.checkpoint.eagle3 import load_eagle3  # noqa: E402
+from mtp_jax.checkpoint.export import eagle3_hub_tensors_from_params  # noqa: E402
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
+from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint  # noqa: E402
+from mtp_jax.config import DeepseekV3Config, Eagle3Config, ModelConfig, parse_config, parse_eagle3_config  # noqa: E402
+from mtp_jax.drafts.eagle3 import draft_vocab_logits, eagle3_chain_teacher_forced, fused_features  # noqa: E402
+from mtp_jax.targets import target_for  # noqa: E402
+from mtp_jax.targets.base import lm_head  # noqa: E402
+
+LAYER_PREFIX = "layers.0."
+
+
+# --- the draft's architecture ---------------------------------------------------------------------
+def spread_layer_ids(num_layers: int) -> list[int]:
+    """Three distinct captured layers, low / mid / high, as layer INPUT ids (vLLM's reading): the
+    usual (2, L/2, L-3) when those are distinct, else evenly spread over 1..L-1."""
+    usual = [2, num_layers // 2, num_layers - 3]
+    if len(set(usual)) == 3 and all(0 <= i < num_layers for i in usual):
+        return usual
+    return [int(round(x)) for x in np.linspace(1, num_layers - 1, 3)]
+
+
+def draft_config(target: dict, cfg: ModelConfig, attention: str, layer_ids: list[int], vocab: int) -> dict:
+    """The draft's config.json: one layer of the target's own width and attention kind."""
+    common = {
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": vocab,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": target["max_position_embeddings"],
+        "rope_theta": target["rope_theta"],
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True},
+    }
+    if attention == "mla":
+        if not isinstance(cfg, DeepseekV3Config):
+            raise SystemExit("--attention mla needs a DeepSeek-V3 target (its MLA widths are copied)")
+        mla = {k: target[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")}
+        return {
+            "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v3",
+            **common,
+            **mla,
+            "v_head_dim": target["v_head_dim"],
+            "num_attention_heads": target["num_attention_heads"],
+            "num_key_value_heads": target["num_attention_heads"],
+            "intermediate_size": target["intermediate_size"],
+            "rope_scaling": target.get("rope_scaling"),
+        }
+    heads = target["num_attention_heads"]
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **common,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target.get("num_key_value_heads", heads),
+        "head_dim": target.get("head_dim", cfg.hidden_size // heads),
+        "intermediate_size": target["intermediate_size"],
+        "rope_scaling": target.get("rope_scaling") if target["model_type"] == "llama" else None,
+    }
+
+
+def draft_vocabulary(streams: list[np.ndarray], vocab_size: int, size: int) -> np.ndarray:
+    """The ``size`` most frequent token ids of the training data (ties: lower id first), ascending:
+    draft id j is target id ids[j] (d2t[j] = ids[j] - j)."""
+    counts = sum(np.bincount(s.ravel(), minlength=vocab_size) for s in streams)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def init_draft(
+    raw: dict, cfg: ModelConfig, params: dict, ids: np.ndarray, seed: int
+) -> tuple[Eagle3Config, dict]:
+    """Initial draft: N(0, 0.02) projections (output projections scaled by 1/sqrt(2)), unit norms,
+    the head as the target's head rows of the draft vocabulary and the final norm as the target's;
+    built in the hub layout and read back by the loader (so the tree is exactly a loaded one's)."""
+    dcfg = parse_eagle3_config(raw, mla=raw["architectures"][0].startswith("Eagle3Deepseek"))
+    tensors = eagle3_hub_tensors(dcfg, seed, 0.02, layer_prefix=LAYER_PREFIX, draft_ids=ids)
+    for name in tensors:
+        if name.endswith("norm.weight"):
+            tensors[name] = np.ones_like(tensors[name])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name] / math.sqrt(2.0)
+    head = np.asarray(lm_head(params, jnp.eye(cfg.hidden_size)))  # [d, V] whether tied or not
+    tensors["lm_head.weight"] = np.ascontiguousarray(head[:, ids].T)
+    tensors["norm.weight"] = np.asarray(params["final_norm"], np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "init")
+        write_hub_checkpoint(path, raw, tensors)
+        return load_eagle3(CheckpointReader(path), raw, cfg, params, jnp.float32, strict=True, verbose=False)
+
+
+# --- the objective --------------------------------------------------------------------------------
+def draft_losses(
+    tree: dict,
+    params: dict,
+    cfg: ModelConfig,
+    dcfg: Eagle3Config,
+    window: jax.Array,
+    depth: int,
+    decay: float,
+) -> tuple[jax.Array, dict]:
+    """Windows [b, s]: the frozen target's features and distributions, then the draft's ``depth``
+    chained steps (:func:`eagle3_chain_teacher_forced`). Step j's soft cross-entropy is against the
+    target's distribution for token i+j+1 restricted to the draft vocabulary; ``agreement``: the
+    draft's argmax (as a target id) equals the target's greedy token there (step 1: the K = 1
+    acceptance rate at temperature 0; step j: draft j's, given true earlier tokens)."""
+    inputs = window[:, :-1]
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
+    feats = jax.lax.stop_gradient(fused_features(hidden.layers))
+    logits = jax.lax.stop_gradient(lm_head(params, hidden.post_norm))  # row r predicts token r+1
+    ids = tree["draft_to_target"]
+    full = {**params, "eagle3": tree}
+    levels = eagle3_chain_teacher_forced(full, dcfg, window, feats, depth)
+    n = levels[0].shape[1]
+    losses, agree = [], []
+    for j, normed in enumerate(levels, start=1):
+        teacher = logits[:, j : j + n]
+        logp = jax.nn.log_softmax(draft_vocab_logits(full, normed), axis=-1)
+        losses.append(-(jax.nn.softmax(teacher[..., ids], axis=-1) * logp).sum(-1).mean())
+        agree.append((ids[jnp.argmax(logp, -1)] == jnp.argmax(teacher, -1)).mean())
+    weights = decay ** np.arange(depth) / np.sum(decay ** np.arange(depth))
+    total = sum(float(w) * loss for w, loss in zip(weights, losses, strict=True))
+    coverage = jax.nn.softmax(logits[:, 1 : 1 + n], -1)[..., ids].sum(-1).mean()
+    return total, {
+        "loss": total,
+        "level_loss": jnp.stack(losses),
+        "level_agreement": jnp.stack(agree),
+        "coverage": coverage,
+    }
+
+
+def evaluate(
+    tree, params, cfg, dcfg, stream: np.ndarray, length: int, count: int, depth: int, decay: float
+) -> dict:
+    """Mean held-out numbers over ``count`` fixed, evenly spaced windows."""
+    starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
+    windows = np.stack([stream[s : s + length] for s in starts])
+    fn = jax.jit(lambda t, w: draft_losses(t, params, cfg, dcfg, w, depth, decay)[1])
+    totals: dict[str, np.ndarray] = {}
+    for i in range(0, count, 8):
+        aux = fn(tree, jnp.asarray(windows[i : i + 8]))
+        for key, value in aux.items():
+            totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64) * len(windows[i : i + 8])
+    return {k: (v / count).tolist() for k, v in totals.items()}
+
+
+# --- the run --------------------------------------------------------------------------------------
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", required=True, help="the frozen target: a trained checkpoint directory")
+    parser.add_argument("--out", help="draft directory to write (must not exist)")
+    parser.add_argument(
+        "--card", metavar="DIR", help="only rewrite DIR/README.md from its config.json and eval.json"
+    )
+    parser.add_argument("--workdir", help="orbax training state, for resuming (default: OUT.train)")
+    parser.add_argument("--preset", default="default", choices=["default", "smoke"])
+    parser.add_argument(
+        "--attention",
+        choices=["gqa", "mla"],
+        help="the draft layer's attention (default: mla for a DeepSeek-V3 target, gqa for Llama)",
+    )
+    parser.add_argument(
+        "--layer-ids",
+        type=int,
+        nargs=3,
+        help="captured target layers as layer INPUT ids (default: 2, L/2, L-3, spread when they repeat)",
+    )
+    parser.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: half the target's)")
+    parser.add_argument("--depth", type=int, default=5, help="chained steps of the training-time test")
+    parser.add_argument("--step-decay", type=float, default=0.8, help="step j weighted DECAY^(j-1)")
+    parser.add_argument("--own-text", type=float, default=0.5, metavar="FRACTION")
+    parser.add_argument("--own-text-windows", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--max-files", type=int, help="use only the first N modules (smoke tests)")
+    parser.add_argument("--eval-windows", type=int, default=64)
+    parser.add_argument(
+        "--stop-after", type=int, help="stop after this many steps in this run (rerun to resume)"
+    )
+    parser.add_argument("--acceptance-k", type=int, nargs="*", default=[1, 2, 3, 4, 5])
+    args = parser.parse_args()
+    if args.card:
+        rewrite_card(args.card, card)
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    if os.path.exists(args.out):
+        parser.error(f"--out {args.out} already exists; choose a new directory")
+    for name in ("config.json", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(args.target, name)):
+            parser.error(f"--target {args.target} is not a trained checkpoint (no {name})")
+    if args.depth < 1:
+        parser.error("--depth must be at least 1")
+    if not 0.0 <= args.own_text <= 1.0:
+        parser.error(f"--own-text is a fraction in [0, 1], got {args.own_text}")
+    if args.preset == "smoke":  # a few seconds end to end
+        args.max_files, args.batch, args.seq = args.max_files or 8, 2, 32
+        args.own_text_windows, args.eval_windows = min(args.own_text_windows, 2), min(args.eval_windows, 4)
+        args.depth = min(args.depth, 3)
+    own = round(args.own_text * args.batch)
+    if args.own_text and own == 0:
+        parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
+    workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
+
+    t0 = time.perf_counter()
+    with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
+        target_raw = json.load(f)
+    cfg = parse_config(target_raw)
+    params = load_params(args.target, cfg)
+    tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
+    with open(os.path.join(args.target, "eval.json"), encoding="utf-8") as f:
+        target_eval = json.load(f)
+    attention = args.attention or ("mla" if isinstance(cfg, DeepseekV3Config) else "gqa")
+    layer_ids = args.layer_ids or spread_layer_ids(cfg.num_hidden_layers)
+    if any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
+        parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
+    vocab = args.draft_vocab or cfg.vocab_size // 2
+    if not 1 <= vocab <= cfg.vocab_size:
+        parser.error(f"--draft-vocab {vocab} must be in [1, {cfg.vocab_size}] (the target's vocabulary)")
+
+    root, train_files, held_files = stdlib_modules(args.max_files)
+    train_stream = token_stream(tok, [read_text(root, p) for p in train_files])
+    held_stream = token_stream(tok, [read_text(root, p) for p in held_files])
+    print(
+        f"data: {len(train_files)} train / {len(held_files)} held-out modules; {len(train_stream):,} train / "
+        f"{len(held_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)",
+        file=sys.stderr,
+    )
+    length = args.seq + 1
+    own_windows = None
+    if own:
+        own_windows = load_or_make_continuations(
+            workdir,
+            cfg,
+            params,
+            train_stream,
+            args.own_text_windows,
+            length,
+            args.seed,
+            num_speculative_tokens=3 if "mtp" in params else 0,
+        )
+    ids = draft_vocabulary(
+        [train_stream] + ([own_windows] if own_windows is not None else []), cfg.vocab_size, vocab
+    )
+    raw = draft_config(target_raw, cfg, attention, layer_ids, vocab)
+    dcfg, tree = init_draft(raw, cfg, params, ids, args.seed)
+    fixed = {"draft_to_target": tree.pop("draft_to_target")}
+    n_params = sum(x.size for x in jax.tree.leaves(tree))
+    optimizer = make_optimizer(args, tree)
+    opt_state = optimizer.init(tree)
+
+    @jax.jit
+    def train_step(state: dict, window: jax.Array) -> tuple[dict, dict]:
+        def objective(t):
+            return draft_losses({**t, **fixed}, params, cfg, dcfg, window, args.depth, args.step_decay)
+
+        tree = state["draft"]
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(tree)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], tree)
+        return {"draft": optax.apply_updates(tree, updates), "opt_state": opt_state}, aux
+
+    print(
+        f"draft: EAGLE-3 ({attention.upper()}) for {cfg.model_type}, {n_params / 1e6:.2f}M parameters, "
+        f"layer inputs {layer_ids}, draft vocabulary {vocab}/{cfg.vocab_size}; {args.steps} steps x "
+        f"{args.batch} x {args.seq} tokens, {args.depth} chained steps, own text {own}/{args.batch}",
+        file=sys.stderr,
+    )
+    state = {"draft": tree, "opt_state": opt_state}
+    done = train_loop(args, workdir, state, train_step, train_stream, own_windows, name="eagle3")
+    if done is None:
+        return 0
+    state, _, start, train_seconds = done
+    tree = state["draft"]
+
+    tree = {**tree, **fixed}
+    # everything recorded is measured on the bf16 weights that are shipped
+    tensors = eagle3_hub_tensors_from_params(tree, dcfg, ml_dtypes.bfloat16, LAYER_PREFIX)
+    shipped = jax.tree.map(
+        lambda x: x if x.dtype == jnp.int32 else jnp.asarray(np.asarray(x, ml_dtypes.bfloat16), jnp.float32),
+        tree,
+    )
+    held = evaluate(
+        shipped, params, cfg, dcfg, held_stream, length, args.eval_windows, args.depth, args.step_decay
+    )
+    report = {
+        "target": os.path.basename(os.path.normpath(args.target)),
+        "name": os.path.basename(os.path.normpath(args.out)),
+        "draft": {
+            "attention": attention,
+            "layer_ids": layer_ids,
+            "capture": list(dcfg.capture),
+            "draft_vocab_size": vocab,
+            "parameters": int(n_params),
+        },
+        "data": data_report(train_files, held_files, train_stream, held_stream),
+        "training": {
+            **run_report(args),
+            "depth": args.depth,
+            "step_decay": args.step_decay,
+            "own_text": args.own_text,
+            "own_text_windows": args.own_text_windows if own else 0,
+            "seconds": round(train_seconds, 1),
+            "resumed_from": start,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}",
+            "command": " ".join(["python", "scripts/train_eagle3.py", *sys.argv[1:]]),
+        },
+        "heldout": held,
+        "prompts": target_eval.get("prompts", []),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+        staged = os.path.join(tmp, "draft")
+        write_hub_checkpoint(staged, raw, tensors)
+        report["acceptance"] = acceptance_lengths(
+            args.target, staged, tok, report["prompts"], args.acceptance_k
+        )
+        if "acceptance" in target_eval:
+            report["mtp_acceptance"] = target_eval["acceptance"]  # the target's own MTP, same prompts
+        for name, text in (
+            ("eval.json", json.dumps(report, indent=2) + "\n"),
+            ("README.md", card(raw, report)),
+        ):
+            files[name] = os.path.join(tmp, name)
+            with open(files[name], "w", encoding="utf-8") as f:
+                f.write(text)
+        write_hub_checkpoint(args.out, raw, tensors, extra_files=files)
+    print(f"wrote {args.out} ({time.perf_counter() - t0:.0f}s in all)", file=sys.stderr)
+    shutil.rmtree(workdir, ignore_errors=True)
+    if own:
+        os.remove(continuations_path(workdir, args.own_text_windows, length, args.seed))
+    return 0
+
+
+def acceptance_lengths(target: str, draft: str, tok: Tokenizer, texts: list[str], ks: list[int]) -> dict:
+    """Greedy acceptance length of K EAGLE-3 drafts over the held-out prompts (64 new tokens), through
+    the public API: the written draft loaded beside the target."""
+    if not ks or not texts:
+        return {}
+    model = mtp_jax.load(target, "float32", draft_model=draft)
+    ids = [[BOS, *tok.encode(t).ids] for t in texts]
+    out = {}
+    for k in ks:
+        result = model.generate(ids, max_new_tokens=64, draft="eagle3", num_speculative_tokens=k, max_batch=8)
+        out[str(k)] = result.stats["acceptance_length"]
+        print(f"acceptance length K={k}: {out[str(k)]:.2f}", file=sys.stderr)
+    return out
+
+
+def card(raw: dict, r: dict) -> str:
+    d, t, h, dr = r["data"], r["training"], r["heldout"], r["draft"]
+    mla = dr["attention"] == "mla"
+    kind = (
+        f"DeepSeek MLA ({raw['num_attention_heads']} heads, q/kv ranks "
+        f"{raw['q_lora_rank']}/{raw['kv_lora_rank']}, SGLang's `Eagle3DeepseekV2ForCausalLM` layout)"
+        if mla
+        else f"Llama-style GQA ({raw['num_attention_heads']} heads, {raw['num_key_value_heads']} KV heads)"
+    )
+    steps = " / ".join(str(j + 1) for j in range(len(h["level_agreement"])))
+    agree = " / ".join(f"{a:.3f}" for a in h["level_agreement"])
+    acc, mtp = r.get("acceptance", {}), r.get("mtp_acceptance", {})
+    if mtp:
+        rows = "\n".join(
+            f"| {k} | {v:.2f} | {mtp[k]:.2f} |" if k in mtp else f"| {k} | {v:.2f} | - |"
+            for k, v in acc.items()
+        )
+        table = f"| K | EAGLE-3 | the target's own MTP |\n|---|---|---|\n{rows}"
+    else:
+        table = "| K | acceptance length |\n|---|---|\n" + "\n".join(
+            f"| {k} | {v:.2f} |" for k, v in acc.items()
+        )
+    return f"""# EAGLE-3 draft for `{r["target"]}`
+
+An EAGLE-3 draft for the embedded `{r["target"]}` target of mtp-jax, written by
+`scripts/train_eagle3.py`: one decoder layer with {kind}
+over `fc(cat(low, mid, high))` of three target layers (layer inputs {dr["layer_ids"]}, as
+`eagle_config.eagle_aux_hidden_state_layer_ids` reads them) and the embedding of the next token;
+{dr["parameters"] / 1e6:.2f}M parameters of its own (the target's embedding is used, not stored).
+Its head covers the {dr["draft_vocab_size"]} most frequent tokens of the training data (`d2t`
+offsets, `t2d` mask); it proposes nothing else.
+Hub layout: bf16 safetensors, `layers.0.*` keys.
+
+    mtp-jax generate --model checkpoints/{r["target"]} --draft eagle3 --draft-model checkpoints/{r["name"]} \\
+        --prompt "def main():" --num-speculative-tokens 4
+
+## Training
+{d["train_modules"]} standard-library modules of Python {d["python"]} ({d["train_tokens"]:,} tokens;
+the target's split, {d["heldout_modules"]} modules held out). {t["steps"]} steps of {t["batch"]} x
+{t["seq"]} tokens, AdamW (lr {t["lr"]}, warm-up {t["warmup"]}, cosine decay), seed {t["seed"]};
+EAGLE-3's training-time test: the draft unrolled {t["depth"]} steps on its own states with the
+decode-time attention pattern, step j weighted {t["step_decay"]}^(j-1), labels the target's own
+distribution over the draft vocabulary (self-distillation); {t["own_text"]:.0%} of each batch from
+{t["own_text_windows"]:,} windows of the target's own greedy continuations. The target is frozen.
+{t["seconds"] / 60:.1f} minutes on {t["machine"]}. The command (resumable: rerun it after an
+interruption):
+
+    {t["command"]}
+
+## Held-out results (the shipped bf16 weights)
+| | |
+|---|---|
+| teacher-forced agreement with the target's greedy token, chained steps {steps} | {agree} |
+| soft cross-entropy of step 1 against the target | {h["level_loss"][0]:.3f} |
+| target probability mass on the draft vocabulary | {h["coverage"]:.3f} |
+
+Greedy acceptance length (tokens per step; 64 new tokens on the target's held-out prompts in
+`eval.json`):
+
+{table}
+
+Speed against plain decoding and the other drafts is in the repository's BENCHMARKS.md.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""scripts/train_eagle3.py: a few steps against the embedded targets, end to end (GQA and MLA drafts),
+resumed deterministically; its draft vocabulary and layer choice; its argument checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.scripts.test_train_tiny import finish
+
+SCRIPT = os.path.join(REPO, "scripts", "train_eagle3.py")
+LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+SMOKE = ["--preset", "smoke", "--steps", "4", "--save-every", "2", "--draft-vocab", "700"]
+
+
+def start(out, target: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, "--target", target, "--out", str(out), *SMOKE, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_smoke_runs_write_loadable_drafts_and_resume_deterministically(tmp_path):
+    straight, resumed, mla = tmp_path / "straight", tmp_path / "resumed", tmp_path / "mla"
+    running = start(straight, LLAMA, "--acceptance-k", "2")
+    first = finish(start(resumed, LLAMA, "--stop-after", "2", "--acceptance-k"))
+    run = finish(running)
+    assert run.returncode == 0, run.stderr
+    assert "train [" in run.stderr and "eagle3 agree" in run.stderr and "tok/s" in run.stderr
+    assert first.returncode == 0, first.stderr
+    assert not resumed.exists() and "rerun the same command to resume" in first.stderr
+    # the second half of the interrupted run beside an MLA draft for the DeepSeek-V3 target
+    mla_run = start(mla, EMBEDDED_MODEL, "--acceptance-k")
+    second = finish(start(resumed, LLAMA, "--acceptance-k"))
+    assert second.returncode == 0, second.stderr
+    assert "resuming from step 2" in second.stderr
+    assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+    mla_done = finish(mla_run)
+    assert mla_done.returncode == 0, mla_done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["mla", "resumed", "straight"]  # training state cleaned up
+
+    assert sorted(os.listdir(straight)) == ["README.md", "config.json", "eval.json", "model.safetensors"]
+    with open(straight / "config.json") as f:
+        raw = json.load(f)
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 700
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # spread: L = 6
+    reader = CheckpointReader(str(straight))
+    assert all(k.startswith("layers.0.") or "." not in k.removesuffix(".weight") for k in reader.keys())
+    assert "embed_tokens.weight" not in reader  # the target's embedding, not stored
+    d2t = reader.get("d2t")
+    ids = np.arange(700) + d2t
+    assert np.all(np.diff(ids) > 0) and reader.get("t2d").sum() == 700 and reader.get("t2d")[ids].all()
+    with open(straight / "eval.json") as f:
+        report = json.load(f)
+    assert set(report["acceptance"]) == {"2"} and report["acceptance"]["2"] >= 1.0
+    assert len(report["heldout"]["level_agreement"]) == 3 and 0 < report["heldout"]["coverage"] <= 1
+    assert report["training"]["command"].startswith("python scripts/train_eagle3.py --target")
+    assert "EAGLE-3 draft for `tiny-llama3-stdlib`" in (straight / "README.md").read_text()
+
+    # both load strictly beside their targets and speculate losslessly
+    prompt = [[0, 5, 9, 17, 3, 40]]
+    for target, draft in ((LLAMA, straight), (EMBEDDED_MODEL, mla)):
+        model = mtp_jax.load(target, "float32", strict=True, draft_model=str(draft))
+        assert model.draft_config.draft_vocab_size == 700
+        plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+        spec = model.generate(
+            prompt, max_new_tokens=8, ignore_eos=True, draft="eagle3", num_speculative_tokens=3
+        )
+        assert spec.tokens == plain.tokens
+    assert model.draft_config.mla is not None
+    with open(mla / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+
+
+def load_script():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    spec = importlib.util.spec_from_file_location("train_eagle3", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens_ascending():
+    script = load_script()
+    streams = [np.array([5, 5, 5, 2, 2, 9, 7, 7, 7, 7]), np.array([[9, 9], [1, 1]])]
+    # counts: 7 -> 4, 5 -> 3, 9 -> 3, 2 -> 2, 1 -> 2; a tie keeps the lower id
+    np.testing.assert_array_equal(script.draft_vocabulary(streams, 10, 3), [5, 7, 9])
+    np.testing.assert_array_equal(script.draft_vocabulary(streams, 10, 4), [1, 5, 7, 9])
+    assert script.draft_vocabulary(streams, 10, 4).dtype == np.int32
+
+
+def test_layer_choice_is_the_usual_one_unless_it_repeats():
+    script = load_script()
+    assert script.spread_layer_ids(32) == [2, 16, 29]  # EAGLE-3's choice for Llama 3.1 8B
+    assert script.spread_layer_ids(8) == [2, 4, 5]
+    assert script.spread_layer_ids(6) == [1, 3, 5]  # (2, 3, 3) repeats
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--layer-ids", "0", "3", "6"], "the target has layers 0..5"),
+        (["--draft-vocab", "5000"], "must be in [1, 2048]"),
+        (["--depth", "0"], "--depth must be at least 1"),
+        (["--own-text", "2"], "a fraction in [0, 1]"),
+    ],
+)
+def test_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, message):
+    argv = ["train_eagle3.py", "--target", LLAMA, "--out", str(tmp_path / "out"), *extra]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        load_script().main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_to_overwrite_or_a_target_that_is_not_a_trained_checkpoint(tmp_path, monkeypatch, capsys):
+    for target, out, message in (
+        (LLAMA, tmp_path, "already exists"),
+        (str(tmp_path), tmp_path / "o", "is not a trained checkpoint"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["train_eagle3.py", "--target", target, "--out", str(out)])
+        with pytest.raises(SystemExit) as exit_:
+            load_script().main()
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
