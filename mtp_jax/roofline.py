@@ -147,16 +147,34 @@ class StepBytes:
         return sum(dataclasses.asdict(self).values())
 
 
-def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cache_itemsize: int) -> StepBytes:
+def step_bytes(
+    params: dict,
+    cfg: Any,
+    *,
+    k: int,
+    batch: int,
+    context: int,
+    cache_itemsize: int,
+    draft_cfg: Any = None,
+) -> StepBytes:
     """Bytes a step of ``batch`` rows at committed length ``context`` with ``k`` drafts reads.
 
     ``params`` is the loaded parameter tree (arrays or ShapeDtypeStructs; FP8 weights count their
-    bytes and scales); ``cache_itemsize`` the bytes of one cache value.
+    bytes and scales); ``cache_itemsize`` the bytes of one cache value. The drafts come from the
+    MTP layer, or with ``draft_cfg`` (an :class:`mtp_jax.config.Eagle3Config`) from the EAGLE-3 draft
+    in ``params["eagle3"]``: its layer read once per pass, ``fc`` once (only the catch-up reads
+    target features), its own head over the draft vocabulary once per draft, its paged K/V (or
+    latent) cache read by every pass.
     """
     if min(batch, context) < 1 or k < 0:
         raise ValueError(f"need batch >= 1, context >= 1, k >= 0; got {batch}, {context}, {k}")
-    if k and "mtp" not in params:
-        raise ValueError("k > 0 needs the MTP layer in params (load with mtp=True)")
+    draft = "eagle3" if draft_cfg is not None else "mtp"
+    if k and draft not in params:
+        raise ValueError(
+            "k > 0 needs the EAGLE-3 draft in params (load with draft_model=)"
+            if draft == "eagle3"
+            else "k > 0 needs the MTP layer in params (load with mtp=True)"
+        )
     from mtp_jax.targets import target_for
 
     moe = hasattr(cfg, "n_routed_experts")
@@ -169,7 +187,8 @@ def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cach
     parts = dict.fromkeys(
         ("target_weights", "target_experts", "draft_weights", "draft_experts", "draft_heads"), 0.0
     )
-    mtp_head = False
+    own_embed = draft == "eagle3" and "embed" in params.get("eagle3", {})
+    mtp_head = draft == "eagle3"  # an EAGLE-3 draft has its own head, counted below
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         names = _names(path)
         nbytes = _nbytes(leaf)
@@ -179,11 +198,24 @@ def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cach
         elif group == "embed":  # looked up by row: the target's tokens and each draft pass's
             row = nbytes / leaf.shape[0]
             parts["target_weights"] += row * min(verified, leaf.shape[0])
-            parts["draft_weights"] += row * sum(min(n, leaf.shape[0]) for n in draft_passes)
+            if not own_embed:
+                parts["draft_weights"] += row * sum(min(n, leaf.shape[0]) for n in draft_passes)
         elif group == "lm_head":
             parts["target_weights"] += nbytes
+        elif group == "eagle3":
+            if not k or draft != "eagle3":
+                continue
+            if names[1] in ("lm_head", "draft_to_target"):
+                parts["draft_heads"] += k * nbytes
+            elif names[1] == "embed":
+                row = nbytes / leaf.shape[0]
+                parts["draft_weights"] += row * sum(min(n, leaf.shape[0]) for n in draft_passes)
+            elif names[1] == "fc":
+                parts["draft_weights"] += nbytes
+            else:
+                parts["draft_weights"] += k * nbytes
         elif group == "mtp":
-            if not k:
+            if not k or draft != "mtp":
                 continue
             if names[1] == "head":
                 mtp_head = True
@@ -206,7 +238,13 @@ def step_bytes(params: dict, cfg: Any, *, k: int, batch: int, context: int, cach
         parts["draft_heads"] += k * d * cfg.vocab_size * jnp.dtype(params["lm_head"].dtype).itemsize
     positions = batch * (context + k + 1)
     kv = positions * target_for(cfg).cache_bytes_per_token(cfg, cache_itemsize)
-    if k:  # every MTP pass reads the MTP layer's latent cache
+    if k and draft == "eagle3":  # every draft pass reads the draft's own cache
+        from mtp_jax.targets.deepseek_v3 import latent_width
+
+        c = draft_cfg
+        per_token = 2 * c.num_key_value_heads * c.head_dim if c.mla is None else latent_width(c.mla)
+        kv += k * positions * per_token * cache_itemsize
+    elif k:  # every MTP pass reads the MTP layer's latent cache
         kv += k * positions * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_itemsize
     return StepBytes(**parts, kv=float(kv))
 
@@ -257,12 +295,15 @@ def time_step(
     page_size: int,
     dtype: Any,
     iters: int,
+    draft_cfg: Any = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
-    rows whose committed length is ``context``: every timed call starts from that length."""
+    rows whose committed length is ``context``: every timed call starts from that length. Drafts
+    from the MTP layer, or from the EAGLE-3 draft of ``draft_cfg``."""
     from mtp_jax.step import StepConfig, init_state, step
 
-    sc = StepConfig(cfg, page_size, k, "mtp" if k else None)
+    draft = None if not k else ("mtp" if draft_cfg is None else "eagle3")
+    sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None)
     width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
     state = init_state(sc, batch, batch * width, width, dtype)
     rng = np.random.default_rng(0)
@@ -326,6 +367,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="parameter and cache dtype (default: float32 for --model, bfloat16 for --config)",
     )
+    parser.add_argument(
+        "--draft-model", help="--model only: an EAGLE-3 draft directory (drafts from it, not from MTP)"
+    )
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3], help="drafts per step (0: plain)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024, help="committed tokens per row")
@@ -344,6 +388,9 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--batch, --context, --iters, --page-size and --copy-mb must be >= 1, --k >= 0")
     if args.set and not args.config:
         raise ValueError("--set changes a --config; it does nothing to a checkpoint")
+    if args.draft_model and args.config:
+        raise ValueError("--draft-model goes with --model (a trained draft beside its target)")
+    draft_cfg = None
     if args.config:
         dtype_name = args.dtype or "bfloat16"
         cfg = _load_config(args.config, args.set)
@@ -356,11 +403,14 @@ def run(args: argparse.Namespace) -> dict:
 
         dtype_name = args.dtype or "float32"
         path = model_path(args.model)
-        model = mtp_jax.load(path, dtype=dtype_name)
+        model = mtp_jax.load(path, dtype=dtype_name, draft_model=args.draft_model)
         cfg, params = model.config, model.params
         name = os.path.basename(os.path.abspath(path))
-    if max(args.k) and "mtp" not in params:
-        raise ValueError(f"{name} has no MTP layer: only --k 0 can run")
+        if args.draft_model:
+            draft_cfg = model.draft_config
+            name += f" + {os.path.basename(os.path.abspath(args.draft_model))}"
+    if max(args.k) and "mtp" not in params and draft_cfg is None:
+        raise ValueError(f"{name} has no MTP layer: only --k 0 can run (or give --draft-model)")
     if args.context + 2 * (max(args.k) + 1) > cfg.max_position_embeddings:
         raise ValueError(
             f"--context {args.context} plus the step's rows exceeds max_position_embeddings "
@@ -379,7 +429,13 @@ def run(args: argparse.Namespace) -> dict:
     for k in args.k:
         print(f"K = {k}: compiling and timing ...", file=sys.stderr, flush=True)
         need = step_bytes(
-            params, cfg, k=k, batch=args.batch, context=args.context, cache_itemsize=jnp.dtype(dtype).itemsize
+            params,
+            cfg,
+            k=k,
+            batch=args.batch,
+            context=args.context,
+            cache_itemsize=jnp.dtype(dtype).itemsize,
+            draft_cfg=draft_cfg,
         )
         seconds = time_step(
             params,
@@ -390,11 +446,13 @@ def run(args: argparse.Namespace) -> dict:
             page_size=args.page_size,
             dtype=dtype,
             iters=args.iters,
+            draft_cfg=draft_cfg,
         )
         roofline = need.total / bandwidth
         rows.append(
             {
                 "k": k,
+                "draft": None if not k else ("mtp" if draft_cfg is None else "eagle3"),
                 "step_ms": seconds * 1e3,
                 "bytes": need.total,
                 "bytes_by_part": dataclasses.asdict(need),

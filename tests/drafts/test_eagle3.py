@@ -8,6 +8,7 @@ import copy
 import os
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -448,6 +449,38 @@ def test_chain_teacher_forced_matches_the_decode_chain(drafts, name):
             h2, normed, pages = run(pages, ids[:, i + j : i + j + 1], state, pos, False)
             state = recycled(cfg, h2, normed)
             assert _rel(np.asarray(normed[:, 0]), np.asarray(levels[j - 1][:, i])) < 1e-5, (i, j)
+
+
+def test_roofline_counts_the_eagle3_draft(drafts, target, tmp_path):
+    """scripts/bench_step.py with an EAGLE-3 draft: per pass the layer, fc once, the draft's own head
+    (draft vocabulary) once per draft, its embedding rows (the target's), its K/V cache per pass;
+    then the step it times runs with that draft."""
+    from mtp_jax.roofline import build_parser, run, step_bytes
+
+    model = _with_draft(drafts["a_midlayer"][0])
+    cfg, d = model.draft_config, model.draft_config.hidden_size
+    k, batch, context = 3, 2, 9
+    plain = step_bytes(target.params, target.config, k=0, batch=batch, context=context, cache_itemsize=4)
+    got = step_bytes(
+        model.params, model.config, k=k, batch=batch, context=context, cache_itemsize=4, draft_cfg=cfg
+    )
+    tree = model.params["eagle3"]
+    size = {name: int(np.prod(x.shape)) for name, x in tree.items() if name not in ("attn", "mlp")}
+    layer = sum(int(np.prod(x.shape)) for x in jax.tree.leaves([tree["attn"], tree["mlp"]]))
+    layer += sum(size[n] for n in ("hidden_norm", "input_norm", "post_attn_norm", "norm"))
+    passes = [batch * (k + 1)] + [batch] * (k - 1)
+    assert got.draft_heads == pytest.approx(4 * k * (size["lm_head"] + size["draft_to_target"]))
+    assert got.draft_weights == pytest.approx(4 * (k * layer + size["fc"] + d * sum(passes)))
+    positions = batch * (context + k + 1)
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim
+    target_kv = plain.kv / (batch * (context + 1))
+    assert got.kv == pytest.approx(positions * target_kv + k * positions * per_token * 4)
+    with pytest.raises(ValueError, match="EAGLE-3 draft in params"):
+        step_bytes(target.params, target.config, k=1, batch=1, context=4, cache_itemsize=4, draft_cfg=cfg)
+    args = ["--model", TARGET, "--draft-model", drafts["a_midlayer"][0], "--k", "0", "2"]
+    out = run(build_parser().parse_args([*args, "--iters", "2", "--copy-mb", "4", "--context", "8"]))
+    assert [r["draft"] for r in out["results"]] == [None, "eagle3"] and out["model"].endswith("a_midlayer")
+    assert all(r["step_ms"] > 0 for r in out["results"])
 
 
 # --- bad drafts -----------------------------------------------------------------------------------
