@@ -69,12 +69,12 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument(
         "--draft",
-        choices=["auto", "mtp", "eagle3", "none"],
+        choices=["auto", "mtp", "eagle3", "dflash", "none"],
         default="auto",
         help="speculative decoding draft: auto = the --draft-model when given, else the checkpoint's MTP "
         "layer when it has one; none = plain",
     )
-    g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3)")
+    g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
     g.add_argument(
         "--draft-layer-ids",
         choices=["inputs", "outputs"],
@@ -214,15 +214,16 @@ def _generate(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.model)
     tok = _tokenizer(model_dir)
     print(f"loading {model_dir} ({args.dtype}) ...", file=sys.stderr)
-    if args.draft == "eagle3" and args.draft_model is None:
-        raise CliError("--draft eagle3 needs --draft-model DIR (the EAGLE-3 draft's directory)")
+    if args.draft in ("eagle3", "dflash") and args.draft_model is None:
+        raise CliError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     model = mtp_jax.load(
         model_dir, dtype=args.dtype, draft_model=args.draft_model, draft_layer_ids=args.draft_layer_ids
     )
     prompts = [_encode(tok, text, model.config.bos_token_id) for text in args.prompt]
     draft = args.draft
     if draft == "auto":
-        draft = "eagle3" if "eagle3" in model.drafts else (model.drafts[0] if model.drafts else "none")
+        loaded = [d for d in ("dflash", "eagle3") if d in model.drafts]  # a --draft-model first
+        draft = (loaded or list(model.drafts) or ["none"])[0]
     if draft == "none" and args.num_speculative_tokens is not None:
         raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
     t0 = time.perf_counter()

@@ -590,12 +590,7 @@ def parse_eagle3_config(raw: Mapping[str, Any], mla: bool = False) -> Eagle3Conf
     layers = _positive(raw, "num_hidden_layers", 1)
     if layers != 1:
         raise ConfigError(f"num_hidden_layers={layers}: an EAGLE-3 draft has exactly one decoder layer")
-    for flag in ("attention_bias", "mlp_bias"):
-        if _get(raw, flag, bool, False):
-            raise ConfigError(f"{flag}=true is not supported (EAGLE-3 draft projections have no bias)")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act {act!r} is not supported (EAGLE-3 drafts use 'silu')")
+    _check_draft_layers(raw, "EAGLE-3")
     for flag in EAGLE3_REFUSED_FLAGS:
         if _get(raw, flag, bool, False):
             raise ConfigError(
@@ -611,33 +606,11 @@ def parse_eagle3_config(raw: Mapping[str, Any], mla: bool = False) -> Eagle3Conf
             "not EAGLE-3"
         )
     ids = eagle.get("eagle_aux_hidden_state_layer_ids", raw.get("eagle_aux_hidden_state_layer_ids"))
-    if ids is not None and (
-        not isinstance(ids, list)
-        or not ids
-        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
-    ):
-        raise ConfigError(
-            "eagle_aux_hidden_state_layer_ids must be a non-empty list of non-negative layer ids, "
-            f"got {ids!r}"
-        )
+    _check_layer_ids(ids, "eagle_aux_hidden_state_layer_ids")
     heads = _positive(raw, "num_attention_heads")
     hidden = _positive(raw, "hidden_size")
-    if mla:
-        # MLA attention is described by DeepSeek's fields; the GQA ones below then mean nothing
-        kv_heads, head_dim = heads, 2
-    else:
-        kv_heads = _positive(raw, "num_key_value_heads", heads)
-        head_dim = _positive(raw, "head_dim", None) or (hidden // heads if hidden % heads == 0 else None)
-        if head_dim is None:
-            raise ConfigError(
-                f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}); give head_dim"
-            )
-        if heads % kv_heads:
-            raise ConfigError(
-                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-            )
-        if head_dim % 2:
-            raise ConfigError(f"head_dim must be even for rotary embedding, got {head_dim}")
+    # MLA attention is described by DeepSeek's fields; the GQA ones then mean nothing
+    kv_heads, head_dim = (heads, 2) if mla else _gqa_heads(raw, hidden, heads)
     vocab = _positive(raw, "vocab_size")
     draft_vocab = _positive(raw, "draft_vocab_size", vocab)
     if draft_vocab > vocab:
@@ -665,6 +638,43 @@ def parse_eagle3_config(raw: Mapping[str, Any], mla: bool = False) -> Eagle3Conf
             f"rms_norm_eps and rope_theta must be positive, got {cfg.rms_norm_eps} and {cfg.rope_theta}"
         )
     return cfg
+
+
+def _check_draft_layers(raw: Mapping[str, Any], kind: str) -> None:
+    """A draft's decoder layers: no biases, SiLU."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if _get(raw, flag, bool, False):
+            raise ConfigError(f"{flag}=true is not supported ({kind} draft projections have no bias)")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported ({kind} drafts use 'silu')")
+
+
+def _check_layer_ids(ids: Any, name: str) -> None:
+    """None, or a non-empty list of non-negative layer ids."""
+    if ids is not None and (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
+        raise ConfigError(f"{name} must be a non-empty list of non-negative layer ids, got {ids!r}")
+
+
+def _gqa_heads(raw: Mapping[str, Any], hidden: int, heads: int) -> tuple[int, int]:
+    """(num_key_value_heads, head_dim) of a rotary GQA attention, checked."""
+    kv_heads = _positive(raw, "num_key_value_heads", heads)
+    head_dim = _positive(raw, "head_dim", None) or (hidden // heads if hidden % heads == 0 else None)
+    if head_dim is None:
+        raise ConfigError(
+            f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}); give head_dim"
+        )
+    if heads % kv_heads:
+        raise ConfigError(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    if head_dim % 2:
+        raise ConfigError(f"head_dim must be even for rotary embedding, got {head_dim}")
+    return kv_heads, head_dim
 
 
 def _eagle3_mla(raw: Mapping[str, Any], hidden: int, heads: int) -> DeepseekV3Config:
@@ -718,3 +728,129 @@ def describe_capture(capture: tuple[int, ...]) -> str:
     """Words for captured layers: 'outputs of layers 1, 15, 28' or 'the embedding, ...'."""
     parts = ["the embedding" if i == -1 else f"layer {i}" for i in capture]
     return "outputs of " + ", ".join(parts) + " (0-based)"
+
+
+# --- DFlash drafts ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash block-diffusion draft (FORMATS.md, "DFlash drafts"): ``num_hidden_layers``
+    Qwen3-style decoder layers (q_norm / k_norm before rope) that propose a whole block in one
+    non-causal forward, conditioned on the target's hidden states injected as extra keys and values;
+    no embedding and no head of its own (the target's).
+
+    ``target_layer_ids``: the captured target layers as written (layer OUTPUTS; None: the default);
+    ``capture`` is what they mean for a particular target, resolved at load (:func:`dflash_capture`).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    mask_token_id: int
+    rope_scaling: Llama3RopeScaling | None = None
+    target_layer_ids: tuple[int, ...] | None = None
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    capture: tuple[int, ...] = ()
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> DFlashConfig:
+        return parse_dflash_config(raw)
+
+
+def parse_dflash_config(raw: Mapping[str, Any]) -> DFlashConfig:
+    """A DFlash draft's config.json: ``block_size`` at top level or inside ``dflash_config`` (newer
+    checkpoints), ``dflash_config.mask_token_id`` (required) and ``target_layer_ids``, the
+    draft's own rope (``llama3`` scaling or none)."""
+    _check_draft_layers(raw, "DFlash")
+    dflash = raw.get("dflash_config") or {}
+    if not isinstance(dflash, Mapping):
+        raise ConfigError(f"config field 'dflash_config' must be an object, got {dflash!r}")
+    if "mask_token_id" not in dflash:
+        raise ConfigError(
+            "a DFlash draft needs dflash_config.mask_token_id (the id its block is masked with)"
+        )
+    mask = _get(dflash, "mask_token_id", int)
+    if mask < 0:
+        raise ConfigError(f"dflash_config.mask_token_id must be a token id, got {mask}")
+    sizes = {where: _positive(src, "block_size", None) for where, src in (("top", raw), ("dflash", dflash))}
+    if sizes["top"] and sizes["dflash"] and sizes["top"] != sizes["dflash"]:
+        raise ConfigError(
+            f"block_size {sizes['top']} (top level) and dflash_config.block_size {sizes['dflash']} disagree"
+        )
+    block = sizes["dflash"] or sizes["top"]
+    if block is None:
+        raise ConfigError("a DFlash draft needs block_size (top level or in dflash_config)")
+    if block < 2:
+        raise ConfigError(f"block_size must be at least 2 (an anchor and one draft), got {block}")
+    ids = dflash.get("target_layer_ids")
+    _check_layer_ids(ids, "dflash_config.target_layer_ids")
+    heads = _positive(raw, "num_attention_heads")
+    hidden = _positive(raw, "hidden_size")
+    kv_heads, head_dim = _gqa_heads(raw, hidden, heads)
+    theta, scaling = _rope_settings(raw)
+    cfg = DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=_positive(raw, "intermediate_size"),
+        num_hidden_layers=_positive(raw, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_get(raw, "rms_norm_eps", float, 1e-6),
+        rope_theta=theta,
+        max_position_embeddings=_positive(raw, "max_position_embeddings", 2048),
+        block_size=block,
+        mask_token_id=mask,
+        rope_scaling=_parse_llama_rope(scaling),
+        target_layer_ids=None if ids is None else tuple(ids),
+        num_target_layers=_positive(raw, "num_target_layers", None),
+        vocab_size=_positive(raw, "vocab_size", None),
+    )
+    if cfg.rms_norm_eps <= 0 or cfg.rope_theta <= 0:
+        raise ConfigError(
+            f"rms_norm_eps and rope_theta must be positive, got {cfg.rms_norm_eps} and {cfg.rope_theta}"
+        )
+    if cfg.vocab_size is not None and mask >= cfg.vocab_size:
+        raise ConfigError(
+            f"dflash_config.mask_token_id {mask} is outside the vocabulary (vocab_size {cfg.vocab_size})"
+        )
+    return cfg
+
+
+def dflash_default_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """DFlash's default captured layers (outputs): the middle one for a single layer, else
+    ``round(1 + i·(L − 4)/(count − 1))`` for i = 0..count−1 (36 layers, 5 → 1, 9, 17, 25, 33)."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (count - 1))) for i in range(count))
+
+
+def dflash_capture(cfg: DFlashConfig, num_target_layers: int) -> tuple[int, ...]:
+    """The target layer OUTPUTS a DFlash draft reads (transformers' ``hidden_states[i + 1]``): its
+    ``target_layer_ids``, or without them the default for its ``num_target_layers`` and one layer
+    per draft layer."""
+    n = num_target_layers
+    if cfg.num_target_layers is not None and cfg.num_target_layers != n:
+        raise ConfigError(
+            f"the DFlash draft was made for a target of {cfg.num_target_layers} layers "
+            f"(num_target_layers); this target has {n}"
+        )
+    ids = cfg.target_layer_ids or dflash_default_layers(n, cfg.num_hidden_layers)
+    for i in ids:
+        if not 0 <= i < n:
+            raise ConfigError(
+                f"dflash_config.target_layer_ids {list(ids)}: layer {i} is beyond the target's {n} layers "
+                f"(ids are layer outputs: 0..{n - 1})"
+            )
+    return tuple(ids)

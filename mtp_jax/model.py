@@ -169,17 +169,21 @@ class Model:
         return ScoreResult(token_ids=ids, logprobs=[float(x) for x in picked])
 
     def draft_logits(self, token_ids: object, draft: str | None = None) -> np.ndarray:
-        """The draft's teacher-forced first-step logits over the TARGET vocabulary: int [B, T] ->
-        float32 [B, T-1, V]. Row i reads the target's features at position i with token i+1 and
-        predicts token i+2; ids outside the draft's vocabulary get -inf. ``draft``: a method of
-        :attr:`drafts` (default: the only one, else "eagle3" when loaded, else "mtp")."""
+        """The draft's teacher-forced logits over the TARGET vocabulary, to score a draft offline.
+
+        MTP and EAGLE-3: int [B, T] -> float32 [B, T-1, V], the first draft step: row i reads the
+        target's features at position i with token i+1 and predicts token i+2; ids outside the
+        draft's vocabulary get -inf. DFlash: float32 [B, T, block_size - 1, V]: row i anchors a
+        block at token i with the target features of positions 0..i-1 as context, and its entry j
+        predicts token i + 1 + j. ``draft``: a method of :attr:`drafts` (default: the only one, else
+        the separately loaded one, else "mtp")."""
         tokens = self._check_batch(token_ids)
         if tokens.shape[1] < 2:
             raise InvalidRequestError("draft_logits needs sequences of at least two tokens")
         if draft is None:
             if not self.drafts:
                 raise InvalidRequestError(f"{self.path or 'this model'} has no draft")
-            draft = "eagle3" if "eagle3" in self.drafts else self.drafts[0]
+            draft = next((d for d in ("dflash", "eagle3") if d in self.drafts), self.drafts[0])
         sc = self._step_config(draft, 1, "argmax")
         return np.asarray(_draft_logits(self.params, sc, tokens))
 
@@ -263,6 +267,14 @@ class Model:
         why = DRAFTS[draft].available(self.params, self.config)
         if why is not None:
             raise InvalidRequestError(f"{why}; {self.path or 'this model'} cannot draft with {draft!r}")
+        if draft == "dflash":  # a block proposes at most block_size - 1 drafts, by default all of them
+            block = self.draft_config.block_size
+            k = block - 1 if k is None else k
+            if isinstance(k, int) and not isinstance(k, bool) and k > block - 1:
+                raise InvalidRequestError(
+                    f"num_speculative_tokens={k}: a DFlash block of {block} tokens proposes at most "
+                    f"{block - 1} drafts"
+                )
         k = 3 if k is None else k
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise InvalidRequestError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
@@ -342,7 +354,7 @@ def load(
         )
     draft_config = None
     if draft_model is not None:
-        draft_config, params["eagle3"] = load_draft(
+        draft_config, group, params[group] = load_draft(
             draft_model, config, params, DTYPES[dtype], layer_ids=draft_layer_ids, strict=strict, mesh=mesh
         )
     return Model(
@@ -366,9 +378,11 @@ def load_draft(
     layer_ids: str = "inputs",
     strict: bool = False,
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[Any, dict]:
-    """A separately trained draft for the target (``config``, device ``params``): (its config, its
-    parameter subtree). The kind comes from the draft's config.json and tensor names."""
+) -> tuple[Any, str, dict]:
+    """A separately trained draft for the target (``config``, device ``params``): (its config, the
+    name of its parameter group, the group). The kind comes from the draft's config.json and tensor
+    names: EAGLE-3 (group "eagle3") or DFlash (group "dflash")."""
+    from mtp_jax.checkpoint.dflash import is_dflash, load_dflash
     from mtp_jax.checkpoint.eagle3 import is_eagle3, load_eagle3
 
     path = os.fspath(path)
@@ -376,10 +390,14 @@ def load_draft(
         raise CheckpointNotFoundError(f"draft model directory not found: {path}")
     raw = read_json(os.path.join(path, "config.json"), what="draft config")
     reader = CheckpointReader(path)
+    if is_dflash(raw, reader):
+        cfg, tree = load_dflash(reader, raw, config, dtype, strict=strict, mesh=mesh)
+        return cfg, "dflash", tree
     if not is_eagle3(raw, reader):
         archs = raw.get("architectures")
         raise ConfigError(
             f"{path}: not a supported draft model (architectures {archs!r}); supported: EAGLE-3 "
-            "(an 'fc' fusion layer over target features)"
+            "(an 'fc' fusion layer over target features) and DFlash (DFlashDraftModel)"
         )
-    return load_eagle3(reader, raw, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)
+    cfg, tree = load_eagle3(reader, raw, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)
+    return cfg, "eagle3", tree

@@ -237,6 +237,8 @@ def param_logical(group: str, names: Sequence[str], rank: int) -> tuple[str | No
         return ("experts",) + (None,) * (rank - 1)
     if group in ("layers", "eagle3") and tuple(names[-2:]) in _LLAMA_LAYER:
         return _LLAMA_LAYER[tuple(names[-2:])]
+    if group == "dflash" and names[:1] == ["layers"]:  # the draft's own stack [n, ...]: never split
+        return (None,) + _LLAMA_LAYER.get(tuple(names[-2:]), (None,) * (rank - 1))
     if rank == 2 and (group == "lm_head" or (group == "eagle3" and names == ["lm_head"])):
         return (None, "vocab")  # [d, V]: vocabulary-parallel head
     return (None,) * rank

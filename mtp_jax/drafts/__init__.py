@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mtp_jax.drafts import eagle3, mtp
+from mtp_jax.drafts import dflash, eagle3, mtp
 from mtp_jax.drafts.base import Draft, Rows
 
-DRAFTS: dict[str, Draft] = {d.name: d for d in (mtp.DRAFT, eagle3.DRAFT)}
+DRAFTS: dict[str, Draft] = {d.name: d for d in (mtp.DRAFT, eagle3.DRAFT, dflash.DRAFT)}
 DRAFT_METHODS = tuple(DRAFTS)
 
 

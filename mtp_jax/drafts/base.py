@@ -58,9 +58,11 @@ class Draft:
         -> (drafts [b, K] int32 target ids, q [b, K, V] float32 draft distributions in sampled mode
         else [b, K, 0], new state): see the module docstring. ``first_position`` is the absolute
         position of the first draft.
-    teacher_forced(params, sc, tokens [b, T], hidden) -> float32 [b, T-1, V]: the draft's first-step
-        logits over whole sequences, row i from the target's hidden states at i (``hidden``, with
-        the captured layers) and token i+1, predicting token i+2 (-inf at ids it cannot propose).
+    teacher_forced(params, sc, tokens [b, T], hidden) -> float32 logits over whole sequences for
+        scoring a draft offline: for a chained draft [b, T-1, V], its first step, row i from the
+        target's hidden states at i (``hidden``, with the captured layers) and token i+1, predicting
+        token i+2 (-inf at ids it cannot propose); for a block draft (DFlash) [b, T, B-1, V], the
+        block anchored at each token.
     """
 
     name: str

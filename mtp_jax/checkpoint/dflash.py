@@ -1,0 +1,91 @@
+"""DFlash draft checkpoints (``architectures: [DFlashDraftModel]``) -> ``params["dflash"]``
+(:mod:`mtp_jax.drafts.dflash`).
+
+The published layout (FORMATS.md, "DFlash drafts"): no ``model.`` prefix, ``fc.weight`` [H, C·H]
+over C captured target layers, ``hidden_norm``, ``norm``, and ``layers.{i}.*`` Qwen3-style decoder
+layers (``self_attn.q_norm`` / ``k_norm`` [head_dim] before rope). No embedding and no head: the
+target's are used, so the draft's width must be the target's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from mtp_jax.checkpoint.llama3 import decoder_layer_tensors
+from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.config import DFlashConfig, dflash_capture, parse_dflash_config
+from mtp_jax.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def is_dflash(raw: dict, reader: CheckpointReader) -> bool:
+    """Whether a draft directory holds a DFlash draft: its architecture or its ``dflash_config``."""
+    archs = raw.get("architectures") or []
+    return any("dflash" in str(a).lower() for a in archs) or "dflash_config" in raw
+
+
+def load_dflash(
+    reader: CheckpointReader,
+    raw: dict,
+    target_cfg: Any,
+    dtype: Any,
+    *,
+    strict: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    verbose: bool = True,
+) -> tuple[DFlashConfig, dict]:
+    """Read a DFlash draft for the target ``target_cfg``. Returns (config with its captured layers
+    resolved, ``params["dflash"]``: fc, hidden_norm, norm and the decoder layers stacked [n, ...])."""
+    path = reader.directory
+    cfg = parse_dflash_config(raw)
+    h = cfg.hidden_size
+    if h != target_cfg.hidden_size:
+        raise ConfigError(
+            f"{path}: the DFlash draft's hidden_size is {h}, the target's {target_cfg.hidden_size} (a DFlash "
+            "draft uses the target's embedding and head, so the widths must match)"
+        )
+    if cfg.vocab_size is not None and cfg.vocab_size != target_cfg.vocab_size:
+        raise ConfigError(
+            f"{path}: the DFlash draft's vocab_size is {cfg.vocab_size}, the target's {target_cfg.vocab_size}"
+        )
+    if cfg.mask_token_id >= target_cfg.vocab_size:
+        raise ConfigError(
+            f"{path}: dflash_config.mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
+            f"({target_cfg.vocab_size} tokens)"
+        )
+    capture = dflash_capture(cfg, target_cfg.num_hidden_layers)
+    cfg = dataclasses.replace(cfg, capture=capture)
+    t = HubTensors(reader, cfg, dtype)
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    width = len(capture) * h
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        pre = f"layers.{i}."
+        layer = decoder_layer_tensors(t, pre, h, nh, nkv, hd, cfg.intermediate_size)
+        layer["attn"]["q_norm"] = t.get(f"{pre}self_attn.q_norm.weight", (hd,))
+        layer["attn"]["k_norm"] = t.get(f"{pre}self_attn.k_norm.weight", (hd,))
+        layers.append(layer)
+    tree = {
+        "fc": t.linear("fc.weight", h, width),
+        "hidden_norm": t.get("hidden_norm.weight", (h,)),
+        "norm": t.get("norm.weight", (h,)),
+        "layers": jax.tree.map(lambda *xs: np.stack(xs), *layers),
+    }
+    report_unused(reader, set(t.used), strict=strict, logger=log)
+    how = "as written in its config" if cfg.target_layer_ids is not None else "by default"
+    note = (
+        f"DFlash draft {path}: {cfg.num_hidden_layers} layers, block size {cfg.block_size}, mask id "
+        f"{cfg.mask_token_id}; reads target outputs of layers {', '.join(map(str, capture))} (0-based, {how})"
+    )
+    log.info(note)
+    if verbose:
+        print(note, file=sys.stderr)
+    return cfg, assemble_groups([("dflash", None, tree)], {}, mesh=mesh)["dflash"]

@@ -1,0 +1,243 @@
+"""DFlash draft: a whole block of drafts from ONE non-causal forward (FORMATS.md, "DFlash drafts").
+
+The draft has ``n`` Qwen3-style decoder layers and no embedding or head of its own (the target's).
+Its context is the target: for every committed position p, ``c_p = hidden_norm(fc(cat(features_p)))``
+(the captured target layer outputs, concatenated in order; :func:`dflash_features`), whose keys
+``rope(k_norm(k_proj(c_p)), p)`` and values ``v_proj(c_p)`` each layer attends to (no input norm
+on c). A block anchored at position
+s is ``[x_s, MASK, ..., MASK]`` (``block_size`` tokens, embedded by the target, at positions
+s..s+block_size-1); per layer::
+
+    h = input_norm(x);  q = rope(q_norm(q_proj(h)));  k, v of the block as for the context
+    x += o(attn(q, [context keys ; block keys]))     # no mask inside the block (bidirectional)
+    x += mlp(post_attn_norm(x))
+
+and ``target_lm_head(norm(x))`` at block row j (1..block_size-1) predicts the token at s + j. The
+block's keys and values are never stored; only the context's are (in decoding, once per committed
+token).
+
+Parameters (``params["dflash"]``; weights [in, out], head axes split out, layers stacked [n, ...])::
+
+    fc [C·H, H], hidden_norm [H], norm [H],
+    layers: {input_norm, post_attn_norm [n, H],
+             attn: {q [n, H, nh, hd], k/v [n, H, nkv, hd], o [n, nh, hd, H], q_norm/k_norm [n, hd]},
+             mlp: {gate, up [n, H, f], down [n, f, H]}}
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.cache import slots_for, write_rows
+from mtp_jax.config import DFlashConfig
+from mtp_jax.drafts.base import Draft, Rows, at_rows, choose
+from mtp_jax.gqa import NEG_INF
+from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
+from mtp_jax.targets.base import Hidden, lm_head
+from mtp_jax.targets.llama3 import rope_tables
+
+
+def dflash_features(cfg: DFlashConfig, num_target_layers: int, hidden: Hidden) -> jax.Array:
+    """Fused target features [b, t, C·H] in ``cfg.capture`` order: transformers'
+    ``hidden_states[i + 1]``, the residual stream after layer i, except that after the LAST layer
+    transformers returns the final-normed state, which a draft trained on it reads."""
+    parts = [
+        hidden.post_norm if i == num_target_layers - 1 else hidden.layers[j]
+        for j, i in enumerate(cfg.capture)
+    ]
+    return jnp.concatenate(parts, axis=-1)
+
+
+def context_rows(params: dict, cfg: DFlashConfig, features: jax.Array) -> jax.Array:
+    """The draft's context c [b, t, H] from fused target features [b, t, C·H]."""
+    p = params["dflash"]
+    c = jnp.einsum("btc,cd->btd", features.astype(p["fc"].dtype), p["fc"])
+    return rms_norm(c, p["hidden_norm"], cfg.rms_norm_eps)
+
+
+def _keys_values(p: dict, cfg: DFlashConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """Keys [b, t, nkv, hd] (k_norm, then rope) and values of rows x [b, t, H] of one layer."""
+    k = rms_norm(jnp.einsum("btd,dhk->bthk", x, p["k"]), p["k_norm"], cfg.rms_norm_eps)
+    return apply_rope_half(k, cos, sin), jnp.einsum("btd,dhk->bthk", x, p["v"])
+
+
+def _queries(p: dict, cfg: DFlashConfig, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    q = rms_norm(jnp.einsum("btd,dhk->bthk", x, p["q"]), p["q_norm"], cfg.rms_norm_eps)
+    return apply_rope_half(q, cos, sin)
+
+
+def block_attention(
+    q: jax.Array,
+    k_block: jax.Array,
+    v_block: jax.Array,
+    k_ctx: jax.Array,
+    v_ctx: jax.Array,
+    ctx_visible: jax.Array,
+    scale: float,
+) -> jax.Array:
+    """Attention of blocks over [context ; their own block], no mask inside a block.
+
+    q [b, n, B, H, d] (n blocks of B rows), k_block/v_block [b, n, B, Hkv, d], k_ctx/v_ctx
+    [b, S, Hkv, d], ctx_visible [b, n, S] bool (context rows block i may see). Returns [b, n, B, H, d].
+    """
+    b, n, bs, h, d = q.shape
+    kv = k_block.shape[3]
+    qg = q.reshape(b, n, bs, kv, h // kv, d)
+    f32 = jnp.float32
+    ctx = jnp.einsum("bnjkgd,bskd->bnjkgs", qg, k_ctx, preferred_element_type=f32) * scale
+    ctx = jnp.where(ctx_visible[:, :, None, None, None, :], ctx, NEG_INF)
+    own = jnp.einsum("bnjkgd,bnlkd->bnjkgl", qg, k_block, preferred_element_type=f32) * scale
+    probs = jax.nn.softmax(jnp.concatenate([ctx, own], axis=-1), axis=-1).astype(q.dtype)
+    s = k_ctx.shape[1]
+    out = jnp.einsum("bnjkgs,bskd->bnjkgd", probs[..., :s], v_ctx.astype(q.dtype), preferred_element_type=f32)
+    out += jnp.einsum(
+        "bnjkgl,bnlkd->bnjkgd", probs[..., s:], v_block.astype(q.dtype), preferred_element_type=f32
+    )
+    return out.reshape(b, n, bs, h, d).astype(q.dtype)
+
+
+def _block_layers(params, cfg: DFlashConfig, blocks, block_positions, ctx_visible, context_kv, carry):
+    """The draft's layers over blocks [b, n, B] at ``block_positions``; each layer's context keys and
+    values come from ``context_kv(layer params, layer index, carry) -> (k, v, carry)``. Returns
+    (norm(x) [b, n, B, H], carry)."""
+    p = params["dflash"]
+    b, n, bs = blocks.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = params["embed"][blocks].reshape(b, n * bs, -1)
+    cos, sin = rope_tables(cfg, block_positions.reshape(b, n * bs))
+
+    def layer(state, xs):
+        x, carry = state
+        lp, index = xs
+        h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+        q = _queries(lp["attn"], cfg, h, cos, sin).reshape(b, n, bs, nh, hd)
+        k, v = _keys_values(lp["attn"], cfg, h, cos, sin)
+        k_ctx, v_ctx, carry = context_kv(lp["attn"], index, carry)
+        shape = (b, n, bs, nkv, hd)
+        out = block_attention(
+            q, k.reshape(shape), v.reshape(shape), k_ctx, v_ctx, ctx_visible, cfg.softmax_scale
+        )
+        x = x + jnp.einsum("bthk,hkd->btd", out.reshape(b, n * bs, nh, hd), lp["attn"]["o"])
+        x = x + swiglu(rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps), **lp["mlp"])
+        return (x, carry), None
+
+    (x, carry), _ = jax.lax.scan(layer, (x, carry), (p["layers"], jnp.arange(cfg.num_hidden_layers)))
+    return rms_norm(x, p["norm"], cfg.rms_norm_eps).reshape(b, n, bs, -1), carry
+
+
+def block_forward(
+    params: dict,
+    cfg: DFlashConfig,
+    blocks: jax.Array,
+    block_positions: jax.Array,
+    context: jax.Array,
+    context_positions: jax.Array,
+    ctx_visible: jax.Array,
+) -> jax.Array:
+    """norm(x) [b, n, B, H] of n blocks per row: ``blocks`` [b, n, B] token ids (anchor then MASKs)
+    at ``block_positions`` [b, n, B], over the context rows ``context`` [b, S, H] (c, see
+    :func:`context_rows`) at ``context_positions`` [b, S], block i seeing the rows ``ctx_visible``
+    [b, n, S]. Every layer computes the context's keys and values from c (training, scoring)."""
+    cos, sin = rope_tables(cfg, context_positions)
+
+    def context_kv(lp, index, carry):
+        return (*_keys_values(lp, cfg, context.astype(lp["k"].dtype), cos, sin), carry)
+
+    return _block_layers(params, cfg, blocks, block_positions, ctx_visible, context_kv, None)[0]
+
+
+def anchored_blocks(cfg: DFlashConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One block per position of tokens [b, T]: [x_i, MASK, ...] at positions i..i+B-1.
+    Returns (blocks [b, T, B], positions [b, T, B])."""
+    b, t = tokens.shape
+    bs = cfg.block_size
+    blocks = jnp.full((b, t, bs), cfg.mask_token_id, tokens.dtype).at[:, :, 0].set(tokens)
+    positions = jnp.arange(t, dtype=jnp.int32)[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    return blocks, jnp.broadcast_to(positions, (b, t, bs))
+
+
+def teacher_forced_block_logits(
+    params: dict, cfg: DFlashConfig, tokens: jax.Array, features: jax.Array
+) -> jax.Array:
+    """float32 [b, T, B-1, V] over whole sequences tokens [b, T] with fused target features
+    [b, T, C·H]: row i anchors a block at token i with the context of positions 0..i-1; its entry
+    j predicts token i + 1 + j."""
+    b, t = tokens.shape
+    blocks, positions = anchored_blocks(cfg, tokens)
+    context = context_rows(params, cfg, features[:, :t])
+    ctx_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    visible = jnp.arange(t)[None, :] < jnp.arange(t)[:, None]  # block i sees context rows s < i
+    normed = block_forward(
+        params, cfg, blocks, positions, context, ctx_positions, jnp.broadcast_to(visible, (b, t, t))
+    )
+    return lm_head(params, normed[:, :, 1:])
+
+
+# --- the draft interface (mtp_jax.drafts.base) ---------------------------------------------------
+def _available(params: dict, cfg: object) -> str | None:
+    if "dflash" not in params:
+        return "draft='dflash' needs a DFlash draft loaded beside the target (load(..., draft_model=DIR))"
+    return None
+
+
+def _init_state(sc, num_pages: int, dtype) -> dict:
+    """Each draft layer's context keys and values, paged on the target's page ids:
+    {"k", "v"} [n_layers, P, page, nkv, hd]."""
+    c = sc.draft_cfg
+    shape = (c.num_hidden_layers, num_pages, sc.page_size, c.num_key_value_heads, c.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+    return (None, "pages", None, "kv_heads", None)
+
+
+def _extend_and_propose(params, sc, state, page_table, rows: Rows, active, sampling, first_pos):
+    """Write the committed rows' context keys and values (every layer), then one block forward
+    anchored at the last emitted token (position first_pos - 1) over each row's paged context;
+    its rows 1..K are the K drafts, each chosen independently given the context."""
+    cfg = sc.draft_cfg
+    b = page_table.shape[0]
+    context = context_rows(params, cfg, dflash_features(cfg, sc.cfg.num_hidden_layers, rows.hidden))
+    slots = slots_for(page_table, rows.positions, rows.valid, sc.page_size)
+    cos_c, sin_c = rope_tables(cfg, rows.positions)
+    anchor_pos = first_pos - 1
+    anchors = at_rows(rows.next_tokens, rows.last)
+    blocks, positions = anchored_blocks(cfg, anchors[:, None])
+    positions = positions + anchor_pos[:, None, None]
+    width = page_table.shape[1] * sc.page_size
+    ctx_positions = jnp.arange(width, dtype=jnp.int32)
+    visible = (ctx_positions[None, :] < anchor_pos[:, None])[:, None, :]  # [b, 1, S]
+    table = jnp.clip(page_table, 0, state["k"].shape[1] - 1)
+
+    def context_kv(lp, index, pages):
+        k_new, v_new = _keys_values(lp, cfg, context.astype(pages["k"].dtype), cos_c, sin_c)
+        pages = {
+            "k": write_rows(pages["k"], k_new, slots, index),
+            "v": write_rows(pages["v"], v_new, slots, index),
+        }
+        k_ctx, v_ctx = (pages[n][index][table].reshape(b, width, *pages[n].shape[3:]) for n in ("k", "v"))
+        return k_ctx, v_ctx, pages
+
+    normed, state = _block_layers(params, cfg, blocks, positions, visible, context_kv, state)
+    logits = lm_head(params, normed[:, 0, 1 : sc.k + 1])  # [b, K, V]
+    picks = [choose(logits[:, j], sc.sampled, sampling, first_pos + j) for j in range(sc.k)]
+    drafts = jnp.stack([d for d, _ in picks], axis=1)
+    return drafts, jnp.stack([q for _, q in picks], axis=1), state
+
+
+def _teacher_forced(params, sc, tokens, hidden):
+    features = dflash_features(sc.draft_cfg, sc.cfg.num_hidden_layers, hidden)
+    return teacher_forced_block_logits(params, sc.draft_cfg, tokens, features)
+
+
+DRAFT = Draft(
+    name="dflash",
+    available=_available,
+    capture=lambda sc: tuple(sc.draft_cfg.capture),
+    init_state=_init_state,
+    state_logical=_state_logical,
+    extend_and_propose=_extend_and_propose,
+    teacher_forced=_teacher_forced,
+)

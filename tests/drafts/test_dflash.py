@@ -1,0 +1,265 @@
+"""DFlash drafts: the block forward against an independent float64 reference of the published math
+(FORMATS.md, "DFlash drafts") on transformers' own hidden states, the decode-time block over the
+paged context against it, speculative generation with it, and the errors a bad draft gets."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, write_hub_checkpoint
+from mtp_jax.config import DFlashConfig, dflash_capture, dflash_default_layers
+from mtp_jax.errors import ConfigError, InvalidRequestError
+from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3_DRAFT
+from tests.drafts.test_eagle3 import REF, TARGET, _inv_freq, _rms, _rope  # L = 3, d = 32, V = 128
+
+# Two layers, GQA 4/2, its own llama3-scaled rope, a block of 4, captured outputs of layers 0 and 2.
+DRAFT_A = {
+    "architectures": ["DFlashDraftModel"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 5000.0,
+    "rope_scaling": EAGLE3_DRAFT["rope_scaling"],  # llama3-scaled
+    "max_position_embeddings": 512,
+    "block_size": 4,
+    "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2]},
+}
+# One layer, block_size inside dflash_config, the default layer choice (one layer: the middle).
+DRAFT_B = {
+    **{k: v for k, v in DRAFT_A.items() if k not in ("block_size", "rope_scaling")},
+    "num_hidden_layers": 1,
+    "num_key_value_heads": 4,
+    "dflash_config": {"mask_token_id": 3, "block_size": 5},
+}
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory) -> dict:
+    """name -> (draft directory, its tensors, its raw config)."""
+    root = tmp_path_factory.mktemp("dflash")
+    out = {}
+    for name, raw, n_features in (("a", DRAFT_A, 2), ("b", DRAFT_B, 1)):
+        tensors = dflash_hub_tensors(DFlashConfig.from_dict(raw), n_features, seed=len(name) + 3, std=0.2)
+        write_hub_checkpoint(root / name, raw, tensors)
+        out[name] = (str(root / name), tensors, raw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(drafts) -> dict:
+    return {
+        name: mtp_jax.load(TARGET, "float32", strict=True, draft_model=d[0]) for name, d in drafts.items()
+    }
+
+
+# --- the independent reference ------------------------------------------------------------------
+def reference_block_logits(t, raw, hidden_states, tokens, ids, embed, head, perturb=None) -> np.ndarray:
+    """float64 [b, T, B-1, V] by the published recipe, one anchor at a time. ``perturb`` makes one
+    mistake: "causal_block" (a causal mask inside the block), "see_anchor" (the context includes
+    the anchor's own position), "inputs" (captured ids read as layer inputs)."""
+    f64 = np.float64
+    t = {k: np.asarray(v, f64) for k, v in t.items()}
+    eps, bs = raw["rms_norm_eps"], raw.get("block_size") or raw["dflash_config"]["block_size"]
+    mask = raw["dflash_config"]["mask_token_id"]
+    nh, nkv, hd = raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    inv = _inv_freq(raw, hd)
+    shift = 0 if perturb == "inputs" else 1
+    feats = np.concatenate([np.asarray(hidden_states[i + shift], f64) for i in ids], -1)
+    c = _rms(feats @ t["fc.weight"].T, t["hidden_norm.weight"], eps)
+    b, n = tokens.shape
+    out = np.zeros((b, n, bs - 1, head.shape[0]))
+
+    def heads(x, w, norm, width, pos):
+        y = _rms((x @ w.T).reshape(len(x), width, hd), norm, eps)
+        return _rope(y[None], pos.astype(f64), inv)[0]
+
+    for r in range(b):
+        for i in range(n):
+            x = np.asarray(embed, f64)[[tokens[r, i]] + [mask] * (bs - 1)]
+            pos_b = np.arange(i, i + bs)
+            seen = i + 1 if perturb == "see_anchor" else i
+            pos_c = np.arange(seen)
+            for layer in range(raw["num_hidden_layers"]):
+                a = f"layers.{layer}.self_attn."
+                h = _rms(x, t[f"layers.{layer}.input_layernorm.weight"], eps)
+                q = heads(h, t[f"{a}q_proj.weight"], t[f"{a}q_norm.weight"], nh, pos_b)
+                kb = heads(h, t[f"{a}k_proj.weight"], t[f"{a}k_norm.weight"], nkv, pos_b)
+                kc = heads(c[r, :seen], t[f"{a}k_proj.weight"], t[f"{a}k_norm.weight"], nkv, pos_c)
+                vb = (h @ t[f"{a}v_proj.weight"].T).reshape(bs, nkv, hd)
+                vc = (c[r, :seen] @ t[f"{a}v_proj.weight"].T).reshape(seen, nkv, hd)
+                keys, values = np.concatenate([kc, kb]), np.concatenate([vc, vb])
+                att = np.zeros((bs, nh, hd))
+                for hh in range(nh):
+                    g = hh // (nh // nkv)
+                    s = q[:, hh] @ keys[:, g].T / np.sqrt(hd)
+                    if perturb == "causal_block":
+                        s[:, seen:] = np.where(np.tril(np.ones((bs, bs), bool)), s[:, seen:], -np.inf)
+                    p = np.exp(s - s.max(-1, keepdims=True))
+                    att[:, hh] = (p / p.sum(-1, keepdims=True)) @ values[:, g]
+                x = x + att.reshape(bs, nh * hd) @ t[f"{a}o_proj.weight"].T
+                m = f"layers.{layer}.mlp."
+                y = _rms(x, t[f"layers.{layer}.post_attention_layernorm.weight"], eps)
+                gate, up = y @ t[f"{m}gate_proj.weight"].T, y @ t[f"{m}up_proj.weight"].T
+                x = x + (gate / (1 + np.exp(-gate)) * up) @ t[f"{m}down_proj.weight"].T
+            out[r, i] = _rms(x, t["norm.weight"], eps)[1:] @ np.asarray(head, f64).T
+    return out
+
+
+def _target_head(model) -> tuple[np.ndarray, np.ndarray]:
+    """(embedding [V, d], head [V, d]) of the loaded target (its loader is checked against
+    transformers in tests/targets)."""
+    embed = np.asarray(model.params["embed"])
+    head = np.asarray(model.params["lm_head"]).T if "lm_head" in model.params else embed
+    return embed, head
+
+
+def _rel(got, want) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+# --- the forward ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_draft_logits_match_the_published_math(drafts, models, name):
+    _, tensors, raw = drafts[name]
+    model = models[name]
+    tokens = REF["input_ids"]
+    got = model.draft_logits(tokens)
+    bs = model.draft_config.block_size
+    assert got.shape == (*tokens.shape, bs - 1, 128) and got.dtype == np.float32
+    ids = model.draft_config.capture
+    embed, head = _target_head(model)
+    want = reference_block_logits(tensors, raw, REF["hidden_states"], tokens, ids, embed, head)
+    assert _rel(got, want) < 1e-5
+    # each way of getting the published math wrong moves the logits far outside that tolerance
+    for perturb in ("causal_block", "see_anchor", "inputs"):
+        wrong = reference_block_logits(tensors, raw, REF["hidden_states"], tokens, ids, embed, head, perturb)
+        assert _rel(got, wrong) > 1e-2, perturb
+
+
+def test_captured_layers_and_defaults(models):
+    assert models["a"].draft_config.capture == (0, 2)  # outputs, as written
+    assert models["b"].draft_config.capture == (1,)  # one draft layer: the middle of 3
+    assert dflash_default_layers(36, 5) == (1, 9, 17, 25, 33)  # FORMATS.md's example
+    assert dflash_default_layers(32, 1) == (16,)
+    cfg = DFlashConfig.from_dict({**DRAFT_A, "num_target_layers": 36, "dflash_config": {"mask_token_id": 1}})
+    assert cfg.block_size == 4 and dflash_capture(cfg, 36) == dflash_default_layers(36, 2)
+    with pytest.raises(ConfigError, match="made for a target of 36 layers"):
+        dflash_capture(cfg, 3)
+
+
+# --- in the unified step --------------------------------------------------------------------------
+def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(models):
+    """extend_and_propose on a whole prompt (as prefill runs it): the context written to the paged
+    cache, one block anchored at the last token; its greedy drafts are the argmax of the
+    teacher-forced block there, its sampled-mode q the processed softmax of the same logits."""
+    from mtp_jax.cache import page_table_array
+    from mtp_jax.drafts.base import Rows
+    from mtp_jax.drafts.dflash import DRAFT
+    from mtp_jax.sampling import SamplingParams, draft_probs
+    from mtp_jax.step import StepConfig
+
+    model = models["a"]
+    cfg = model.draft_config
+    ids = jnp.asarray(REF["input_ids"])
+    b, t = ids.shape
+    hidden = model.hidden_states(REF["input_ids"], cfg.capture)
+    want = model.draft_logits(REF["input_ids"])[:, t - 1]  # the block anchored at the last token
+    page = 4
+    width = -(-(t + cfg.block_size) // page)
+    table = jnp.asarray(page_table_array([list(range(r * width, (r + 1) * width)) for r in range(b)], width))
+    cut = hidden._replace(
+        post_norm=jnp.asarray(hidden.post_norm)[:, : t - 1],
+        pre_norm=jnp.asarray(hidden.pre_norm)[:, : t - 1],
+        layers=jnp.asarray(hidden.layers)[:, :, : t - 1],
+    )
+    rows = Rows(
+        tokens=ids[:, : t - 1],
+        next_tokens=ids[:, 1:],
+        positions=jnp.broadcast_to(jnp.arange(t - 1), (b, t - 1)),
+        valid=jnp.ones((b, t - 1), bool),
+        hidden=cut,
+        last=jnp.full((b,), t - 2),
+    )
+    first_pos = jnp.full((b,), t)  # anchor (the last token) at t - 1, drafts from t on
+    sampling = SamplingParams.build(b, temperature=[0.8] * b)
+    for mode in ("argmax", "sampled"):
+        sc = StepConfig(model.config, page, 3, "dflash", mode, draft_cfg=cfg)
+        state = DRAFT.init_state(sc, b * width, jnp.float32)
+        drafts, q, state = DRAFT.extend_and_propose(
+            model.params, sc, state, table, rows, jnp.ones(b, bool), sampling, first_pos
+        )
+        if mode == "argmax":
+            np.testing.assert_array_equal(np.asarray(drafts), np.argmax(want[:, :3], -1))
+        else:
+            expect = np.stack([draft_probs(jnp.asarray(want[:, j]), sampling) for j in range(3)], 1)
+            np.testing.assert_allclose(np.asarray(q), expect, rtol=1e-4, atol=1e-6)
+    # the context rows of every layer are in the cache at their slots, nothing past them
+    k = np.asarray(state["k"][:, table[0]]).reshape(cfg.num_hidden_layers, -1, *state["k"].shape[3:])
+    assert np.abs(k[:, : t - 1]).sum(-1).all() and not np.abs(k[:, t - 1 :]).any()
+
+
+PROMPTS = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [100], [8, 8, 8, 8, 8, 8, 8]]
+
+
+@pytest.mark.parametrize("name", ["a", "b"])
+def test_greedy_speculation_is_lossless(models, name):
+    model = models[name]
+    plain = model.generate(PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3)
+    for k in (1, model.draft_config.block_size - 1):
+        out = model.generate(
+            PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="dflash", num_speculative_tokens=k
+        )
+        assert out.tokens == plain.tokens, k
+    default = model.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True, draft="dflash")
+    assert default.stats["num_speculative_tokens"] == model.draft_config.block_size - 1
+
+
+# --- bad drafts -----------------------------------------------------------------------------------
+def _bad(tmp_path, raw=None, drop=(), n_features=2) -> str:
+    raw = copy.deepcopy(raw or DRAFT_A)
+    tensors = dflash_hub_tensors(DFlashConfig.from_dict(raw), n_features)
+    for key in drop:
+        del tensors[key]
+    path = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+    write_hub_checkpoint(path, raw, tensors)
+    return str(path)
+
+
+def test_bad_drafts_are_refused_by_name(tmp_path, models):
+    cases = [
+        ({**DRAFT_A, "hidden_size": 48, "head_dim": 12}, "hidden_size is 48, the target's 32"),
+        ({**DRAFT_A, "vocab_size": 256, "dflash_config": {"mask_token_id": 200}}, "vocab_size is 256"),
+        ({**DRAFT_A, "vocab_size": None, "dflash_config": {"mask_token_id": 128}}, "outside the target's"),
+        ({**DRAFT_A, "dflash_config": {"mask_token_id": 1, "target_layer_ids": [0, 3]}}, "layer 3 is beyond"),
+    ]
+    for raw, message in cases:
+        raw = {k: v for k, v in raw.items() if v is not None}
+        with pytest.raises(ConfigError, match=message):
+            mtp_jax.load(TARGET, "float32", draft_model=_bad(tmp_path, raw))
+    with pytest.raises(Exception, match="missing tensor 'layers.1.self_attn.k_norm.weight'"):
+        mtp_jax.load(TARGET, "float32", draft_model=_bad(tmp_path, drop=["layers.1.self_attn.k_norm.weight"]))
+    with pytest.raises(Exception, match="fc.weight"):  # fc over 1 layer, config asks for 2
+        mtp_jax.load(TARGET, "float32", draft_model=_bad(tmp_path, n_features=1))
+    for raw, message in (
+        ({**DRAFT_A, "dflash_config": {"target_layer_ids": [0]}}, "needs dflash_config.mask_token_id"),
+        ({k: v for k, v in DRAFT_A.items() if k != "block_size"}, "needs block_size"),
+        ({**DRAFT_A, "dflash_config": {"mask_token_id": 1, "block_size": 8}}, "disagree"),
+        ({**DRAFT_A, "block_size": 1}, "at least 2"),
+        ({**DRAFT_A, "attention_bias": True}, "attention_bias"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            DFlashConfig.from_dict(raw)
+    with pytest.raises(InvalidRequestError, match="a DFlash block of 4 tokens proposes at most 3"):
+        models["a"].generate([[1, 2]], max_new_tokens=2, draft="dflash", num_speculative_tokens=4)
+    assert jax.tree.leaves(models["a"].params["dflash"]["layers"])[0].shape[0] == 2  # stacked layers
