@@ -29,8 +29,8 @@ import pytest
 
 import mtp_jax
 from mtp_jax import sampling
-from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint
-from mtp_jax.config import Eagle3Config
+from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, eagle3_hub_tensors, write_hub_checkpoint
+from mtp_jax.config import DFlashConfig, Eagle3Config
 from mtp_jax.sampling import SamplingParams
 from tests.conftest import TINY_CONFIG, oracle_tensors
 
@@ -518,6 +518,29 @@ def small_vocab_eagle3(small_vocab_model, tmp_path_factory):
     return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, draft_model=str(path))
 
 
+@pytest.fixture(scope="module")
+def small_vocab_dflash(small_vocab_model, tmp_path_factory):
+    """The same target (a DeepSeek-V3: MLA, MoE) with a random DFlash draft: a block of 4 proposed
+    at once, each position drawn independently given the context, from the target's head."""
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+        "block_size": 4,
+        "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2]},
+    }
+    path = tmp_path_factory.mktemp("vocab8-dflash") / "draft"
+    write_hub_checkpoint(path, raw, dflash_hub_tensors(DFlashConfig.from_dict(raw), 2, 7, 0.3))
+    return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, draft_model=str(path))
+
+
 def exact_first_three(model, prompt: list[int], params: dict) -> np.ndarray:
     """P(t1, t2, t3) [V, V, V] of the first three generated tokens: the product of the processed
     teacher-forced conditionals, over every two-token continuation of the prompt."""
@@ -557,6 +580,9 @@ E2E_CASES = [
     # a draft vocabulary smaller than the target's: q is zero at the ids it cannot propose
     ("eagle3", 2, "argmax", "truncated"),
     ("eagle3", 2, "sampled", "truncated"),
+    # a block draft: both positions proposed at once, independently given the context
+    ("dflash", 2, "argmax", "truncated"),
+    ("dflash", 2, "sampled", "truncated"),
 ]
 
 
@@ -567,7 +593,7 @@ E2E_CASES = [
 def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_sampling, which):
     """4096 seeds of one prompt in one generate call: the joint law of the first three tokens (the
     first from prefill, the others from the speculative steps) is the target's, exactly."""
-    model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else "small_vocab_eagle3")
+    model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     params = E2E_PARAMS[which]
     result = model.generate(
         [PROMPT] * N_SEEDS,
@@ -583,7 +609,7 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     # not vacuous: drafts are accepted at each position, but not always
     at_least = result.stats["acceptance_rate_per_position"]
     per_position = [at_least[0]] + [at_least[j] / at_least[j - 1] for j in range(1, k)]
-    low = 0.2 if draft == "mtp" else 0.05  # the random EAGLE-3 draft is accepted less often
+    low = 0.2 if draft == "mtp" else 0.05  # the random EAGLE-3 and DFlash drafts are accepted less often
     assert all(low < a < 0.9 for a in per_position), per_position
     tokens = np.asarray(result.tokens)
     assert tokens.shape == (N_SEEDS, 3)
