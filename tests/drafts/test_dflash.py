@@ -5,6 +5,7 @@ paged context against it, speculative generation with it, and the errors a bad d
 from __future__ import annotations
 
 import copy
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -263,3 +264,54 @@ def test_bad_drafts_are_refused_by_name(tmp_path, models):
     with pytest.raises(InvalidRequestError, match="a DFlash block of 4 tokens proposes at most 3"):
         models["a"].generate([[1, 2]], max_new_tokens=2, draft="dflash", num_speculative_tokens=4)
     assert jax.tree.leaves(models["a"].params["dflash"]["layers"])[0].shape[0] == 2  # stacked layers
+
+
+# Sharded like the target on 8 simulated devices: Llama 3 tensor-parallel (draft heads and MLP
+# columns split, the paged context's KV heads split over 2) and DeepSeek-V3 expert-parallel (rows
+# and their context pages split over data x expert): draft logits, greedy and sampled tokens.
+SHARDED_CHILD = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    assert len(jax.devices()) == 8
+    import mtp_jax
+    from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, hub_tensors, write_hub_checkpoint
+    from mtp_jax.config import DeepseekV3Config, DFlashConfig
+    from tests.conftest import TINY_CONFIG
+    from tests.drafts.test_dflash import DRAFT_A, TARGET
+
+    tmp = tempfile.mkdtemp()
+    llama_draft, ds_target, ds_draft = (os.path.join(tmp, n) for n in ("llama_draft", "ds", "ds_draft"))
+    write_hub_checkpoint(llama_draft, DRAFT_A, dflash_hub_tensors(DFlashConfig.from_dict(DRAFT_A), 2, 1, 0.2))
+    write_hub_checkpoint(ds_target, TINY_CONFIG, hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0))
+    raw = dict(DRAFT_A, vocab_size=97, dflash_config={"mask_token_id": 96, "target_layer_ids": [1, 2]})
+    write_hub_checkpoint(ds_draft, raw, dflash_hub_tensors(DFlashConfig.from_dict(raw), 2, 2, 0.2))
+
+    prompts = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [10], [8, 8, 8, 8, 8, 8, 8], [3, 1]]
+    spec = dict(max_new_tokens=10, ignore_eos=True, draft="dflash", num_speculative_tokens=3)
+    sampled = dict(spec, temperature=0.9, top_k=20, seed=[1, 2, 3, 4, 5])
+    for target, draft, meshes in [
+        (TARGET, llama_draft, [dict(data=4, tensor=2)]),
+        (ds_target, ds_draft, [dict(data=2, expert=4)]),
+    ]:
+        one = mtp_jax.load(target, "float32", page_size=4, draft_model=draft)
+        want_logits = one.draft_logits([prompts[1]])
+        want = {how: one.generate(prompts, draft_sampling=how, **kw).tokens
+                for how, kw in (("argmax", spec), ("sampled", sampled))}
+        for axes in meshes:
+            mesh = mtp_jax.make_mesh(**axes)
+            model = mtp_jax.load(target, "float32", page_size=4, draft_model=draft, mesh=mesh)
+            np.testing.assert_allclose(model.draft_logits([prompts[1]]), want_logits, rtol=2e-5, atol=2e-5)
+            for how, kw in (("argmax", spec), ("sampled", sampled)):
+                got = model.generate(prompts, draft_sampling=how, **kw).tokens
+                assert got == want[how], (target, axes, how)
+    print("DFLASH-SHARDED-OK")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.child(SHARDED_CHILD)
+def test_sharded_like_the_target(child_output):
+    assert "DFLASH-SHARDED-OK" in child_output
