@@ -158,7 +158,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument(
         "--draft-config",
         metavar="FILE",
-        help="plan an EAGLE-3 draft beside the target: the draft's config.json (instead of MTP)",
+        help="plan a separately trained draft beside the target (EAGLE-3 or DFlash): its config.json",
     )
     p.add_argument(
         "--draft-layer-ids",
@@ -341,7 +341,16 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
     import subprocess
 
-    from mtp_jax.config import Llama3Config, eagle3_capture, parse_config, parse_eagle3_config, read_json
+    from mtp_jax.config import (
+        DFlashConfig,
+        Llama3Config,
+        dflash_capture,
+        eagle3_capture,
+        parse_config,
+        parse_dflash_config,
+        parse_eagle3_config,
+        read_json,
+    )
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
 
     if (args.model is None) == (args.config is None):
@@ -350,13 +359,20 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = parse_config(read_json(path, what="config"))
     draft_cfg = None
     if args.draft_config:
-        raw = read_json(args.draft_config, what="EAGLE-3 draft config")
-        draft_cfg = parse_eagle3_config(raw, mla="kv_lora_rank" in raw)  # MLA drafts carry its widths
-        capture = eagle3_capture(draft_cfg, cfg.num_hidden_layers, args.draft_layer_ids)
+        raw = read_json(args.draft_config, what="draft config")
+        archs = " ".join(map(str, raw.get("architectures") or [])).lower()
+        if "dflash" in archs or "dflash_config" in raw:
+            draft_cfg = parse_dflash_config(raw)
+            capture = dflash_capture(draft_cfg, cfg.num_hidden_layers)
+        else:
+            draft_cfg = parse_eagle3_config(raw, mla="kv_lora_rank" in raw)  # MLA drafts carry its widths
+            capture = eagle3_capture(draft_cfg, cfg.num_hidden_layers, args.draft_layer_ids)
         draft_cfg = dataclasses.replace(draft_cfg, capture=capture)
     k = args.k
     if k is None:
         k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) or draft_cfg is not None else 0
+        if isinstance(draft_cfg, DFlashConfig):
+            k = draft_cfg.block_size - 1  # a whole block, as generate() defaults
     options = {
         "batch": args.batch,
         "max_len": args.max_len,

@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import Eagle3Config, Llama3Config, ModelConfig
+from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 
 PLAN_WEIGHTS = ("fp8", "bf16")
@@ -207,6 +207,32 @@ class _AbstractParams:
             tree["draft_to_target"] = plain(c.draft_vocab_size, dtype=jnp.int32)
         return tree
 
+    def dflash(self, c: DFlashConfig) -> dict:
+        """``params["dflash"]`` as :func:`mtp_jax.checkpoint.dflash.load_dflash` builds it: fc, the
+        norms and the draft's own layer stack [n, ...] (dense; the embedding and head are the
+        target's)."""
+        h, f, plain, n = c.hidden_size, c.intermediate_size, self.plain, c.num_hidden_layers
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        layer = {
+            "input_norm": plain(h),
+            "post_attn_norm": plain(h),
+            "attn": {
+                "q": plain(h, nh, hd),
+                "k": plain(h, nkv, hd),
+                "v": plain(h, nkv, hd),
+                "o": plain(nh, hd, h),
+                "q_norm": plain(hd),
+                "k_norm": plain(hd),
+            },
+            "mlp": {"gate": plain(h, f), "up": plain(h, f), "down": plain(f, h)},
+        }
+        return {
+            "fc": plain(len(c.capture) * h, h),
+            "hidden_norm": plain(h),
+            "norm": plain(h),
+            "layers": jax.tree.map(lambda s: _stacked(s, n), layer),
+        }
+
     def groups(self, mtp: bool) -> dict[str, Any]:
         """Group name -> the tree of one group (one layer for the stacked groups)."""
         c = self.cfg
@@ -230,6 +256,11 @@ class _AbstractParams:
         return out
 
 
+def draft_kind(draft_cfg: Any) -> str:
+    """The draft method of a separately loaded draft's config."""
+    return "dflash" if isinstance(draft_cfg, DFlashConfig) else "eagle3"
+
+
 def _stacked(s: jax.ShapeDtypeStruct, n: int, sharding: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((n,) + tuple(s.shape), s.dtype, sharding=sharding)
 
@@ -241,7 +272,7 @@ def abstract_params(
     *,
     weights: str = "fp8",
     mtp: bool = True,
-    draft_cfg: Eagle3Config | None = None,
+    draft_cfg: Eagle3Config | DFlashConfig | None = None,
 ) -> dict:
     """The parameter pytree of ``mtp_jax.load(..., dtype, weights=, mtp=, mesh=mesh)`` as
     ShapeDtypeStructs carrying the loader's shardings (:func:`mtp_jax.sharding.group_shardings`):
@@ -258,7 +289,9 @@ def abstract_params(
     sizes = checkpoint_format(cfg).group_sizes(cfg, mtp)
     params = {}
     groups = build.groups(mtp)
-    if draft_cfg is not None:
+    if isinstance(draft_cfg, DFlashConfig):
+        groups["dflash"] = build.dflash(draft_cfg)
+    elif draft_cfg is not None:
         groups["eagle3"] = build.eagle3(draft_cfg)
     for name, tree in groups.items():
         stacked = name in sizes
@@ -433,7 +466,7 @@ def check_plan(
     k: int,
     weights: str,
     prefill_len: int,
-    draft_cfg: Eagle3Config | None = None,
+    draft_cfg: Eagle3Config | DFlashConfig | None = None,
 ) -> dict[str, int]:
     """Validate :func:`plan`'s arguments before anything is compiled (ValueError with the reason);
     returns the mesh axes with missing ones set to 1."""
@@ -443,18 +476,30 @@ def check_plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= k <= 16:
         raise ValueError(f"k must be in [0, 16], got {k}")
-    if draft_cfg is not None:
-        if draft_cfg.target_hidden_size != cfg.hidden_size or draft_cfg.vocab_size != cfg.vocab_size:
+    if isinstance(draft_cfg, DFlashConfig):
+        if draft_cfg.hidden_size != cfg.hidden_size or draft_cfg.mask_token_id >= cfg.vocab_size:
             raise ValueError(
-                f"the EAGLE-3 draft reads hidden states of width {draft_cfg.target_hidden_size} over a "
-                f"vocabulary of {draft_cfg.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}"
+                f"the DFlash draft has hidden_size {draft_cfg.hidden_size} and mask id "
+                f"{draft_cfg.mask_token_id}; the target has hidden_size {cfg.hidden_size} and "
+                f"{cfg.vocab_size} tokens"
             )
-        if not draft_cfg.capture:
-            raise ValueError("the EAGLE-3 draft config has no captured layers resolved (eagle3_capture)")
-    elif k and not getattr(cfg, "num_nextn_predict_layers", 0):
+        if k > draft_cfg.block_size - 1:
+            raise ValueError(
+                f"k {k}: a DFlash block of {draft_cfg.block_size} proposes at most {draft_cfg.block_size - 1}"
+            )
+    elif draft_cfg is not None and (
+        draft_cfg.target_hidden_size != cfg.hidden_size or draft_cfg.vocab_size != cfg.vocab_size
+    ):
+        raise ValueError(
+            f"the EAGLE-3 draft reads hidden states of width {draft_cfg.target_hidden_size} over a "
+            f"vocabulary of {draft_cfg.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}"
+        )
+    if draft_cfg is not None and not draft_cfg.capture:
+        raise ValueError("the draft config has no captured layers resolved (eagle3_capture / dflash_capture)")
+    if draft_cfg is None and k and not getattr(cfg, "num_nextn_predict_layers", 0):
         raise ValueError(
             "k > 0 drafts with the MTP layer, but the model has none (num_nextn_predict_layers 0, or a "
-            "Llama model): use k 0, or plan an EAGLE-3 draft (--draft-config)"
+            "Llama model): use k 0, or plan a separately trained draft (--draft-config)"
         )
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
@@ -484,7 +529,7 @@ def plan(
     model: str = "",
     log: TextIO | None = None,
     cpu_as_is: bool = False,
-    draft_cfg: Eagle3Config | None = None,
+    draft_cfg: Eagle3Config | DFlashConfig | None = None,
 ) -> PlanReport:
     """Lower and compile the unified step for ``cfg`` on a mesh of ``mesh_axes`` (data, expert,
     tensor; missing axes 1) from abstract shapes, and measure it per device.
@@ -505,7 +550,7 @@ def plan(
     mesh = make_mesh(**axes, devices=plan_devices(math.prod(axes.values())))
     layout = CacheLayout(batch, max_len, page_size, k)
     draft_cfg = draft_cfg if k else None
-    draft = None if not k else ("eagle3" if draft_cfg is not None else "mtp")
+    draft = None if not k else "mtp" if draft_cfg is None else draft_kind(draft_cfg)
     sc = StepConfig(cfg, page_size, k, draft, "argmax", mesh, draft_cfg=draft_cfg)
     params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=draft == "mtp", draft_cfg=draft_cfg)
     state = abstract_state(sc, layout, jdtype)
@@ -519,7 +564,7 @@ def plan(
         compiled.append(_compile("prefill", prefill, args, log, disabled))
     estimate = per_device_memory(
         cfg, "fp8" if weights == "fp8" else "bf16", axes, 0, include_mtp=draft == "mtp"
-    )  # the target (and its MTP layer): an EAGLE-3 draft's weights are not in the analytic estimate
+    )  # the target (and its MTP layer): a separate draft's weights are not in the analytic estimate
     return PlanReport(
         model=model,
         mesh=axes,
@@ -555,7 +600,7 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
     function, and with ``device_memory_gb`` (10^9 bytes) whether the peak fits and by how much."""
     lay = report.layout
     mesh = " ".join(f"{k}={v}" for k, v in report.mesh.items())
-    name = {"mtp": "MTP", "eagle3": "EAGLE-3"}.get(report.draft or "mtp", report.draft)
+    name = {"mtp": "MTP", "eagle3": "EAGLE-3", "dflash": "DFlash"}.get(report.draft or "mtp", report.draft)
     draft = f"{name} K={lay.k}" if lay.k else "plain (K=0)"
     cache_label = f"KV cache (target + {name})" if lay.k else "KV cache"
     lines = [
@@ -569,7 +614,7 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
         f"  {report.split_label:<26}{format_bytes(report.expert_bytes):>12}",
         f"  {'weights total':<26}{format_bytes(report.weight_bytes):>12}"
         f"  (analytic estimate {format_bytes(report.estimate_weight_bytes)}"
-        + (", the target alone)" if report.draft == "eagle3" else ")"),
+        + (", the target alone)" if report.draft in ("eagle3", "dflash") else ")"),
         f"  {cache_label:<26}{format_bytes(report.cache_bytes):>12}",
         f"  {'other decode state':<26}{format_bytes(report.state_bytes):>12}",
     ]

@@ -280,6 +280,7 @@ SHARDED_CHILD = textwrap.dedent(
     from mtp_jax.config import DeepseekV3Config, DFlashConfig
     from tests.conftest import TINY_CONFIG
     from tests.drafts.test_dflash import DRAFT_A, TARGET
+    from tests.drafts.test_eagle3 import check_planned_draft
 
     tmp = tempfile.mkdtemp()
     llama_draft, ds_target, ds_draft = (os.path.join(tmp, n) for n in ("llama_draft", "ds", "ds_draft"))
@@ -306,6 +307,7 @@ SHARDED_CHILD = textwrap.dedent(
             for how, kw in (("argmax", spec), ("sampled", sampled)):
                 got = model.generate(prompts, draft_sampling=how, **kw).tokens
                 assert got == want[how], (target, axes, how)
+            check_planned_draft(model, mesh, axes, "dflash", 3, "DFlash K=3")
     print("DFLASH-SHARDED-OK")
     """
 )

@@ -580,14 +580,13 @@ SHARDED_CHILD = textwrap.dedent(
     """
     import os, sys, tempfile
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    import jax, jax.numpy as jnp, numpy as np
+    import jax, numpy as np
     assert len(jax.devices()) == 8
     import mtp_jax
-    from mtp_jax.plan import abstract_params, format_plan, plan
     from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, hub_tensors, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config, Eagle3Config, parse_eagle3_config
     from tests.conftest import TINY_CONFIG
-    from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS, DRAFT_MLA, TARGET
+    from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS, DRAFT_MLA, TARGET, check_planned_draft
 
     tmp = tempfile.mkdtemp()
     llama_draft = os.path.join(tmp, "llama_draft")
@@ -628,17 +627,8 @@ SHARDED_CHILD = textwrap.dedent(
             if "tensor" in axes:
                 q = model.params["eagle3"]["attn"]["q"]
                 assert q.addressable_shards[0].data.shape[1] == 4 // axes["tensor"], q.sharding
-            # mtp-jax plan builds the same draft group from the config alone, and compiles with it
-            planned = abstract_params(model.config, mesh, jnp.float32, weights="bf16", mtp=False,
-                                      draft_cfg=model.draft_config)["eagle3"]
-            real = model.params["eagle3"]
-            assert jax.tree.structure(real) == jax.tree.structure(planned), axes
-            for (where, r), a in zip(jax.tree_util.tree_flatten_with_path(real)[0], jax.tree.leaves(planned)):
-                assert (r.shape, r.dtype) == (a.shape, a.dtype), (where, r.shape, a.shape, a.dtype)
-                assert r.sharding.is_equivalent_to(a.sharding, r.ndim), (where, r.sharding, a.sharding)
-        report = plan(model.config, axes, batch=8, max_len=24, page_size=4, k=2, weights="bf16",
-                      dtype="float32", draft_cfg=model.draft_config)
-        assert report.draft == "eagle3" and "EAGLE-3 K=2" in format_plan(report), target
+            if axes is meshes[0]:
+                check_planned_draft(model, mesh, axes, "eagle3", 2, "EAGLE-3 K=2")
     print("EAGLE3-SHARDED-OK")
     """
 )
@@ -648,6 +638,35 @@ SHARDED_CHILD = textwrap.dedent(
 @pytest.mark.child(SHARDED_CHILD)
 def test_sharded_like_the_target(child_output):
     assert "EAGLE3-SHARDED-OK" in child_output
+
+
+def check_planned_draft(model, mesh, axes: dict, group: str, k: int, label: str) -> None:
+    """(In a multi-device child.) ``mtp-jax plan`` builds the loaded draft's group from its config
+    alone, with the same shapes, dtypes and shardings, and compiles the step with it."""
+    from mtp_jax.plan import abstract_params, format_plan, plan
+
+    planned = abstract_params(
+        model.config, mesh, jnp.float32, weights="bf16", mtp=False, draft_cfg=model.draft_config
+    )[group]
+    real = model.params[group]
+    assert jax.tree.structure(real) == jax.tree.structure(planned), axes
+    for (where, r), a in zip(
+        jax.tree_util.tree_flatten_with_path(real)[0], jax.tree.leaves(planned), strict=True
+    ):
+        assert (r.shape, r.dtype) == (a.shape, a.dtype), (where, r.shape, a.shape, a.dtype)
+        assert r.sharding.is_equivalent_to(a.sharding, r.ndim), (where, r.sharding, a.sharding)
+    report = plan(
+        model.config,
+        axes,
+        batch=8,
+        max_len=24,
+        page_size=4,
+        k=k,
+        weights="bf16",
+        dtype="float32",
+        draft_cfg=model.draft_config,
+    )
+    assert report.draft == group and label in format_plan(report), axes
 
 
 def test_k16_is_lossless_compiles_once_and_rows_ignore_the_batch(drafts, target):
