@@ -33,23 +33,19 @@ def start(out, target: str, *extra: str) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_smoke_runs_write_loadable_drafts_and_resume_deterministically(tmp_path):
-    straight, resumed, mla = tmp_path / "straight", tmp_path / "resumed", tmp_path / "mla"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     running = start(straight, LLAMA, "--acceptance-k", "2")
     first = finish(start(resumed, LLAMA, "--stop-after", "2", "--acceptance-k"))
+    assert first.returncode == 0, first.stderr
+    assert not resumed.exists() and "rerun the same command to resume" in first.stderr
+    second = finish(start(resumed, LLAMA, "--acceptance-k"))  # the second half of the interrupted run
     run = finish(running)
     assert run.returncode == 0, run.stderr
     assert "train [" in run.stderr and "eagle3 agree" in run.stderr and "tok/s" in run.stderr
-    assert first.returncode == 0, first.stderr
-    assert not resumed.exists() and "rerun the same command to resume" in first.stderr
-    # the second half of the interrupted run beside an MLA draft for the DeepSeek-V3 target
-    mla_run = start(mla, EMBEDDED_MODEL, "--acceptance-k")
-    second = finish(start(resumed, LLAMA, "--acceptance-k"))
     assert second.returncode == 0, second.stderr
     assert "resuming from step 2" in second.stderr
     assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
-    mla_done = finish(mla_run)
-    assert mla_done.returncode == 0, mla_done.stderr
-    assert sorted(os.listdir(tmp_path)) == ["mla", "resumed", "straight"]  # training state cleaned up
+    assert sorted(os.listdir(tmp_path)) == ["resumed", "straight"]  # training state cleaned up
 
     assert sorted(os.listdir(straight)) == ["README.md", "config.json", "eval.json", "model.safetensors"]
     with open(straight / "config.json") as f:
@@ -69,19 +65,36 @@ def test_smoke_runs_write_loadable_drafts_and_resume_deterministically(tmp_path)
     assert report["training"]["command"].startswith("python scripts/train_eagle3.py --target")
     assert "EAGLE-3 draft for `tiny-llama3-stdlib`" in (straight / "README.md").read_text()
 
-    # both load strictly beside their targets and speculate losslessly
+    # it loads strictly beside its target and speculates losslessly
     prompt = [[0, 5, 9, 17, 3, 40]]
-    for target, draft in ((LLAMA, straight), (EMBEDDED_MODEL, mla)):
-        model = mtp_jax.load(target, "float32", strict=True, draft_model=str(draft))
-        assert model.draft_config.draft_vocab_size == 700
-        plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
-        spec = model.generate(
-            prompt, max_new_tokens=8, ignore_eos=True, draft="eagle3", num_speculative_tokens=3
-        )
-        assert spec.tokens == plain.tokens
-    assert model.draft_config.mla is not None
-    with open(mla / "config.json") as f:
-        assert json.load(f)["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]
+    model = mtp_jax.load(LLAMA, "float32", strict=True, draft_model=str(straight))
+    assert model.draft_config.draft_vocab_size == 700
+    plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    spec = model.generate(prompt, max_new_tokens=8, ignore_eos=True, draft="eagle3", num_speculative_tokens=3)
+    assert spec.tokens == plain.tokens
+
+
+def test_a_deepseek_target_gets_an_mla_draft_of_its_widths(tmp_path):
+    """The draft the script builds for the DeepSeek-V3 target: SGLang's MLA layout at the target's
+    widths, its head the target's rows of the draft vocabulary, loadable as published."""
+    from mtp_jax.config import load_config, parse_config
+
+    script = load_script()
+    with open(os.path.join(EMBEDDED_MODEL, "config.json")) as f:
+        target_raw = json.load(f)
+    cfg = parse_config(target_raw)
+    params = script.load_params(EMBEDDED_MODEL, cfg)
+    ids = np.arange(0, cfg.vocab_size, 3, dtype=np.int32)
+    raw = script.draft_config(
+        target_raw, cfg, "mla", script.spread_layer_ids(cfg.num_hidden_layers), len(ids)
+    )
+    assert raw["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and raw["kv_lora_rank"] == cfg.kv_lora_rank
+    dcfg, tree = script.init_draft(raw, cfg, params, ids, seed=0)
+    assert dcfg.mla is not None and dcfg.capture == (1, 3, 4)  # inputs 2, 4, 5 of 8 layers
+    np.testing.assert_array_equal(np.asarray(tree["draft_to_target"]), ids)
+    np.testing.assert_array_equal(np.asarray(tree["lm_head"]), np.asarray(params["lm_head"])[:, ids])
+    with pytest.raises(SystemExit, match="needs a DeepSeek-V3 target"):  # a Llama target has no MLA
+        script.draft_config(target_raw, load_config(os.path.join(LLAMA, "config.json")), "mla", [1, 2, 3], 8)
 
 
 def load_script():
