@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import DeepseekV3Config, Eagle3Config, Llama3Config, ModelConfig
+from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
 
 
 def _np(x: Any, dtype: np.dtype) -> np.ndarray:
@@ -148,4 +148,26 @@ def eagle3_hub_tensors_from_params(
         t["t2d"] = t2d
     if "embed" in tree:
         t["embed_tokens.weight"] = _np(tree["embed"], dtype)
+    return t
+
+
+def dflash_hub_tensors_from_params(
+    tree: dict, cfg: DFlashConfig, dtype: Any = np.float32
+) -> dict[str, np.ndarray]:
+    """A DFlash draft (``params["dflash"]``, as :func:`mtp_jax.checkpoint.dflash.load_dflash` builds
+    it) as hub tensors in the published layout: ``fc``, ``hidden_norm``, ``norm`` and
+    ``layers.{i}.*`` with ``self_attn.q_norm`` / ``k_norm``; no embedding, no head."""
+    dtype = np.dtype(dtype)
+    tree = jax.device_get(tree)
+    t = {
+        "fc.weight": _linear(tree["fc"], dtype),
+        "hidden_norm.weight": _np(tree["hidden_norm"], dtype),
+        "norm.weight": _np(tree["norm"], dtype),
+    }
+    for i in range(cfg.num_hidden_layers):
+        layer = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
+        pre = f"layers.{i}."
+        t.update(_llama_layer(layer, pre, dtype))
+        for name in ("q_norm", "k_norm"):
+            t[f"{pre}self_attn.{name}.weight"] = _np(layer["attn"][name], dtype)
     return t

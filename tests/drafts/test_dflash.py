@@ -159,6 +159,16 @@ def test_captured_layers_and_defaults(models):
         dflash_capture(cfg, 3)
 
 
+def test_export_round_trips_bit_exact(drafts, models):
+    from mtp_jax.checkpoint.export import dflash_hub_tensors_from_params
+
+    for name, (_, tensors, _) in drafts.items():
+        back = dflash_hub_tensors_from_params(models[name].params["dflash"], models[name].draft_config)
+        assert sorted(back) == sorted(tensors), name
+        for key, value in tensors.items():
+            assert back[key].dtype == value.dtype and np.array_equal(back[key], value), (name, key)
+
+
 # --- in the unified step --------------------------------------------------------------------------
 def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(models):
     """extend_and_propose on a whole prompt (as prefill runs it): the context written to the paged
