@@ -40,6 +40,7 @@ atomically.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -228,11 +229,9 @@ def evaluate(
     return {k: (v / count).tolist() for k, v in totals.items()}
 
 
-# --- the run --------------------------------------------------------------------------------------
-def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+# --- a run against a frozen target (shared with scripts/train_dflash.py) ---------------------------
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every draft-training script against a frozen target takes."""
     parser.add_argument("--target", required=True, help="the frozen target: a trained checkpoint directory")
     parser.add_argument("--out", help="draft directory to write (must not exist)")
     parser.add_argument(
@@ -240,20 +239,6 @@ def main() -> int:
     )
     parser.add_argument("--workdir", help="orbax training state, for resuming (default: OUT.train)")
     parser.add_argument("--preset", default="default", choices=["default", "smoke"])
-    parser.add_argument(
-        "--attention",
-        choices=["gqa", "mla"],
-        help="the draft layer's attention (default: mla for a DeepSeek-V3 target, gqa for Llama)",
-    )
-    parser.add_argument(
-        "--layer-ids",
-        type=int,
-        nargs=3,
-        help="captured target layers as layer INPUT ids (default: 2, L/2, L-3, spread when they repeat)",
-    )
-    parser.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: half the target's)")
-    parser.add_argument("--depth", type=int, default=5, help="chained steps of the training-time test")
-    parser.add_argument("--step-decay", type=float, default=0.8, help="step j weighted DECAY^(j-1)")
     parser.add_argument("--own-text", type=float, default=0.5, metavar="FRACTION")
     parser.add_argument("--own-text-windows", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=1000)
@@ -269,10 +254,35 @@ def main() -> int:
         "--stop-after", type=int, help="stop after this many steps in this run (rerun to resume)"
     )
     parser.add_argument("--acceptance-k", type=int, nargs="*", default=[1, 2, 3, 4, 5])
-    args = parser.parse_args()
-    if args.card:
-        rewrite_card(args.card, card)
-        return 0
+
+
+@dataclasses.dataclass
+class Run:
+    """A draft-training run against a frozen target: its arguments, the target, the data."""
+
+    args: argparse.Namespace
+    workdir: str
+    own: int
+    target_raw: dict
+    cfg: ModelConfig
+    params: dict
+    tok: Tokenizer
+    target_eval: dict
+    train_files: list[str]
+    held_files: list[str]
+    train_stream: np.ndarray
+    held_stream: np.ndarray
+    start: float = dataclasses.field(default_factory=time.perf_counter)
+    own_windows: np.ndarray | None = None
+
+    @property
+    def length(self) -> int:
+        return self.args.seq + 1
+
+
+def start_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
+    """Check the shared arguments (the smoke preset shrinks everything to seconds), load the frozen
+    target and the data split it was trained on."""
     if not args.out:
         parser.error("--out is required")
     if os.path.exists(args.out):
@@ -280,19 +290,15 @@ def main() -> int:
     for name in ("config.json", "tokenizer.json"):
         if not os.path.isfile(os.path.join(args.target, name)):
             parser.error(f"--target {args.target} is not a trained checkpoint (no {name})")
-    if args.depth < 1:
-        parser.error("--depth must be at least 1")
     if not 0.0 <= args.own_text <= 1.0:
         parser.error(f"--own-text is a fraction in [0, 1], got {args.own_text}")
     if args.preset == "smoke":  # a few seconds end to end
         args.max_files, args.batch, args.seq = args.max_files or 8, 2, 32
         args.own_text_windows, args.eval_windows = min(args.own_text_windows, 2), min(args.eval_windows, 4)
-        args.depth = min(args.depth, 3)
     own = round(args.own_text * args.batch)
     if args.own_text and own == 0:
         parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
-
     t0 = time.perf_counter()
     with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
         target_raw = json.load(f)
@@ -301,14 +307,6 @@ def main() -> int:
     tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
     with open(os.path.join(args.target, "eval.json"), encoding="utf-8") as f:
         target_eval = json.load(f)
-    attention = args.attention or ("mla" if isinstance(cfg, DeepseekV3Config) else "gqa")
-    layer_ids = args.layer_ids or spread_layer_ids(cfg.num_hidden_layers)
-    if any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
-        parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
-    vocab = args.draft_vocab or cfg.vocab_size // 2
-    if not 1 <= vocab <= cfg.vocab_size:
-        parser.error(f"--draft-vocab {vocab} must be in [1, {cfg.vocab_size}] (the target's vocabulary)")
-
     root, train_files, held_files = stdlib_modules(args.max_files)
     train_stream = token_stream(tok, [read_text(root, p) for p in train_files])
     held_stream = token_stream(tok, [read_text(root, p) for p in held_files])
@@ -317,28 +315,157 @@ def main() -> int:
         f"{len(held_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)",
         file=sys.stderr,
     )
-    length = args.seq + 1
-    own_windows = None
-    if own:
-        own_windows = load_or_make_continuations(
-            workdir,
-            cfg,
-            params,
-            train_stream,
-            args.own_text_windows,
-            length,
-            args.seed,
-            num_speculative_tokens=3 if "mtp" in params else 0,
-        )
-    ids = draft_vocabulary(
-        [train_stream] + ([own_windows] if own_windows is not None else []), cfg.vocab_size, vocab
+    run = Run(
+        args,
+        workdir,
+        own,
+        target_raw,
+        cfg,
+        params,
+        tok,
+        target_eval,
+        train_files,
+        held_files,
+        train_stream,
+        held_stream,
+        start=t0,
     )
-    raw = draft_config(target_raw, cfg, attention, layer_ids, vocab)
+    return run
+
+
+def own_text(run: Run) -> np.ndarray | None:
+    """The target's own continuations (made once, kept beside the training state), when asked for."""
+    if run.own and run.own_windows is None:
+        run.own_windows = load_or_make_continuations(
+            run.workdir,
+            run.cfg,
+            run.params,
+            run.train_stream,
+            run.args.own_text_windows,
+            run.length,
+            run.args.seed,
+            num_speculative_tokens=3 if "mtp" in run.params else 0,
+        )
+    return run.own_windows
+
+
+def run_training(run: Run, state: dict, train_step, name: str) -> tuple[dict, int, float] | None:
+    """:func:`train_tiny.train_loop` on the run's data: (state, first step of this run, seconds), or
+    None when stopped early."""
+    done = train_loop(run.args, run.workdir, state, train_step, run.train_stream, own_text(run), name=name)
+    if done is None:
+        return None
+    state, _, start, seconds = done
+    return state, start, seconds
+
+
+def report_for(run: Run, draft: dict, training: dict, heldout: dict, start: int, seconds: float) -> dict:
+    """eval.json of a draft: the target, the draft, the data, the run (with its exact command)."""
+    args = run.args
+    return {
+        "target": os.path.basename(os.path.normpath(args.target)),
+        "name": os.path.basename(os.path.normpath(args.out)),
+        "draft": draft,
+        "data": data_report(run.train_files, run.held_files, run.train_stream, run.held_stream),
+        "training": {
+            **run_report(args),
+            **training,
+            "own_text": args.own_text,
+            "own_text_windows": args.own_text_windows if run.own else 0,
+            "seconds": round(seconds, 1),
+            "resumed_from": start,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}",
+            "command": " ".join(["python", f"scripts/{os.path.basename(sys.argv[0])}", *sys.argv[1:]]),
+        },
+        "heldout": heldout,
+        "prompts": run.target_eval.get("prompts", []),
+    }
+
+
+def ship(run: Run, raw: dict, tensors: dict, report: dict, method: str, render) -> None:
+    """Measure greedy acceptance through the public API on the written draft, then write it with
+    eval.json and its card (``render(raw, report)``) atomically; clean the training state up."""
+    args = run.args
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {}
+        staged = os.path.join(tmp, "draft")
+        write_hub_checkpoint(staged, raw, tensors)
+        report["acceptance"] = acceptance_lengths(
+            args.target, staged, run.tok, report["prompts"], args.acceptance_k, method
+        )
+        if "acceptance" in run.target_eval:
+            report["mtp_acceptance"] = run.target_eval["acceptance"]  # the target's own MTP, same prompts
+        for name, text in (
+            ("eval.json", json.dumps(report, indent=2) + "\n"),
+            ("README.md", render(raw, report)),
+        ):
+            files[name] = os.path.join(tmp, name)
+            with open(files[name], "w", encoding="utf-8") as f:
+                f.write(text)
+        write_hub_checkpoint(args.out, raw, tensors, extra_files=files)
+    print(f"wrote {args.out} ({time.perf_counter() - run.start:.0f}s in all)", file=sys.stderr)
+    shutil.rmtree(run.workdir, ignore_errors=True)
+    if run.own:
+        os.remove(continuations_path(run.workdir, args.own_text_windows, run.length, args.seed))
+
+
+def bf16_rounded(tree: dict) -> dict:
+    """The float leaves as the shipped bf16 weights hold them (in float32): what eval.json measures."""
+    return jax.tree.map(
+        lambda x: (
+            x
+            if jnp.issubdtype(x.dtype, jnp.integer)
+            else jnp.asarray(np.asarray(x, ml_dtypes.bfloat16), jnp.float32)
+        ),
+        tree,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(parser)
+    parser.add_argument(
+        "--attention",
+        choices=["gqa", "mla"],
+        help="the draft layer's attention (default: mla for a DeepSeek-V3 target, gqa for Llama)",
+    )
+    parser.add_argument(
+        "--layer-ids",
+        type=int,
+        nargs=3,
+        help="captured target layers as layer INPUT ids (default: 2, L/2, L-3, spread when they repeat)",
+    )
+    parser.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: half the target's)")
+    parser.add_argument("--depth", type=int, default=5, help="chained steps of the training-time test")
+    parser.add_argument("--step-decay", type=float, default=0.8, help="step j weighted DECAY^(j-1)")
+    args = parser.parse_args()
+    if args.card:
+        rewrite_card(args.card, card)
+        return 0
+    if args.depth < 1:
+        parser.error("--depth must be at least 1")
+    if args.preset == "smoke":
+        args.depth = min(args.depth, 3)
+    run = start_run(args, parser)
+    cfg, params = run.cfg, run.params
+    attention = args.attention or ("mla" if isinstance(cfg, DeepseekV3Config) else "gqa")
+    layer_ids = args.layer_ids or spread_layer_ids(cfg.num_hidden_layers)
+    if any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
+        parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
+    vocab = args.draft_vocab or cfg.vocab_size // 2
+    if not 1 <= vocab <= cfg.vocab_size:
+        parser.error(f"--draft-vocab {vocab} must be in [1, {cfg.vocab_size}] (the target's vocabulary)")
+    own_windows = own_text(run)
+    ids = draft_vocabulary(
+        [run.train_stream] + ([own_windows] if own_windows is not None else []), cfg.vocab_size, vocab
+    )
+    raw = draft_config(run.target_raw, cfg, attention, layer_ids, vocab)
     dcfg, tree = init_draft(raw, cfg, params, ids, args.seed)
     fixed = {"draft_to_target": tree.pop("draft_to_target")}
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
-    opt_state = optimizer.init(tree)
 
     @jax.jit
     def train_step(state: dict, window: jax.Array) -> tuple[dict, dict]:
@@ -353,85 +480,51 @@ def main() -> int:
     print(
         f"draft: EAGLE-3 ({attention.upper()}) for {cfg.model_type}, {n_params / 1e6:.2f}M parameters, "
         f"layer inputs {layer_ids}, draft vocabulary {vocab}/{cfg.vocab_size}; {args.steps} steps x "
-        f"{args.batch} x {args.seq} tokens, {args.depth} chained steps, own text {own}/{args.batch}",
+        f"{args.batch} x {args.seq} tokens, {args.depth} chained steps, own text {run.own}/{args.batch}",
         file=sys.stderr,
     )
-    state = {"draft": tree, "opt_state": opt_state}
-    done = train_loop(args, workdir, state, train_step, train_stream, own_windows, name="eagle3")
+    done = run_training(run, {"draft": tree, "opt_state": optimizer.init(tree)}, train_step, "eagle3")
     if done is None:
         return 0
-    state, _, start, train_seconds = done
-    tree = state["draft"]
-
-    tree = {**tree, **fixed}
-    # everything recorded is measured on the bf16 weights that are shipped
+    state, start, seconds = done
+    tree = {**state["draft"], **fixed}
     tensors = eagle3_hub_tensors_from_params(tree, dcfg, ml_dtypes.bfloat16, LAYER_PREFIX)
-    shipped = jax.tree.map(
-        lambda x: x if x.dtype == jnp.int32 else jnp.asarray(np.asarray(x, ml_dtypes.bfloat16), jnp.float32),
-        tree,
-    )
     held = evaluate(
-        shipped, params, cfg, dcfg, held_stream, length, args.eval_windows, args.depth, args.step_decay
+        bf16_rounded(tree),
+        params,
+        cfg,
+        dcfg,
+        run.held_stream,
+        run.length,
+        args.eval_windows,
+        args.depth,
+        args.step_decay,
     )
-    report = {
-        "target": os.path.basename(os.path.normpath(args.target)),
-        "name": os.path.basename(os.path.normpath(args.out)),
-        "draft": {
-            "attention": attention,
-            "layer_ids": layer_ids,
-            "capture": list(dcfg.capture),
-            "draft_vocab_size": vocab,
-            "parameters": int(n_params),
-        },
-        "data": data_report(train_files, held_files, train_stream, held_stream),
-        "training": {
-            **run_report(args),
-            "depth": args.depth,
-            "step_decay": args.step_decay,
-            "own_text": args.own_text,
-            "own_text_windows": args.own_text_windows if own else 0,
-            "seconds": round(train_seconds, 1),
-            "resumed_from": start,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}",
-            "command": " ".join(["python", "scripts/train_eagle3.py", *sys.argv[1:]]),
-        },
-        "heldout": held,
-        "prompts": target_eval.get("prompts", []),
+    draft = {
+        "attention": attention,
+        "layer_ids": layer_ids,
+        "capture": list(dcfg.capture),
+        "draft_vocab_size": vocab,
+        "parameters": int(n_params),
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        files = {}
-        staged = os.path.join(tmp, "draft")
-        write_hub_checkpoint(staged, raw, tensors)
-        report["acceptance"] = acceptance_lengths(
-            args.target, staged, tok, report["prompts"], args.acceptance_k
-        )
-        if "acceptance" in target_eval:
-            report["mtp_acceptance"] = target_eval["acceptance"]  # the target's own MTP, same prompts
-        for name, text in (
-            ("eval.json", json.dumps(report, indent=2) + "\n"),
-            ("README.md", card(raw, report)),
-        ):
-            files[name] = os.path.join(tmp, name)
-            with open(files[name], "w", encoding="utf-8") as f:
-                f.write(text)
-        write_hub_checkpoint(args.out, raw, tensors, extra_files=files)
-    print(f"wrote {args.out} ({time.perf_counter() - t0:.0f}s in all)", file=sys.stderr)
-    shutil.rmtree(workdir, ignore_errors=True)
-    if own:
-        os.remove(continuations_path(workdir, args.own_text_windows, length, args.seed))
+    training = {"depth": args.depth, "step_decay": args.step_decay}
+    report = report_for(run, draft, training, held, start, seconds)
+    ship(run, raw, tensors, report, "eagle3", card)
     return 0
 
 
-def acceptance_lengths(target: str, draft: str, tok: Tokenizer, texts: list[str], ks: list[int]) -> dict:
-    """Greedy acceptance length of K EAGLE-3 drafts over the held-out prompts (64 new tokens), through
-    the public API: the written draft loaded beside the target."""
+def acceptance_lengths(
+    target: str, draft: str, tok: Tokenizer, texts: list[str], ks: list[int], method: str = "eagle3"
+) -> dict:
+    """Greedy acceptance length of K drafts over the held-out prompts (64 new tokens), through the
+    public API: the written draft loaded beside the target."""
     if not ks or not texts:
         return {}
     model = mtp_jax.load(target, "float32", draft_model=draft)
     ids = [[BOS, *tok.encode(t).ids] for t in texts]
     out = {}
     for k in ks:
-        result = model.generate(ids, max_new_tokens=64, draft="eagle3", num_speculative_tokens=k, max_batch=8)
+        result = model.generate(ids, max_new_tokens=64, draft=method, num_speculative_tokens=k, max_batch=8)
         out[str(k)] = result.stats["acceptance_length"]
         print(f"acceptance length K={k}: {out[str(k)]:.2f}", file=sys.stderr)
     return out

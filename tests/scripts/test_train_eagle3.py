@@ -98,10 +98,15 @@ def test_a_deepseek_target_gets_an_mla_draft_of_its_widths(tmp_path):
 
 
 def load_script():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
+    if os.path.dirname(SCRIPT) not in sys.path:
+        sys.path.insert(0, os.path.dirname(SCRIPT))
     spec = importlib.util.spec_from_file_location("train_eagle3", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules["train_eagle3"] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["train_eagle3"]
     return module
 
 
