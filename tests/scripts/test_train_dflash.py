@@ -1,0 +1,120 @@
+"""scripts/train_dflash.py: a few steps against the embedded Llama target, end to end, resumed
+deterministically; its anchors and the draft it builds for each target; its argument checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.scripts.test_train_tiny import finish
+
+SCRIPT = os.path.join(REPO, "scripts", "train_dflash.py")
+LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+SMOKE = ["--target", LLAMA, "--preset", "smoke", "--steps", "4", "--save-every", "2", "--acceptance-k"]
+
+
+def start(out, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, SCRIPT, "--out", str(out), *SMOKE, *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_a_loadable_draft_and_resumes_deterministically(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    running = start(straight, "2")
+    first = finish(start(resumed, "--stop-after", "2"))
+    assert first.returncode == 0, first.stderr
+    assert not resumed.exists() and "rerun the same command to resume" in first.stderr
+    second = finish(start(resumed))
+    run = finish(running)
+    assert run.returncode == 0, run.stderr
+    assert "train [" in run.stderr and "dflash agree" in run.stderr
+    assert second.returncode == 0, second.stderr
+    assert "resuming from step 2" in second.stderr
+    assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+    assert sorted(os.listdir(tmp_path)) == ["resumed", "straight"]  # training state cleaned up
+
+    with open(straight / "config.json") as f:
+        raw = json.load(f)
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4
+    assert raw["dflash_config"] == {
+        "mask_token_id": 2,
+        "target_layer_ids": [1, 3],
+    }  # DFlash's default, 2 layers
+    keys = CheckpointReader(str(straight)).keys()
+    assert "layers.1.self_attn.k_norm.weight" in keys and not any(
+        "embed" in k or "lm_head" in k for k in keys
+    )
+    with open(straight / "eval.json") as f:
+        report = json.load(f)
+    assert set(report["acceptance"]) == {"2"} and len(report["heldout"]["level_agreement"]) == 3
+    assert report["training"]["command"].startswith("python scripts/train_dflash.py --out")
+    assert "DFlash draft for `tiny-llama3-stdlib`" in (straight / "README.md").read_text()
+    model = mtp_jax.load(LLAMA, "float32", strict=True, draft_model=str(straight))
+    prompt = [[0, 5, 9, 17, 3, 40]]
+    plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    assert model.generate(prompt, max_new_tokens=8, ignore_eos=True, draft="dflash").tokens == plain.tokens
+
+
+def load_script():
+    if os.path.dirname(SCRIPT) not in sys.path:
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+    spec = importlib.util.spec_from_file_location("train_dflash", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train_dflash"] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["train_dflash"]
+    return module
+
+
+def test_anchors_are_drawn_from_seed_and_step_inside_the_window():
+    script = load_script()
+    a = script.anchors_for(0, 7, 3, 16, 64, 8)
+    assert a.shape == (3, 16) and a.dtype == np.int32 and a.min() >= 0 and a.max() <= 64 - 8
+    assert np.array_equal(a, script.anchors_for(0, 7, 3, 16, 64, 8))
+    assert not np.array_equal(a, script.anchors_for(0, 8, 3, 16, 64, 8))
+    assert np.all(np.diff(a, axis=1) >= 0)
+
+
+@pytest.mark.parametrize("target", [LLAMA, EMBEDDED_MODEL])
+def test_the_draft_it_builds_loads_beside_its_target(target):
+    from mtp_jax.config import parse_config
+
+    script = load_script()
+    with open(os.path.join(target, "config.json")) as f:
+        target_raw = json.load(f)
+    cfg = parse_config(target_raw)
+    raw = script.draft_config(target_raw, cfg, 2, [1, cfg.num_hidden_layers - 2], 8)
+    dcfg, tree = script.init_draft(raw, cfg, seed=0)
+    assert dcfg.hidden_size == cfg.hidden_size and dcfg.block_size == 8 and dcfg.mask_token_id == 2
+    assert dcfg.capture == (1, cfg.num_hidden_layers - 2)
+    np.testing.assert_array_equal(np.asarray(tree["norm"]), 1.0)
+    assert tree["layers"]["attn"]["q"].shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--layer-ids", "0", "6"], "the target has layers 0..5"),
+        (["--block-size", "1"], "--block-size >= 2"),
+        (["--own-text", "2"], "a fraction in [0, 1]"),
+    ],
+)
+def test_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, message):
+    argv = ["train_dflash.py", "--target", LLAMA, "--out", str(tmp_path / "out"), *extra]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        load_script().main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
