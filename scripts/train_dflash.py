@@ -259,6 +259,7 @@ def main() -> int:
 
 def card(raw: dict, r: dict) -> str:
     d, t, h, dr = r["data"], r["training"], r["heldout"], r["draft"]
+    note = f" ({t['note']})" if t.get("note") else ""
     rows = " / ".join(str(j + 1) for j in range(len(h["level_agreement"])))
     agree = " / ".join(f"{a:.3f}" for a in h["level_agreement"])
     acc, mtp = r.get("acceptance", {}), r.get("mtp_acceptance", {})
@@ -282,7 +283,7 @@ warm-up {t["warmup"]}, cosine decay), seed {t["seed"]}; {t["anchors"]} random an
 each block over the context before its anchor and bidirectional within itself, row j weighted
 exp(-(j-1)/{t["gamma"]}); labels the target's own distribution (self-distillation);
 {t["own_text"]:.0%} of each batch from the target's own greedy continuations. The target is frozen.
-{t["seconds"] / 60:.1f} minutes on {t["machine"]}. The command (resumable):
+{t["seconds"] / 60:.1f} minutes on {t["machine"]}{note}. The command (resumable):
 
     {t["command"]}
 

@@ -532,6 +532,7 @@ def acceptance_lengths(
 
 def card(raw: dict, r: dict) -> str:
     d, t, h, dr = r["data"], r["training"], r["heldout"], r["draft"]
+    note = f" ({t['note']})" if t.get("note") else ""
     mla = dr["attention"] == "mla"
     kind = (
         f"DeepSeek MLA ({raw['num_attention_heads']} heads, q/kv ranks "
@@ -574,8 +575,8 @@ EAGLE-3's training-time test: the draft unrolled {t["depth"]} steps on its own s
 decode-time attention pattern, step j weighted {t["step_decay"]}^(j-1), labels the target's own
 distribution over the draft vocabulary (self-distillation); {t["own_text"]:.0%} of each batch from
 {t["own_text_windows"]:,} windows of the target's own greedy continuations. The target is frozen.
-{t["seconds"] / 60:.1f} minutes on {t["machine"]}. The command (resumable: rerun it after an
-interruption):
+{t["seconds"] / 60:.1f} minutes on {t["machine"]}{note}.
+The command (resumable: rerun it after an interruption):
 
     {t["command"]}
 
