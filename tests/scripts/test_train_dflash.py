@@ -3,7 +3,6 @@ deterministically; its anchors and the draft it builds for each target; its argu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from tests.conftest import EMBEDDED_MODEL, REPO
-from tests.scripts.test_train_tiny import finish
+from tests.scripts.test_train_tiny import finish, import_script
 
 SCRIPT = os.path.join(REPO, "scripts", "train_dflash.py")
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
@@ -66,16 +65,7 @@ def test_smoke_run_writes_a_loadable_draft_and_resumes_deterministically(tmp_pat
 
 
 def load_script():
-    if os.path.dirname(SCRIPT) not in sys.path:
-        sys.path.insert(0, os.path.dirname(SCRIPT))
-    spec = importlib.util.spec_from_file_location("train_dflash", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_dflash"] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["train_dflash"]
-    return module
+    return import_script(SCRIPT)
 
 
 def test_anchors_are_drawn_from_seed_and_step_inside_the_window():

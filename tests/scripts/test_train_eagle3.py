@@ -3,7 +3,6 @@ resumed deterministically; its draft vocabulary and layer choice; its argument c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from tests.conftest import EMBEDDED_MODEL, REPO
-from tests.scripts.test_train_tiny import finish
+from tests.scripts.test_train_tiny import finish, import_script
 
 SCRIPT = os.path.join(REPO, "scripts", "train_eagle3.py")
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
@@ -98,16 +97,7 @@ def test_a_deepseek_target_gets_an_mla_draft_of_its_widths(tmp_path):
 
 
 def load_script():
-    if os.path.dirname(SCRIPT) not in sys.path:
-        sys.path.insert(0, os.path.dirname(SCRIPT))
-    spec = importlib.util.spec_from_file_location("train_eagle3", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_eagle3"] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["train_eagle3"]
-    return module
+    return import_script(SCRIPT)
 
 
 def test_draft_vocabulary_is_the_most_frequent_tokens_ascending():

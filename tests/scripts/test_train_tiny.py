@@ -124,15 +124,23 @@ def check_draft_fine_tune(base, tuned) -> None:
     assert "own greedy continuations" in card
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_tiny", SCRIPT)
+def import_script(path: str):
+    """A script of scripts/ as a fresh module (the scripts import each other from their folder)."""
+    if os.path.dirname(path) not in sys.path:
+        sys.path.insert(0, os.path.dirname(path))
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny"] = module  # dataclasses look their module up there
+    sys.modules[name] = module  # dataclasses look their module up there
     try:
         spec.loader.exec_module(module)
     finally:
-        del sys.modules["train_tiny"]
+        del sys.modules[name]
     return module
+
+
+def load_script():
+    return import_script(SCRIPT)
 
 
 def test_own_continuations_are_a_training_prompt_then_the_models_greedy_text(tiny_model):
