@@ -4,6 +4,8 @@
     mtp-jax bench --k 0 1 2 3 4 --batch 1 8 --json out.json --plot out.png
     mtp-jax bench --synthetic oracle-small --k 0 3            # a generated checkpoint
     mtp-jax bench --model T --draft-model D --draft mtp eagle3 # draft methods side by side
+    mtp-jax bench --model T --draft-model E3 DF --block-size 4 8 16   # EAGLE-3 and DFlash drafts,
+                                                              # DFlash at three block sizes
     python scripts/bench.py ...                               # the same
 
 Prompts: a checkpoint's held-out prompts when it ships them (``eval.json``, written by
@@ -91,7 +93,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help="draft methods to compare (default: every one the model has, e.g. mtp eagle3)",
     )
-    parser.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3)")
+    parser.add_argument(
+        "--draft-model",
+        nargs="+",
+        default=[],
+        help="separately trained drafts' directories (EAGLE-3, DFlash), each loaded beside the target",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        nargs="+",
+        default=None,
+        help="DFlash block sizes to run (default: the draft's own); K runs up to block size - 1",
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per run (shared by the slots)")
     parser.add_argument("--prompt-len", type=int, default=32, help="random prompts only: tokens each")
@@ -152,22 +166,23 @@ def write_json(path: str, report: dict) -> None:
     os.replace(tmp, path)
 
 
-def _measure(model, prompts, args: argparse.Namespace, batch: int, configs: list[dict]) -> list[dict]:
-    """Decode rates of several configurations: each compiled by an untimed run first, then the
-    timed runs interleaved (config 1, 2, ..., 1, 2, ...) so drift on a noisy machine hits all of
-    them alike. Returns, per config, the median decode rate and the last run's statistics."""
+def _measure(prompts, args: argparse.Namespace, batch: int, configs: list[tuple]) -> list[dict]:
+    """Decode rates of several (model, generate kwargs) configurations: each compiled by an
+    untimed run first, then the timed runs interleaved (config 1, 2, ..., 1, 2, ...) so drift on a
+    noisy machine hits all of them alike. Returns, per config, the median decode rate and the last
+    run's statistics."""
 
-    def once(kwargs: dict) -> dict:
+    def once(model, kwargs: dict) -> dict:
         return model.generate(
             prompts, max_new_tokens=args.new_tokens, ignore_eos=True, max_batch=batch, **kwargs
         ).stats
 
-    for kwargs in configs:
-        once(kwargs)  # compile every shape this configuration uses
+    for model, kwargs in configs:
+        once(model, kwargs)  # compile every shape this configuration uses
     runs: list[list[dict]] = [[] for _ in configs]
     for _ in range(args.repeats):
-        for i, kwargs in enumerate(configs):
-            runs[i].append(once(kwargs))
+        for i, (model, kwargs) in enumerate(configs):
+            runs[i].append(once(model, kwargs))
     return [
         {"decode_tok_s": statistics.median(r["decode_tokens_per_second"] for r in rs), "stats": rs[-1]}
         for rs in runs
@@ -181,6 +196,8 @@ def run(args: argparse.Namespace) -> dict:
 
     if min(args.batch) < 1 or min(args.k or [0]) < 0 or args.prompts < 1 or args.repeats < 1:
         raise ValueError("--batch, --prompts and --repeats must be >= 1 and --k >= 0")
+    if args.block_size is not None and min(args.block_size) < 2:
+        raise ValueError("--block-size must be >= 2 (an anchor and one draft)")
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
             path = os.path.join(tmp, args.synthetic)
@@ -191,37 +208,51 @@ def run(args: argparse.Namespace) -> dict:
         else:
             path = model_path(args.model)
             name = os.path.basename(os.path.abspath(path))
-        model = mtp_jax.load(path, dtype=args.dtype, draft_model=args.draft_model)
-        drafts = list(model.drafts) if args.draft is None else args.draft
-        missing = [d for d in drafts if d not in model.drafts]
+        model, owners = _load_drafted(mtp_jax, path, args)
+        drafts = list(owners) if args.draft is None else args.draft
+        missing = [d for d in drafts if d not in owners]
         if missing:
-            raise ValueError(f"{name} cannot draft with {missing}; it has {list(model.drafts) or 'no draft'}")
+            raise ValueError(f"{name} cannot draft with {missing}; it has {list(owners) or 'no draft'}")
         if args.k is None:
             args.k = [0, 1, 2, 3, 4] if drafts else [0]
         if max(args.k) and not drafts:
             raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
         prompts, prompt_note = _prompts(model, None if args.synthetic else path, args)
-        # (draft, K) pairs: plain decoding once, every draft at every K > 0
-        pairs = [(None, 0)] * (0 in args.k) + [(d, k) for d in drafts for k in args.k if k]
+        # (draft, K, DFlash block) triples: plain decoding once, every draft at every K > 0 (DFlash at
+        # every block size that holds K drafts)
+        triples = [(None, 0, None)] * (0 in args.k)
+        for d in drafts:
+            blocks = [None]
+            if d == "dflash":
+                trained = owners[d].draft_config.block_size
+                blocks = args.block_size or [trained]
+                if max(blocks) > trained:
+                    raise ValueError(
+                        f"--block-size {max(blocks)}: the DFlash draft was trained on blocks of {trained}"
+                    )
+            triples += [(d, k, b) for b in blocks for k in args.k if k and (b is None or k < b)]
         rows = []
-        for b in args.batch:
-            print(f"batch {b}: K = {args.k}, drafts {drafts} ...", file=sys.stderr, flush=True)
+        for batch in args.batch:
+            print(f"batch {batch}: K = {args.k}, drafts {drafts} ...", file=sys.stderr, flush=True)
             configs, keys = [], []
-            for draft, k in pairs:
+            for draft, k, block in triples:
                 spec = {"temperature": args.temperature, "draft_sampling": args.draft_sampling}
                 if k:
                     spec.update(draft=draft, num_speculative_tokens=k)
-                configs.append(spec)
-                keys.append((draft, k, True))
+                if block is not None and args.block_size:
+                    spec["draft_block_size"] = block
+                configs.append((owners.get(draft, model), spec))
+                keys.append((draft, k, block, True))
                 if k and not args.no_baseline:
-                    configs.append({**spec, "fused": False})
-                    keys.append((draft, k, False))
-            measured = dict(zip(keys, _measure(model, prompts, args, b, configs), strict=True))
-            base = measured[(None, 0, True)]["decode_tok_s"] if (None, 0, True) in measured else None
-            for draft, k in pairs:
-                fused = measured[(draft, k, True)]
+                    configs.append((owners[draft], {**spec, "fused": False}))
+                    keys.append((draft, k, block, False))
+            measured = dict(zip(keys, _measure(prompts, args, batch, configs), strict=True))
+            plain = (None, 0, None, True)
+            base = measured[plain]["decode_tok_s"] if plain in measured else None
+            for draft, k, block in triples:
+                fused = measured[(draft, k, block, True)]
                 row = {
-                    "batch": b,
+                    "batch": batch,
                     "draft": draft,
                     "k": k,
                     "acceptance_length": fused["stats"]["acceptance_length"],
@@ -229,8 +260,10 @@ def run(args: argparse.Namespace) -> dict:
                     "decode_tok_s": fused["decode_tok_s"],
                     "speedup_vs_plain": fused["decode_tok_s"] / base if base else None,
                 }
-                if (draft, k, False) in measured:
-                    row["host_orchestrated_tok_s"] = measured[(draft, k, False)]["decode_tok_s"]
+                if block is not None:
+                    row["block_size"] = block
+                if (draft, k, block, False) in measured:
+                    row["host_orchestrated_tok_s"] = measured[(draft, k, block, False)]["decode_tok_s"]
                     row["fused_over_host"] = fused["decode_tok_s"] / row["host_orchestrated_tok_s"]
                 rows.append(row)
     return {
@@ -247,6 +280,27 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _load_drafted(mtp_jax, path: str, args: argparse.Namespace) -> tuple[object, dict]:
+    """The target alone (plain decoding and its own MTP), and once more beside each --draft-model.
+    Returns (the target, {draft method: the model that drafts with it})."""
+    model = mtp_jax.load(path, dtype=args.dtype)
+    owners = {d: model for d in model.drafts}
+    for directory in args.draft_model:
+        drafted = mtp_jax.load(path, dtype=args.dtype, draft_model=directory)
+        for d in drafted.drafts:
+            if d not in owners:
+                owners[d] = drafted
+            elif owners[d] is not model:
+                raise ValueError(f"two --draft-model directories both draft with {d!r}")
+    return model, owners
+
+
+def label(row: dict) -> str:
+    """A row's draft, with its DFlash block size when it has one."""
+    name = row["draft"] or "plain"
+    return f"{name} (block {row['block_size']})" if "block_size" in row else name
+
+
 def table(report: dict) -> str:
     lines = [
         "| batch | draft | K | acceptance length | acceptance by position | decode tok/s | vs plain | "
@@ -258,7 +312,7 @@ def table(report: dict) -> str:
         ratio = f"{r['fused_over_host']:.2f}x" if "fused_over_host" in r else "-"
         vs = f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] is not None else "-"
         lines.append(
-            f"| {r['batch']} | {r['draft'] or 'plain'} | {r['k']} | {r['acceptance_length']:.2f} | "
+            f"| {r['batch']} | {label(r)} | {r['k']} | {r['acceptance_length']:.2f} | "
             f"{by_pos} | {r['decode_tok_s']:.1f} | {vs} | {ratio} |"
         )
     return "\n".join(lines)
@@ -279,7 +333,7 @@ def plot(report: dict, path: str) -> None:
     for r in rows:
         if r["batch"] == first_batch and r["k"] > 0:
             pos = range(1, len(r["acceptance_by_position"]) + 1)
-            left.plot(pos, r["acceptance_by_position"], marker="o", label=f"{r['draft']} K={r['k']}")
+            left.plot(pos, r["acceptance_by_position"], marker="o", label=f"{label(r)} K={r['k']}")
     left.set(
         xlabel="draft position",
         ylabel="fraction of steps accepting it",
@@ -287,11 +341,11 @@ def plot(report: dict, path: str) -> None:
         ylim=(0, 1),
     )
     left.legend()
-    for b, draft in sorted({(r["batch"], r["draft"]) for r in rows if r["draft"]}):
+    for b, draft in sorted({(r["batch"], label(r)) for r in rows if r["draft"]}):
         pts = [
             (r["k"], r["speedup_vs_plain"])
             for r in rows
-            if r["batch"] == b and r["draft"] == draft and r["speedup_vs_plain"]
+            if r["batch"] == b and label(r) == draft and r["speedup_vs_plain"]
         ]
         right.plot([k for k, _ in pts], [s for _, s in pts], marker="o", label=f"{draft}, batch {b}")
     right.axhline(1.0, color="gray", linewidth=0.8)

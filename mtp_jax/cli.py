@@ -89,6 +89,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="drafts per step (default 3 when drafting)",
     )
     g.add_argument(
+        "--draft-block-size",
+        type=int,
+        default=None,
+        help="DFlash: tokens per proposed block (default: the draft's trained block; -k: one less)",
+    )
+    g.add_argument(
         "--draft-sampling",
         choices=["argmax", "sampled"],
         default="argmax",
@@ -239,6 +245,7 @@ def _generate(args: argparse.Namespace) -> int:
         draft=None if draft == "none" else draft,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=args.draft_sampling,
+        draft_block_size=args.draft_block_size,
     )
     wall = time.perf_counter() - t0
     for text, new, reason in zip(args.prompt, result.tokens, result.finish_reasons, strict=True):

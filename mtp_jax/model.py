@@ -201,6 +201,7 @@ class Model:
         draft: str | None = None,
         num_speculative_tokens: int | None = None,
         draft_sampling: str = "argmax",
+        draft_block_size: int | None = None,
         ignore_eos: bool = False,
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
@@ -213,7 +214,9 @@ class Model:
         layer) that proposes ``num_speculative_tokens`` (default 3) tokens per step;
         ``draft_sampling`` "argmax" proposes the draft's argmax (each position's token is then drawn
         exactly as plain decoding draws it), "sampled" draws drafts from the draft distribution and
-        accepts with min(1, p/q). Either way the output distribution is the target's. Up to
+        accepts with min(1, p/q). Either way the output distribution is the target's. A DFlash draft
+        proposes from one block of ``draft_block_size`` tokens (default: the block it was trained on;
+        a smaller block is cheaper and proposes at most ``draft_block_size - 1`` drafts). Up to
         ``max_batch`` prompts decode at once; the others join as slots free (continuous batching). On
         a mesh the slots are padded to a multiple of its row devices (data x expert: every device
         attends for its own rows; padding slots stay idle). ``on_token(prompt_index, token)`` streams.
@@ -234,7 +237,7 @@ class Model:
                     f"{len(p) + max_new_tokens}, beyond the model's maximum length {limit}"
                 )
         sampling = SamplingParams.build(len(checked), temperature, top_k, top_p, min_p, seed)
-        sc = self._step_config(draft, num_speculative_tokens, draft_sampling)
+        sc = self._step_config(draft, num_speculative_tokens, draft_sampling, draft_block_size)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
         return generate(
@@ -255,7 +258,13 @@ class Model:
         """The draft methods this loaded model can speculate with (e.g. ("mtp",))."""
         return tuple(name for name, d in DRAFTS.items() if d.available(self.params, self.config) is None)
 
-    def _step_config(self, draft: str | None, k: int | None, draft_sampling: str) -> StepConfig:
+    def _step_config(
+        self, draft: str | None, k: int | None, draft_sampling: str, block: int | None = None
+    ) -> StepConfig:
+        if block is not None and draft != "dflash":
+            raise InvalidRequestError(
+                f"draft_block_size={block!r} is a DFlash setting; the draft is {draft!r}"
+            )
         if draft is None:
             if k not in (None, 0):
                 raise InvalidRequestError(
@@ -267,8 +276,17 @@ class Model:
         why = DRAFTS[draft].available(self.params, self.config)
         if why is not None:
             raise InvalidRequestError(f"{why}; {self.path or 'this model'} cannot draft with {draft!r}")
+        draft_cfg = self.draft_config
         if draft == "dflash":  # a block proposes at most block_size - 1 drafts, by default all of them
-            block = self.draft_config.block_size
+            trained = draft_cfg.block_size
+            if block is not None:
+                if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= trained:
+                    raise InvalidRequestError(
+                        f"draft_block_size must be an integer in [2, {trained}] (the DFlash draft was "
+                        f"trained on blocks of {trained}), got {block!r}"
+                    )
+                draft_cfg = dataclasses.replace(draft_cfg, block_size=block)
+            block = draft_cfg.block_size
             k = block - 1 if k is None else k
             if isinstance(k, int) and not isinstance(k, bool) and k > block - 1:
                 raise InvalidRequestError(
@@ -282,7 +300,7 @@ class Model:
             raise InvalidRequestError(
                 f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}"
             )
-        return StepConfig(self.config, self.page_size, k, draft, draft_sampling, self.mesh, self.draft_config)
+        return StepConfig(self.config, self.page_size, k, draft, draft_sampling, self.mesh, draft_cfg)
 
 
 def load(

@@ -42,22 +42,28 @@ def test_bench_on_a_model_without_a_draft_times_plain_decoding(tmp_path, capsys)
     capsys.readouterr()
     assert main([*argv, "--k", "0", "2"]) == 2
     assert "has no draft to speculate with: only --k 0" in capsys.readouterr().err
-    # with an EAGLE-3 draft beside it, the draft method is an axis of the table
-    from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint
-    from mtp_jax.config import Eagle3Config
+    # with EAGLE-3 and DFlash drafts beside it, the draft method (and DFlash's block) is an axis
+    from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, eagle3_hub_tensors, write_hub_checkpoint
+    from mtp_jax.config import DFlashConfig, Eagle3Config
+    from tests.drafts.test_dflash import DRAFT_A as DFLASH
     from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS
 
-    draft = tmp_path / "eagle3"
+    draft, dflash = tmp_path / "eagle3", tmp_path / "dflash"
     write_hub_checkpoint(
         draft, DRAFT_A, eagle3_hub_tensors(Eagle3Config.from_dict(DRAFT_A), draft_ids=DRAFT_IDS)
     )
-    argv += ["--draft-model", str(draft), "--repeats", "1", "--no-baseline"]
-    assert main([*argv, "--k", "0", "2", "--json", str(out)]) == 0
+    write_hub_checkpoint(dflash, DFLASH, dflash_hub_tensors(DFlashConfig.from_dict(DFLASH), 2))
+    argv += ["--draft-model", str(draft), str(dflash), "--repeats", "1", "--no-baseline"]
+    assert main([*argv, "--k", "0", "1", "--block-size", "2", "4", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert [(r["draft"], r["k"]) for r in report["results"]] == [(None, 0), ("eagle3", 2)]
-    assert "| 2 | eagle3 | 2 |" in capsys.readouterr().out
+    got = [(r["draft"], r["k"], r.get("block_size")) for r in report["results"]]
+    assert got == [(None, 0, None), ("eagle3", 1, None), ("dflash", 1, 2), ("dflash", 1, 4)]
+    table = capsys.readouterr().out
+    assert "| 2 | eagle3 | 1 |" in table and "| 2 | dflash (block 4) | 1 |" in table
     assert main([*argv, "--draft", "mtp"]) == 2
-    assert "cannot draft with ['mtp']; it has ['eagle3']" in capsys.readouterr().err
+    assert "cannot draft with ['mtp']; it has ['eagle3', 'dflash']" in capsys.readouterr().err
+    assert main([*argv, "--draft", "dflash", "--block-size", "8"]) == 2
+    assert "trained on blocks of 4" in capsys.readouterr().err
 
 
 def test_bench_refuses_bad_arguments(capsys):

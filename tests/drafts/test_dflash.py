@@ -5,6 +5,7 @@ paged context against it, speculative generation with it, and the errors a bad d
 from __future__ import annotations
 
 import copy
+import dataclasses
 import textwrap
 
 import jax
@@ -204,16 +205,24 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
     )
     first_pos = jnp.full((b,), t)  # anchor (the last token) at t - 1, drafts from t on
     sampling = SamplingParams.build(b, temperature=[0.8] * b)
-    for mode in ("argmax", "sampled"):
-        sc = StepConfig(model.config, page, 3, "dflash", mode, draft_cfg=cfg)
+    # the trained block of 4, and a block of 2 chosen at run time (generate's draft_block_size)
+    full_sc = StepConfig(model.config, page, 3, "dflash", draft_cfg=cfg)
+    full = DRAFT.teacher_forced(model.params, full_sc, ids, hidden)
+    np.testing.assert_allclose(np.asarray(full[:, t - 1]), want, rtol=1e-5, atol=1e-5)
+    for block, k, mode in ((4, 3, "argmax"), (4, 3, "sampled"), (2, 1, "argmax"), (2, 1, "sampled")):
+        bcfg = dataclasses.replace(cfg, block_size=block)
+        sc = StepConfig(model.config, page, k, "dflash", mode, draft_cfg=bcfg)
+        want = np.asarray(DRAFT.teacher_forced(model.params, sc, ids, hidden)[:, t - 1])
+        if block == 2:  # fewer masked rows in the bidirectional block: another proposal
+            assert _rel(want[:, 0], np.asarray(full[:, t - 1, 0])) > 1e-3
         state = DRAFT.init_state(sc, b * width, jnp.float32)
         drafts, q, state = DRAFT.extend_and_propose(
             model.params, sc, state, table, rows, jnp.ones(b, bool), sampling, first_pos
         )
         if mode == "argmax":
-            np.testing.assert_array_equal(np.asarray(drafts), np.argmax(want[:, :3], -1))
+            np.testing.assert_array_equal(np.asarray(drafts), np.argmax(want[:, :k], -1))
         else:
-            expect = np.stack([draft_probs(jnp.asarray(want[:, j]), sampling) for j in range(3)], 1)
+            expect = np.stack([draft_probs(jnp.asarray(want[:, j]), sampling) for j in range(k)], 1)
             np.testing.assert_allclose(np.asarray(q), expect, rtol=1e-4, atol=1e-6)
     # the context rows of every layer are in the cache at their slots, nothing past them
     k = np.asarray(state["k"][:, table[0]]).reshape(cfg.num_hidden_layers, -1, *state["k"].shape[3:])
@@ -234,6 +243,10 @@ def test_greedy_speculation_is_lossless(models, name):
         assert out.tokens == plain.tokens, k
     default = model.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True, draft="dflash")
     assert default.stats["num_speculative_tokens"] == model.draft_config.block_size - 1
+    small = model.generate(  # a smaller block at run time: K defaults to one less
+        PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="dflash", draft_block_size=2
+    )
+    assert small.tokens == plain.tokens and small.stats["num_speculative_tokens"] == 1
 
 
 # --- bad drafts -----------------------------------------------------------------------------------
@@ -273,6 +286,12 @@ def test_bad_drafts_are_refused_by_name(tmp_path, models):
             DFlashConfig.from_dict(raw)
     with pytest.raises(InvalidRequestError, match="a DFlash block of 4 tokens proposes at most 3"):
         models["a"].generate([[1, 2]], max_new_tokens=2, draft="dflash", num_speculative_tokens=4)
+    with pytest.raises(InvalidRequestError, match="a DFlash block of 3 tokens proposes at most 2"):
+        models["a"].generate([[1, 2]], draft="dflash", num_speculative_tokens=3, draft_block_size=3)
+    with pytest.raises(InvalidRequestError, match=r"draft_block_size must be an integer in \[2, 4\].*got 5"):
+        models["a"].generate([[1, 2]], draft="dflash", draft_block_size=5)
+    with pytest.raises(InvalidRequestError, match="draft_block_size=2 is a DFlash setting; the draft is No"):
+        models["a"].generate([[1, 2]], draft_block_size=2)
     assert jax.tree.leaves(models["a"].params["dflash"]["layers"])[0].shape[0] == 2  # stacked layers
 
 
