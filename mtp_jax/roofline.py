@@ -164,16 +164,19 @@ def step_bytes(
     MTP layer, or with ``draft_cfg`` (an :class:`mtp_jax.config.Eagle3Config`) from the EAGLE-3 draft
     in ``params["eagle3"]``: its layer read once per pass, ``fc`` once (only the catch-up reads
     target features), its own head over the draft vocabulary once per draft, its paged K/V (or
-    latent) cache read by every pass.
+    latent) cache read by every pass; or (a :class:`mtp_jax.config.DFlashConfig`) from the DFlash
+    draft in ``params["dflash"]``: ONE block forward, so every draft weight, the target's head (for
+    all K rows at once) and every draft layer's paged context K/V are read once; the embedding rows
+    of the anchors and the mask token.
     """
     if min(batch, context) < 1 or k < 0:
         raise ValueError(f"need batch >= 1, context >= 1, k >= 0; got {batch}, {context}, {k}")
-    draft = "eagle3" if draft_cfg is not None else "mtp"
+    draft = draft_method(draft_cfg)
     if k and draft not in params:
         raise ValueError(
-            "k > 0 needs the EAGLE-3 draft in params (load with draft_model=)"
-            if draft == "eagle3"
-            else "k > 0 needs the MTP layer in params (load with mtp=True)"
+            "k > 0 needs the MTP layer in params (load with mtp=True)"
+            if draft == "mtp"
+            else f"k > 0 needs the {NAMES[draft]} draft in params (load with draft_model=)"
         )
     from mtp_jax.targets import target_for
 
@@ -184,11 +187,13 @@ def step_bytes(
     verified = batch * (k + 1)
     # Each MTP pass: the catch-up over the K+1 verified rows, then K-1 chained one-token passes.
     draft_passes = [verified] + [batch] * (k - 1) if k else []
+    if draft == "dflash":  # one block forward: the anchors' rows and the mask token's
+        draft_passes = [batch + 1] if k else []
     parts = dict.fromkeys(
         ("target_weights", "target_experts", "draft_weights", "draft_experts", "draft_heads"), 0.0
     )
     own_embed = draft == "eagle3" and "embed" in params.get("eagle3", {})
-    mtp_head = draft == "eagle3"  # an EAGLE-3 draft has its own head, counted below
+    mtp_head = draft != "mtp"  # an EAGLE-3 draft has its own head, DFlash's reads the target's once
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         names = _names(path)
         nbytes = _nbytes(leaf)
@@ -214,6 +219,9 @@ def step_bytes(
                 parts["draft_weights"] += nbytes
             else:
                 parts["draft_weights"] += k * nbytes
+        elif group == "dflash":
+            if k and draft == "dflash":  # fc included: the new rows' context in the same forward
+                parts["draft_weights"] += nbytes
         elif group == "mtp":
             if not k or draft != "mtp":
                 continue
@@ -234,8 +242,11 @@ def step_bytes(
             parts["target_experts"] += nbytes * expected_experts(verified, e, top_k) / e
         else:
             parts["target_weights"] += nbytes
+    head_bytes = d * cfg.vocab_size * jnp.dtype(params["lm_head" if not tied else "embed"].dtype).itemsize
     if k and not mtp_head:  # drafts read the target's head
-        parts["draft_heads"] += k * d * cfg.vocab_size * jnp.dtype(params["lm_head"].dtype).itemsize
+        parts["draft_heads"] += k * head_bytes
+    elif k and draft == "dflash":  # the block's K rows through the target's head in one matmul
+        parts["draft_heads"] += head_bytes
     positions = batch * (context + k + 1)
     kv = positions * target_for(cfg).cache_bytes_per_token(cfg, cache_itemsize)
     if k and draft == "eagle3":  # every draft pass reads the draft's own cache
@@ -244,9 +255,24 @@ def step_bytes(
         c = draft_cfg
         per_token = 2 * c.num_key_value_heads * c.head_dim if c.mla is None else latent_width(c.mla)
         kv += k * positions * per_token * cache_itemsize
+    elif k and draft == "dflash":  # every draft layer reads its context keys and values once
+        c = draft_cfg
+        kv += c.num_hidden_layers * positions * 2 * c.num_key_value_heads * c.head_dim * cache_itemsize
     elif k:  # every MTP pass reads the MTP layer's latent cache
         kv += k * positions * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_itemsize
     return StepBytes(**parts, kv=float(kv))
+
+
+NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+
+
+def draft_method(draft_cfg: Any) -> str:
+    """The draft method of a separately loaded draft's config (``None``: the target's MTP layer)."""
+    from mtp_jax.config import DFlashConfig
+
+    if draft_cfg is None:
+        return "mtp"
+    return "dflash" if isinstance(draft_cfg, DFlashConfig) else "eagle3"
 
 
 def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0) -> dict:
@@ -299,10 +325,10 @@ def time_step(
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
-    from the MTP layer, or from the EAGLE-3 draft of ``draft_cfg``."""
+    from the MTP layer, or from the EAGLE-3 or DFlash draft of ``draft_cfg``."""
     from mtp_jax.step import StepConfig, init_state, step
 
-    draft = None if not k else ("mtp" if draft_cfg is None else "eagle3")
+    draft = None if not k else draft_method(draft_cfg)
     sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None)
     width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
     state = init_state(sc, batch, batch * width, width, dtype)
@@ -452,7 +478,7 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(
             {
                 "k": k,
-                "draft": None if not k else ("mtp" if draft_cfg is None else "eagle3"),
+                "draft": None if not k else draft_method(draft_cfg),
                 "step_ms": seconds * 1e3,
                 "bytes": need.total,
                 "bytes_by_part": dataclasses.asdict(need),

@@ -249,6 +249,35 @@ def test_greedy_speculation_is_lossless(models, name):
     assert small.tokens == plain.tokens and small.stats["num_speculative_tokens"] == 1
 
 
+def test_roofline_counts_the_dflash_draft(models, drafts):
+    """scripts/bench_step.py with a DFlash draft: one block forward reads every draft weight once,
+    the target's head once for all K rows, the embedding rows of the anchors and the mask, every
+    draft layer's context K/V once; then the step it times runs with that draft."""
+    from mtp_jax.roofline import build_parser, run, step_bytes
+
+    model, cfg = models["a"], models["a"].draft_config
+    k, batch, context = 3, 2, 9
+    target = {n: x for n, x in model.params.items() if n != "dflash"}
+    plain = step_bytes(target, model.config, k=0, batch=batch, context=context, cache_itemsize=4)
+    got = step_bytes(
+        model.params, model.config, k=k, batch=batch, context=context, cache_itemsize=4, draft_cfg=cfg
+    )
+    own = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params["dflash"]))
+    d, v = model.config.hidden_size, model.config.vocab_size
+    assert got.draft_weights == pytest.approx(4 * (own + d * (batch + 1)))
+    assert got.draft_heads == pytest.approx(4 * d * v) and got.draft_experts == 0
+    positions = batch * (context + k + 1)
+    target_kv = plain.kv / (batch * (context + 1))
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+    assert got.kv == pytest.approx(positions * (target_kv + per_token * 4))
+    with pytest.raises(ValueError, match="DFlash draft in params"):
+        step_bytes(target, model.config, k=1, batch=1, context=4, cache_itemsize=4, draft_cfg=cfg)
+    args = ["--model", TARGET, "--draft-model", drafts["a"][0], "--k", "0", "3"]
+    out = run(build_parser().parse_args([*args, "--iters", "2", "--copy-mb", "4", "--context", "8"]))
+    assert [r["draft"] for r in out["results"]] == [None, "dflash"]
+    assert all(r["step_ms"] > 0 for r in out["results"])
+
+
 # --- bad drafts -----------------------------------------------------------------------------------
 def _bad(tmp_path, raw=None, drop=(), n_features=2) -> str:
     raw = copy.deepcopy(raw or DRAFT_A)
