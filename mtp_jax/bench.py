@@ -112,6 +112,17 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-baseline", action="store_true", help="skip the host-orchestrated baseline")
+    parser.add_argument(
+        "--auto-k-table",
+        metavar="FILE",
+        help="write the best K per batch size and draft (plain decoding included) here, for "
+        "generate --auto-k FILE",
+    )
+    parser.add_argument(
+        "--auto-k",
+        metavar="FILE",
+        help="also run each draft with this auto-K table (K up to the largest --k) at every batch size",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib: pip install '.[plot]')")
     return parser
@@ -231,19 +242,23 @@ def run(args: argparse.Namespace) -> dict:
                         f"--block-size {max(blocks)}: the DFlash draft was trained on blocks of {trained}"
                     )
             triples += [(d, k, b) for b in blocks for k in args.k if k and (b is None or k < b)]
+        if args.auto_k:  # K "auto": the table picks it, up to the largest K asked for
+            triples += [(d, "auto", None) for d in drafts]
         rows = []
         for batch in args.batch:
             print(f"batch {batch}: K = {args.k}, drafts {drafts} ...", file=sys.stderr, flush=True)
             configs, keys = [], []
             for draft, k, block in triples:
                 spec = {"temperature": args.temperature, "draft_sampling": args.draft_sampling}
-                if k:
+                if k == "auto":
+                    spec.update(draft=draft, num_speculative_tokens=max(args.k), auto_k=args.auto_k)
+                elif k:
                     spec.update(draft=draft, num_speculative_tokens=k)
                 if block is not None and args.block_size:
                     spec["draft_block_size"] = block
                 configs.append((owners.get(draft, model), spec))
                 keys.append((draft, k, block, True))
-                if k and not args.no_baseline:
+                if k and k != "auto" and not args.no_baseline:
                     configs.append((owners[draft], {**spec, "fused": False}))
                     keys.append((draft, k, block, False))
             measured = dict(zip(keys, _measure(prompts, args, batch, configs), strict=True))
@@ -254,7 +269,7 @@ def run(args: argparse.Namespace) -> dict:
                 row = {
                     "batch": batch,
                     "draft": draft,
-                    "k": k,
+                    "k": fused["stats"]["num_speculative_tokens"] if k == "auto" else k,
                     "acceptance_length": fused["stats"]["acceptance_length"],
                     "acceptance_by_position": fused["stats"]["acceptance_rate_per_position"],
                     "decode_tok_s": fused["decode_tok_s"],
@@ -262,6 +277,8 @@ def run(args: argparse.Namespace) -> dict:
                 }
                 if block is not None:
                     row["block_size"] = block
+                if k == "auto":
+                    row["auto_k"] = True
                 if (draft, k, block, False) in measured:
                     row["host_orchestrated_tok_s"] = measured[(draft, k, block, False)]["decode_tok_s"]
                     row["fused_over_host"] = fused["decode_tok_s"] / row["host_orchestrated_tok_s"]
@@ -297,7 +314,9 @@ def _load_drafted(mtp_jax, path: str, args: argparse.Namespace) -> tuple[object,
 
 def label(row: dict) -> str:
     """A row's draft, with its DFlash block size when it has one."""
-    name = row["draft"] or "plain"
+    name = row.get("draft") or "plain"
+    if row.get("auto_k"):
+        return f"{name} (auto K)"
     return f"{name} (block {row['block_size']})" if "block_size" in row else name
 
 
@@ -367,6 +386,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     print(table(report))
     if args.json:
         write_json(args.json, report)
+    if args.auto_k_table:
+        from mtp_jax import autok
+
+        tables = autok.best_k(report["results"])
+        if not tables:
+            print("error: --auto-k-table needs plain decoding (--k 0) and a draft measured", file=sys.stderr)
+            return 2
+        keys = ("model", "dtype", "temperature", "draft_sampling", "device", "cpu_count")
+        meta = {k: report[k] for k in keys}
+        autok.write(args.auto_k_table, tables, meta)
+        print(f"auto-K table: {tables} -> {args.auto_k_table}", file=sys.stderr)
     if args.plot:
         plot(report, args.plot)
     return 0

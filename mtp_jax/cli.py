@@ -100,6 +100,30 @@ def _build_parser() -> argparse.ArgumentParser:
         default="argmax",
         help="propose the draft's argmax, or sample drafts and accept with min(1, p/q)",
     )
+    g.add_argument(
+        "--auto-k",
+        metavar="FILE",
+        help="cap -k by the batch size with a table measured by mtp-jax bench --auto-k-table",
+    )
+    g.add_argument(
+        "--relaxed-topk",
+        type=int,
+        default=0,
+        help="inside <think>...</think>: also accept a draft among the target's top N (lossy; 0 = off)",
+    )
+    g.add_argument(
+        "--relaxed-delta",
+        type=float,
+        default=0.0,
+        help="with --relaxed-topk: the draft's probability must be >= the top one's minus this",
+    )
+    g.add_argument(
+        "--think-tokens",
+        type=int,
+        nargs=2,
+        metavar=("START", "END"),
+        help="ids that open and close a thinking phase (default: the tokenizer's <think> and </think>)",
+    )
 
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of a text")
     _add_common(s)
@@ -246,13 +270,19 @@ def _generate(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=args.draft_sampling,
         draft_block_size=args.draft_block_size,
+        auto_k=args.auto_k,
+        relaxed_topk=args.relaxed_topk,
+        relaxed_delta=args.relaxed_delta,
+        think_tokens=tuple(args.think_tokens) if args.think_tokens else None,
     )
     wall = time.perf_counter() - t0
-    for text, new, reason in zip(args.prompt, result.tokens, result.finish_reasons, strict=True):
+    rows = zip(args.prompt, result.tokens, result.finish_reasons, result.request_stats, strict=True)
+    for text, new, reason, rs in rows:
         if len(args.prompt) > 1:
             print("=" * 60)
         print(text + tok.decode(new, skip_special_tokens=True))
-        print(f"[{len(new)} tokens, stopped by {reason}]", file=sys.stderr)
+        accepted = f" [acceptance length {rs['acceptance_length']:.2f}]" if rs["num_draft_tokens"] else ""
+        print(f"[{len(new)} tokens, stopped by {reason}]{accepted}", file=sys.stderr)
     st = result.stats
     per_position = ", ".join(f"{r:.2f}" for r in st["acceptance_rate_per_position"])
     print(

@@ -31,11 +31,45 @@ TokenCallback = Callable[[int, int], None]
 @dataclasses.dataclass
 class GenerateResult:
     """New tokens per prompt (EOS included when it stopped the row), why each row stopped
-    ("eos" or "length"), and run statistics."""
+    ("eos" or "length"), run statistics, and per prompt its speculation statistics
+    (:func:`request_stats`)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     stats: dict
+    request_stats: list[dict] = dataclasses.field(default_factory=list)
+
+
+class SpecCounters:
+    """Speculation counters of a request or of a whole run, named as serving engines export them:
+    steps (verification steps), num_drafts (steps that verified at least one draft),
+    num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos[j] (steps that accepted
+    draft j, 0-based)."""
+
+    def __init__(self, k: int) -> None:
+        self.steps = self.emitted = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.per_pos = np.zeros(k, np.int64)
+
+    def add(self, drafted: int, emitted: int) -> None:
+        self.steps += 1
+        self.emitted += emitted
+        self.num_drafts += drafted > 0
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += emitted - 1
+        self.per_pos[: emitted - 1] += 1
+
+    def as_dict(self) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "acceptance_length": self.emitted / steps,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": self.per_pos.tolist(),
+            "acceptance_rate_per_position": [float(x) / steps for x in self.per_pos],
+            "draft_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+        }
 
 
 def next_power_of_two(n: int, minimum: int = 1) -> int:
@@ -54,9 +88,15 @@ def generate(
     max_batch: int = 32,
     on_token: TokenCallback | None = None,
     fused: bool = True,
+    auto_k: Callable[[int], int] | None = None,
 ) -> GenerateResult:
-    """Decode validated prompts with continuous batching (K = sc.k drafts per step, 0 = plain).
+    """Decode validated prompts with continuous batching (up to K = sc.k drafts per step, 0 = plain).
 
+    Each request accepts at most its own ``sampling.max_drafts``; a step verifies as many drafts as
+    its active rows ask for at most (one compiled step per distinct count; with none, a plain step
+    that leaves the draft's state alone: a row only ever reads its own draft state, and a row that
+    speculates runs only steps that do). ``auto_k(batch)`` caps K for the batch size (the slots a
+    step computes, whatever their state), e.g. from a table measured by ``mtp-jax bench``.
     ``fused=False`` runs the host-orchestrated baseline step instead (benchmarks only)."""
     step_fn = step if fused else host_orchestrated_step
     t_start = time.perf_counter()
@@ -64,6 +104,19 @@ def generate(
     batch = next_power_of_two(min(n, max_batch))
     shards = row_shards(sc.mesh)  # rows and their pages split over this many devices
     batch = math.lcm(batch, shards)  # whole rows per shard (padding slots stay inactive)
+    host_sampling = jax.tree.map(np.asarray, sampling)
+    if auto_k is not None and sc.k > 0:
+        sc = dataclasses.replace(sc, k=min(sc.k, auto_k(batch)))
+    row_k = np.minimum(host_sampling.max_drafts, sc.k)  # each request's own K
+    if sc.k == 0 or not row_k.any():
+        sc = dataclasses.replace(sc, k=0, draft=None)  # plain decoding: no draft state at all
+    variants: dict[int, StepConfig] = {}  # the steps run: one program each
+
+    def variant(k: int) -> StepConfig:
+        if k not in variants:
+            variants[k] = dataclasses.replace(sc, k=k, draft_idle=k == 0 and sc.draft is not None)
+        return variants[k]
+
     page = sc.page_size
     # a request owns pages for its prompt, its new tokens and the speculative overshoot of the
     # last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)
@@ -73,15 +126,16 @@ def generate(
     state = init_state(sc, batch, allocator.num_pages, width, cache_dtype)
     if sc.mesh is not None:
         state = jax.device_put(state, state_shardings(sc, state))
-    host_sampling = jax.tree.map(np.asarray, sampling)
 
     queue = collections.deque(range(n))
     owner: list[int | None] = [None] * batch
     pages_of: dict[int, list[int]] = {}
     out: list[list[int]] = [[] for _ in range(n)]
     finish = [""] * n
-    counts = {"row_steps": 0, "emitted": 0, "steps": 0, "prefills": 0}
-    accepted_at = np.zeros(sc.k + 1, np.int64)  # accepted_at[j]: row-steps that accepted >= j drafts
+    counts = {"steps": 0, "prefills": 0}
+    run = SpecCounters(sc.k)
+    per_request = [SpecCounters(sc.k) for _ in range(n)]
+    proposed = np.zeros(batch, np.int64)  # drafts standing for each slot (as the state's num_drafts)
 
     def emit(req: int, tokens: np.ndarray) -> bool:
         for tok in tokens.tolist():
@@ -142,6 +196,7 @@ def generate(
                 tables[i] = pages_of[req]
                 pick[i] = req
                 reqs.append((i, req))
+                proposed[b] = row_k[req]
         rows_sampling = jax.tree.map(lambda x: jnp.asarray(x[pick]), host_sampling)
         first, state = prefill(
             params,
@@ -159,16 +214,15 @@ def generate(
         if done:
             release(done)
 
-    def process(emitted: jax.Array, n_emit: jax.Array, owners: list[int | None]) -> None:
+    def process(emitted: jax.Array, n_emit: jax.Array, owners: list[int | None], drafted: np.ndarray) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         done = []
         for b, req in enumerate(owners):
             if req is None or finish[req]:
                 continue
             k = int(n_emit[b])
-            counts["row_steps"] += 1
-            counts["emitted"] += k
-            accepted_at[:k] += 1
+            run.add(int(drafted[b]), k)
+            per_request[req].add(int(drafted[b]), k)
             if emit(req, emitted[b, :k]):
                 done.append(b)
         if done:
@@ -198,19 +252,23 @@ def generate(
             process(*pending)
             pending = None
             continue
+        sc_now = variant(int(max(row_k[req] for req in owner if req is not None)))
+        drafted = np.minimum(proposed, sc_now.k)
+        live = np.array([o is not None for o in owner])
+        proposed[live] = np.minimum(row_k[[o for o in owner if o is not None]], sc_now.k)
         t_call = time.perf_counter()
-        emitted, n_emit, state = step_fn(params, state, sc)
+        emitted, n_emit, state = step_fn(params, state, sc_now)
         if not counts["steps"]:  # the call returns once compiled; the step itself runs on
             first_step = time.perf_counter() - t_call
         counts["steps"] += 1
         if pending is not None:
             process(*pending)
-        pending = (emitted, n_emit, list(owner))
+        pending = (emitted, n_emit, list(owner), drafted)
     t_end = time.perf_counter()
 
     new_tokens = sum(len(o) for o in out)
-    row_steps = max(counts["row_steps"], 1)
     decode_time = t_end - t_first
+    spec = run.as_dict()
     stats = {
         "prompts": n,
         "batch": batch,
@@ -220,15 +278,19 @@ def generate(
         "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": new_tokens,
         "steps": counts["steps"],
+        "step_programs": len(variants),
+        "step_num_speculative_tokens": sorted(variants),
         "prefill_calls": counts["prefills"],
-        "acceptance_length": counts["emitted"] / row_steps,
-        "acceptance_rate_per_position": [float(x) / row_steps for x in accepted_at[1:]],
+        "acceptance_length": spec.pop("acceptance_length"),
         "first_prefill_seconds": t_first - t_start,
         "decode_seconds": decode_time,
         "tokens_per_second": new_tokens / max(t_end - t_start, 1e-9),
-        "decode_tokens_per_second": counts["emitted"] / max(decode_time, 1e-9),
+        "decode_tokens_per_second": run.emitted / max(decode_time, 1e-9),
         # the first step call's wall time: its compilation when the step is not compiled yet
         "first_step_call_seconds": first_step,
-        "decode_tokens_per_second_after_first_call": counts["emitted"] / max(decode_time - first_step, 1e-9),
+        "decode_tokens_per_second_after_first_call": run.emitted / max(decode_time - first_step, 1e-9),
+        **{k: v for k, v in spec.items() if k != "steps"},
     }
-    return GenerateResult(tokens=out, finish_reasons=finish, stats=stats)
+    return GenerateResult(
+        tokens=out, finish_reasons=finish, stats=stats, request_stats=[c.as_dict() for c in per_request]
+    )

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.autok import AutoK
 from mtp_jax.checkpoint.convert import is_converted, load_converted
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.loader import WEIGHT_MODES
@@ -21,7 +22,7 @@ from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, read
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
-from mtp_jax.sampling import SamplingParams
+from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
 from mtp_jax.sharding import replicated
 from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
 from mtp_jax.targets import Hidden, target_for
@@ -199,9 +200,13 @@ class Model:
         seed: int | Sequence[int] = 0,
         *,
         draft: str | None = None,
-        num_speculative_tokens: int | None = None,
+        num_speculative_tokens: int | Sequence[int] | None = None,
         draft_sampling: str = "argmax",
         draft_block_size: int | None = None,
+        auto_k: str | os.PathLike[str] | dict | AutoK | None = None,
+        relaxed_topk: int | Sequence[int] = 0,
+        relaxed_delta: float | Sequence[float] = 0.0,
+        think_tokens: tuple[int, int] | None = None,
         ignore_eos: bool = False,
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
@@ -216,7 +221,17 @@ class Model:
         exactly as plain decoding draws it), "sampled" draws drafts from the draft distribution and
         accepts with min(1, p/q). Either way the output distribution is the target's. A DFlash draft
         proposes from one block of ``draft_block_size`` tokens (default: the block it was trained on;
-        a smaller block is cheaper and proposes at most ``draft_block_size - 1`` drafts). Up to
+        a smaller block is cheaper and proposes at most ``draft_block_size - 1`` drafts).
+        ``num_speculative_tokens`` may be one value per prompt (0: that request does not speculate,
+        its output is plain decoding's); a step verifies as many drafts as its running requests ask
+        for at most. ``auto_k`` (a table written by ``mtp-jax bench --auto-k-table``, or a
+        {batch size: K} mapping) caps K by the batch size, down to plain decoding where
+        speculation does not pay. ``relaxed_topk`` > 0 (per prompt) relaxes acceptance inside a
+        thinking phase (between the ``think_tokens`` (start, end) ids, by default the tokenizer's
+        ``<think>`` and ``</think>``): a draft among the target's ``relaxed_topk`` most probable
+        tokens with probability >= the top one's minus ``relaxed_delta`` is accepted. This is lossy
+        by design (the thinking text is no longer exactly the target's distribution); outside the
+        phase, and for requests that do not ask, acceptance is exact. Up to
         ``max_batch`` prompts decode at once; the others join as slots free (continuous batching). On
         a mesh the slots are padded to a multiple of its row devices (data x expert: every device
         attends for its own rows; padding slots stay idle). ``on_token(prompt_index, token)`` streams.
@@ -236,8 +251,31 @@ class Model:
                     f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would reach "
                     f"{len(p) + max_new_tokens}, beyond the model's maximum length {limit}"
                 )
-        sampling = SamplingParams.build(len(checked), temperature, top_k, top_p, min_p, seed)
-        sc = self._step_config(draft, num_speculative_tokens, draft_sampling, draft_block_size)
+        per_request = isinstance(num_speculative_tokens, (list, tuple, np.ndarray))
+        sampling = SamplingParams.build(
+            len(checked),
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            max_drafts=num_speculative_tokens if per_request else MAX_DRAFTS,
+            relaxed_topk=relaxed_topk,
+            relaxed_delta=relaxed_delta,
+        )
+        k = int(np.max(sampling.max_drafts)) if per_request else num_speculative_tokens
+        if per_request and k == 0:
+            draft = None  # no request speculates
+        sc = self._step_config(draft, k, draft_sampling, draft_block_size)
+        if np.any(np.asarray(sampling.relaxed_topk) > 0):
+            if draft is None:
+                raise InvalidRequestError("relaxed_topk relaxes the acceptance of drafts: it needs a draft")
+            sc = dataclasses.replace(sc, think_tokens=self._think_tokens(think_tokens))
+        auto = None
+        if auto_k is not None:
+            if draft is None:
+                raise InvalidRequestError("auto_k chooses how many drafts to verify: it needs a draft")
+            auto = AutoK.coerce(auto_k, draft)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
         return generate(
@@ -251,6 +289,29 @@ class Model:
             max_batch=max_batch,
             on_token=on_token,
             fused=fused,
+            auto_k=auto,
+        )
+
+    def _think_tokens(self, given: tuple[int, int] | None) -> tuple[int, int]:
+        """(start, end) ids of a thinking phase: ``given``, else the tokenizer's <think>/</think>."""
+        if given is not None:
+            if not isinstance(given, (tuple, list)) or len(given) != 2:
+                raise InvalidRequestError(f"think_tokens must be (start id, end id), got {given!r}")
+            ids = [self._check_tokens([t], "think_tokens")[0] for t in given]
+            if ids[0] == ids[1]:
+                raise InvalidRequestError(f"think_tokens must be two different ids, got {given!r}")
+            return ids[0], ids[1]
+        path = self.tokenizer_path
+        if path is not None:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(path)
+            ids = [tok.token_to_id(t) for t in ("<think>", "</think>")]
+            if None not in ids:
+                return ids[0], ids[1]
+        raise InvalidRequestError(
+            "relaxed acceptance needs the thinking phase's markers: the tokenizer has no <think> and "
+            "</think> tokens; pass think_tokens=(start id, end id)"
         )
 
     @property

@@ -19,18 +19,26 @@ import numpy as np
 
 from mtp_jax.errors import InvalidRequestError
 
+MAX_DRAFTS = 16
+"""The most drafts a step verifies (num_speculative_tokens)."""
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-row sampling parameters, each [B]: temperature (0 = greedy), top_k (0 = off),
-    top_p (1 = off), min_p (0 = off), seed (uint32)."""
+    """Per-row decoding parameters, each [B]: temperature (0 = greedy), top_k (0 = off),
+    top_p (1 = off), min_p (0 = off), seed (uint32); and how drafts are accepted for the row:
+    max_drafts (the most drafts a step may accept; a step verifying fewer caps it), relaxed_topk
+    (0 = strict acceptance) and relaxed_delta (:func:`relaxed_ok`, inside a thinking phase only)."""
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     min_p: jax.Array
     seed: jax.Array
+    max_drafts: jax.Array
+    relaxed_topk: jax.Array
+    relaxed_delta: jax.Array
 
     @classmethod
     def build(
@@ -41,6 +49,9 @@ class SamplingParams:
         top_p: float | Sequence[float] = 1.0,
         min_p: float | Sequence[float] = 0.0,
         seed: int | Sequence[int] = 0,
+        max_drafts: int | Sequence[int] = MAX_DRAFTS,
+        relaxed_topk: int | Sequence[int] = 0,
+        relaxed_delta: float | Sequence[float] = 0.0,
     ) -> SamplingParams:
         """Validate scalar-or-per-row values and broadcast them to [batch]."""
         temperature = _per_row("temperature", temperature, batch, float)
@@ -48,19 +59,27 @@ class SamplingParams:
         top_p = _per_row("top_p", top_p, batch, float)
         min_p = _per_row("min_p", min_p, batch, float)
         seed = _per_row("seed", seed, batch, int)
+        max_drafts = _per_row("num_speculative_tokens", max_drafts, batch, int)
+        relaxed_topk = _per_row("relaxed_topk", relaxed_topk, batch, int)
+        relaxed_delta = _per_row("relaxed_delta", relaxed_delta, batch, float)
         checks = [
             ("temperature", temperature, lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"),
             ("top_k", top_k, lambda k: k >= 0, ">= 0 (0 disables it)"),
             ("top_p", top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1]"),
             ("min_p", min_p, lambda m: 0.0 <= m < 1.0, "in [0, 1)"),
             ("seed", seed, lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+            ("num_speculative_tokens", max_drafts, lambda k: 0 <= k <= MAX_DRAFTS, f"in [0, {MAX_DRAFTS}]"),
+            ("relaxed_topk", relaxed_topk, lambda k: 0 <= k < 2**31, ">= 0 (0 disables it)"),
+            ("relaxed_delta", relaxed_delta, lambda d: 0.0 <= d <= 1.0, "in [0, 1]"),
         ]
         for name, (values, per_row), ok, want in checks:
             for i, v in enumerate(values):
                 if not ok(v):
                     where = f" (row {i})" if per_row else ""
                     raise InvalidRequestError(f"{name} must be {want}, got {v}{where}")
-        temperature, top_k, top_p, min_p, seed = (x[0] for x in (temperature, top_k, top_p, min_p, seed))
+        temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta = (
+            x[0] for x in (temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta)
+        )
         # any k >= the vocabulary keeps everything, so huge values clamp safely into int32
         top_k = [min(k, 2**31 - 1) for k in top_k]
         return cls(
@@ -69,6 +88,9 @@ class SamplingParams:
             top_p=jnp.asarray(top_p, jnp.float32),
             min_p=jnp.asarray(min_p, jnp.float32),
             seed=jnp.asarray(np.asarray(seed, np.uint32)),
+            max_drafts=jnp.asarray(max_drafts, jnp.int32),
+            relaxed_topk=jnp.asarray(relaxed_topk, jnp.int32),
+            relaxed_delta=jnp.asarray(relaxed_delta, jnp.float32),
         )
 
     def pad(self, batch: int) -> SamplingParams:
@@ -179,8 +201,39 @@ def _leading_true(ok: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
 
 
+def _below(cap: jax.Array | None, k: int, b: int) -> jax.Array:
+    """[B, K]: whether draft j is within its row's cap (all True without one)."""
+    if cap is None:
+        return jnp.ones((b, k), bool)
+    return jnp.arange(k)[None, :] < cap[:, None]
+
+
+def relaxed_ok(
+    target_logits: jax.Array, drafts: jax.Array, params: SamplingParams, thinking: jax.Array
+) -> jax.Array:
+    """Relaxed acceptance [B, K] (lossy, for thinking phases): draft j passes when its row asks for
+    it (relaxed_topk > 0), position j is inside a thinking phase (``thinking`` [B, K]) and, under
+    the row's processed target distribution p at that position (temperature 1 for greedy rows), the
+    draft is among the relaxed_topk most probable tokens with p(draft) >= p(top 1) - relaxed_delta.
+    """
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    logp = processed_logprobs(target_logits[:, :k].reshape(b * k, v), repeat_rows(params, k)).reshape(b, k, v)
+    p = jnp.exp(logp)
+    p_d = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+    rank = jnp.sum(p > p_d[..., None], axis=-1)  # tokens strictly more probable than the draft
+    topk = params.relaxed_topk[:, None]
+    near = p_d >= p.max(axis=-1) - params.relaxed_delta[:, None]
+    return (topk > 0) & thinking & (rank < topk) & near & (p_d > 0)
+
+
 def accept_argmax_drafts(
-    target_logits: jax.Array, drafts: jax.Array, params: SamplingParams, first: jax.Array
+    target_logits: jax.Array,
+    drafts: jax.Array,
+    params: SamplingParams,
+    first: jax.Array,
+    cap: jax.Array | None = None,
+    relaxed: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Acceptance for drafts proposed without sampling (greedy rows, or ``draft_sampling="argmax"``).
 
@@ -188,24 +241,45 @@ def accept_argmax_drafts(
     is drawn from the processed target distribution exactly as plain decoding would draw it (argmax
     for greedy rows); draft j is accepted while it equals that token, and the first disagreeing
     draw is emitted in its place. Lossless: this is speculative sampling with a one-hot proposal.
+    ``cap`` [B] accepts at most cap[b] drafts (the token after them is drawn as above, so capping is
+    exact); ``relaxed`` [B, K] (:func:`relaxed_ok`) also accepts the drafts it marks (lossy).
     Returns (emitted [B, K+1], n_accepted [B]); emitted[:, :n+1] are the new tokens.
     """
     y = sample_positions(target_logits, params, first)
-    return y, _leading_true(y[:, :-1] == drafts)
+    b, k = drafts.shape
+    ok = y[:, :-1] == drafts
+    if relaxed is not None:
+        ok = ok | relaxed
+    n = _leading_true(ok & _below(cap, k, b))
+    if relaxed is not None:  # a relaxed acceptance emits the draft, not the target's draw
+        y = jnp.where(jnp.arange(k + 1)[None] < n[:, None], jnp.concatenate([drafts, y[:, -1:]], axis=1), y)
+    return y, n
 
 
 def accept_sampled_drafts(
-    target_logits: jax.Array, drafts: jax.Array, q: jax.Array, params: SamplingParams, first: jax.Array
+    target_logits: jax.Array,
+    drafts: jax.Array,
+    q: jax.Array,
+    params: SamplingParams,
+    first: jax.Array,
+    cap: jax.Array | None = None,
+    relaxed: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Speculative sampling (Leviathan et al. / Chen et al.) for drafts drawn from q [B, K, V].
 
     Draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j)), p the processed target
     distribution; at the first rejection a token is drawn from normalize(max(0, p_j - q_j)); if all
     K are accepted a bonus token is drawn from p_K. Greedy rows fall back to argmax acceptance.
-    Returns (emitted [B, K+1], n_accepted [B]).
+    ``cap`` [B]: drafts from cap[b] on are treated as never proposed (rejected, and the token there
+    drawn from p itself exactly as plain decoding draws it), which keeps the output exact; a row
+    capped at 0 is plain sampling, token for token; ``relaxed`` as in
+    :func:`accept_argmax_drafts`. Returns (emitted [B, K+1], n_accepted [B]).
     """
     b, k1, v = target_logits.shape
     k = k1 - 1
+    below = _below(cap, k, b)
+    if cap is not None:
+        q = jnp.where(below[..., None], q, 0.0)
     p = jnp.exp(processed_logprobs(target_logits.reshape(b * k1, v), repeat_rows(params, k1))).reshape(
         b, k1, v
     )
@@ -216,15 +290,20 @@ def accept_sampled_drafts(
         row_keys(jnp.repeat(params.seed, k), positions[:, :k].reshape(-1), ACCEPT)
     )
     accepted = u.reshape(b, k) * q_d <= p_d
-    n_acc = _leading_true(accepted)
+    if relaxed is not None:
+        accepted = accepted | relaxed
+    n_acc = _leading_true(accepted & below)
     residual = jnp.concatenate([jnp.maximum(p[:, :k] - q, 0.0), p[:, k:]], axis=1)
     mass = residual.sum(-1, keepdims=True)
     residual = jnp.where(mass > 0, residual, p)  # p == q: any rejection has probability 0
     keys = row_keys(jnp.repeat(params.seed, k1), positions.reshape(-1), RESIDUAL)
     z = jax.vmap(jax.random.categorical)(keys, jnp.log(residual.reshape(b * k1, v))).reshape(b, k1)
     fix = jnp.take_along_axis(z, n_acc[:, None], axis=1)
+    if cap is not None:  # stopped by its cap, a row draws the next token as plain decoding does
+        plain = jnp.take_along_axis(sample_positions(target_logits, params, first), n_acc[:, None], axis=1)
+        fix = jnp.where(((n_acc == cap) & (cap < k))[:, None], plain, fix)
     emitted = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
     emitted = jnp.where(jnp.arange(k1)[None] == n_acc[:, None], fix, emitted).astype(jnp.int32)
-    greedy_emitted, greedy_n = accept_argmax_drafts(target_logits, drafts, params, first)
+    greedy_emitted, greedy_n = accept_argmax_drafts(target_logits, drafts, params, first, cap, relaxed)
     stochastic = params.temperature > 0
     return (jnp.where(stochastic[:, None], emitted, greedy_emitted), jnp.where(stochastic, n_acc, greedy_n))

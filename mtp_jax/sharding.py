@@ -156,7 +156,7 @@ def state_logical(path: tuple, shape: Sequence[int], sc: Any) -> tuple[str | Non
     if first == "target_pages":
         return tuple(sc.target.cache_logical(keys[-1] if keys else "", rank))
     if first == "draft_state":
-        return tuple(sc.drafter.state_logical(keys, rank))
+        return tuple(sc.draft_method.state_logical(keys, rank))
     if rank == 0:
         return ()
     return ("batch",) + (None,) * (rank - 1)

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from mtp_jax.cache import slots_for
 from mtp_jax.drafts import DRAFT_METHODS, Draft, Rows, draft_for
 from mtp_jax.drafts.base import at_rows
-from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, sample
+from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
 from mtp_jax.sharding import constrain_state, replicated
 from mtp_jax.targets import PagedAttention, Target, target_for
 
@@ -60,10 +60,15 @@ class StepConfig:
     draft_cfg: Any = None
     """A separately loaded draft's parsed config (EAGLE-3's :class:`mtp_jax.config.Eagle3Config`), or
     None for drafts that live in the target's checkpoint (MTP)."""
+    draft_idle: bool = False
+    """The draft's state is carried but not fed (K = 0 once no request will speculate again)."""
+    think_tokens: tuple[int, int] | None = None
+    """(start, end) token ids of a thinking phase, tracked per row for relaxed acceptance
+    (:func:`mtp_jax.sampling.relaxed_ok`); None: strict acceptance everywhere."""
 
     def __post_init__(self) -> None:
-        if (self.k > 0) != (self.draft is not None):
-            raise ValueError(f"K = {self.k} drafts need a draft method, K = 0 none; got draft={self.draft!r}")
+        if self.k > 0 and (self.draft is None or self.draft_idle):
+            raise ValueError(f"K = {self.k} drafts need a working draft method, got draft={self.draft!r}")
         if self.draft is not None:
             draft_for(self.draft)  # a known name
         if self.draft_sampling not in DRAFT_SAMPLING:
@@ -74,8 +79,14 @@ class StepConfig:
         return target_for(self.cfg)
 
     @property
-    def drafter(self) -> Draft | None:
+    def draft_method(self) -> Draft | None:
+        """The draft whose state the decode state carries."""
         return None if self.draft is None else draft_for(self.draft)
+
+    @property
+    def drafter(self) -> Draft | None:
+        """The draft this step feeds and asks (None when idle)."""
+        return None if self.draft_idle else self.draft_method
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -90,13 +101,15 @@ class StepConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """Per-slot decoding state, all on device. B slots, K drafts, W pages per row.
+    """Per-slot decoding state, all on device. B slots, room for K drafts, W pages per row.
 
     target_pages: the target's cache (leaves [L, P, page, ...]); draft_state: the draft's device
     state (for MTP its layer's pages [P, page, c]; {} without a draft); page_table [B, W]; seq_len
     [B] tokens in the target cache; next_token [B] (committed, not yet cached); drafts [B, K];
-    draft_q [B, K, V] (sampled drafts only, else [B, 0, 0]); active [B]; sampling: per-row
-    parameters.
+    draft_q [B, K, V] (sampled drafts only, else [B, 0, 0]); num_drafts [B]: how many of the drafts
+    were proposed for the row (its request's cap, and at most what the last step proposed: a step
+    may speculate less than K); thinking [B]: inside a thinking phase after the committed tokens
+    before next_token; active [B]; sampling: per-row parameters.
     """
 
     target_pages: dict
@@ -106,6 +119,8 @@ class DecodeState:
     next_token: jax.Array
     drafts: jax.Array
     draft_q: jax.Array
+    num_drafts: jax.Array
+    thinking: jax.Array
     active: jax.Array
     sampling: SamplingParams
 
@@ -115,12 +130,14 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
     q_shape = (batch, sc.k, sc.cfg.vocab_size) if sc.sampled else (batch, 0, 0)
     return DecodeState(
         target_pages=sc.target.init_cache(sc.cfg, num_pages, sc.page_size, dtype),
-        draft_state={} if sc.drafter is None else sc.drafter.init_state(sc, num_pages, dtype),
+        draft_state={} if sc.draft_method is None else sc.draft_method.init_state(sc, num_pages, dtype),
         page_table=jnp.zeros((batch, width), jnp.int32),
         seq_len=jnp.zeros((batch,), jnp.int32),  # every leaf its own buffer: the state is donated
         next_token=jnp.zeros((batch,), jnp.int32),
         drafts=jnp.zeros((batch, sc.k), jnp.int32),
         draft_q=jnp.zeros(q_shape, jnp.float32),
+        num_drafts=jnp.zeros((batch,), jnp.int32),
+        thinking=jnp.zeros((batch,), bool),
         active=jnp.zeros((batch,), bool),
         sampling=SamplingParams.build(batch),
     )
@@ -195,18 +212,20 @@ def prefill(
     last = lengths - 1
     first = sample(sc.target.lm_head(params, at_rows(hidden.post_norm, last)), sampling, lengths)
     draft_state = state.draft_state
-    drafts = jnp.zeros((r, sc.k), jnp.int32)
+    drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
     if sc.drafter is not None:
         # row i is followed by token i+1: the prompt shifted left, the sampled token at the end
         shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
         next_tokens = jnp.where(positions == last[:, None], first[:, None], shifted)
         prompt = Rows(tokens, next_tokens, positions, valid, hidden, last)
-        drafts, q_new, draft_state = sc.drafter.extend_and_propose(
+        new_drafts, q_new, draft_state = sc.drafter.extend_and_propose(
             params, sc, draft_state, page_table, prompt, real, sampling, lengths + 1
         )
-        if sc.sampled:
-            q = q_new
+        drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
+    thinking = jnp.zeros((r,), bool)
+    if sc.think_tokens is not None:
+        thinking = at_rows(think_phase(tokens, valid, thinking, sc.think_tokens), last)
 
     def put(dst, src):
         return dst.at[rows].set(src, mode="drop")
@@ -220,6 +239,8 @@ def prefill(
             next_token=put(state.next_token, first),
             drafts=put(state.drafts, drafts),
             draft_q=put(state.draft_q, q),
+            num_drafts=put(state.num_drafts, jnp.minimum(sampling.max_drafts, sc.k)),
+            thinking=put(state.thinking, thinking),
             active=put(state.active, real),
             sampling=jax.tree.map(put, state.sampling, sampling),
         ),
@@ -227,10 +248,31 @@ def prefill(
     )
 
 
+def _room(room: jax.Array, new: jax.Array) -> jax.Array:
+    """``new`` [b, k, ...] written into the first k of ``room`` [b, K, ...] (a step may speculate
+    less than the state has room for)."""
+    return jax.lax.dynamic_update_slice_in_dim(room, new.astype(room.dtype), 0, axis=1)
+
+
+def think_phase(tokens: jax.Array, valid: jax.Array, before: jax.Array, think: tuple[int, int]) -> jax.Array:
+    """Whether each row is inside a thinking phase after each of tokens [b, t] ([b, t] bool): the
+    last valid start or end marker so far decides; before any, the phase ``before`` [b]."""
+    start, end = think
+    idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    last_start = jax.lax.cummax(jnp.where(valid & (tokens == start), idx, -1), axis=1)
+    last_end = jax.lax.cummax(jnp.where(valid & (tokens == end), idx, -1), axis=1)
+    return jnp.where(jnp.maximum(last_start, last_end) < 0, before[:, None], last_start > last_end)
+
+
+def _inputs(state: DecodeState, sc: StepConfig) -> jax.Array:
+    """The step's verified tokens [B, k+1]: next_token and the first k drafts."""
+    return jnp.concatenate([state.next_token[:, None], state.drafts[:, : sc.k]], axis=1)
+
+
 def _verify(params: dict, state: DecodeState, sc: StepConfig):
     """Stages 1-2: merge next_token and drafts, run the target over them (writes their KV)."""
     b = state.seq_len.shape[0]
-    tokens = jnp.concatenate([state.next_token[:, None], state.drafts], axis=1)
+    tokens = _inputs(state, sc)
     positions = state.seq_len[:, None] + jnp.arange(sc.k + 1, dtype=jnp.int32)
     valid = jnp.broadcast_to(state.active[:, None], (b, sc.k + 1))
     return forward_paged(
@@ -248,10 +290,17 @@ def _verify(params: dict, state: DecodeState, sc: StepConfig):
 
 
 def _accept(logits: jax.Array, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array]:
-    """Stage 3: (emitted [B, K+1], n_accepted [B])."""
+    """Stage 3: (emitted [B, k+1], n_accepted [B]), each row accepting at most its num_drafts."""
+    drafts, first, cap = state.drafts[:, : sc.k], state.seq_len + 1, state.num_drafts
+    relaxed = None
+    if sc.think_tokens is not None and sc.k > 0:  # draft j is judged after inputs 0..j
+        tokens = _inputs(state, sc)
+        phase = think_phase(tokens, jnp.ones_like(tokens, bool), state.thinking, sc.think_tokens)
+        relaxed = relaxed_ok(logits, drafts, state.sampling, phase[:, : sc.k])
     if sc.sampled:
-        return accept_sampled_drafts(logits, state.drafts, state.draft_q, state.sampling, state.seq_len + 1)
-    return accept_argmax_drafts(logits, state.drafts, state.sampling, state.seq_len + 1)
+        q = state.draft_q[:, : sc.k]
+        return accept_sampled_drafts(logits, drafts, q, state.sampling, first, cap, relaxed)
+    return accept_argmax_drafts(logits, drafts, state.sampling, first, cap, relaxed)
 
 
 def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
@@ -261,21 +310,26 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
     n_emit = jnp.where(state.active, n_acc + 1, 0)
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
-    draft_state, drafts, q = state.draft_state, state.drafts, state.draft_q
+    draft_state, drafts, q, num_drafts = state.draft_state, state.drafts, state.draft_q, state.num_drafts
+    tokens = _inputs(state, sc)
+    thinking = state.thinking
+    if sc.think_tokens is not None:
+        phase = think_phase(tokens, jnp.ones_like(tokens, bool), thinking, sc.think_tokens)
+        thinking = jnp.where(state.active, at_rows(phase, n_acc), thinking)
     if sc.drafter is not None:
         # the committed rows: the verified positions seq..seq+n_acc, each followed by the token
         # emitted after it; rows past n_acc are not consumed
         k1 = sc.k + 1
-        tokens = jnp.concatenate([state.next_token[:, None], state.drafts], axis=1)
         positions = seq[:, None] + jnp.arange(k1, dtype=jnp.int32)
         valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
         committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
         new_drafts, new_q, draft_state = sc.drafter.extend_and_propose(
             params, sc, draft_state, state.page_table, committed, state.active, state.sampling, new_seq + 1
         )
-        drafts = jnp.where(state.active[:, None], new_drafts, state.drafts)
+        drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)
         if sc.sampled:
-            q = new_q
+            q = _room(q, new_q)
+    num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.max_drafts, sc.k), num_drafts)
     new_state = dataclasses.replace(
         state,
         target_pages=target_pages,
@@ -284,6 +338,8 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
         next_token=jnp.where(state.active, new_next, state.next_token),
         drafts=drafts,
         draft_q=q,
+        num_drafts=num_drafts,
+        thinking=thinking,
     )
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
 

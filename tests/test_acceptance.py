@@ -362,6 +362,70 @@ def test_sampled_drafts_k2(randomness):
             assert_distribution(emitted[rows, 1], P_B, f"emitted[1] given emitted[0] = {t}")
 
 
+@pytest.mark.parametrize("draft_sampling", ["argmax", "sampled"])
+def test_a_per_row_cap_keeps_acceptance_exact(draft_sampling):
+    """Rows capped at 0, 1 or 2 of K = 2 drafts (a request asking for fewer drafts than the step
+    verifies): no row accepts past its cap, accepted drafts follow the uncapped law below it, and
+    every emitted position, the one at the cap included, still follows p exactly."""
+    rng = np.random.default_rng(11)
+    n = 3 * N_ROWS // 2
+    params, first = _params(n, "seeds", temperature=1.0)
+    logits = _logits([P_A, P_B, P_C], n)
+    cap = np.arange(n) % 3
+    q = np.stack([Q_CASES["mixed"], np.array([0.3, 0.3, 0.05, 0.0, 0.35])])
+    drafts = np.stack([rng.choice(5, size=n, p=q[j]) for j in range(2)], 1).astype(np.int32)
+    if draft_sampling == "sampled":
+        q32 = jnp.asarray(np.broadcast_to(q, (n, 2, 5)).astype(np.float32))
+        emitted, n_acc = accept_sampled(logits, jnp.asarray(drafts), q32, params, first, jnp.asarray(cap))
+        accept = _accept_probs(np.stack([P_A, P_B]), q)
+    else:
+        emitted, n_acc = accept_argmax(logits, jnp.asarray(drafts), params, first, jnp.asarray(cap))
+        accept = np.stack([P_A, P_B])
+    emitted, n_acc = np.asarray(emitted), np.asarray(n_acc)
+    assert (n_acc <= cap).all()
+    p = np.stack([P_A, P_B, P_C])
+    for c in range(3):  # capped at c, a row is a K = c step whose token c follows p_c
+        rows = cap == c
+        what = f"{draft_sampling}, cap {c}"
+        check_speculative_rows(
+            emitted[rows, : c + 1], n_acc[rows], drafts[rows, :c], p[: c + 1], accept[:c], what
+        )
+
+
+def test_relaxed_rule_on_hand_built_logits():
+    """relaxed_ok: inside thinking, a draft among the top relaxed_topk with p >= p_top1 - delta;
+    never outside thinking or for rows that do not ask (relaxed_topk 0)."""
+    probs = np.array([0.5, 0.3, 0.12, 0.08])
+    logits = jnp.asarray(np.log(np.stack([probs, probs]))[None].repeat(6, 0).astype(np.float32))
+    drafts = jnp.asarray([[1], [1], [2], [1], [1], [0]], jnp.int32)
+    params = SamplingParams.build(
+        6, relaxed_topk=[2, 2, 3, 2, 0, 1], relaxed_delta=[0.25, 0.1, 0.5, 0.25, 0.25, 0.0]
+    )
+    thinking = jnp.asarray([[True], [True], [True], [False], [True], [True]])
+    got = np.asarray(sampling.relaxed_ok(logits, drafts, params, thinking))[:, 0].tolist()
+    # 1: top-2, 0.3 >= 0.5 - 0.25 | 0.3 < 0.5 - 0.1 | 2 is third, 0.12 >= 0.5 - 0.5
+    # | outside thinking | not asked | the argmax itself, delta 0
+    assert got == [True, False, True, False, False, True]
+
+
+def test_relaxed_acceptance_emits_the_draft_and_leaves_other_rows_alone():
+    """Greedy rows: a relaxed row accepts a near-top draft and emits it (not the target's argmax),
+    then stops at the first draft that passes neither rule; a row with relaxed_topk 0 is exactly
+    strict acceptance, bit for bit."""
+    p0, p1, p2 = np.array([0.5, 0.4, 0.1]), np.array([0.1, 0.2, 0.7]), np.array([0.6, 0.3, 0.1])
+    logits = jnp.asarray(np.log(np.stack([p0, p1, p2]))[None].repeat(2, 0).astype(np.float32))
+    drafts = jnp.asarray([[1, 0], [1, 0]], jnp.int32)  # 1 is near the top at 0; 0 is far below at 1
+    params = SamplingParams.build(2, relaxed_topk=[2, 0], relaxed_delta=0.2)
+    first = jnp.asarray([5, 5], jnp.int32)
+    thinking = jnp.ones((2, 2), bool)
+    relaxed = sampling.relaxed_ok(logits, drafts, params, thinking)
+    emitted, n = accept_argmax(logits, drafts, params, first, None, relaxed)
+    strict_emitted, strict_n = accept_argmax(logits, drafts, params, first)
+    assert np.asarray(n).tolist() == [1, 0] and np.asarray(strict_n).tolist() == [0, 0]
+    assert np.asarray(emitted)[0, :2].tolist() == [1, 2]  # the draft, then the target's argmax
+    np.testing.assert_array_equal(np.asarray(emitted)[1], np.asarray(strict_emitted)[1])
+
+
 PROCESSED_LOGITS = [
     np.array([2.0, 1.1, 0.3, -0.4, -1.5, 0.8]),
     np.array([-0.2, 0.9, 1.7, 0.1, 0.5, -1.0]),

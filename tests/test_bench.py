@@ -15,7 +15,8 @@ def test_bench_on_the_embedded_model_writes_json(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("MTP_JAX_MODEL", raising=False)
     out = tmp_path / "bench.json"
     argv = ["bench", "--k", "0", "2", "--batch", "1", "--prompts", "2", "--new-tokens", "6"]
-    assert main([*argv, "--repeats", "1", "--json", str(out)]) == 0
+    auto = tmp_path / "auto.json"
+    assert main([*argv, "--repeats", "1", "--json", str(out), "--auto-k-table", str(auto)]) == 0
     table = capsys.readouterr().out
     assert table.startswith("| batch | draft | K | acceptance length")
     report = json.loads(out.read_text())
@@ -26,6 +27,17 @@ def test_bench_on_the_embedded_model_writes_json(tmp_path, capsys, monkeypatch):
     assert plain["acceptance_length"] == 1.0 and plain["speedup_vs_plain"] == 1.0
     assert 1.0 <= spec["acceptance_length"] <= 3.0 and len(spec["acceptance_by_position"]) == 2
     assert spec["decode_tok_s"] > 0 and spec["fused_over_host"] > 0  # the baseline ran too
+    # the auto-K table holds the faster of the two, and a run with it reports the K it chose
+    best = 2 if spec["decode_tok_s"] > plain["decode_tok_s"] else 0
+    assert json.loads(auto.read_text())["k_by_batch"] == {"mtp": {"1": best}}
+    assert main([*argv, "--repeats", "1", "--no-baseline", "--auto-k", str(auto), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["draft"], r["k"], r.get("auto_k")) for r in rows] == [
+        (None, 0, None),
+        ("mtp", 2, None),
+        ("mtp", best, True),
+    ]
+    assert "| 1 | mtp (auto K) |" in capsys.readouterr().out
 
 
 def test_bench_on_a_model_without_a_draft_times_plain_decoding(tmp_path, capsys):

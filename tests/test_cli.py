@@ -92,7 +92,7 @@ def test_generate_embedded_default(capsys, embedded):
     assert "Traceback" not in err
 
 
-def test_generate_draft_choices(capsys, embedded):
+def test_generate_draft_choices(capsys, embedded, tmp_path):
     base = ["generate", "--prompt", FIB, "--max-new-tokens", "8"]
     want = expected_text(embedded, [FIB], max_new_tokens=8)[0] + "\n"
     rc, out, err = run(capsys, *base, "--draft", "none")
@@ -103,6 +103,14 @@ def test_generate_draft_choices(capsys, embedded):
     check_stats(err, 8, k=2)
     rc, _, err = run(capsys, *base, "--draft", "none", "-k", "2")
     assert rc == 2 and "-k needs a draft" in err
+    # an auto-K table caps -k; relaxed acceptance never acts outside a thinking phase
+    from mtp_jax import autok
+
+    table = os.path.join(tmp_path, "auto.json")
+    autok.write(table, {"mtp": {1: 1, 8: 0}}, {})
+    rc, out, err = run(capsys, *base, "--auto-k", table, "--relaxed-topk", "3", "--think-tokens", "5", "6")
+    assert rc == 0 and out == want, err
+    check_stats(err, 8, k=1)
 
 
 def test_generate_sampling_flags_reproducible(capsys, embedded):
@@ -202,6 +210,8 @@ ERRORS = [
     (["generate", "--prompt", "x", "--min-p", "1"], ["min_p"]),
     (["generate", "--prompt", "x", "--top-k", "-1"], ["top_k"]),
     (["generate", "--prompt", "x", "--seed", "-1"], ["seed"]),
+    (["generate", "--prompt", "x", "--relaxed-topk", "2"], ["no <think> and </think>", "think_tokens"]),
+    (["generate", "--prompt", "x", "--auto-k", "no-such.json"], ["no-such.json does not exist"]),
     (["score", "--text", ""], ["too short"]),
 ]
 

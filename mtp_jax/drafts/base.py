@@ -57,7 +57,8 @@ class Draft:
     extend_and_propose(params, sc, state, page_table, rows, active [b], sampling, first_position [b])
         -> (drafts [b, K] int32 target ids, q [b, K, V] float32 draft distributions in sampled mode
         else [b, K, 0], new state): see the module docstring. ``first_position`` is the absolute
-        position of the first draft.
+        position of the first draft. With ``sc.k`` = 0 it only consumes the rows (a step that
+        speculates no further keeps the draft's state current).
     teacher_forced(params, sc, tokens [b, T], hidden) -> float32 logits over whole sequences for
         scoring a draft offline: for a chained draft [b, T-1, V], its first step, row i from the
         target's hidden states at i (``hidden``, with the captured layers) and token i+1, predicting
@@ -90,7 +91,10 @@ def chain_drafts(
     [b]); each next one from ``advance(draft [b], state, cache, row_position [b]) -> (logits, state,
     cache)``, which feeds the previous draft and the recycled ``state`` back through the draft at
     the row before it (position first_pos - 2 + j for draft j, 0-based). Returns (drafts [b, K],
-    q [b, K, V] or [b, K, 0], cache)."""
+    q [b, K, V] or [b, K, 0], cache). With K = 0 nothing is proposed (the draft only kept its cache
+    current, and the unused logits compile away)."""
+    if sc.k == 0:
+        return no_drafts(logits.shape[0]) + (cache,)
     d, q = choose(logits, sc.sampled, sampling, first_pos)
 
     def link(carry, j):
@@ -103,6 +107,11 @@ def chain_drafts(
     drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
     qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
     return drafts, qs, cache
+
+
+def no_drafts(b: int) -> tuple[jax.Array, jax.Array]:
+    """The (drafts [b, 0], q [b, 0, 0]) of a step that proposes none."""
+    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, 0), jnp.float32)
 
 
 def at_rows(x: jax.Array, index: jax.Array) -> jax.Array:

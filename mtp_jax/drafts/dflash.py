@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from mtp_jax.cache import slots_for, write_rows
 from mtp_jax.config import DFlashConfig
-from mtp_jax.drafts.base import Draft, Rows, at_rows, choose
+from mtp_jax.drafts.base import Draft, Rows, at_rows, choose, no_drafts
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
 from mtp_jax.targets.base import Hidden, lm_head
@@ -221,6 +221,8 @@ def _extend_and_propose(params, sc, state, page_table, rows: Rows, active, sampl
         return k_ctx, v_ctx, pages
 
     normed, state = _block_layers(params, cfg, blocks, positions, visible, context_kv, state)
+    if sc.k == 0:  # the context is written; the block's outputs are unused and compile away
+        return no_drafts(b) + (state,)
     logits = lm_head(params, normed[:, 0, 1 : sc.k + 1])  # [b, K, V]
     picks = [choose(logits[:, j], sc.sampled, sampling, first_pos + j) for j in range(sc.k)]
     drafts = jnp.stack([d for d, _ in picks], axis=1)

@@ -17,6 +17,7 @@ import mtp_jax
 from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DFlashConfig, dflash_capture, dflash_default_layers
 from mtp_jax.errors import ConfigError, InvalidRequestError
+from tests.conftest import check_per_request_k
 from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3_DRAFT
 from tests.drafts.test_eagle3 import REF, TARGET, _inv_freq, _rms, _rope  # L = 3, d = 32, V = 128
 
@@ -247,6 +248,7 @@ def test_greedy_speculation_is_lossless(models, name):
         PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="dflash", draft_block_size=2
     )
     assert small.tokens == plain.tokens and small.stats["num_speculative_tokens"] == 1
+    check_per_request_k(model, "dflash", PROMPTS, plain.tokens)
 
 
 def test_roofline_counts_the_dflash_draft(models, drafts):
@@ -336,7 +338,7 @@ SHARDED_CHILD = textwrap.dedent(
     import mtp_jax
     from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, hub_tensors, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config, DFlashConfig
-    from tests.conftest import TINY_CONFIG
+    from tests.conftest import check_per_request_k, TINY_CONFIG
     from tests.drafts.test_dflash import DRAFT_A, TARGET
     from tests.drafts.test_eagle3 import check_planned_draft
 

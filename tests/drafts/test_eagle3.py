@@ -18,7 +18,7 @@ from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoin
 from mtp_jax.config import Eagle3Config, eagle3_capture, parse_eagle3_config
 from mtp_jax.errors import CheckpointError, ConfigError
 from mtp_jax.targets.base import PagedAttention
-from tests.conftest import REPO
+from tests.conftest import REPO, check_per_request_k
 
 TARGET = os.path.join(REPO, "tests", "fixtures", "parity_llama", "llama3_gqa42")  # L = 3, d = 32, V = 128
 REF = dict(np.load(os.path.join(TARGET, "reference.npz")))  # transformers' hidden_states [L + 1, b, T, d]
@@ -549,6 +549,7 @@ def test_greedy_speculation_is_lossless_on_llama(drafts, target, name):
             PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="eagle3", num_speculative_tokens=k
         )
         assert out.tokens == plain.tokens, k
+    check_per_request_k(model, "eagle3", PROMPTS, plain.tokens)
 
 
 def test_greedy_speculation_is_lossless_on_deepseek(tmp_path, tiny_model):
