@@ -1,0 +1,94 @@
+"""The shipped drafts (checkpoints/*-eagle3 by scripts/train_eagle3.py, checkpoints/*-dflash by
+scripts/train_dflash.py) are what their cards say: published-layout drafts that load strictly
+beside their targets, are accepted often enough that every acceptance length occurs, and leave
+greedy output exactly plain decoding's."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tokenizers import Tokenizer
+
+import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from tests.conftest import EMBEDDED_MODEL, REPO
+
+LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+TARGETS = {"llama": LLAMA, "deepseek": EMBEDDED_MODEL}
+# (target, draft method): the K values checked for losslessness (DFlash: the block's first rows, a
+# smaller block chosen at run time, and a whole trained block)
+CASES = {
+    ("llama", "eagle3"): [(1, None), (3, None), (5, None)],
+    ("deepseek", "eagle3"): [(1, None), (3, None), (5, None)],
+    ("llama", "dflash"): [(1, None), (3, 4), (15, None)],
+    ("deepseek", "dflash"): [(1, None), (3, 4), (15, None)],
+}
+_PLAIN: dict[str, list] = {}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES), ids="-".join)
+def shipped(request):
+    name, method = request.param
+    target = TARGETS[name]
+    draft = f"{target}-{method}"
+    model = mtp_jax.load(target, "float32", strict=True, draft_model=draft)
+    tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))
+    with open(os.path.join(draft, "eval.json"), encoding="utf-8") as f:
+        report = json.load(f)
+    prompts = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"][:6]]
+    if name not in _PLAIN:  # plain decoding once per target: the drafts' prompts are the target's
+        _PLAIN[name] = model.generate(prompts, max_new_tokens=32, max_batch=3, ignore_eos=True).tokens
+    return name, method, model, report, prompts, draft, _PLAIN[name]
+
+
+def test_is_a_published_layout_draft(shipped):
+    name, method, model, report, _, draft, _ = shipped
+    cfg = model.draft_config
+    keys = set(CheckpointReader(draft).keys())
+    assert "embed_tokens.weight" not in keys  # the target's embedding is used
+    if method == "eagle3":
+        assert (cfg.mla is not None) == (name == "deepseek")  # the target's attention kind
+        assert cfg.draft_vocab_size < cfg.vocab_size and len(set(cfg.capture)) == 3
+        assert {"fc.weight", "lm_head.weight", "norm.weight", "d2t", "t2d"} <= keys
+        assert all(k.startswith("layers.0.") for k in keys if k.count(".") > 1)
+        assert list(cfg.aux_layer_ids) == report["draft"]["layer_ids"]
+    else:
+        with open(os.path.join(draft, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        assert raw["architectures"] == ["DFlashDraftModel"] and "lm_head.weight" not in keys
+        assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight"} <= keys
+        assert list(cfg.capture) == report["draft"]["layer_ids"] == raw["dflash_config"]["target_layer_ids"]
+        assert cfg.block_size == report["draft"]["block_size"]
+
+
+def test_greedy_speculation_is_lossless_and_every_acceptance_length_occurs(shipped):
+    _, method, model, _, prompts, _, plain = shipped
+    for k, block in CASES[shipped[:2]]:
+        spec = model.generate(
+            prompts,
+            max_new_tokens=32,
+            max_batch=3,
+            ignore_eos=True,
+            draft=method,
+            num_speculative_tokens=k,
+            **({"draft_block_size": block} if block else {}),
+        )
+        assert spec.tokens == plain, (k, block)
+        if k > 5:  # a whole block: the acceptance of the last rows is too rare to pin
+            continue
+        # rates strictly decreasing inside (0, 1): some step accepted exactly j drafts, for each j
+        rates = spec.stats["acceptance_rate_per_position"]
+        assert rates[-1] > 0.0 and rates[0] < 1.0, (k, rates)
+        assert all(a > b for a, b in zip(rates, rates[1:], strict=False)), (k, rates)
+
+
+def test_acceptance_recorded_at_training_is_reproduced(shipped):
+    """eval.json's K = 3 acceptance length (greedy, 64 new tokens, the target's held-out prompts)
+    through the public API on the shipped weights."""
+    _, method, model, report, _, _, _ = shipped
+    tok = Tokenizer.from_file(os.path.join(model.path, "tokenizer.json"))
+    ids = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"]]
+    out = model.generate(ids, max_new_tokens=64, draft=method, num_speculative_tokens=3, max_batch=8)
+    assert out.stats["acceptance_length"] == pytest.approx(report["acceptance"]["3"], rel=0.02)
