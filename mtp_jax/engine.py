@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.cache import ShardedPageAllocator, page_table_array
+from mtp_jax.grammar import Constraints
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.sharding import row_shards, state_shardings
 from mtp_jax.step import StepConfig, deactivate, host_orchestrated_step, init_state, prefill, step
@@ -31,8 +32,8 @@ TokenCallback = Callable[[int, int], None]
 @dataclasses.dataclass
 class GenerateResult:
     """New tokens per prompt (EOS included when it stopped the row), why each row stopped
-    ("eos" or "length"), run statistics, and per prompt its speculation statistics
-    (:func:`request_stats`)."""
+    ("eos", "length", or "grammar": its grammar admits nothing more), run statistics, and per
+    prompt its speculation statistics (:class:`SpecCounters`)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
@@ -89,6 +90,7 @@ def generate(
     on_token: TokenCallback | None = None,
     fused: bool = True,
     auto_k: Callable[[int], int] | None = None,
+    constraints: Constraints | None = None,
 ) -> GenerateResult:
     """Decode validated prompts with continuous batching (up to K = sc.k drafts per step, 0 = plain).
 
@@ -97,6 +99,9 @@ def generate(
     that leaves the draft's state alone: a row only ever reads its own draft state, and a row that
     speculates runs only steps that do). ``auto_k(batch)`` caps K for the batch size (the slots a
     step computes, whatever their state), e.g. from a table measured by ``mtp-jax bench``.
+    ``constraints`` holds the requests' grammars (:mod:`mtp_jax.grammar`): while a constrained
+    request runs, each step's results are read before the next is dispatched (its masks follow the
+    drafts that step proposed), and a request stops when its grammar admits nothing more.
     ``fused=False`` runs the host-orchestrated baseline step instead (benchmarks only)."""
     step_fn = step if fused else host_orchestrated_step
     t_start = time.perf_counter()
@@ -142,13 +147,29 @@ def generate(
             out[req].append(tok)
             if on_token is not None:
                 on_token(req, tok)
+            ended = constrained(req) and constraints.consume(req, tok)
             if tok in eos:
                 finish[req] = "eos"
+            elif ended:
+                finish[req] = "grammar"
             elif len(out[req]) >= max_new_tokens:
                 finish[req] = "length"
             if finish[req]:
+                if constrained(req):
+                    constraints.finish(req)
                 return True
         return False
+
+    def constrained(req: int | None) -> bool:
+        return constraints is not None and req is not None and constraints.constrained(req)
+
+    def step_masks(k: int) -> np.ndarray | None:
+        """The grammar masks of the next step's K+1 positions, from the drafts the last step left."""
+        if not any(constrained(req) for req in owner):
+            return None
+        drafts = np.asarray(state.drafts[:, :k])
+        rows = [(req, b * (k + 1), drafts[b]) for b, req in enumerate(owner) if constrained(req)]
+        return constraints.masks(rows, (batch, k + 1))
 
     def release(rows: list[int]) -> None:
         nonlocal state
@@ -198,6 +219,12 @@ def generate(
                 reqs.append((i, req))
                 proposed[b] = row_k[req]
         rows_sampling = jax.tree.map(lambda x: jnp.asarray(x[pick]), host_sampling)
+        masks = None
+        if any(constrained(req) for _, req in reqs):
+            for _, req in reqs:
+                if constrained(req):
+                    constraints.start(req, prompts[req])
+            masks = constraints.masks([(req, i, ()) for i, req in reqs if constrained(req)], (r,))
         first, state = prefill(
             params,
             state,
@@ -207,6 +234,7 @@ def generate(
             jnp.asarray(lengths),
             jnp.asarray(page_table_array(tables, width)),
             rows_sampling,
+            masks,
         )
         counts["prefills"] += 1
         first = np.asarray(first)
@@ -252,12 +280,18 @@ def generate(
             process(*pending)
             pending = None
             continue
+        if pending is not None and any(constrained(req) for req in owner):
+            # a grammar's masks follow the drafts of the step in flight: read it first
+            process(*pending)
+            pending = None
+            continue
         sc_now = variant(int(max(row_k[req] for req in owner if req is not None)))
+        masks = step_masks(sc_now.k)
         drafted = np.minimum(proposed, sc_now.k)
         live = np.array([o is not None for o in owner])
         proposed[live] = np.minimum(row_k[[o for o in owner if o is not None]], sc_now.k)
         t_call = time.perf_counter()
-        emitted, n_emit, state = step_fn(params, state, sc_now)
+        emitted, n_emit, state = step_fn(params, state, sc_now, masks)
         if not counts["steps"]:  # the call returns once compiled; the step itself runs on
             first_step = time.perf_counter() - t_call
         counts["steps"] += 1

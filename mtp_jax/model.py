@@ -22,6 +22,7 @@ from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, read
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
+from mtp_jax.grammar import Constraints
 from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
 from mtp_jax.sharding import replicated
 from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
@@ -207,6 +208,7 @@ class Model:
         relaxed_topk: int | Sequence[int] = 0,
         relaxed_delta: float | Sequence[float] = 0.0,
         think_tokens: tuple[int, int] | None = None,
+        grammar: dict | Sequence[dict | None] | None = None,
         ignore_eos: bool = False,
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
@@ -231,7 +233,13 @@ class Model:
         ``<think>`` and ``</think>``): a draft among the target's ``relaxed_topk`` most probable
         tokens with probability >= the top one's minus ``relaxed_delta`` is accepted. This is lossy
         by design (the thinking text is no longer exactly the target's distribution); outside the
-        phase, and for requests that do not ask, acceptance is exact. Up to
+        phase, and for requests that do not ask, acceptance is exact. ``grammar`` constrains the
+        output (one for every prompt, or one per prompt, None for none): {"json_schema": schema},
+        {"regex": pattern}, {"lark": grammar}, or an OpenAI-style response_format; the target's
+        distributions are masked to the grammar at every verified position inside the step (exact
+        with respect to the masked distribution; drafts the grammar forbids are rejected), and a
+        request ends when its grammar admits nothing more (finish reason "grammar") or at EOS.
+        Needs llguidance (``pip install 'mtp-jax[grammar]'``) and the model's tokenizer.json. Up to
         ``max_batch`` prompts decode at once; the others join as slots free (continuous batching). On
         a mesh the slots are padded to a multiple of its row devices (data x expert: every device
         attends for its own rows; padding slots stay idle). ``on_token(prompt_index, token)`` streams.
@@ -278,6 +286,14 @@ class Model:
             auto = AutoK.coerce(auto_k, draft)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
+        constraints = None
+        if grammar is not None:
+            specs = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(checked)
+            if len(specs) != len(checked):
+                raise InvalidRequestError(f"grammar has {len(specs)} values for {len(checked)} prompts")
+            if any(g is not None for g in specs):
+                vocab = self.config.vocab_size
+                constraints = Constraints(self.tokenizer_path, vocab, self.eos_token_ids, specs)
         return generate(
             self.params,
             sc,
@@ -290,6 +306,7 @@ class Model:
             on_token=on_token,
             fused=fused,
             auto_k=auto,
+            constraints=constraints,
         )
 
     def _think_tokens(self, given: tuple[int, int] | None) -> tuple[int, int]:

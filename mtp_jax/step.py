@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 from mtp_jax.cache import slots_for
 from mtp_jax.drafts import DRAFT_METHODS, Draft, Rows, draft_for
 from mtp_jax.drafts.base import at_rows
+from mtp_jax.grammar import mask_logits
 from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
 from mtp_jax.sharding import constrain_state, replicated
 from mtp_jax.targets import PagedAttention, Target, target_for
@@ -185,9 +186,11 @@ def prefill(
     lengths: jax.Array,
     page_table: jax.Array,
     sampling: SamplingParams,
+    bitmask: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeState]:
     """Admit requests into slots ``rows`` [R] (an index >= B is a padding row, ignored): right-padded
-    prompts tokens [R, T] of ``lengths`` [R] with their page-table rows [R, W] and sampling [R].
+    prompts tokens [R, T] of ``lengths`` [R] with their page-table rows [R, W] and sampling [R]
+    (``bitmask`` [R, ceil(V/32)]: the tokens a grammar allows first).
 
     Fills the target cache, samples each request's first token and, with a draft, fills the MTP
     cache for the prompt and proposes the first K drafts. Returns (first tokens [R], state).
@@ -210,7 +213,10 @@ def prefill(
         capture=sc.capture,
     )
     last = lengths - 1
-    first = sample(sc.target.lm_head(params, at_rows(hidden.post_norm, last)), sampling, lengths)
+    first_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last))
+    if bitmask is not None:
+        first_logits = mask_logits(first_logits, bitmask)
+    first = sample(first_logits, sampling, lengths)
     draft_state = state.draft_state
     drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
@@ -289,8 +295,13 @@ def _verify(params: dict, state: DecodeState, sc: StepConfig):
     )
 
 
-def _accept(logits: jax.Array, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array]:
-    """Stage 3: (emitted [B, k+1], n_accepted [B]), each row accepting at most its num_drafts."""
+def _accept(
+    logits: jax.Array, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Stage 3: (emitted [B, k+1], n_accepted [B]), each row accepting at most its num_drafts; with
+    ``bitmask`` [B, k+1, ceil(V/32)] the target's distributions are the grammar-masked ones."""
+    if bitmask is not None:
+        logits = mask_logits(logits, bitmask)
     drafts, first, cap = state.drafts[:, : sc.k], state.seq_len + 1, state.num_drafts
     relaxed = None
     if sc.think_tokens is not None and sc.k > 0:  # draft j is judged after inputs 0..j
@@ -345,11 +356,15 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
 
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
-def step(params: dict, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array, DecodeState]:
+def step(
+    params: dict, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, DecodeState]:
     """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
-    row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots)."""
+    row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots). ``bitmask``
+    [B, K+1, ceil(V/32)]: the tokens a grammar allows at each verified position
+    (:mod:`mtp_jax.grammar`)."""
     hidden, logits, target_pages = _verify(params, state, sc)
-    emitted, n_acc = _accept(logits, state, sc)
+    emitted, n_acc = _accept(logits, state, sc, bitmask)
     n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
     return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc)
 
@@ -362,16 +377,18 @@ _commit_and_draft_jit = jax.jit(_commit_and_draft, static_argnames=("sc",), dona
 
 
 @functools.partial(jax.jit, static_argnames=("sc",))
-def _accept_jit(logits: jax.Array, state: DecodeState, sc: StepConfig) -> tuple[jax.Array, jax.Array]:
+def _accept_jit(
+    logits: jax.Array, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     # replicated, so that every process of a multi-host run can read the acceptance counts
-    return jax.tree.map(lambda x: replicated(x, sc.mesh), _accept(logits, state, sc))
+    return jax.tree.map(lambda x: replicated(x, sc.mesh), _accept(logits, state, sc, bitmask))
 
 
 def host_orchestrated_step(
-    params: dict, state: DecodeState, sc: StepConfig
+    params: dict, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, DecodeState]:
     hidden, logits, target_pages = _verify_jit(params, state, sc)
-    emitted, n_acc = _accept_jit(logits, state, sc)
+    emitted, n_acc = _accept_jit(logits, state, sc, bitmask)
     n_acc = jnp.asarray(np.asarray(n_acc))  # the host round trip a fused step avoids
     n_emit, state = _commit_and_draft_jit(params, state, sc, hidden, target_pages, emitted, n_acc)
     return emitted, n_emit, state

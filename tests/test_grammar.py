@@ -1,0 +1,193 @@
+"""Grammar-constrained decoding inside the unified step (llguidance, the ``test`` extra): the
+bitmask itself, valid and complete outputs with every draft method, exactness against the masked
+target distribution computed by enumeration, untouched unconstrained neighbours, refusals."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+import mtp_jax
+from mtp_jax.grammar import mask_logits
+from tests.conftest import EMBEDDED_MODEL
+from tests.test_acceptance import assert_distribution
+
+pytest.importorskip("llguidance", reason="grammar tests need the test extra (llguidance)")
+
+SCHEMA = {  # a "hidden" schema: nothing in the package knows it
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"enum": ["list", "dict", "set"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "size", "kind", "ok"],
+    "additionalProperties": False,
+}
+REGEX = r"(def|class) [a-z]{1,6}\((x|y)?\)"
+TINY = r"(x|y|z)(0|1|2)"  # nine outputs, each a few tokens: the exact distribution is enumerable
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_file(os.path.join(EMBEDDED_MODEL, "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def targets():
+    """The embedded DeepSeek-V3 target alone (MTP) and beside its shipped EAGLE-3 and DFlash drafts."""
+    models = {"mtp": mtp_jax.load(EMBEDDED_MODEL, "float32")}
+    for method in ("eagle3", "dflash"):
+        models[method] = mtp_jax.load(EMBEDDED_MODEL, "float32", draft_model=f"{EMBEDDED_MODEL}-{method}")
+    return models
+
+
+def _prompt(model, tok, text: str) -> list[int]:
+    return [model.config.bos_token_id, *tok.encode(text).ids]
+
+
+def test_mask_logits_reads_the_packed_bits():
+    rng = np.random.default_rng(0)
+    v = 70  # not a multiple of 32: the last word is partly padding
+    allowed = rng.random((3, v)) < 0.3
+    packed = np.zeros((3, 3), np.uint32)
+    for r, t in zip(*np.nonzero(allowed), strict=True):
+        packed[r, t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    logits = rng.standard_normal((3, v)).astype(np.float32)
+    got = np.asarray(mask_logits(jnp.asarray(logits), jnp.asarray(packed.view(np.int32))))
+    np.testing.assert_array_equal(got, np.where(allowed, logits, -np.inf))
+
+
+def _check_schema(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "size", "kind", "ok"}, obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
+    assert isinstance(obj["size"], int) and 0 <= obj["size"] <= 999 and not isinstance(obj["size"], bool)
+    assert obj["kind"] in ("list", "dict", "set") and isinstance(obj["ok"], bool)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "dflash"])
+def test_every_output_is_valid_and_complete(targets, tok, method):
+    """Sampled generations at K = 3 under a JSON schema and a regex (half the rows each, plus
+    unconstrained rows): all constrained outputs complete and valid; the unconstrained rows are
+    exactly what they are without any grammar in the batch (checked with MTP)."""
+    model = targets[method]
+    texts = ["def main():\n", "import os\n", "class A:\n    x = ", "# comment\n"] * 3
+    prompts = [_prompt(model, tok, t) for t in texts]
+    grammars = [{"json_schema": SCHEMA}, {"regex": REGEX}, None] * 4
+    kw = dict(
+        max_new_tokens=48, temperature=1.0, seed=list(range(12)), draft=method, num_speculative_tokens=3
+    )
+    out = model.generate(prompts, grammar=grammars, draft_sampling="sampled", max_batch=8, **kw)
+    # the masks of unconstrained rows are all ones whatever the draft: one method shows it
+    free = model.generate(prompts, draft_sampling="sampled", max_batch=8, **kw) if method == "mtp" else None
+    for i, (g, new) in enumerate(zip(grammars, out.tokens, strict=True)):
+        text = tok.decode([t for t in new if t not in model.eos_token_ids])
+        if g is None:
+            assert free is None or new == free.tokens[i], i
+            continue
+        assert out.finish_reasons[i] in ("grammar", "eos"), (i, text, out.finish_reasons[i])
+        if "regex" in g:
+            assert re.fullmatch(REGEX, text), text
+        else:
+            _check_schema(text)
+    assert out.stats["num_draft_tokens"] > 0
+
+
+def _exact_outputs(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """Every token sequence the TINY grammar admits from ``prompt``, with its exact probability
+    under the masked target distribution (temperature 1), by enumeration with llguidance's masks
+    and teacher-forced logits."""
+    import llguidance
+
+    from mtp_jax.grammar import Constraints, grammar_text
+
+    c = Constraints(model.tokenizer_path, model.config.vocab_size, model.eos_token_ids, [None])
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(seq: list[int], prob: float) -> None:
+        m = llguidance.LLMatcher(c.tokenizer, grammar_text({"regex": TINY}), log_level=0)
+        assert all(m.consume_token(t) for t in seq)
+        if m.is_stopped():
+            out[tuple(seq)] = prob
+            return
+        bits = np.zeros((1, c.words), np.int32)
+        llguidance.numpy.fill_next_token_bitmask_par(c._executor, [(m, 0)], bits)
+        logits = model.logits([prompt + seq])[0, -1]
+        masked = np.asarray(mask_logits(jnp.asarray(logits), jnp.asarray(bits[0])), np.float64)
+        p = np.exp(masked - masked.max())
+        p /= p.sum()
+        for t in np.nonzero(p > 0)[0]:
+            walk([*seq, int(t)], prob * p[t])
+
+    walk([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize(("method", "draft_sampling"), [("mtp", "sampled"), ("dflash", "argmax")])
+def test_outputs_follow_the_exact_masked_distribution(targets, tok, method, draft_sampling):
+    """Two thousand sampled generations (K = 3, the drafts know nothing of the grammar) against
+    the exact probability of each of the grammar's nine outputs: Pearson chi-square, for a
+    chained draft with sampled drafts and a block draft with argmax drafts."""
+    model = targets[method]
+    prompt = _prompt(model, tok, "point = ")
+    exact = _exact_outputs(model, prompt)
+    assert len(exact) >= 9 and abs(sum(exact.values()) - 1) < 1e-6
+    n = 2000
+    out = model.generate(
+        [prompt] * n,
+        max_new_tokens=8,
+        temperature=1.0,
+        seed=list(range(n)),
+        draft=method,
+        num_speculative_tokens=3,
+        draft_sampling=draft_sampling,
+        grammar={"regex": TINY},
+        max_batch=256,
+    )
+    seqs = list(exact)
+    index = {s: i for i, s in enumerate(seqs)}
+    counts = collections.Counter(tuple(t) for t in out.tokens)
+    assert set(counts) <= set(exact), set(counts) - set(exact)
+    samples = np.array([index[tuple(t)] for t in out.tokens])
+    assert_distribution(samples, np.array([exact[s] for s in seqs]), f"{method} {draft_sampling}")
+
+
+@pytest.mark.parametrize(
+    ("grammar", "match"),
+    [
+        ({"regex": "("}, "grammar of prompt 0 is invalid"),
+        ({"regex": ""}, "non-empty string"),
+        ({"json_schema": "{"}, "not valid JSON"),
+        ({"lark": "start: x"}, "invalid"),
+        ({"regex": "a", "lark": "start: 'a'"}, "exactly one of"),
+        ({"type": "json_schema"}, "json_schema.schema"),
+        ("[0-9]+", "a dict with one of"),
+        ([{"regex": "a"}], "1 values for 2 prompts"),
+    ],
+)
+def test_bad_grammars_are_named(targets, grammar, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        targets["mtp"].generate([[3, 4], [5]], max_new_tokens=2, grammar=grammar)
+
+
+def test_response_format_and_lark(targets, tok):
+    model = targets["mtp"]
+    prompt = _prompt(model, tok, "x = ")
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}
+    out = model.generate([prompt], max_new_tokens=48, grammar=fmt, draft="mtp")
+    _check_schema(tok.decode(out.tokens[0]))
+    lark = 'start: "[" NUM ("," NUM)? ("," NUM)? "]"\nNUM: /[0-9]{1,2}/'
+    out = model.generate([prompt], max_new_tokens=24, grammar={"lark": lark}, draft="mtp", temperature=0.8)
+    assert out.finish_reasons == ["grammar"]
+    assert re.fullmatch(r"\[[0-9]{1,2}(,[0-9]{1,2}){0,2}\]", tok.decode(out.tokens[0])), tok.decode(
+        out.tokens[0]
+    )
