@@ -13,6 +13,7 @@ Without --model, the embedded default in ``checkpoints/`` is used (or $MTP_JAX_M
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -124,6 +125,12 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar=("START", "END"),
         help="ids that open and close a thinking phase (default: the tokenizer's <think> and </think>)",
     )
+    gram = g.add_mutually_exclusive_group()
+    gram.add_argument(
+        "--json-schema", metavar="FILE", help="constrain every output to this JSON schema (needs llguidance)"
+    )
+    gram.add_argument("--regex", metavar="PATTERN", help="constrain every output to this regular expression")
+    gram.add_argument("--lark", metavar="FILE", help="constrain every output to this Lark grammar")
 
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of a text")
     _add_common(s)
@@ -238,6 +245,27 @@ def _encode(tok, text: str, bos: int | None) -> list[int]:
     return ids
 
 
+def _grammar(args: argparse.Namespace) -> dict | None:
+    """The --json-schema / --regex / --lark constraint, files read here with clear errors."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    for flag, path in (("--json-schema", args.json_schema), ("--lark", args.lark)):
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise CliError(f"{flag}: cannot read {path}: {e.strerror}") from None
+        if flag == "--lark":
+            return {"lark": text}
+        try:
+            return {"json_schema": json.loads(text)}
+        except json.JSONDecodeError as e:
+            raise CliError(f"--json-schema: {path} is not valid JSON: {e}") from None
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
     import mtp_jax
 
@@ -256,6 +284,7 @@ def _generate(args: argparse.Namespace) -> int:
         draft = (loaded or list(model.drafts) or ["none"])[0]
     if draft == "none" and args.num_speculative_tokens is not None:
         raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
+    grammar = _grammar(args)
     t0 = time.perf_counter()
     result = model.generate(
         prompts,
@@ -274,6 +303,7 @@ def _generate(args: argparse.Namespace) -> int:
         relaxed_topk=args.relaxed_topk,
         relaxed_delta=args.relaxed_delta,
         think_tokens=tuple(args.think_tokens) if args.think_tokens else None,
+        grammar=grammar,
     )
     wall = time.perf_counter() - t0
     rows = zip(args.prompt, result.tokens, result.finish_reasons, result.request_stats, strict=True)

@@ -123,7 +123,7 @@ class Constraints:
                 raise InvalidRequestError(f"grammar of prompt {i}: {e}") from None
             error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
             if error and not error.startswith("WARNING"):
-                raise InvalidRequestError(f"grammar of prompt {i} is invalid: {error.strip()}")
+                raise InvalidRequestError(f"grammar of prompt {i} is invalid: {' '.join(error.split())}")
             self.grammars.append(text)
         self.matchers: dict[int, Any] = {}
         self._executor = llg.LLExecutor()

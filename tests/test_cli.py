@@ -3,6 +3,7 @@ shared with the API calls), plus one subprocess run of the installed console scr
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -25,7 +26,7 @@ STATS = re.compile(
     r"\([\d.]+s, compiling it\); acceptance length ([\d.]+)"
     r"(?:; acceptance by position \[([\d., ]+)\])?\]"
 )
-ROW = re.compile(r"\[(\d+) tokens, stopped by (eos|length)\]")
+ROW = re.compile(r"\[(\d+) tokens, stopped by (eos|length|grammar)\]")
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +213,9 @@ ERRORS = [
     (["generate", "--prompt", "x", "--seed", "-1"], ["seed"]),
     (["generate", "--prompt", "x", "--relaxed-topk", "2"], ["no <think> and </think>", "think_tokens"]),
     (["generate", "--prompt", "x", "--auto-k", "no-such.json"], ["no-such.json does not exist"]),
+    (["generate", "--prompt", "x", "--regex", "("], ["grammar of prompt 0 is invalid"]),
+    (["generate", "--prompt", "x", "--json-schema", "no-such.json"], ["--json-schema", "cannot read"]),
+    (["generate", "--prompt", "x", "--lark", "no-such.lark"], ["--lark", "cannot read"]),
     (["score", "--text", ""], ["too short"]),
 ]
 
@@ -285,3 +289,25 @@ def test_console_script_subprocess(tmp_path, embedded):
     assert proc.stdout == expected_text(embedded, [FIB], max_new_tokens=8)[0] + "\n"
     assert "loading" in proc.stderr and "tok/s" in proc.stderr and "acceptance length" in proc.stderr
     check_stats(proc.stderr, 8)
+
+
+def test_generate_under_a_grammar(capsys, embedded, tmp_path):
+    """--regex and --json-schema FILE: the printed continuation is valid and complete."""
+    pytest.importorskip("llguidance")
+    args = ["generate", "--prompt", FIB, "--max-new-tokens", "40", "--temperature", "1"]
+    rc, out, err = run(capsys, *args, "--regex", r"return [a-z]{1,4}\(n\)")
+    assert rc == 0, err
+    assert re.fullmatch(r"return [a-z]{1,4}\(n\)", out.strip()[len(FIB) :]), out
+    assert ROW.search(err).group(2) == "grammar", err
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],'
+        ' "additionalProperties": false}'
+    )
+    rc, out, err = run(capsys, *args, "--json-schema", str(schema))
+    assert rc == 0, err
+    obj = json.loads(out.strip()[len(FIB) :])
+    assert list(obj) == ["n"] and isinstance(obj["n"], int), out
+    schema.write_text("{")
+    rc, out, err = run(capsys, *args, "--json-schema", str(schema))
+    check_error(rc, out, err, "generate", ["not valid JSON"])
