@@ -128,7 +128,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _prompts(model, path: str | None, args: argparse.Namespace) -> tuple[list[list[int]], str]:
+def held_out_prompts(model, path: str | None, args: argparse.Namespace) -> tuple[list[list[int]], str]:
     """Held-out prompts from the checkpoint's eval.json when present, else random token ids."""
     eval_path = None if path is None else os.path.join(path, "eval.json")
     tok_path = None if path is None else os.path.join(path, "tokenizer.json")
@@ -177,7 +177,7 @@ def write_json(path: str, report: dict) -> None:
     os.replace(tmp, path)
 
 
-def _measure(prompts, args: argparse.Namespace, batch: int, configs: list[tuple]) -> list[dict]:
+def measure(prompts, args: argparse.Namespace, batch: int, configs: list[tuple]) -> list[dict]:
     """Decode rates of several (model, generate kwargs) configurations: each compiled by an
     untimed run first, then the timed runs interleaved (config 1, 2, ..., 1, 2, ...) so drift on a
     noisy machine hits all of them alike. Returns, per config, the median decode rate and the last
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> dict:
             args.k = [0, 1, 2, 3, 4] if drafts else [0]
         if max(args.k) and not drafts:
             raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
-        prompts, prompt_note = _prompts(model, None if args.synthetic else path, args)
+        prompts, prompt_note = held_out_prompts(model, None if args.synthetic else path, args)
         # (draft, K, DFlash block) triples: plain decoding once, every draft at every K > 0 (DFlash at
         # every block size that holds K drafts)
         triples = [(None, 0, None)] * (0 in args.k)
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> dict:
                 if k and k != "auto" and not args.no_baseline:
                     configs.append((owners[draft], {**spec, "fused": False}))
                     keys.append((draft, k, block, False))
-            measured = dict(zip(keys, _measure(prompts, args, batch, configs), strict=True))
+            measured = dict(zip(keys, measure(prompts, args, batch, configs), strict=True))
             plain = (None, 0, None, True)
             base = measured[plain]["decode_tok_s"] if plain in measured else None
             for draft, k, block in triples:

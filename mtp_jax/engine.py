@@ -91,6 +91,7 @@ def generate(
     fused: bool = True,
     auto_k: Callable[[int], int] | None = None,
     constraints: Constraints | None = None,
+    pipelined: bool = True,
 ) -> GenerateResult:
     """Decode validated prompts with continuous batching (up to K = sc.k drafts per step, 0 = plain).
 
@@ -102,7 +103,9 @@ def generate(
     ``constraints`` holds the requests' grammars (:mod:`mtp_jax.grammar`): while a constrained
     request runs, each step's results are read before the next is dispatched (its masks follow the
     drafts that step proposed), and a request stops when its grammar admits nothing more.
-    ``fused=False`` runs the host-orchestrated baseline step instead (benchmarks only)."""
+    ``fused=False`` runs the host-orchestrated baseline step instead, and ``pipelined=False`` reads
+    every step's results before dispatching the next (benchmarks only: the cost of a host round trip
+    per step, which is what a grammar pays)."""
     step_fn = step if fused else host_orchestrated_step
     t_start = time.perf_counter()
     n = len(prompts)
@@ -280,7 +283,7 @@ def generate(
             process(*pending)
             pending = None
             continue
-        if pending is not None and any(constrained(req) for req in owner):
+        if pending is not None and (not pipelined or any(constrained(req) for req in owner)):
             # a grammar's masks follow the drafts of the step in flight: read it first
             process(*pending)
             pending = None
@@ -325,6 +328,8 @@ def generate(
         "decode_tokens_per_second_after_first_call": run.emitted / max(decode_time - first_step, 1e-9),
         **{k: v for k, v in spec.items() if k != "steps"},
     }
+    if constraints is not None:  # host time spent in the grammars (masks, advancing the matchers)
+        stats["grammar_seconds"] = constraints.seconds
     return GenerateResult(
         tokens=out, finish_reasons=finish, stats=stats, request_stats=[c.as_dict() for c in per_request]
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -129,6 +130,7 @@ class Constraints:
         self._executor = llg.LLExecutor()
         self._fill_along = llg.numpy.fill_next_token_bitmask_par_with_draft_tokens
         self._fill = llg.numpy.fill_next_token_bitmask_par
+        self.seconds = 0.0  # host time in consume() and masks()
 
     def constrained(self, req: int) -> bool:
         return self.grammars[req] is not None
@@ -140,10 +142,13 @@ class Constraints:
 
     def consume(self, req: int, token: int) -> bool:
         """Advance request ``req`` over an emitted token; True once its grammar has ended."""
+        t0 = time.perf_counter()
         m = self.matchers[req]
         if not m.consume_token(token):
             raise RuntimeError(f"the grammar of prompt {req} refused token {token}: {m.get_error()}")
-        return m.is_stopped()
+        stopped = m.is_stopped()
+        self.seconds += time.perf_counter() - t0
+        return stopped
 
     def finish(self, req: int) -> None:
         self.matchers.pop(req, None)
@@ -151,6 +156,7 @@ class Constraints:
     def masks(self, rows: Sequence[tuple[int, int, Sequence[int]]], shape: tuple[int, ...]) -> np.ndarray:
         """Bitmasks [*shape, words] (all ones where unconstrained) for rows (request, flat index of
         the first position, drafts): position j after the committed text and drafts[:j]."""
+        t0 = time.perf_counter()
         out = np.full((int(np.prod(shape)), self.words), -1, np.int32)
         along, alone = [], []
         for req, index, drafts in rows:
@@ -165,4 +171,5 @@ class Constraints:
             self._fill_along(self._executor, along, out)
         if alone:
             self._fill(self._executor, alone, out)
+        self.seconds += time.perf_counter() - t0
         return out.reshape(*shape, self.words)

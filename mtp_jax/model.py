@@ -213,6 +213,7 @@ class Model:
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
         fused: bool = True,
+        pipelined: bool = True,
     ) -> GenerateResult:
         """Generate up to ``max_new_tokens`` per prompt (stopping at EOS unless ``ignore_eos``).
 
@@ -243,7 +244,8 @@ class Model:
         ``max_batch`` prompts decode at once; the others join as slots free (continuous batching). On
         a mesh the slots are padded to a multiple of its row devices (data x expert: every device
         attends for its own rows; padding slots stay idle). ``on_token(prompt_index, token)`` streams.
-        ``fused=False`` selects the host-orchestrated baseline step (for benchmarks).
+        ``fused=False`` selects the host-orchestrated baseline step and ``pipelined=False`` reads
+        each step before dispatching the next (for benchmarks).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
@@ -307,6 +309,7 @@ class Model:
             fused=fused,
             auto_k=auto,
             constraints=constraints,
+            pipelined=pipelined,
         )
 
     def _think_tokens(self, given: tuple[int, int] | None) -> tuple[int, int]:

@@ -172,10 +172,10 @@ def run(args: argparse.Namespace) -> int:
         "load_seconds": load_s,
     }
     if args.bench:
-        from mtp_jax.bench import _measure
+        from mtp_jax.bench import measure
 
         opts = argparse.Namespace(new_tokens=args.new_tokens, repeats=args.repeats)
-        res = _measure(model, prompts, opts, args.batch, [gen])[0]
+        res = measure(prompts, opts, args.batch, [(model, gen)])[0]
         report = {**where, "decode_tok_s": res["decode_tok_s"], "stats": res["stats"]}
     else:
         result = model.generate(

@@ -82,6 +82,18 @@ def test_two_processes_run_a_tensor_parallel_llama_like_one():
     assert got["tokens"] == want.tokens
 
 
+def test_bench_mode_times_decoding():
+    """--bench: a compiling run, then timed ones; one process is enough to run the same code."""
+    model_dir = os.path.join(REPO, "tests", "fixtures", "parity_llama", "mha_fp16")
+    out = _launch(
+        "--model", model_dir, "--prompt-ids=3,14,15", "--prompt-ids=9,2", "--bench", "--batch", "2",
+        "--new-tokens", "5", "--repeats", "2", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["decode_tok_s"] > 0 and got["stats"]["new_tokens"] == 10 and got["stats"]["batch"] == 2
+
+
 # Each of 2 processes (4 devices each) on mesh data=1, expert=8 holds experts 4p..4p+3: it must read
 # only those from the safetensors, and the shards it holds must equal a plain load's, for the hub
 # checkpoint and for the orbax one (restored straight into the target sharding). Teacher-forced
