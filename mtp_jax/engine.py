@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import grammar
 from mtp_jax.cache import ShardedPageAllocator, page_table_array
 from mtp_jax.grammar import Constraints
 from mtp_jax.sampling import SamplingParams
@@ -92,6 +93,7 @@ def generate(
     auto_k: Callable[[int], int] | None = None,
     constraints: Constraints | None = None,
     pipelined: bool = True,
+    grammar_masks: str = "host",
 ) -> GenerateResult:
     """Decode validated prompts with continuous batching (up to K = sc.k drafts per step, 0 = plain).
 
@@ -102,11 +104,16 @@ def generate(
     step computes, whatever their state), e.g. from a table measured by ``mtp-jax bench``.
     ``constraints`` holds the requests' grammars (:mod:`mtp_jax.grammar`): while a constrained
     request runs, each step's results are read before the next is dispatched (its masks follow the
-    drafts that step proposed), and a request stops when its grammar admits nothing more.
+    drafts that step proposed), and a request stops when its grammar admits nothing more; with
+    ``grammar_masks="callback"`` the step asks the host for its masks itself (an ordered
+    io_callback) and the engine keeps dispatching one step ahead (one process only).
     ``fused=False`` runs the host-orchestrated baseline step instead, and ``pipelined=False`` reads
     every step's results before dispatching the next (benchmarks only: the cost of a host round trip
     per step, which is what a grammar pays)."""
     step_fn = step if fused else host_orchestrated_step
+    callback = constraints is not None and grammar_masks == "callback"
+    if callback and (not fused or jax.process_count() > 1):
+        raise ValueError('grammar_masks="callback" runs in the fused step of a single-process run')
     t_start = time.perf_counter()
     n = len(prompts)
     batch = next_power_of_two(min(n, max_batch))
@@ -263,44 +270,56 @@ def generate(
     pending = None
     t_first = None
     first_step = 0.0
-    while True:
-        admit()
-        if t_first is None:
-            t_first = time.perf_counter()
-        if not any(o is not None for o in owner):
-            if pending is not None:
+    grammar.serving(constraints if callback else None)
+    try:
+        while True:
+            admit()
+            if t_first is None:
+                t_first = time.perf_counter()
+            if not any(o is not None for o in owner):
+                if pending is not None:
+                    process(*pending)
+                    pending = None
+                    continue
+                if not queue:
+                    break
+                continue
+            if pending is not None and all(
+                len(out[req]) + sc.k + 1 >= max_new_tokens for req in owner if req is not None
+            ):
+                # the step in flight may finish every active row: read it before dispatching another,
+                # which would otherwise run for rows that are already done (a whole wasted step at batch 1)
                 process(*pending)
                 pending = None
                 continue
-            if not queue:
-                break
-            continue
-        if pending is not None and all(
-            len(out[req]) + sc.k + 1 >= max_new_tokens for req in owner if req is not None
-        ):
-            # the step in flight may finish every active row: read it before dispatching another,
-            # which would otherwise run for rows that are already done (a whole wasted step at batch 1)
-            process(*pending)
-            pending = None
-            continue
-        if pending is not None and (not pipelined or any(constrained(req) for req in owner)):
-            # a grammar's masks follow the drafts of the step in flight: read it first
-            process(*pending)
-            pending = None
-            continue
-        sc_now = variant(int(max(row_k[req] for req in owner if req is not None)))
-        masks = step_masks(sc_now.k)
-        drafted = np.minimum(proposed, sc_now.k)
-        live = np.array([o is not None for o in owner])
-        proposed[live] = np.minimum(row_k[[o for o in owner if o is not None]], sc_now.k)
-        t_call = time.perf_counter()
-        emitted, n_emit, state = step_fn(params, state, sc_now, masks)
-        if not counts["steps"]:  # the call returns once compiled; the step itself runs on
-            first_step = time.perf_counter() - t_call
-        counts["steps"] += 1
-        if pending is not None:
-            process(*pending)
-        pending = (emitted, n_emit, list(owner), drafted)
+            if pending is not None and (not pipelined or (not callback and any(map(constrained, owner)))):
+                # a grammar's masks follow the drafts of the step in flight: read it first
+                process(*pending)
+                pending = None
+                continue
+            sc_now = variant(int(max(row_k[req] for req in owner if req is not None)))
+            masks, grammar_rows = None, None
+            if callback:
+                grammar_rows = jnp.asarray([req if constrained(req) else -1 for req in owner], jnp.int32)
+            else:
+                masks = step_masks(sc_now.k)
+            drafted = np.minimum(proposed, sc_now.k)
+            live = np.array([o is not None for o in owner])
+            proposed[live] = np.minimum(row_k[[o for o in owner if o is not None]], sc_now.k)
+            t_call = time.perf_counter()
+            emitted, n_emit, state = (
+                step_fn(params, state, sc_now, masks, grammar_rows)
+                if callback
+                else step_fn(params, state, sc_now, masks)
+            )
+            if not counts["steps"]:  # the call returns once compiled; the step itself runs on
+                first_step = time.perf_counter() - t_call
+            counts["steps"] += 1
+            if pending is not None:
+                process(*pending)
+            pending = (emitted, n_emit, list(owner), drafted)
+    finally:
+        grammar.serving(None)
     t_end = time.perf_counter()
 
     new_tokens = sum(len(o) for o in out)

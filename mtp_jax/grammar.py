@@ -22,8 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from mtp_jax.errors import InvalidRequestError
+
+# How the masks reach the step: "host" (the engine reads each step's drafts and computes the next
+# step's masks before dispatching it) or "callback" (the step asks the host for them through an
+# ordered io_callback, so the engine keeps dispatching a step ahead). BENCHMARKS.md measures both.
+DELIVERIES = ("host", "callback")
 
 KINDS = ("json_schema", "regex", "lark")
 
@@ -127,6 +133,13 @@ class Constraints:
                 raise InvalidRequestError(f"grammar of prompt {i} is invalid: {' '.join(error.split())}")
             self.grammars.append(text)
         self.matchers: dict[int, Any] = {}
+        # the in-step callback's own matchers (request -> [matcher, seq_len seen, drafts seen]),
+        # apart from the engine's, which advance when the engine reads a step: the two never share
+        # state across threads
+        self.ahead: dict[int, list] = {}
+        self.fresh: dict[int, Any] = {}
+        self.done: set[int] = set()
+        self.error: str | None = None
         self._executor = llg.LLExecutor()
         self._fill_along = llg.numpy.fill_next_token_bitmask_par_with_draft_tokens
         self._fill = llg.numpy.fill_next_token_bitmask_par
@@ -139,6 +152,7 @@ class Constraints:
         """A fresh matcher for request ``req`` (the grammar constrains the new tokens only)."""
         llg = _llguidance()
         self.matchers[req] = llg.LLMatcher(self.tokenizer, self.grammars[req], log_level=0)
+        self.fresh[req] = self.matchers[req].deep_copy()
 
     def consume(self, req: int, token: int) -> bool:
         """Advance request ``req`` over an emitted token; True once its grammar has ended."""
@@ -151,16 +165,22 @@ class Constraints:
         return stopped
 
     def finish(self, req: int) -> None:
+        self.done.add(req)
         self.matchers.pop(req, None)
+        self.fresh.pop(req, None)
 
     def masks(self, rows: Sequence[tuple[int, int, Sequence[int]]], shape: tuple[int, ...]) -> np.ndarray:
         """Bitmasks [*shape, words] (all ones where unconstrained) for rows (request, flat index of
         the first position, drafts): position j after the committed text and drafts[:j]."""
         t0 = time.perf_counter()
         out = np.full((int(np.prod(shape)), self.words), -1, np.int32)
+        self._fill_rows([(self.matchers[req], index, drafts) for req, index, drafts in rows], out)
+        self.seconds += time.perf_counter() - t0
+        return out.reshape(*shape, self.words)
+
+    def _fill_rows(self, rows: Sequence[tuple[Any, int, Sequence[int]]], out: np.ndarray) -> None:
         along, alone = [], []
-        for req, index, drafts in rows:
-            m = self.matchers[req]
+        for m, index, drafts in rows:
             # the drafts after one the grammar forbids are never reached: masks only up to it
             valid = m.validate_tokens([int(d) for d in drafts])
             if valid:
@@ -171,5 +191,62 @@ class Constraints:
             self._fill_along(self._executor, along, out)
         if alone:
             self._fill(self._executor, alone, out)
+
+    def callback_masks(
+        self, rows: np.ndarray, seq_len: np.ndarray, next_token: np.ndarray, drafts: np.ndarray
+    ) -> np.ndarray:
+        """The in-step callback's masks [B, k+1, words] at the start of a step. Each constrained
+        row first catches up on what the previous step emitted, read off the state: the number
+        of tokens is the growth of its committed length, the tokens are the drafts it verified
+        (seen by the previous call) followed by its next token."""
+        t0 = time.perf_counter()
+        b, k = drafts.shape
+        out = np.full((b * (k + 1), self.words), -1, np.int32)
+        fill = []
+        for i, req in enumerate(rows.tolist()):
+            if req < 0 or req in self.done:
+                continue
+            entry = self.ahead.get(req)
+            if entry is None:
+                if req not in self.fresh:
+                    continue  # finished while this step was in flight
+                entry = self.ahead[req] = [self.fresh.pop(req), None, ()]
+            m, seen, verified = entry
+            tokens = (
+                [int(next_token[i])] if seen is None else [*verified[: seq_len[i] - seen - 1], next_token[i]]
+            )
+            if not all(m.consume_token(int(t)) for t in tokens):
+                # the engine's own matcher meets the same token and raises with the request named
+                self.error = f"request {req}: {m.get_error()}"
+                continue
+            entry[1], entry[2] = int(seq_len[i]), [int(d) for d in drafts[i]]
+            if not m.is_stopped():
+                fill.append((m, i * (k + 1), entry[2]))
+        self._fill_rows(fill, out)
         self.seconds += time.perf_counter() - t0
-        return out.reshape(*shape, self.words)
+        return out.reshape(b, k + 1, self.words)
+
+
+_SERVING: Constraints | None = None  # whose masks the in-step callback computes (one call at a time)
+
+
+def serving(constraints: Constraints | None) -> None:
+    """Route the in-step callback to ``constraints`` (None when the generate call ends)."""
+    global _SERVING
+    _SERVING = constraints
+
+
+def _callback(rows, seq_len, next_token, drafts) -> np.ndarray:
+    if _SERVING is None:
+        raise RuntimeError("a grammar-masked step ran outside a generate call that serves its masks")
+    return _SERVING.callback_masks(
+        np.asarray(rows), np.asarray(seq_len), np.asarray(next_token), np.asarray(drafts)
+    )
+
+
+def in_step_masks(rows: jax.Array, seq_len: jax.Array, next_token: jax.Array, drafts: jax.Array, vocab: int):
+    """Inside the step: the grammar masks [B, k+1, words] of rows ``rows`` [B] (request ids, -1 for
+    none) from the host, through an ordered io_callback (so successive steps ask in order)."""
+    b, k = drafts.shape
+    shape = jax.ShapeDtypeStruct((b, k + 1, words(vocab)), jnp.int32)
+    return io_callback(_callback, shape, rows, seq_len, next_token, drafts, ordered=True)

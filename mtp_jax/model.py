@@ -22,7 +22,7 @@ from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, read
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
-from mtp_jax.grammar import Constraints
+from mtp_jax.grammar import DELIVERIES, Constraints
 from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
 from mtp_jax.sharding import replicated
 from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
@@ -209,6 +209,7 @@ class Model:
         relaxed_delta: float | Sequence[float] = 0.0,
         think_tokens: tuple[int, int] | None = None,
         grammar: dict | Sequence[dict | None] | None = None,
+        grammar_masks: str = "host",
         ignore_eos: bool = False,
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
@@ -240,7 +241,10 @@ class Model:
         distributions are masked to the grammar at every verified position inside the step (exact
         with respect to the masked distribution; drafts the grammar forbids are rejected), and a
         request ends when its grammar admits nothing more (finish reason "grammar") or at EOS.
-        Needs llguidance (``pip install 'mtp-jax[grammar]'``) and the model's tokenizer.json. Up to
+        Needs llguidance (``pip install 'mtp-jax[grammar]'``) and the model's tokenizer.json.
+        ``grammar_masks`` chooses how the masks reach the step: "host" (the engine computes them
+        from the previous step's drafts before dispatching the next step) or "callback" (the
+        step asks for them through an ordered host callback; one process only). Up to
         ``max_batch`` prompts decode at once; the others join as slots free (continuous batching). On
         a mesh the slots are padded to a multiple of its row devices (data x expert: every device
         attends for its own rows; padding slots stay idle). ``on_token(prompt_index, token)`` streams.
@@ -288,6 +292,8 @@ class Model:
             auto = AutoK.coerce(auto_k, draft)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if grammar_masks not in DELIVERIES:
+            raise InvalidRequestError(f"grammar_masks must be one of {DELIVERIES}, got {grammar_masks!r}")
         constraints = None
         if grammar is not None:
             specs = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(checked)
@@ -310,6 +316,7 @@ class Model:
             auto_k=auto,
             constraints=constraints,
             pipelined=pipelined,
+            grammar_masks=grammar_masks,
         )
 
     def _think_tokens(self, given: tuple[int, int] | None) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from mtp_jax.cache import slots_for
 from mtp_jax.drafts import DRAFT_METHODS, Draft, Rows, draft_for
 from mtp_jax.drafts.base import at_rows
-from mtp_jax.grammar import mask_logits
+from mtp_jax.grammar import in_step_masks, mask_logits
 from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
 from mtp_jax.sharding import constrain_state, replicated
 from mtp_jax.targets import PagedAttention, Target, target_for
@@ -357,12 +357,20 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
 def step(
-    params: dict, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
+    params: dict,
+    state: DecodeState,
+    sc: StepConfig,
+    bitmask: jax.Array | None = None,
+    grammar_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, DecodeState]:
     """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
     row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots). ``bitmask``
     [B, K+1, ceil(V/32)]: the tokens a grammar allows at each verified position
-    (:mod:`mtp_jax.grammar`)."""
+    (:mod:`mtp_jax.grammar`); or ``grammar_rows`` [B] (each slot's request, -1 for none): the step
+    asks the host for those masks itself, through a callback, while the target runs."""
+    if grammar_rows is not None:
+        drafts = state.drafts[:, : sc.k]
+        bitmask = in_step_masks(grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size)
     hidden, logits, target_pages = _verify(params, state, sc)
     emitted, n_acc = _accept(logits, state, sc, bitmask)
     n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
