@@ -9,7 +9,10 @@ configurations interleaved as in ``mtp-jax bench``):
 - ``any text``: a grammar that admits any text (regex ``(.|\\n)*``): the whole grammar machinery
   (masks along the drafts, matchers, the masked step) on about the tokens of ``free``;
 - ``json``: a JSON schema (an array of records): a realistic constraint (different tokens, so its
-  acceptance differs).
+  acceptance differs);
+
+each grammar with its masks delivered by the host between steps (``host``) and by an ordered
+callback inside the step (``callback``).
 
 Reports decode tokens/s, the ratio to ``free``, acceptance length, and the host's grammar time per
 step. The difference ``free`` - ``free, synchronous`` bounds what any other way of delivering the
@@ -43,11 +46,14 @@ SCHEMA = {
         "additionalProperties": False,
     },
 }
+ANY = {"regex": "(.|\n)*"}
 MODES = {
     "free": {},
     "free, synchronous": {"pipelined": False},
-    "any text": {"grammar": {"regex": "(.|\n)*"}},
-    "json": {"grammar": {"json_schema": SCHEMA}},
+    "any text, host": {"grammar": ANY},
+    "any text, callback": {"grammar": ANY, "grammar_masks": "callback"},
+    "json, host": {"grammar": {"json_schema": SCHEMA}},
+    "json, callback": {"grammar": {"json_schema": SCHEMA}, "grammar_masks": "callback"},
 }
 
 
@@ -114,12 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
     }
     print(
-        f"{'batch':>5} {'K':>2} {'mode':<18} {'tok/s':>8} {'vs free':>8} {'accept':>7} "
+        f"{'batch':>5} {'K':>2} {'mode':<20} {'tok/s':>8} {'vs free':>8} {'accept':>7} "
         f"{'grammar ms/step':>15}"
     )
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['k']:>2} {r['mode']:<18} {r['decode_tok_s']:>8.1f} {r['vs_free']:>8.2f} "
+            f"{r['batch']:>5} {r['k']:>2} {r['mode']:<20} {r['decode_tok_s']:>8.1f} {r['vs_free']:>8.2f} "
             f"{r['acceptance_length']:>7.2f} {r['grammar_ms_per_step']:>15.2f}"
         )
     if args.json:
