@@ -18,6 +18,11 @@ _EXPORTS = {
     "InvalidRequestError": "mtp_jax.errors",
     "MtpJaxError": "mtp_jax.errors",
     "DeepseekV3Config": "mtp_jax.config",
+    "Completion": "mtp_jax.serving",
+    "Engine": "mtp_jax.serving",
+    "EngineClosedError": "mtp_jax.serving",
+    "EngineFullError": "mtp_jax.serving",
+    "RequestHandle": "mtp_jax.serving",
     "GenerateResult": "mtp_jax.engine",
     "Model": "mtp_jax.model",
     "ScoreResult": "mtp_jax.model",
@@ -28,12 +33,17 @@ _EXPORTS = {
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "Completion",
     "ConfigError",
     "DeepseekV3Config",
+    "Engine",
+    "EngineClosedError",
+    "EngineFullError",
     "GenerateResult",
     "InvalidRequestError",
     "Model",
     "MtpJaxError",
+    "RequestHandle",
     "ScoreResult",
     "load",
     "make_mesh",
@@ -63,4 +73,5 @@ if TYPE_CHECKING:
         MtpJaxError,
     )
     from mtp_jax.model import Model, ScoreResult, load
+    from mtp_jax.serving import Completion, Engine, EngineClosedError, EngineFullError, RequestHandle
     from mtp_jax.sharding import make_mesh

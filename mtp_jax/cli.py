@@ -132,6 +132,30 @@ def _build_parser() -> argparse.ArgumentParser:
     gram.add_argument("--regex", metavar="PATTERN", help="constrain every output to this regular expression")
     gram.add_argument("--lark", metavar="FILE", help="constrain every output to this Lark grammar")
 
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'mtp-jax[serve]')")
+    _add_common(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", help="the model's name in the API (default: the directory's)")
+    sv.add_argument("--slots", type=int, default=8, help="requests decoded at once")
+    sv.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        help="tokens per request, prompt included (default: the model's maximum, at most 4096)",
+    )
+    sv.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot")
+    sv.add_argument(
+        "--draft",
+        choices=["auto", "mtp", "eagle3", "dflash", "none"],
+        default="auto",
+        help="auto = the --draft-model when given, else the checkpoint's MTP layer; none = plain",
+    )
+    sv.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
+    sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
+    sv.add_argument("--draft-sampling", choices=["argmax", "sampled"], default="argmax")
+    sv.add_argument("--grammar-masks", choices=["host", "callback"], default="host")
+
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of a text")
     _add_common(s)
     s.add_argument("--text", required=True)
@@ -267,23 +291,11 @@ def _grammar(args: argparse.Namespace) -> dict | None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import mtp_jax
 
-    model_dir = _model_dir(args.model)
-    tok = _tokenizer(model_dir)
-    print(f"loading {model_dir} ({args.dtype}) ...", file=sys.stderr)
-    if args.draft in ("eagle3", "dflash") and args.draft_model is None:
-        raise CliError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
-    model = mtp_jax.load(
-        model_dir, dtype=args.dtype, draft_model=args.draft_model, draft_layer_ids=args.draft_layer_ids
-    )
+    tok = _tokenizer(_model_dir(args.model))
+    _, model, draft = _load_with_draft(args)
+    draft = draft or "none"
     prompts = [_encode(tok, text, model.config.bos_token_id) for text in args.prompt]
-    draft = args.draft
-    if draft == "auto":
-        loaded = [d for d in ("dflash", "eagle3") if d in model.drafts]  # a --draft-model first
-        draft = (loaded or list(model.drafts) or ["none"])[0]
-    if draft == "none" and args.num_speculative_tokens is not None:
-        raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
     grammar = _grammar(args)
     t0 = time.perf_counter()
     result = model.generate(
@@ -324,6 +336,60 @@ def _generate(args: argparse.Namespace) -> int:
         + "]",
         file=sys.stderr,
     )
+    return 0
+
+
+def _load_with_draft(args: argparse.Namespace):
+    """The model of --model (and --draft-model) and the draft --draft names (None: plain)."""
+    import mtp_jax
+
+    model_dir = _model_dir(args.model)
+    print(f"loading {model_dir} ({args.dtype}) ...", file=sys.stderr)
+    if args.draft in ("eagle3", "dflash") and args.draft_model is None:
+        raise CliError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
+    layer_ids = getattr(args, "draft_layer_ids", "inputs")
+    model = mtp_jax.load(model_dir, dtype=args.dtype, draft_model=args.draft_model, draft_layer_ids=layer_ids)
+    draft = args.draft
+    if draft == "auto":
+        loaded = [d for d in ("dflash", "eagle3") if d in model.drafts]  # a --draft-model first
+        draft = (loaded or list(model.drafts) or ["none"])[0]
+    if draft == "none" and args.num_speculative_tokens is not None:
+        raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
+    return model_dir, model, None if draft == "none" else draft
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mtp_jax.serving import Engine
+
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise CliError("mtp-jax serve needs the serve extra: pip install 'mtp-jax[serve]'") from None
+    from mtp_jax.server import serve
+
+    model_dir, model, draft = _load_with_draft(args)
+    engine = Engine(
+        model,
+        slots=args.slots,
+        max_len=args.max_len,
+        draft=draft,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_sampling=args.draft_sampling,
+        max_queue=args.max_queue,
+        grammar_masks=args.grammar_masks,
+    )
+    name = args.served_model_name or os.path.basename(os.path.abspath(model_dir))
+    speculation = f"{draft}, K = {engine.sc.k}" if draft else "none"
+    print(
+        f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.slots} slots x {engine.max_len} "
+        f"tokens; speculation: {speculation})",
+        file=sys.stderr,
+    )
+    try:
+        serve(engine, name, host=args.host, port=args.port)
+    finally:
+        engine.close()
     return 0
 
 
@@ -494,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         commands = {
             "generate": _generate,
+            "serve": _serve,
             "score": _score,
             "convert": _convert,
             "inspect": _inspect,

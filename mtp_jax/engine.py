@@ -33,13 +33,15 @@ TokenCallback = Callable[[int, int], None]
 @dataclasses.dataclass
 class GenerateResult:
     """New tokens per prompt (EOS included when it stopped the row), why each row stopped
-    ("eos", "length", or "grammar": its grammar admits nothing more), run statistics, and per
-    prompt its speculation statistics (:class:`SpecCounters`)."""
+    ("eos", "length", "stop": a stop string or id, or "grammar": its grammar admits nothing
+    more), run statistics, per prompt its speculation statistics (:class:`SpecCounters`), and
+    with text prompts or stop strings each request's new text."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     stats: dict
     request_stats: list[dict] = dataclasses.field(default_factory=list)
+    texts: list[str] | None = None
 
 
 class SpecCounters:
@@ -78,6 +80,327 @@ def next_power_of_two(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request in a :class:`Scheduler`: its prompt, how many new tokens at most, its sampling
+    row (:class:`SamplingParams` of one row), and where its tokens go: ``on_token(token)`` for each
+    (returning True stops the request: finish reason "stop"), ``on_finish(request)`` at the end.
+    The scheduler fills in ``tokens``, ``finish`` ("eos", "stop", "grammar", "length" or
+    "cancelled") and ``counters``."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    on_token: Callable[[int], bool | None] | None = None
+    on_finish: Callable[[Request], None] | None = None
+    id: int = -1
+    ignore_eos: bool = False
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    finish: str = ""
+    counters: SpecCounters | None = None
+
+
+def pages_needed(prompt_len: int, max_new_tokens: int, sc: StepConfig) -> int:
+    """Cache pages a request owns: its prompt, its new tokens and the speculative overshoot of the
+    last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)."""
+    return math.ceil((prompt_len + max_new_tokens + 2 * (sc.k + 1)) / sc.page_size)
+
+
+class Scheduler:
+    """Continuous batching over ``slots`` rows of ``width`` cache pages each, around the jitted step.
+
+    Requests are :meth:`submit`-ted at any time and join free slots between steps (prefill writes
+    them into the running state); :meth:`advance` runs one iteration (admit, dispatch a step, read
+    the previous one); :meth:`cancel` stops a request and frees its pages at once. The caches and
+    the compiled programs live as long as the scheduler.
+
+    Each request accepts at most its own ``sampling.max_drafts``; a step verifies as many drafts as
+    its active rows ask for at most (one compiled step per distinct count; with none, a plain step
+    that leaves the draft's state alone: a row only ever reads its own draft state, and a row that
+    speculates runs only steps that do). ``constraints`` holds the requests' grammars
+    (:mod:`mtp_jax.grammar`): while a constrained request runs, each step's results are read
+    before the next is dispatched (its masks follow the drafts that step proposed), and a request
+    stops when its grammar admits nothing more; with ``grammar_masks="callback"`` the step asks the
+    host for its masks itself (an ordered io_callback) and the scheduler keeps dispatching one step
+    ahead (one process only). ``fused=False`` runs the host-orchestrated baseline step instead, and
+    ``pipelined=False`` reads every step's results before dispatching the next (benchmarks only:
+    the cost of a host round trip per step, which is what a grammar pays)."""
+
+    def __init__(
+        self,
+        params: dict,
+        sc: StepConfig,
+        *,
+        slots: int,
+        width: int,
+        eos_token_ids: Sequence[int],
+        cache_dtype: jnp.dtype,
+        fused: bool = True,
+        constraints: Constraints | None = None,
+        pipelined: bool = True,
+        grammar_masks: str = "host",
+    ) -> None:
+        self.callback = constraints is not None and grammar_masks == "callback"
+        if self.callback and (not fused or jax.process_count() > 1):
+            raise ValueError('grammar_masks="callback" runs in the fused step of a single-process run')
+        self.shards = row_shards(sc.mesh)  # rows and their pages split over this many devices
+        if slots % self.shards:
+            raise ValueError(f"{slots} slots do not split over {self.shards} row devices")
+        self.params, self.sc, self.slots, self.width = params, sc, slots, width
+        self.step_fn = step if fused else host_orchestrated_step
+        self.fused, self.pipelined = fused, pipelined
+        self.constraints = constraints
+        self.eos = frozenset(eos_token_ids)
+        self.variants: dict[int, StepConfig] = {}  # the steps run: one program each
+        self.allocator = ShardedPageAllocator(slots * width, self.shards)  # slot b's pages: its shard
+        state = init_state(sc, slots, self.allocator.num_pages, width, cache_dtype)
+        if sc.mesh is not None:
+            state = jax.device_put(state, state_shardings(sc, state))
+        self.state = state
+        self.queue: collections.deque[Request] = collections.deque()
+        self.owner: list[Request | None] = [None] * slots
+        self.pages_of: dict[int, list[int]] = {}
+        self.proposed = np.zeros(slots, np.int64)  # drafts standing for each slot (the state's num_drafts)
+        self.pending = None
+        self.counters = SpecCounters(sc.k)
+        self.counts = {"steps": 0, "prefills": 0}
+        self.first_step_seconds = 0.0
+        self.first_admitted: float | None = None  # when the first admission's prefill returned
+        self._next_id = 0
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def row_k(self, req: Request) -> int:
+        """The drafts a request verifies per step: its own cap, at most the scheduler's K."""
+        return min(int(np.asarray(req.sampling.max_drafts)[0]), self.sc.k)
+
+    def submit(self, req: Request) -> Request:
+        """Queue a validated request (its grammar, if any, already added to ``constraints``)."""
+        need = pages_needed(len(req.prompt), req.max_new_tokens, self.sc)
+        if need > self.width:
+            room = self.width * self.sc.page_size - 2 * (self.sc.k + 1)
+            raise ValueError(
+                f"a prompt of {len(req.prompt)} tokens with max_new_tokens={req.max_new_tokens} needs "
+                f"{len(req.prompt) + req.max_new_tokens} tokens of cache; a slot holds {room}"
+            )
+        if req.id < 0:
+            req.id = self._next_id
+        self._next_id = max(self._next_id, req.id + 1)
+        req.counters = SpecCounters(self.sc.k)
+        req.sampling = jax.tree.map(np.asarray, req.sampling)
+        self.queue.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop ``req`` now: out of the queue, or its slot and pages freed (tokens of a step in
+        flight are dropped)."""
+        if req.finish:
+            return
+        if req in self.queue:
+            self.queue.remove(req)
+            self._finish(req, "cancelled")
+            return
+        self._finish(req, "cancelled")
+        self._release([b for b, o in enumerate(self.owner) if o is req])
+
+    @property
+    def busy(self) -> bool:
+        """Requests waiting or running, or a step not read yet."""
+        return bool(self.queue) or self.pending is not None or any(o is not None for o in self.owner)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _constrained(self, req: Request | None) -> bool:
+        return self.constraints is not None and req is not None and self.constraints.constrained(req.id)
+
+    def _variant(self, k: int) -> StepConfig:
+        if k not in self.variants:
+            sc = self.sc
+            self.variants[k] = dataclasses.replace(sc, k=k, draft_idle=k == 0 and sc.draft is not None)
+        return self.variants[k]
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish = reason
+        if self._constrained(req):
+            self.constraints.finish(req.id)
+        if req.on_finish is not None:
+            req.on_finish(req)
+
+    def _emit(self, req: Request, tokens: np.ndarray) -> bool:
+        for tok in tokens.tolist():
+            req.tokens.append(tok)
+            stop = req.on_token is not None and req.on_token(tok)
+            ended = self._constrained(req) and self.constraints.consume(req.id, tok)
+            reason = ""
+            if tok in self.eos and not req.ignore_eos:
+                reason = "eos"
+            elif stop:
+                reason = "stop"
+            elif ended:
+                reason = "grammar"
+            elif len(req.tokens) >= req.max_new_tokens:
+                reason = "length"
+            if reason:
+                self._finish(req, reason)
+                return True
+        return False
+
+    def _step_masks(self, k: int) -> np.ndarray | None:
+        """The grammar masks of the next step's K+1 positions, from the drafts the last step left."""
+        if not any(self._constrained(req) for req in self.owner):
+            return None
+        drafts = np.asarray(self.state.drafts[:, :k])
+        rows = [
+            (req.id, b * (k + 1), drafts[b]) for b, req in enumerate(self.owner) if self._constrained(req)
+        ]
+        return self.constraints.masks(rows, (self.slots, k + 1))
+
+    def _release(self, rows: list[int]) -> None:
+        if not rows:
+            return
+        for b in rows:
+            self.allocator.release(self.pages_of.pop(self.owner[b].id))
+            self.owner[b] = None
+        self.state = deactivate(self.state, jnp.asarray(rows, jnp.int32))
+
+    def _admit(self) -> None:
+        # Prefill rows are split over the row shards like the state's slots, so each request is
+        # prefilled on the devices that hold its slot and pages: shard s of the prefill batch
+        # takes requests for free slots of shard s, filled evenly across shards.
+        slots, shards = self.slots, self.shards
+        free = [
+            [b for b in range(s * slots // shards, (s + 1) * slots // shards) if self.owner[b] is None]
+            for s in range(shards)
+        ]
+        placed: list[list[tuple[Request, int]]] = [[] for _ in range(shards)]
+        while self.queue:
+            s = max(range(shards), key=lambda s: (len(free[s]), -s))
+            if not free[s]:
+                break
+            placed[s].append((self.queue.popleft(), free[s].pop(0)))
+        per = max(len(p) for p in placed)
+        if not per:
+            return
+        per = next_power_of_two(per)
+        r = per * shards
+        rows = np.full(r, slots, np.int32)  # padding rows: an out-of-range slot, ignored
+        # prompt lengths padded to a power of two per admission (one long prompt does not make
+        # every later prefill pay for its length); a few prefill programs at most
+        longest = max(len(req.prompt) for group in placed for req, _ in group)
+        bucket = next_power_of_two(longest, minimum=16)
+        tokens = np.zeros((r, bucket), np.int32)
+        lengths = np.ones(r, np.int32)
+        tables: list[list[int]] = [[] for _ in range(r)]
+        reqs: list[tuple[int, Request]] = []
+        row_sampling = [placed_req.sampling for group in placed for placed_req, _ in group[:1]][:1] * r
+        for s, group in enumerate(placed):
+            for j, (req, b) in enumerate(group):
+                i = s * per + j
+                self.pages_of[req.id] = self.allocator.allocate(
+                    pages_needed(len(req.prompt), req.max_new_tokens, self.sc), shard=s
+                )
+                self.owner[b] = req
+                rows[i], lengths[i] = b, len(req.prompt)
+                tokens[i, : lengths[i]] = req.prompt
+                tables[i] = self.pages_of[req.id]
+                row_sampling[i] = req.sampling
+                reqs.append((i, req))
+                self.proposed[b] = self.row_k(req)
+        sampling = jax.tree.map(lambda *xs: jnp.asarray(np.concatenate(xs)), *row_sampling)
+        masks = None
+        if any(self._constrained(req) for _, req in reqs):
+            for _, req in reqs:
+                if self._constrained(req):
+                    self.constraints.start(req.id, req.prompt)
+            masks = self.constraints.masks(
+                [(req.id, i, ()) for i, req in reqs if self._constrained(req)], (r,)
+            )
+        first, self.state = prefill(
+            self.params,
+            self.state,
+            self.sc,
+            jnp.asarray(rows),
+            tokens,
+            jnp.asarray(lengths),
+            jnp.asarray(page_table_array(tables, self.width)),
+            sampling,
+            masks,
+        )
+        self.counts["prefills"] += 1
+        first = np.asarray(first)
+        self._release([int(rows[i]) for i, req in reqs if self._emit(req, first[i : i + 1])])
+
+    def _process(self, emitted, n_emit, owners: list[Request | None], drafted: np.ndarray) -> None:
+        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        done = []
+        for b, req in enumerate(owners):
+            if req is None or req.finish:
+                continue
+            k = int(n_emit[b])
+            self.counters.add(int(drafted[b]), k)
+            req.counters.add(int(drafted[b]), k)
+            if self._emit(req, emitted[b, :k]):
+                done.append(b)
+        self._release(done)
+
+    def _read_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        self._process(*pending)
+
+    def advance(self) -> bool:
+        """One iteration: admit waiting requests into free slots, then dispatch a step (reading the
+        previous one after it) or read the step in flight. False when there was nothing to do."""
+        grammar.serving(self.constraints if self.callback else None)
+        try:
+            return self._advance()
+        finally:
+            grammar.serving(None)
+
+    def _advance(self) -> bool:
+        self._admit()
+        if self.first_admitted is None and any(o is not None for o in self.owner):
+            self.first_admitted = time.perf_counter()
+        active = [req for req in self.owner if req is not None]
+        if not active:
+            if self.pending is None:
+                return bool(self.queue)
+            self._read_pending()
+            return True
+        if self.pending is not None and all(
+            len(r.tokens) + self.sc.k + 1 >= r.max_new_tokens for r in active
+        ):
+            # the step in flight may finish every active row: read it before dispatching another,
+            # which would otherwise run for rows that are already done (a whole wasted step at batch 1)
+            self._read_pending()
+            return True
+        constrained = any(self._constrained(req) for req in active)
+        if self.pending is not None and (not self.pipelined or (constrained and not self.callback)):
+            # a grammar's masks follow the drafts of the step in flight: read it first
+            self._read_pending()
+            return True
+        sc_now = self._variant(max(self.row_k(req) for req in active))
+        masks, grammar_rows = None, None
+        if self.callback:
+            ids = [req.id if self._constrained(req) else -1 for req in self.owner]
+            grammar_rows = jnp.asarray(ids, jnp.int32)
+        else:
+            masks = self._step_masks(sc_now.k)
+        drafted = np.minimum(self.proposed, sc_now.k)
+        for b, req in enumerate(self.owner):
+            if req is not None:
+                self.proposed[b] = min(self.row_k(req), sc_now.k)
+        t_call = time.perf_counter()
+        args = (masks, grammar_rows) if self.callback else (masks,)
+        emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc_now, *args)
+        if not self.counts["steps"]:  # the call returns once compiled; the step itself runs on
+            self.first_step_seconds = time.perf_counter() - t_call
+        self.counts["steps"] += 1
+        if self.pending is not None:
+            self._read_pending()
+        self.pending = (emitted, n_emit, list(self.owner), drafted)
+        return True
+
+
 def generate(
     params: dict,
     sc: StepConfig,
@@ -94,237 +417,51 @@ def generate(
     constraints: Constraints | None = None,
     pipelined: bool = True,
     grammar_masks: str = "host",
+    stop_checks: Sequence[Callable[[int], bool]] | None = None,
 ) -> GenerateResult:
-    """Decode validated prompts with continuous batching (up to K = sc.k drafts per step, 0 = plain).
-
-    Each request accepts at most its own ``sampling.max_drafts``; a step verifies as many drafts as
-    its active rows ask for at most (one compiled step per distinct count; with none, a plain step
-    that leaves the draft's state alone: a row only ever reads its own draft state, and a row that
-    speculates runs only steps that do). ``auto_k(batch)`` caps K for the batch size (the slots a
-    step computes, whatever their state), e.g. from a table measured by ``mtp-jax bench``.
-    ``constraints`` holds the requests' grammars (:mod:`mtp_jax.grammar`): while a constrained
-    request runs, each step's results are read before the next is dispatched (its masks follow the
-    drafts that step proposed), and a request stops when its grammar admits nothing more; with
-    ``grammar_masks="callback"`` the step asks the host for its masks itself (an ordered
-    io_callback) and the engine keeps dispatching one step ahead (one process only).
-    ``fused=False`` runs the host-orchestrated baseline step instead, and ``pipelined=False`` reads
-    every step's results before dispatching the next (benchmarks only: the cost of a host round trip
-    per step, which is what a grammar pays)."""
-    step_fn = step if fused else host_orchestrated_step
-    callback = constraints is not None and grammar_masks == "callback"
-    if callback and (not fused or jax.process_count() > 1):
-        raise ValueError('grammar_masks="callback" runs in the fused step of a single-process run')
+    """Decode validated prompts to the end with a :class:`Scheduler` sized for them (up to K = sc.k
+    drafts per step, 0 = plain): ``max_batch`` slots at most (a power of two, a multiple of the
+    mesh's row devices), pages for the longest request. ``auto_k(batch)`` caps K for the batch size
+    (the slots a step computes, whatever their state), e.g. from a table measured by ``mtp-jax
+    bench``. ``stop_checks[i](token)`` True stops request i (finish reason "stop"). The other
+    arguments are the scheduler's."""
     t_start = time.perf_counter()
     n = len(prompts)
-    batch = next_power_of_two(min(n, max_batch))
-    shards = row_shards(sc.mesh)  # rows and their pages split over this many devices
-    batch = math.lcm(batch, shards)  # whole rows per shard (padding slots stay inactive)
+    batch = math.lcm(next_power_of_two(min(n, max_batch)), row_shards(sc.mesh))  # whole rows per shard
     host_sampling = jax.tree.map(np.asarray, sampling)
     if auto_k is not None and sc.k > 0:
         sc = dataclasses.replace(sc, k=min(sc.k, auto_k(batch)))
-    row_k = np.minimum(host_sampling.max_drafts, sc.k)  # each request's own K
-    if sc.k == 0 or not row_k.any():
+    if sc.k == 0 or not np.minimum(host_sampling.max_drafts, sc.k).any():
         sc = dataclasses.replace(sc, k=0, draft=None)  # plain decoding: no draft state at all
-    variants: dict[int, StepConfig] = {}  # the steps run: one program each
-
-    def variant(k: int) -> StepConfig:
-        if k not in variants:
-            variants[k] = dataclasses.replace(sc, k=k, draft_idle=k == 0 and sc.draft is not None)
-        return variants[k]
-
-    page = sc.page_size
-    # a request owns pages for its prompt, its new tokens and the speculative overshoot of the
-    # last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)
-    need = [math.ceil((len(p) + max_new_tokens + 2 * (sc.k + 1)) / page) for p in prompts]
-    width = next_power_of_two(max(need))
-    allocator = ShardedPageAllocator(batch * width, shards)  # slot b's pages live on its row shard
-    state = init_state(sc, batch, allocator.num_pages, width, cache_dtype)
-    if sc.mesh is not None:
-        state = jax.device_put(state, state_shardings(sc, state))
-
-    queue = collections.deque(range(n))
-    owner: list[int | None] = [None] * batch
-    pages_of: dict[int, list[int]] = {}
-    out: list[list[int]] = [[] for _ in range(n)]
-    finish = [""] * n
-    counts = {"steps": 0, "prefills": 0}
-    run = SpecCounters(sc.k)
-    per_request = [SpecCounters(sc.k) for _ in range(n)]
-    proposed = np.zeros(batch, np.int64)  # drafts standing for each slot (as the state's num_drafts)
-
-    def emit(req: int, tokens: np.ndarray) -> bool:
-        for tok in tokens.tolist():
-            out[req].append(tok)
-            if on_token is not None:
-                on_token(req, tok)
-            ended = constrained(req) and constraints.consume(req, tok)
-            if tok in eos:
-                finish[req] = "eos"
-            elif ended:
-                finish[req] = "grammar"
-            elif len(out[req]) >= max_new_tokens:
-                finish[req] = "length"
-            if finish[req]:
-                if constrained(req):
-                    constraints.finish(req)
-                return True
-        return False
-
-    def constrained(req: int | None) -> bool:
-        return constraints is not None and req is not None and constraints.constrained(req)
-
-    def step_masks(k: int) -> np.ndarray | None:
-        """The grammar masks of the next step's K+1 positions, from the drafts the last step left."""
-        if not any(constrained(req) for req in owner):
-            return None
-        drafts = np.asarray(state.drafts[:, :k])
-        rows = [(req, b * (k + 1), drafts[b]) for b, req in enumerate(owner) if constrained(req)]
-        return constraints.masks(rows, (batch, k + 1))
-
-    def release(rows: list[int]) -> None:
-        nonlocal state
-        for b in rows:
-            allocator.release(pages_of.pop(owner[b]))
-            owner[b] = None
-        state = deactivate(state, jnp.asarray(rows, jnp.int32))
-
-    def admit() -> None:
-        nonlocal state
-        # Prefill rows are split over the row shards like the state's slots, so each request is
-        # prefilled on the devices that hold its slot and pages: shard s of the prefill batch
-        # takes requests for free slots of shard s, filled evenly across shards.
-        free = [
-            [b for b in range(s * batch // shards, (s + 1) * batch // shards) if owner[b] is None]
-            for s in range(shards)
-        ]
-        placed: list[list[tuple[int, int]]] = [[] for _ in range(shards)]
-        while queue:
-            s = max(range(shards), key=lambda s: (len(free[s]), -s))
-            if not free[s]:
-                break
-            placed[s].append((queue.popleft(), free[s].pop(0)))
-        per = max(len(p) for p in placed)
-        if not per:
-            return
-        per = next_power_of_two(per)
-        r = per * shards
-        rows = np.full(r, batch, np.int32)  # padding rows: an out-of-range slot, ignored
-        # prompt lengths padded to a power of two per admission (one long prompt does not make
-        # every later prefill pay for its length); a few prefill programs at most
-        bucket = next_power_of_two(max(len(prompts[req]) for group in placed for req, _ in group), minimum=16)
-        tokens = np.zeros((r, bucket), np.int32)
-        lengths = np.ones(r, np.int32)
-        tables: list[list[int]] = [[] for _ in range(r)]
-        reqs = []
-        pick = np.zeros(r, np.int64)
-        for s, group in enumerate(placed):
-            for j, (req, b) in enumerate(group):
-                i = s * per + j
-                pages_of[req] = allocator.allocate(need[req], shard=s)
-                owner[b] = req
-                rows[i], lengths[i] = b, len(prompts[req])
-                tokens[i, : lengths[i]] = prompts[req]
-                tables[i] = pages_of[req]
-                pick[i] = req
-                reqs.append((i, req))
-                proposed[b] = row_k[req]
-        rows_sampling = jax.tree.map(lambda x: jnp.asarray(x[pick]), host_sampling)
-        masks = None
-        if any(constrained(req) for _, req in reqs):
-            for _, req in reqs:
-                if constrained(req):
-                    constraints.start(req, prompts[req])
-            masks = constraints.masks([(req, i, ()) for i, req in reqs if constrained(req)], (r,))
-        first, state = prefill(
-            params,
-            state,
-            sc,
-            jnp.asarray(rows),
-            tokens,
-            jnp.asarray(lengths),
-            jnp.asarray(page_table_array(tables, width)),
-            rows_sampling,
-            masks,
-        )
-        counts["prefills"] += 1
-        first = np.asarray(first)
-        done = [int(rows[i]) for i, req in reqs if emit(req, first[i : i + 1])]
-        if done:
-            release(done)
-
-    def process(emitted: jax.Array, n_emit: jax.Array, owners: list[int | None], drafted: np.ndarray) -> None:
-        emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
-        done = []
-        for b, req in enumerate(owners):
-            if req is None or finish[req]:
-                continue
-            k = int(n_emit[b])
-            run.add(int(drafted[b]), k)
-            per_request[req].add(int(drafted[b]), k)
-            if emit(req, emitted[b, :k]):
-                done.append(b)
-        if done:
-            release(done)
-
-    eos = frozenset(eos_token_ids)
-    pending = None
-    t_first = None
-    first_step = 0.0
-    grammar.serving(constraints if callback else None)
-    try:
-        while True:
-            admit()
-            if t_first is None:
-                t_first = time.perf_counter()
-            if not any(o is not None for o in owner):
-                if pending is not None:
-                    process(*pending)
-                    pending = None
-                    continue
-                if not queue:
-                    break
-                continue
-            if pending is not None and all(
-                len(out[req]) + sc.k + 1 >= max_new_tokens for req in owner if req is not None
-            ):
-                # the step in flight may finish every active row: read it before dispatching another,
-                # which would otherwise run for rows that are already done (a whole wasted step at batch 1)
-                process(*pending)
-                pending = None
-                continue
-            if pending is not None and (not pipelined or (not callback and any(map(constrained, owner)))):
-                # a grammar's masks follow the drafts of the step in flight: read it first
-                process(*pending)
-                pending = None
-                continue
-            sc_now = variant(int(max(row_k[req] for req in owner if req is not None)))
-            masks, grammar_rows = None, None
-            if callback:
-                grammar_rows = jnp.asarray([req if constrained(req) else -1 for req in owner], jnp.int32)
-            else:
-                masks = step_masks(sc_now.k)
-            drafted = np.minimum(proposed, sc_now.k)
-            live = np.array([o is not None for o in owner])
-            proposed[live] = np.minimum(row_k[[o for o in owner if o is not None]], sc_now.k)
-            t_call = time.perf_counter()
-            emitted, n_emit, state = (
-                step_fn(params, state, sc_now, masks, grammar_rows)
-                if callback
-                else step_fn(params, state, sc_now, masks)
-            )
-            if not counts["steps"]:  # the call returns once compiled; the step itself runs on
-                first_step = time.perf_counter() - t_call
-            counts["steps"] += 1
-            if pending is not None:
-                process(*pending)
-            pending = (emitted, n_emit, list(owner), drafted)
-    finally:
-        grammar.serving(None)
+    width = next_power_of_two(max(pages_needed(len(p), max_new_tokens, sc) for p in prompts))
+    sched = Scheduler(
+        params,
+        sc,
+        slots=batch,
+        width=width,
+        eos_token_ids=eos_token_ids,
+        cache_dtype=cache_dtype,
+        fused=fused,
+        constraints=constraints,
+        pipelined=pipelined,
+        grammar_masks=grammar_masks,
+    )
+    requests = []
+    for i, prompt in enumerate(prompts):
+        row = jax.tree.map(lambda x, i=i: x[i : i + 1], host_sampling)
+        hook = _token_hook(i, on_token, None if stop_checks is None else stop_checks[i])
+        requests.append(sched.submit(Request(list(prompt), max_new_tokens, row, on_token=hook, id=i)))
+    while sched.advance():
+        pass
     t_end = time.perf_counter()
+    t_first = sched.first_admitted or t_end
 
+    out = [req.tokens for req in requests]
     new_tokens = sum(len(o) for o in out)
     decode_time = t_end - t_first
+    run = sched.counters
     spec = run.as_dict()
+    first_step = sched.first_step_seconds
     stats = {
         "prompts": n,
         "batch": batch,
@@ -333,10 +470,10 @@ def generate(
         "draft": sc.draft,
         "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": new_tokens,
-        "steps": counts["steps"],
-        "step_programs": len(variants),
-        "step_num_speculative_tokens": sorted(variants),
-        "prefill_calls": counts["prefills"],
+        "steps": sched.counts["steps"],
+        "step_programs": len(sched.variants),
+        "step_num_speculative_tokens": sorted(sched.variants),
+        "prefill_calls": sched.counts["prefills"],
         "acceptance_length": spec.pop("acceptance_length"),
         "first_prefill_seconds": t_first - t_start,
         "decode_seconds": decode_time,
@@ -350,5 +487,21 @@ def generate(
     if constraints is not None:  # host time spent in the grammars (masks, advancing the matchers)
         stats["grammar_seconds"] = constraints.seconds
     return GenerateResult(
-        tokens=out, finish_reasons=finish, stats=stats, request_stats=[c.as_dict() for c in per_request]
+        tokens=out,
+        finish_reasons=[req.finish for req in requests],
+        stats=stats,
+        request_stats=[req.counters.as_dict() for req in requests],
     )
+
+
+def _token_hook(i: int, on_token: TokenCallback | None, stop: Callable[[int], bool] | None):
+    """Request i's token hook: the caller's streaming callback, then its stop check."""
+    if on_token is None and stop is None:
+        return None
+
+    def hook(token: int) -> bool:
+        if on_token is not None:
+            on_token(i, token)
+        return stop is not None and stop(token)
+
+    return hook

@@ -102,14 +102,15 @@ def grammar_text(spec: object) -> str:
 
 
 class Constraints:
-    """The matchers of one generate call: one per constrained request, on the model's tokenizer."""
+    """The grammars and matchers of a scheduler's requests (by request id), on the model's
+    tokenizer. ``specs`` adds requests 0, 1, ... (None: unconstrained); :meth:`add` adds more."""
 
     def __init__(
         self,
         tokenizer_path: str | None,
         vocab_size: int,
         eos_token_ids: Sequence[int],
-        specs: Sequence[object],
+        specs: Sequence[object] = (),
     ) -> None:
         llg = _llguidance()
         if tokenizer_path is None or not os.path.isfile(tokenizer_path):
@@ -119,34 +120,37 @@ class Constraints:
         self.tokenizer = llg.LLTokenizer(tokenizer_path, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
         self.words = words(vocab_size)
-        self.grammars: list[str | None] = []
+        self.grammars: dict[int, str] = {}
         for i, spec in enumerate(specs):
-            if spec is None:
-                self.grammars.append(None)
-                continue
-            try:
-                text = grammar_text(spec)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(f"grammar of prompt {i}: {e}") from None
-            error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
-            if error and not error.startswith("WARNING"):
-                raise InvalidRequestError(f"grammar of prompt {i} is invalid: {' '.join(error.split())}")
-            self.grammars.append(text)
+            self.add(i, spec, f"prompt {i}")
         self.matchers: dict[int, Any] = {}
         # the in-step callback's own matchers (request -> [matcher, seq_len seen, drafts seen]),
         # apart from the engine's, which advance when the engine reads a step: the two never share
         # state across threads
         self.ahead: dict[int, list] = {}
         self.fresh: dict[int, Any] = {}
-        self.done: set[int] = set()
         self.error: str | None = None
         self._executor = llg.LLExecutor()
         self._fill_along = llg.numpy.fill_next_token_bitmask_par_with_draft_tokens
         self._fill = llg.numpy.fill_next_token_bitmask_par
         self.seconds = 0.0  # host time in consume() and masks()
 
+    def add(self, req: int, spec: object, label: str = "the request") -> None:
+        """Compile and check request ``req``'s grammar (None: unconstrained); errors name ``label``."""
+        if spec is None:
+            return
+        llg = _llguidance()
+        try:
+            text = grammar_text(spec)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"grammar of {label}: {e}") from None
+        error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(f"grammar of {label} is invalid: {' '.join(error.split())}")
+        self.grammars[req] = text
+
     def constrained(self, req: int) -> bool:
-        return self.grammars[req] is not None
+        return req in self.grammars
 
     def start(self, req: int, prompt: Sequence[int]) -> None:
         """A fresh matcher for request ``req`` (the grammar constrains the new tokens only)."""
@@ -165,9 +169,10 @@ class Constraints:
         return stopped
 
     def finish(self, req: int) -> None:
-        self.done.add(req)
+        self.grammars.pop(req, None)
         self.matchers.pop(req, None)
         self.fresh.pop(req, None)
+        self.ahead.pop(req, None)
 
     def masks(self, rows: Sequence[tuple[int, int, Sequence[int]]], shape: tuple[int, ...]) -> np.ndarray:
         """Bitmasks [*shape, words] (all ones where unconstrained) for rows (request, flat index of
@@ -204,13 +209,14 @@ class Constraints:
         out = np.full((b * (k + 1), self.words), -1, np.int32)
         fill = []
         for i, req in enumerate(rows.tolist()):
-            if req < 0 or req in self.done:
+            if req < 0:
                 continue
             entry = self.ahead.get(req)
             if entry is None:
-                if req not in self.fresh:
+                fresh = self.fresh.pop(req, None)
+                if fresh is None or req not in self.grammars:
                     continue  # finished while this step was in flight
-                entry = self.ahead[req] = [self.fresh.pop(req), None, ()]
+                entry = self.ahead[req] = [fresh, None, ()]
             m, seen, verified = entry
             tokens = (
                 [int(next_token[i])] if seen is None else [*verified[: seq_len[i] - seen - 1], next_token[i]]

@@ -28,6 +28,7 @@ from mtp_jax.sharding import replicated
 from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
 from mtp_jax.targets import Hidden, target_for
 from mtp_jax.targets.base import check_capture
+from mtp_jax.text import TextCodec, TextStream, check_stops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -102,6 +103,13 @@ class Model:
             return None
         candidate = os.path.join(self.path, "tokenizer.json")
         return candidate if os.path.isfile(candidate) else None
+
+    @functools.cached_property
+    def text(self) -> TextCodec:
+        """The model's tokenizer and chat template (:class:`~mtp_jax.text.TextCodec`)."""
+        if self.path is None:
+            raise InvalidRequestError("text in and out needs the model's directory (tokenizer.json)")
+        return TextCodec(self.path, self.config.bos_token_id)
 
     # --- validation -------------------------------------------------------------------------
     def _check_tokens(self, ids: Sequence[int], where: str) -> list[int]:
@@ -192,7 +200,7 @@ class Model:
     # --- generation -------------------------------------------------------------------------
     def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int] | str],
         max_new_tokens: int = 32,
         temperature: float | Sequence[float] = 0.0,
         top_k: int | Sequence[int] = 0,
@@ -211,12 +219,20 @@ class Model:
         grammar: dict | Sequence[dict | None] | None = None,
         grammar_masks: str = "host",
         ignore_eos: bool = False,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] = (),
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
         fused: bool = True,
         pipelined: bool = True,
     ) -> GenerateResult:
         """Generate up to ``max_new_tokens`` per prompt (stopping at EOS unless ``ignore_eos``).
+
+        A prompt is a list of token ids or a string (encoded with the model's tokenizer.json, BOS
+        first). ``stop`` strings end a request when its text contains one (finish reason "stop";
+        the text is cut before it), as do ``stop_token_ids``. With string prompts or stop strings
+        the result's ``texts`` hold each request's new text (streamed through a detokeniser that
+        never splits a character).
 
         Sampling parameters and seeds are scalars or one value per prompt; temperature 0 is greedy.
         ``draft`` names a draft method the model has (:attr:`drafts`; ``"mtp"``: the checkpoint's MTP
@@ -252,8 +268,18 @@ class Model:
         each step before dispatching the next (for benchmarks).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-            raise InvalidRequestError("prompts must be a non-empty list of token-id lists")
-        checked = [self._check_tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
+            raise InvalidRequestError("prompts must be a non-empty list of token-id lists or strings")
+        stops = check_stops(stop)
+        textual = stops or any(isinstance(p, str) for p in prompts)
+        codec = self.text if textual else None
+        checked = [
+            self._check_tokens(codec.encode(p) if isinstance(p, str) else p, f"prompt {i}")
+            for i, p in enumerate(prompts)
+        ]
+        stop_ids = (
+            frozenset(self._check_tokens(list(stop_token_ids), "stop_token_ids")) if stop_token_ids else None
+        )
+        streams = [TextStream(codec, stops) for _ in checked] if textual else None
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
             raise InvalidRequestError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
         if max_new_tokens < 1:
@@ -302,7 +328,7 @@ class Model:
             if any(g is not None for g in specs):
                 vocab = self.config.vocab_size
                 constraints = Constraints(self.tokenizer_path, vocab, self.eos_token_ids, specs)
-        return generate(
+        result = generate(
             self.params,
             sc,
             prompts=checked,
@@ -317,7 +343,11 @@ class Model:
             constraints=constraints,
             pipelined=pipelined,
             grammar_masks=grammar_masks,
+            stop_checks=_stop_checks(len(checked), streams, stop_ids),
         )
+        if streams is not None:
+            result.texts = [s.text + s.finish() for s in streams]
+        return result
 
     def _think_tokens(self, given: tuple[int, int] | None) -> tuple[int, int]:
         """(start, end) ids of a thinking phase: ``given``, else the tokenizer's <think>/</think>."""
@@ -507,3 +537,17 @@ def load_draft(
         )
     cfg, tree = load_eagle3(reader, raw, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)
     return cfg, "eagle3", tree
+
+
+def _stop_checks(n: int, streams: list[TextStream] | None, stop_ids: frozenset[int] | None):
+    """Per request: a function of each emitted token, True when the request must stop there."""
+    if streams is None and stop_ids is None:
+        return None
+
+    def check(i: int, token: int) -> bool:
+        hit = stop_ids is not None and token in stop_ids
+        if streams is not None:
+            hit = streams[i].push(token)[1] or hit
+        return hit
+
+    return [functools.partial(check, i) for i in range(n)]

@@ -1,0 +1,454 @@
+"""``mtp-jax serve``: an OpenAI-compatible HTTP server over the persistent engine.
+
+Starlette routes on uvicorn (the ``serve`` extra: ``pip install 'mtp-jax[serve]'``):
+
+- ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` as server-sent events),
+  with ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``n``,
+  ``response_format`` ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema":
+  ...}}, or {"type": "regex", "regex": ...}), and the extension object ``speculation``
+  ({"num_speculative_tokens", "relaxed_topk", "relaxed_delta"}) per request;
+- ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text; the speculative-decoding
+  counters under vLLM's names, ``vllm:spec_decode_num_accepted_tokens_total`` and the rest).
+
+A bad request gets an OpenAI-style error body (``{"error": {"message", "type", "param",
+"code"}}``) with HTTP 400 and the server keeps serving; a full queue gets 429. A client that
+disconnects cancels its requests (their pages are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping
+
+from mtp_jax.errors import InvalidRequestError
+from mtp_jax.serving import Engine, EngineClosedError, EngineFullError, RequestHandle
+
+log = logging.getLogger(__name__)
+
+FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "cancelled": "abort"}
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+SPECULATION_FIELDS = ("num_speculative_tokens", "relaxed_topk", "relaxed_delta")
+
+
+class BadRequest(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI error type to answer with."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", param=None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def _error(message: str, status: int = 400, kind: str = "invalid_request_error", param=None):
+    from starlette.responses import JSONResponse
+
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def _number(body: Mapping, name: str, kind: type, default):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok = ok and float(value).is_integer()
+    if not ok:
+        raise BadRequest(
+            f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name
+        )
+    return kind(value)
+
+
+def _grammar(body: Mapping) -> dict | None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping) or not isinstance(fmt.get("type"), str):
+        raise BadRequest("response_format must be an object with a 'type'", param="response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind in ("json_object", "json_schema"):
+        return dict(fmt)
+    if kind == "regex":
+        return {"regex": fmt.get("regex")}
+    raise BadRequest(
+        f"response_format type {kind!r} is not one of text, json_object, json_schema, regex",
+        param="response_format",
+    )
+
+
+class Server:
+    """The routes over one :class:`~mtp_jax.serving.Engine` serving ``model_name``."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    # -- request parsing -----------------------------------------------------------------------
+
+    def _common(self, body: Mapping, default_max_tokens: int | None, prompt_len: int) -> dict:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise BadRequest(
+                f"model {model!r} is not served here; this server serves {self.model_name!r}", param="model"
+            )
+        room = self.engine.max_len - prompt_len
+        if room < 1:
+            raise BadRequest(
+                f"the prompt has {prompt_len} tokens, beyond the engine's context of "
+                f"{self.engine.max_len} tokens (prompt and completion together)",
+                param="messages" if "messages" in body else "prompt",
+            )
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = _number(
+            body, name, int, room if default_max_tokens is None else min(default_max_tokens, room)
+        )
+        if max_tokens < 1:
+            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if prompt_len + max_tokens > self.engine.max_len:
+            raise BadRequest(
+                f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it would reach "
+                f"{prompt_len + max_tokens}, beyond the engine's context of {self.engine.max_len} tokens",
+                param="max_tokens",
+            )
+        kw: dict = {"max_new_tokens": max_tokens}
+        kw["temperature"] = _number(body, "temperature", float, 1.0)
+        kw["top_p"] = _number(body, "top_p", float, 1.0)
+        kw["top_k"] = _number(body, "top_k", int, 0)
+        if kw["top_k"] == -1:  # vLLM's spelling of "off"
+            kw["top_k"] = 0
+        kw["min_p"] = _number(body, "min_p", float, 0.0)
+        seed = body.get("seed")
+        kw["seed"] = secrets.randbelow(2**32) if seed is None else _number(body, "seed", int, 0)
+        kw["stop"] = body.get("stop")
+        kw["grammar"] = _grammar(body)
+        spec = body.get("speculation") or {}
+        if not isinstance(spec, Mapping) or set(spec) - set(SPECULATION_FIELDS):
+            raise BadRequest(
+                f"speculation must be an object with some of {SPECULATION_FIELDS}", param="speculation"
+            )
+        for name in SPECULATION_FIELDS:
+            if name in spec:
+                kw[name] = _number(spec, name, float if name == "relaxed_delta" else int, None)
+        n = _number(body, "n", int, 1)
+        if not 1 <= n <= 16:
+            raise BadRequest(f"n must be in [1, 16], got {n}", param="n")
+        if body.get("stream") not in (None, True, False):
+            raise BadRequest("stream must be a boolean", param="stream")
+        return {"kw": kw, "n": n, "stream": bool(body.get("stream")), "seed_given": seed is not None}
+
+    def _submit(self, prompt, parsed: dict) -> list[RequestHandle]:
+        handles = []
+        try:
+            for j in range(parsed["n"]):
+                kw = dict(parsed["kw"])
+                if j and parsed["seed_given"]:
+                    kw["seed"] = (kw["seed"] + j) % 2**32
+                elif j:
+                    kw["seed"] = secrets.randbelow(2**32)
+                handles.append(self.engine.submit(prompt, detokenize=True, **kw))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
+    # -- responses -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _record(handle: RequestHandle) -> dict:
+        result = handle.result(timeout=0)
+        return {
+            "text": result.text,
+            "finish_reason": FINISH.get(result.finish_reason, result.finish_reason),
+            "tokens": len(result.tokens),
+            "spec": {
+                "acceptance_length": result.stats["acceptance_length"],
+                "num_draft_tokens": result.stats["num_draft_tokens"],
+                "num_accepted_tokens": result.stats["num_accepted_tokens"],
+            },
+        }
+
+    @staticmethod
+    def _usage(prompt_len: int, done: list[dict]) -> dict:
+        completion = sum(d["tokens"] for d in done)
+        return {
+            "prompt_tokens": prompt_len,
+            "completion_tokens": completion,
+            "total_tokens": prompt_len + completion,
+        }
+
+    async def _wait_all(self, request, handles: list[RequestHandle]) -> None:
+        """Wait for the handles; a client that goes away cancels them."""
+
+        async def drain(h: RequestHandle) -> None:
+            async for _ in h.astream():
+                pass
+
+        work = asyncio.ensure_future(asyncio.gather(*(drain(h) for h in handles)))
+        while not work.done():
+            done, _ = await asyncio.wait({work}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                for h in handles:
+                    h.cancel()
+        await work
+
+    async def _events(
+        self, handles: list[RequestHandle], prompt_len: int, chunk, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: each request's pieces as they come (interleaved), then its end."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, h: RequestHandle) -> None:
+            try:
+                async for _, text in h.astream():
+                    if text:
+                        await queue.put((i, text, None))
+            finally:
+                await queue.put((i, None, h))
+
+        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+        done: list[dict] = []
+        try:
+            for i in range(len(handles)):
+                first = chunk(i, None, None, first=True)
+                if first is not None:
+                    yield _sse(first)
+            ended = 0
+            while ended < len(handles):
+                i, text, h = await queue.get()
+                if h is None:
+                    yield _sse(chunk(i, text, None))
+                    continue
+                ended += 1
+                record = self._record(h)
+                done.append(record)
+                yield _sse(chunk(i, None, record["finish_reason"], spec=record["spec"]))
+            if include_usage:
+                yield _sse({**chunk(0, None, None), "choices": [], "usage": self._usage(prompt_len, done)})
+            yield b"data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): stop whatever still runs
+            for h in handles:
+                h.cancel()
+            for t in tasks:
+                t.cancel()
+
+    # -- routes --------------------------------------------------------------------------------
+
+    async def completions(self, request):
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request):
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request, chat: bool):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadRequest(f"the request body is not valid JSON: {e}") from None
+            if not isinstance(body, Mapping):
+                raise BadRequest("the request body must be a JSON object")
+            text_codec = self.engine.model.text
+            if chat:
+                messages = body.get("messages")
+                prompt = text_codec.encode(text_codec.render_chat(messages))
+            else:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                    prompt = prompt[0]
+                if isinstance(prompt, str):
+                    prompt = text_codec.encode(prompt)
+                elif not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+                    raise BadRequest(
+                        "prompt must be a string or a list of token ids (one prompt)", param="prompt"
+                    )
+            parsed = self._common(body, None if chat else 16, len(prompt))
+            handles = self._submit(prompt, parsed)
+        except BadRequest as e:
+            return _error(str(e), e.status, e.kind, e.param)
+        except EngineFullError as e:
+            return _error(str(e), 429, "rate_limit_error")
+        except EngineClosedError as e:
+            return _error(str(e), 503, "server_error")
+        except InvalidRequestError as e:
+            return _error(str(e))
+
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        created = int(time.time())
+        base = {"id": rid, "created": created, "model": self.model_name}
+        if parsed["stream"]:
+            opts = body.get("stream_options") or {}
+            include_usage = bool(isinstance(opts, Mapping) and opts.get("include_usage"))
+            kind = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(i: int, text, finish, first: bool = False, spec=None):
+                if chat:
+                    if first:
+                        delta = {"role": "assistant", "content": ""}
+                    else:
+                        delta = {} if text is None else {"content": text}
+                    choice = {"index": i, "delta": delta, "finish_reason": finish}
+                else:
+                    if first:
+                        return None
+                    choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+                if spec is not None:
+                    choice["speculation"] = spec
+                return {**base, "object": kind, "choices": [choice]}
+
+            return StreamingResponse(
+                self._events(handles, len(prompt), chunk, include_usage), media_type="text/event-stream"
+            )
+        await self._wait_all(request, handles)
+        records = [self._record(h) for h in handles]
+        if chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r["text"]},
+                    "finish_reason": r["finish_reason"],
+                    "logprobs": None,
+                    "speculation": r["spec"],
+                }
+                for i, r in enumerate(records)
+            ]
+            kind = "chat.completion"
+        else:
+            choices = [
+                {
+                    "index": i,
+                    "text": r["text"],
+                    "finish_reason": r["finish_reason"],
+                    "logprobs": None,
+                    "speculation": r["spec"],
+                }
+                for i, r in enumerate(records)
+            ]
+            kind = "text_completion"
+        return JSONResponse(
+            {**base, "object": kind, "choices": choices, "usage": self._usage(len(prompt), records)}
+        )
+
+    async def models(self, request):
+        from starlette.responses import JSONResponse
+
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mtp-jax"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        if self.engine.failed:
+            return JSONResponse({"status": "error", "message": str(self.engine.failure)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request):
+        from starlette.responses import PlainTextResponse
+
+        return PlainTextResponse(self.prometheus(), media_type="text/plain; version=0.0.4")
+
+    def prometheus(self) -> str:
+        """The engine's counters in Prometheus text format, named as vLLM names them."""
+        st = self.engine.stats()
+        label = f'model_name="{self.model_name}"'
+        lines = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for extra, value in samples:
+                labels = label + (f",{extra}" if extra else "")
+                lines.append(f"{name}{{{labels}}} {value}")
+
+        metric("vllm:num_requests_running", "gauge", "Requests in a decode slot.", [("", st["running"])])
+        metric("vllm:num_requests_waiting", "gauge", "Requests waiting for a slot.", [("", st["waiting"])])
+        used = 1 - st["free_pages"] / max(st["num_pages"], 1)
+        metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use.", [("", used)])
+        metric(
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Prompt tokens of finished requests.",
+            [("", st["prompt_tokens"])],
+        )
+        metric(
+            "vllm:generation_tokens_total", "counter", "Tokens generated by finished requests.",
+            [("", st["generation_tokens"])],
+        )  # fmt: skip
+        metric(
+            "vllm:request_success_total", "counter", "Finished requests by finish reason.",
+            [(f'finished_reason="{k}"', v) for k, v in sorted(_by_reason(st["finished"]).items())],
+        )  # fmt: skip
+        metric(
+            "vllm:spec_decode_num_drafts_total",
+            "counter",
+            "Steps that verified drafts.",
+            [("", st["num_drafts"])],
+        )
+        metric(
+            "vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+            [("", st["num_draft_tokens"])],
+        )  # fmt: skip
+        metric(
+            "vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+            [("", st["num_accepted_tokens"])],
+        )  # fmt: skip
+        metric(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+            "Steps that accepted the draft at each position (0-based).",
+            [(f'position="{j}"', v) for j, v in enumerate(st["num_accepted_tokens_per_pos"])],
+        )  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        routes = [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+        async def not_found(request, exc):
+            return _error(f"no route {request.method} {request.url.path}", exc.status_code, "not_found_error")
+
+        async def crashed(request, exc):  # never a bare 500 page: an OpenAI-style body
+            log.exception("request failed")
+            return _error(f"internal error: {exc}", 500, "server_error")
+
+        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found, 500: crashed})
+
+
+def _by_reason(finished: dict[str, int]) -> dict[str, int]:
+    """Finish reasons as the API names them ("eos" and "stop" are both "stop", ...)."""
+    out: dict[str, int] = {}
+    for reason, count in finished.items():
+        name = FINISH.get(reason, reason)
+        out[name] = out.get(name, 0) + count
+    return out
+
+
+def _sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the server until interrupted (uvicorn)."""
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise InvalidRequestError("mtp-jax serve needs the serve extra: pip install 'mtp-jax[serve]'") from e
+    app = Server(engine, model_name).app()
+    uvicorn.run(app, host=host, port=port, log_level=os.environ.get("MTP_JAX_LOG_LEVEL", "info"))

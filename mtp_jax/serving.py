@@ -1,0 +1,478 @@
+"""A persistent engine: caches allocated once, requests submitted at any time from any thread.
+
+    engine = mtp_jax.Engine(model, slots=8, max_len=2048, draft="mtp", num_speculative_tokens=3)
+    handle = engine.submit([0, 17, 42], max_new_tokens=64, temperature=0.7, seed=1)
+    for token in handle:            # or: async for token in handle (inside an event loop)
+        ...
+    handle.result()                 # Completion(tokens, finish_reason, stats)
+    handle.cancel()                 # stop it now: its slot and pages are freed
+    engine.close()
+
+One background thread owns the :class:`~mtp_jax.engine.Scheduler` (the device state, the page
+allocator and the compiled steps) and runs it whenever a request is waiting or running; other
+threads only validate requests and pass them in, so a request never sees another's tokens. The
+waiting queue is bounded (:class:`EngineFullError` past ``max_queue``); a request that cannot fit a
+slot's cache is refused at submission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+import numpy as np
+
+from mtp_jax.engine import Request, Scheduler, next_power_of_two, pages_needed
+from mtp_jax.errors import InvalidRequestError
+from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
+from mtp_jax.sharding import row_shards
+from mtp_jax.text import TextStream, check_stops
+
+log = logging.getLogger(__name__)
+
+StopCheck = Callable[[int], bool]
+"""Called with every emitted token of a request (after it is recorded); True stops the request
+with finish reason "stop" (stop strings are checked this way)."""
+
+
+class EngineFullError(InvalidRequestError):
+    """The engine's waiting queue is full: try again later."""
+
+
+class EngineClosedError(InvalidRequestError):
+    """The engine was closed (or its loop failed): it takes no more requests."""
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request: its new tokens, why it stopped ("eos", "length", "stop", "grammar",
+    "cancelled", or "error"), its speculation counters (:class:`~mtp_jax.engine.SpecCounters`),
+    and its text (with a text prompt or stop strings)."""
+
+    tokens: list[int]
+    finish_reason: str
+    stats: dict
+    text: str | None = None
+
+
+class RequestHandle:
+    """A submitted request. Iterate it (``for`` in a thread, ``async for`` in an event loop) for
+    its tokens as they are emitted, or :meth:`stream` / :meth:`astream` for (tokens, text) pieces;
+    :meth:`result` waits for the end; :meth:`cancel` stops it. With a text prompt or stop strings
+    the text is detokenised as it comes (never inside a character), stop strings cut out."""
+
+    def __init__(self, engine: Engine, request: Request, text: TextStream | None = None) -> None:
+        self._engine = engine
+        self.request = request
+        self._text = text
+        self._cond = threading.Condition()
+        self._tokens: list[int] = []
+        self._pieces: list[str] = []  # the text each token released
+        self._tail = ""  # the text released at the end
+        self._finish: str | None = None
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # called on the engine's thread
+    def _push(self, token: int) -> bool:
+        piece, stop = self._text.push(token) if self._text is not None else ("", False)
+        with self._cond:
+            self._tokens.append(token)
+            self._pieces.append(piece)
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        _wake(waiters)
+        return stop
+
+    def _close(self, reason: str, error: BaseException | None = None) -> None:
+        tail = self._text.finish() if self._text is not None and error is None else ""
+        with self._cond:
+            if self._finish is not None:
+                return
+            self._finish, self._error, self._tail = reason, error, tail
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        _wake(waiters)
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def done(self) -> bool:
+        return self._finish is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish
+
+    def cancel(self) -> None:
+        """Stop the request now (a no-op once it has finished); its pages are freed at once."""
+        if not self.done:
+            self._engine._cancel(self)
+
+    def _since(self, i: int) -> tuple[list[int], str, bool]:
+        """(tokens from i on, their text, finished); the end's text once all tokens are out."""
+        tokens, pieces, finished = self._tokens[i:], self._pieces[i:], self._finish is not None
+        return tokens, "".join(pieces) + (self._tail if finished else ""), finished
+
+    def stream(self) -> Iterator[tuple[list[int], str]]:
+        """(new tokens, new text) as they come, until the request ends."""
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda i=i: len(self._tokens) > i or self._finish is not None)
+                tokens, text, finished = self._since(i)
+            i += len(tokens)
+            if tokens or text:
+                yield tokens, text
+            if finished:
+                self._raise_error()
+                return
+
+    async def astream(self) -> AsyncIterator[tuple[list[int], str]]:
+        """:meth:`stream` in an event loop (woken from the engine's thread; no thread per request)."""
+        event = asyncio.Event()
+        entry = (asyncio.get_running_loop(), event)
+        with self._cond:
+            self._waiters.append(entry)
+        try:
+            i = 0
+            while True:
+                event.clear()
+                with self._cond:
+                    tokens, text, finished = self._since(i)
+                i += len(tokens)
+                if tokens or text:
+                    yield tokens, text
+                if finished:
+                    break
+                if not tokens:
+                    await event.wait()
+        finally:
+            with self._cond:
+                self._waiters.remove(entry)
+        self._raise_error()
+
+    def __iter__(self) -> Iterator[int]:
+        for tokens, _ in self.stream():
+            yield from tokens
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        async for tokens, _ in self.astream():
+            for token in tokens:
+                yield token
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"request {self.id} failed: {self._error}") from self._error
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Wait for the request to finish (TimeoutError after ``timeout`` seconds)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._finish is not None, timeout):
+                raise TimeoutError(f"request {self.id} still running after {timeout} s")
+            text = "".join(self._pieces) + self._tail if self._text is not None else None
+        self._raise_error()
+        return Completion(list(self._tokens), self._finish, self.request.counters.as_dict(), text)
+
+
+class Engine:
+    """Serve a loaded model (and its draft) to requests that come and go.
+
+    ``slots`` rows decode at once (continuous batching; rounded up to a power of two and to a
+    multiple of the mesh's row devices); each slot holds ``max_len`` tokens (prompt + new tokens;
+    default: the model's maximum length, at most 4096); ``max_queue`` requests may wait for a slot.
+    ``draft`` / ``num_speculative_tokens`` / ``draft_sampling`` / ``draft_block_size`` are the
+    engine's speculation (a request may ask for fewer drafts, or none); ``think_tokens`` enables
+    per-request relaxed acceptance between those markers (see :meth:`mtp_jax.Model.generate`);
+    ``grammar_masks`` how grammar masks reach the step."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        slots: int = 8,
+        max_len: int | None = None,
+        draft: str | None = None,
+        num_speculative_tokens: int | None = None,
+        draft_sampling: str = "argmax",
+        draft_block_size: int | None = None,
+        think_tokens: tuple[int, int] | None = None,
+        max_queue: int = 256,
+        grammar_masks: str = "host",
+    ) -> None:
+        from mtp_jax.grammar import DELIVERIES
+        from mtp_jax.model import DTYPES
+
+        for name, value, low in (("slots", slots, 1), ("max_queue", max_queue, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
+        if grammar_masks not in DELIVERIES:
+            raise InvalidRequestError(f"grammar_masks must be one of {DELIVERIES}, got {grammar_masks!r}")
+        limit = model.config.max_position_embeddings
+        max_len = min(limit, 4096) if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= limit:
+            raise InvalidRequestError(f"max_len must be an integer in [2, {limit}], got {max_len!r}")
+        self.model = model
+        sc = model._step_config(draft, num_speculative_tokens, draft_sampling, draft_block_size)
+        if draft is None:
+            sc = dataclasses.replace(sc, k=0, draft=None)
+        if think_tokens is not None:
+            if draft is None:
+                raise InvalidRequestError(
+                    "think_tokens enables relaxed acceptance of drafts: it needs a draft"
+                )
+            sc = dataclasses.replace(sc, think_tokens=model._think_tokens(think_tokens))
+        self.sc = sc
+        self.max_len = max_len
+        self.max_queue = max_queue
+        self.slots = int(np.lcm(next_power_of_two(slots), row_shards(sc.mesh)))
+        width = pages_needed(max_len, 0, sc)
+        self._constraints = None
+        self._grammar_masks = grammar_masks
+        self.scheduler = Scheduler(
+            model.params,
+            sc,
+            slots=self.slots,
+            width=width,
+            eos_token_ids=model.eos_token_ids,
+            cache_dtype=DTYPES[model.dtype],
+            grammar_masks=grammar_masks,
+        )
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting = 0  # submitted, not yet in a slot
+        self._next_id = 0
+        self._handles: dict[int, RequestHandle] = {}
+        self._finished_by: dict[str, int] = {}  # finished requests by finish reason
+        self._prompt_tokens = self._generation_tokens = 0  # of finished requests
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="mtp-jax-engine", daemon=True)
+        self._thread.start()
+
+    # -- submission (any thread) -------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        seed: int = 0,
+        num_speculative_tokens: int | None = None,
+        relaxed_topk: int = 0,
+        relaxed_delta: float = 0.0,
+        grammar: dict | None = None,
+        ignore_eos: bool = False,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        stop_check: StopCheck | None = None,
+        detokenize: bool = False,
+    ) -> RequestHandle:
+        """Validate a request and queue it; returns its handle at once. ``prompt``: token ids or
+        text (encoded with the model's tokenizer, BOS first). ``num_speculative_tokens`` caps its
+        drafts per step (0 = plain decoding; default: the engine's K). ``stop`` strings and
+        ``stop_token_ids`` end it with finish reason "stop". Text prompts, stop strings or
+        ``detokenize`` give the handle the request's text as it comes."""
+        model, sc = self.model, self.sc
+        stops = check_stops(stop)
+        text = TextStream(model.text, stops) if stops or detokenize or isinstance(prompt, str) else None
+        ids = model._check_tokens(model.text.encode(prompt) if isinstance(prompt, str) else prompt, "prompt")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
+            raise InvalidRequestError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(ids) + max_new_tokens > self.max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it would reach "
+                f"{len(ids) + max_new_tokens}, beyond the engine's context of {self.max_len} tokens"
+            )
+        k = sc.k if num_speculative_tokens is None else num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= sc.k:
+            raise InvalidRequestError(
+                f"num_speculative_tokens must be an integer in [0, {sc.k}] (the engine's K), got {k!r}"
+            )
+        if relaxed_topk and sc.think_tokens is None:
+            raise InvalidRequestError("relaxed_topk needs an engine created with think_tokens and a draft")
+        sampling = SamplingParams.build(
+            1,
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            max_drafts=min(k, MAX_DRAFTS),
+            relaxed_topk=relaxed_topk,
+            relaxed_delta=relaxed_delta,
+        )
+        stop_ids = (
+            frozenset(model._check_tokens(list(stop_token_ids), "stop_token_ids")) if stop_token_ids else None
+        )
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError(f"the engine is closed{self._failure_note()}")
+            if self._waiting >= self.max_queue:
+                raise EngineFullError(f"the engine's queue is full ({self.max_queue} requests waiting)")
+            rid = self._next_id
+            self._next_id += 1
+            if grammar is not None:
+                self._grammar_for(rid, grammar)
+            request = Request(ids, int(max_new_tokens), sampling, id=rid, ignore_eos=ignore_eos)
+            handle = RequestHandle(self, request, text)
+            request.on_token = _token_hook(handle, stop_ids, stop_check)
+            request.on_finish = lambda req, handle=handle: self._finished(handle, req.finish)
+            self._handles[rid] = handle
+            self._waiting += 1
+        self._inbox.put(("submit", handle))
+        return handle
+
+    def _grammar_for(self, rid: int, spec: dict) -> None:
+        from mtp_jax.grammar import Constraints
+
+        if self._constraints is None:
+            model = self.model
+            constraints = Constraints(model.tokenizer_path, model.config.vocab_size, model.eos_token_ids)
+            self._constraints = constraints
+            self._inbox.put(("constraints", constraints))
+        self._constraints.add(rid, spec)
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        self._inbox.put(("cancel", handle))
+
+    @property
+    def failed(self) -> bool:
+        """The engine's loop failed (every request then ended with finish reason "error")."""
+        return self._failure is not None
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    def _failure_note(self) -> str:
+        return f" (its loop failed: {self._failure})" if self._failure is not None else ""
+
+    # -- the engine's thread -----------------------------------------------------------------
+
+    def _finished(self, handle: RequestHandle, reason: str) -> None:
+        with self._lock:
+            self._handles.pop(handle.id, None)
+            self._finished_by[reason] = self._finished_by.get(reason, 0) + 1
+            self._prompt_tokens += len(handle.request.prompt)
+            self._generation_tokens += len(handle.request.tokens)
+        handle._close(reason)
+
+    def _take(self, item) -> bool:
+        kind, value = item
+        if kind == "submit":
+            if value.done:  # cancelled before it reached the scheduler
+                with self._lock:
+                    self._waiting -= 1
+                return True
+            self.scheduler.submit(value.request)
+        elif kind == "cancel":
+            request = value.request
+            if request.counters is None:  # not in the scheduler yet: its "submit" item follows
+                self._finished(value, "cancelled")
+                return True
+            waiting = request in self.scheduler.queue
+            self.scheduler.cancel(request)
+            if waiting:
+                with self._lock:
+                    self._waiting -= 1
+        elif kind == "constraints":
+            self.scheduler.constraints = value
+        elif kind == "close":
+            return False
+        return True
+
+    def _loop(self) -> None:
+        running = True
+        while running:
+            block = not self.scheduler.busy
+            try:
+                item = self._inbox.get(block=block)
+                running = self._take(item)
+                while running:
+                    running = self._take(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if not running:
+                break
+            queued = len(self.scheduler.queue)
+            try:
+                self.scheduler.advance()
+            except BaseException as e:  # the device state is unknown now: fail everything, stop
+                log.exception("the engine's loop failed")
+                self._fail(e)
+                return
+            admitted = queued - len(self.scheduler.queue)
+            if admitted > 0:
+                with self._lock:
+                    self._waiting -= admitted
+        self._fail(EngineClosedError("the engine was closed"))
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._closed = True
+            if not isinstance(error, EngineClosedError):
+                self._failure = error
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for handle in handles:
+            handle._close("error" if self._failure is not None else "cancelled", self._failure)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Stop taking requests, cancel those still waiting or running, and stop the thread."""
+        with self._lock:
+            self._closed = True
+        self._inbox.put(("close", None))
+        self._thread.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        """The engine's counters (the names serving engines export) and its occupancy."""
+        counters = self.scheduler.counters.as_dict()
+        running = sum(o is not None for o in self.scheduler.owner)
+        return {
+            **counters,
+            "slots": self.slots,
+            "running": running,
+            "waiting": self._waiting,
+            "free_pages": self.scheduler.allocator.free,
+            "num_pages": self.scheduler.allocator.num_pages,
+            "step_programs": len(self.scheduler.variants),
+            "finished": dict(self._finished_by),
+            "prompt_tokens": self._prompt_tokens,
+            "generation_tokens": self._generation_tokens,
+        }
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    for loop, event in waiters:
+        with contextlib.suppress(RuntimeError):  # that event loop is closed
+            loop.call_soon_threadsafe(event.set)
+
+
+def _token_hook(handle: RequestHandle, stops: frozenset[int] | None, stop: StopCheck | None) -> Callable:
+    def on_token(token: int) -> bool:
+        hit = handle._push(token)
+        return hit or (stops is not None and token in stops) or (stop is not None and bool(stop(token)))
+
+    return on_token

@@ -1,0 +1,241 @@
+"""``mtp-jax serve`` on a loopback port, driven by the official ``openai`` client (completions and
+chat, streaming and not, json_schema) and by raw HTTP for bad requests; a bounded load test with
+cancelling clients; every greedy response equals offline ``generate``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+import mtp_jax
+from tests.conftest import EMBEDDED_MODEL
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+NAME = "tiny-chat"
+# A chat template of our own in the hub's tokenizer_config.json layout.
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The embedded model (with a chat template) behind a real server on a free loopback port."""
+    import uvicorn
+
+    from mtp_jax.server import Server
+
+    path = tmp_path_factory.mktemp("served") / NAME
+    shutil.copytree(EMBEDDED_MODEL, path)
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    model = mtp_jax.load(str(path), "float32")
+    engine = mtp_jax.Engine(model, slots=8, max_len=256, draft="mtp", num_speculative_tokens=3, max_queue=128)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(Server(engine, NAME).app(), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
+    yield model, engine, base
+    server.should_exit = True
+    thread.join(10)
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[2] + "/v1", api_key="unused")
+
+
+def _offline_text(model, prompt: str, n: int) -> tuple[str, str]:
+    out = model.generate([prompt], max_new_tokens=n)
+    return out.texts[0], out.finish_reasons[0]
+
+
+def test_completions_equal_offline_generate(served, client):
+    model = served[0]
+    prompt = "def fibonacci(n):"
+    want, reason = _offline_text(model, prompt, 24)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == (
+        "length" if reason == "length" else "stop"
+    )
+    ids = model.text.encode(prompt)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens > 0
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=24, temperature=0, stream=True
+        )
+    ]
+    assert "".join(pieces) == want and len([p for p in pieces if p]) > 1
+    # sampled with a seed: the same as offline sampling with that seed
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0.8, seed=7)
+    off = model.generate([prompt], max_new_tokens=16, temperature=0.8, seed=7)
+    assert r.choices[0].text == off.texts[0]
+    two = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0.9, n=2, seed=3)
+    assert len(two.choices) == 2 and {c.index for c in two.choices} == {0, 1}
+
+
+def test_chat_completions_and_stop(served, client):
+    model = served[0]
+    messages = [{"role": "user", "content": "import os"}]
+    prompt = model.text.render_chat(messages)
+    want, _ = _offline_text(model, prompt, 20)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    stop = want[3:6]
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].message.content == want[: want.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_json_schema_response_format(client):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=60,
+            seed=seed,
+            response_format=fmt,
+        )
+        obj = json.loads(r.choices[0].message.content)
+        assert set(obj) == {"name", "n"} and isinstance(obj["n"], int)
+
+
+BAD = [
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "is not served here"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, "max_tokens must be at least 1"),
+    ("/v1/completions", {"prompt": "x " * 400}, "beyond the engine's context"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature must be a number"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "token id 99999"),
+    ("/v1/completions", {"prompt": {"a": 1}}, "prompt must be a string"),
+    ("/v1/chat/completions", {"messages": []}, "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "role"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+        },
+        "grammar of the request is invalid: Invalid type",
+    ),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "regex", "regex": "("}}, "invalid"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "speculation": {"num_speculative_tokens": 9}},
+        "num_speculative_tokens",
+    ),
+    ("/v1/completions", {"prompt": "x", "n": 99}, "n must be in"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "words"), BAD, ids=[w for _, _, w in BAD])
+def test_bad_requests_get_a_400_and_the_server_keeps_serving(served, route, body, words):
+    base = served[2]
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(base + route, content=data, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error", err
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_models_health_metrics_and_unknown_routes(served, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    base = served[2]
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    text = httpx.get(base + "/metrics").text
+    samples = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#") and "position=" not in line and "finished_reason" not in line
+    }
+    assert samples["vllm:spec_decode_num_draft_tokens_total"] > 0
+    assert (
+        0
+        < samples["vllm:spec_decode_num_accepted_tokens_total"]
+        <= samples["vllm:spec_decode_num_draft_tokens_total"]
+    )
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-chat",position="2"}' in text
+    r = httpx.get(base + "/v1/nothing")
+    assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+
+
+def test_load_many_streaming_clients_some_cancelling(served):
+    """64 concurrent streaming clients on 8 slots, every fourth hanging up after a few pieces:
+    each completed greedy response is offline generate's text; all pages come back."""
+    model, engine, base = served
+    prompts = [f"def f{i}(x):" if i % 2 else f"import m{i}" for i in range(64)]
+    want = model.generate(prompts, max_new_tokens=24, max_batch=8).texts
+
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str | None, float]:
+        body = {"prompt": prompts[i], "max_tokens": 24, "temperature": 0, "stream": True}
+        text, t0, first = "", time.perf_counter(), None
+        async with http.stream("POST", base + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                first = first or time.perf_counter() - t0
+                text += json.loads(line[6:])["choices"][0]["text"]
+                if i % 4 == 3 and len(text) > 4:
+                    return i, None, first  # hang up mid-stream
+        return i, text, first
+
+    async def run() -> list:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(64)))
+
+    results = asyncio.run(run())
+    finished = [(i, text) for i, text, _ in results if text is not None]
+    assert len(finished) == 48
+    for i, text in finished:
+        assert text == want[i], i
+    t0 = time.monotonic()
+    while engine.stats()["running"] or engine.stats()["waiting"]:
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.05)
+    st = engine.stats()
+    assert st["free_pages"] == st["num_pages"]
+    metrics = httpx.get(base + "/metrics").text
+    assert 'finished_reason="abort"' in metrics
+
+
+def test_serve_cli_refuses_clearly(capsys):
+    from mtp_jax.cli import main
+
+    rc = main(["serve", "--draft", "eagle3"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--draft eagle3 needs --draft-model" in err
