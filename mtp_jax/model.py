@@ -244,8 +244,10 @@ class Model:
         a smaller block is cheaper and proposes at most ``draft_block_size - 1`` drafts).
         ``num_speculative_tokens`` may be one value per prompt (0: that request does not speculate,
         its output is plain decoding's); a step verifies as many drafts as its running requests ask
-        for at most. ``auto_k`` (a table written by ``mtp-jax bench --auto-k-table``, or a
-        {batch size: K} mapping) caps K by the batch size, down to plain decoding where
+        for at most (exact either way; with sampled drafts and different K per request, a row's
+        tokens may differ in rare places between runs whose steps ran different K, since each K's
+        program rounds its logits differently). ``auto_k`` (a table written by ``mtp-jax bench
+        --auto-k-table``, or a {batch size: K} mapping) caps K by the batch size, down to plain decoding where
         speculation does not pay. ``relaxed_topk`` > 0 (per prompt) relaxes acceptance inside a
         thinking phase (between the ``think_tokens`` (start, end) ids, by default the tokenizer's
         ``<think>`` and ``</think>``): a draft among the target's ``relaxed_topk`` most probable

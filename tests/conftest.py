@@ -303,11 +303,12 @@ def child_output(request) -> str:
 
 
 def check_per_request_k(model, draft: str, prompts: list, plain_tokens: list) -> None:
-    """Requests with their own K (one of them 0: plain) sharing two slots give plain decoding's
-    tokens, and only the K = 0 request verifies no drafts."""
+    """Requests with their own K (one of them 0: plain) sharing three slots (the batch the callers'
+    other runs compile) give plain decoding's tokens, and only the K = 0 request verifies no
+    drafts."""
     ks = [3, 0, 1, 2][: len(prompts)]
     mixed = model.generate(
-        prompts, max_new_tokens=14, ignore_eos=True, max_batch=2, draft=draft, num_speculative_tokens=ks
+        prompts, max_new_tokens=14, ignore_eos=True, max_batch=3, draft=draft, num_speculative_tokens=ks
     )
     assert mixed.tokens == plain_tokens
     assert [r["num_draft_tokens"] == 0 for r in mixed.request_stats] == [k == 0 for k in ks]

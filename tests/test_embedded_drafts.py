@@ -17,13 +17,13 @@ from tests.conftest import EMBEDDED_MODEL, REPO
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
 TARGETS = {"llama": LLAMA, "deepseek": EMBEDDED_MODEL}
-# (target, draft method): the K values checked for losslessness (DFlash: the block's first rows, a
-# smaller block chosen at run time, and a whole trained block)
+# (target, draft method): the K values checked for losslessness besides K = 3 (DFlash: the block's
+# first row, and a whole trained block)
 CASES = {
-    ("llama", "eagle3"): [(1, None), (3, None), (5, None)],
-    ("deepseek", "eagle3"): [(1, None), (3, None), (5, None)],
-    ("llama", "dflash"): [(1, None), (3, 4), (15, None)],
-    ("deepseek", "dflash"): [(1, None), (3, 4), (15, None)],
+    ("llama", "eagle3"): [(1, None), (5, None)],
+    ("deepseek", "eagle3"): [(1, None), (5, None)],
+    ("llama", "dflash"): [(1, None), (15, None)],
+    ("deepseek", "dflash"): [(1, None), (15, None)],
 }
 _PLAIN: dict[str, list] = {}
 
@@ -37,9 +37,9 @@ def shipped(request):
     tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))
     with open(os.path.join(draft, "eval.json"), encoding="utf-8") as f:
         report = json.load(f)
-    prompts = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"][:6]]
+    prompts = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"]]
     if name not in _PLAIN:  # plain decoding once per target: the drafts' prompts are the target's
-        _PLAIN[name] = model.generate(prompts, max_new_tokens=32, max_batch=3, ignore_eos=True).tokens
+        _PLAIN[name] = model.generate(prompts, max_new_tokens=64, max_batch=8).tokens
     return name, method, model, report, prompts, draft, _PLAIN[name]
 
 
@@ -64,31 +64,30 @@ def test_is_a_published_layout_draft(shipped):
 
 
 def test_greedy_speculation_is_lossless_and_every_acceptance_length_occurs(shipped):
-    _, method, model, _, prompts, _, plain = shipped
-    for k, block in CASES[shipped[:2]]:
-        spec = model.generate(
-            prompts,
-            max_new_tokens=32,
-            max_batch=3,
-            ignore_eos=True,
-            draft=method,
-            num_speculative_tokens=k,
-            **({"draft_block_size": block} if block else {}),
-        )
-        assert spec.tokens == plain, (k, block)
+    """K = 3 as eval.json measured it (greedy, 64 new tokens, the target's held-out prompts): the
+    acceptance length recorded at training, through the public API on the shipped weights, and
+    plain decoding's tokens; other K (DFlash: a smaller block chosen at run time too) on the first
+    six prompts."""
+    _, method, model, report, prompts, _, plain = shipped
+    out = model.generate(prompts, max_new_tokens=64, draft=method, num_speculative_tokens=3, max_batch=8)
+    assert out.tokens == plain
+    assert out.stats["acceptance_length"] == pytest.approx(report["acceptance"]["3"], rel=0.02)
+    cases = [*CASES[shipped[:2]], (3, 4)] if method == "dflash" else CASES[shipped[:2]]
+    for k, block in [(3, None), *cases]:
+        spec = out
+        if (k, block) != (3, None):
+            spec = model.generate(
+                prompts[:6],
+                max_new_tokens=32,
+                max_batch=3,
+                draft=method,
+                num_speculative_tokens=k,
+                **({"draft_block_size": block} if block else {}),
+            )
+            assert spec.tokens == [t[:32] for t in plain[:6]], (k, block)
         if k > 5:  # a whole block: the acceptance of the last rows is too rare to pin
             continue
         # rates strictly decreasing inside (0, 1): some step accepted exactly j drafts, for each j
         rates = spec.stats["acceptance_rate_per_position"]
         assert rates[-1] > 0.0 and rates[0] < 1.0, (k, rates)
         assert all(a > b for a, b in zip(rates, rates[1:], strict=False)), (k, rates)
-
-
-def test_acceptance_recorded_at_training_is_reproduced(shipped):
-    """eval.json's K = 3 acceptance length (greedy, 64 new tokens, the target's held-out prompts)
-    through the public API on the shipped weights."""
-    _, method, model, report, _, _, _ = shipped
-    tok = Tokenizer.from_file(os.path.join(model.path, "tokenizer.json"))
-    ids = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"]]
-    out = model.generate(ids, max_new_tokens=64, draft=method, num_speculative_tokens=3, max_batch=8)
-    assert out.stats["acceptance_length"] == pytest.approx(report["acceptance"]["3"], rel=0.02)
