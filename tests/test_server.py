@@ -114,8 +114,8 @@ def test_chat_completions_and_stop(served, client):
 def test_json_schema_response_format(client):
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
-        "required": ["name", "n"],
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
         "additionalProperties": False,
     }
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
@@ -127,8 +127,9 @@ def test_json_schema_response_format(client):
             seed=seed,
             response_format=fmt,
         )
+        assert r.choices[0].finish_reason == "stop"
         obj = json.loads(r.choices[0].message.content)
-        assert set(obj) == {"name", "n"} and isinstance(obj["n"], int)
+        assert set(obj) == {"name", "ok"} and isinstance(obj["ok"], bool)
 
 
 BAD = [

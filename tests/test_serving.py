@@ -76,6 +76,7 @@ def test_requests_from_many_threads_equal_offline_generate(model, engine):
         else:
             assert r.tokens == want[i] and r.finish_reason in ("eos", "length"), (i, r.finish_reason)
             assert r.stats["num_draft_tokens"] > 0
+    assert any(results[i].finish_reason == "cancelled" for i in cancel)
     _wait_idle(engine)
     stats = engine.stats()
     assert stats["free_pages"] == stats["num_pages"] and stats["step_programs"] <= 3
@@ -125,10 +126,10 @@ def test_stops_and_refusals(model, engine):
 def test_bounded_queue_and_close(model):
     engine = mtp_jax.Engine(model, slots=1, max_len=64, max_queue=0)
     with pytest.raises(mtp_jax.EngineFullError, match="queue is full"):
-        engine.submit(PROMPTS[0])
+        engine.submit(PROMPTS[0], max_new_tokens=8)
     engine.close()
     with pytest.raises(mtp_jax.EngineClosedError):
-        engine.submit(PROMPTS[0])
+        engine.submit(PROMPTS[0], max_new_tokens=8)
     engine = mtp_jax.Engine(model, slots=1, max_len=64, max_queue=8)
     handles = [engine.submit(p, max_new_tokens=40, ignore_eos=True) for p in PROMPTS[:4]]
     engine.close()
