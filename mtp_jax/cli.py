@@ -358,9 +358,23 @@ def _load_with_draft(args: argparse.Namespace):
     return model_dir, model, None if draft == "none" else draft
 
 
-def _serve(args: argparse.Namespace) -> int:
+def make_engine(args: argparse.Namespace, model, draft: str | None):
+    """The serving engine of `mtp-jax serve`'s (or `scripts/launch.py --serve`'s) flags."""
     from mtp_jax.serving import Engine
 
+    return Engine(
+        model,
+        slots=args.slots,
+        max_len=args.max_len,
+        draft=draft,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_sampling=getattr(args, "draft_sampling", "argmax"),
+        max_queue=args.max_queue,
+        grammar_masks=getattr(args, "grammar_masks", "host"),
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -369,16 +383,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mtp_jax.server import serve
 
     model_dir, model, draft = _load_with_draft(args)
-    engine = Engine(
-        model,
-        slots=args.slots,
-        max_len=args.max_len,
-        draft=draft,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_sampling=args.draft_sampling,
-        max_queue=args.max_queue,
-        grammar_masks=args.grammar_masks,
-    )
+    engine = make_engine(args, model, draft)
     name = args.served_model_name or os.path.basename(os.path.abspath(model_dir))
     speculation = f"{draft}, K = {engine.sc.k}" if draft else "none"
     print(

@@ -314,3 +314,61 @@ def _kill(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+class Broadcast:
+    """An ordered stream of small messages from process 0 to every other process of a run, over
+    the coordinator's key-value store (no device collective: a follower may wait for hours while
+    process 0 is idle). ``name`` keeps separate streams apart; every process must create the same
+    streams in the same order. Message ``n`` lives at ``<name>/<n // GROUP>/<n % GROUP>``; process 0
+    deletes a group once every follower has acknowledged reading past it."""
+
+    GROUP = 256
+
+    def __init__(self, name: str) -> None:
+        import jax
+        from jax._src import distributed  # the client jax.distributed.initialize made
+
+        self.client = distributed.global_state.client
+        if self.client is None or jax.process_count() < 2:
+            raise LaunchError("a broadcast needs a multi-process run (jax.distributed.initialize first)")
+        self.name, self.me, self.count = name, jax.process_index(), jax.process_count()
+        self.sent = self.received = 0
+        self._dropped = 0  # groups deleted so far
+
+    def _key(self, n: int) -> str:
+        return f"{self.name}/{n // self.GROUP}/{n % self.GROUP}"
+
+    def send(self, message: str) -> None:
+        """(Process 0.) Publish the next message."""
+        self.client.key_value_set(self._key(self.sent), message)
+        self.sent += 1
+        if self.sent % self.GROUP == 0:
+            self._collect()
+
+    def _collect(self) -> None:
+        read = []
+        for p in range(1, self.count):
+            try:
+                read.append(int(self.client.key_value_try_get(f"{self.name}/ack/{p}")))
+            except Exception:  # NOT_FOUND: that follower has not finished a group yet
+                read.append(0)
+        done = min(read) // self.GROUP  # groups every follower has finished
+        while self._dropped < done:
+            self.client.key_value_delete(f"{self.name}/{self._dropped}")  # the group's directory
+            self._dropped += 1
+
+    def receive(self, poll_s: float = 60.0) -> str:
+        """(Other processes.) The next message, waiting as long as it takes."""
+        key = self._key(self.received)
+        while True:
+            try:
+                value = self.client.blocking_key_value_get(key, int(poll_s * 1000))
+                break
+            except Exception as e:  # DEADLINE_EXCEEDED: process 0 is idle; anything else is fatal
+                if "DEADLINE" not in str(e).upper():
+                    raise
+        self.received += 1
+        if self.received % self.GROUP == 0:
+            self.client.key_value_set(f"{self.name}/ack/{self.me}", str(self.received), allow_overwrite=True)
+        return value

@@ -13,6 +13,12 @@ allocator and the compiled steps) and runs it whenever a request is waiting or r
 threads only validate requests and pass them in, so a request never sees another's tokens. The
 waiting queue is bounded (:class:`EngineFullError` past ``max_queue``); a request that cannot fit a
 slot's cache is refused at submission.
+
+In a multi-process run (``jax.distributed``, a mesh over every process's devices) every process
+makes the same engine; process 0 takes the requests and, before each step, sends the others what
+it did (requests admitted, with everything needed to rebuild them, and cancellations) over the
+coordinator's key-value store; they replay it and run the same step, so the collectives match.
+``scripts/launch.py --serve`` runs the server that way.
 """
 
 from __future__ import annotations
@@ -20,13 +26,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
+import json
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
+import jax
 import numpy as np
 
+from mtp_jax.distributed import Broadcast
 from mtp_jax.engine import Request, Scheduler, next_power_of_two, pages_needed
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
@@ -34,6 +44,7 @@ from mtp_jax.sharding import row_shards
 from mtp_jax.text import TextStream, check_stops
 
 log = logging.getLogger(__name__)
+_ENGINES = itertools.count()  # engines made by this process: each multi-process run's message stream
 
 StopCheck = Callable[[int], bool]
 """Called with every emitted token of a request (after it is recorded); True stops the request
@@ -76,6 +87,7 @@ class RequestHandle:
         self._tail = ""  # the text released at the end
         self._finish: str | None = None
         self._error: BaseException | None = None
+        self._spec: dict = {}  # what the engine was asked (see Engine.submit)
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     # called on the engine's thread
@@ -254,7 +266,13 @@ class Engine:
         self._prompt_tokens = self._generation_tokens = 0  # of finished requests
         self._closed = False
         self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="mtp-jax-engine", daemon=True)
+        self._events: list[list] = []  # what the loop did since the last step (for the followers)
+        self._channel = None
+        self.leader = jax.process_index() == 0
+        if jax.process_count() > 1:
+            self._channel = Broadcast(f"mtp_jax/engine/{next(_ENGINES)}")
+        loop = self._loop if self.leader else self._follow
+        self._thread = threading.Thread(target=loop, name="mtp-jax-engine", daemon=True)
         self._thread.start()
 
     # -- submission (any thread) -------------------------------------------------------------
@@ -284,9 +302,18 @@ class Engine:
         drafts per step (0 = plain decoding; default: the engine's K). ``stop`` strings and
         ``stop_token_ids`` end it with finish reason "stop". Text prompts, stop strings or
         ``detokenize`` give the handle the request's text as it comes."""
+        if self._channel is not None and not self.leader:
+            raise InvalidRequestError(
+                f"this is process {self._channel.me} of a multi-process run: requests go to process 0's "
+                "engine (the others follow it)"
+            )
+        if stop_check is not None and self._channel is not None:
+            raise InvalidRequestError(
+                "stop_check cannot be replayed on the other processes of a multi-process run: use stop "
+                "strings or stop_token_ids"
+            )
         model, sc = self.model, self.sc
         stops = check_stops(stop)
-        text = TextStream(model.text, stops) if stops or detokenize or isinstance(prompt, str) else None
         ids = model._check_tokens(model.text.encode(prompt) if isinstance(prompt, str) else prompt, "prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
             raise InvalidRequestError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
@@ -304,7 +331,43 @@ class Engine:
             )
         if relaxed_topk and sc.think_tokens is None:
             raise InvalidRequestError("relaxed_topk needs an engine created with think_tokens and a draft")
-        sampling = SamplingParams.build(
+        # everything a process needs to build the same request (what followers of a multi-process
+        # run are sent): plain JSON values
+        spec = {
+            "prompt": [int(t) for t in ids],
+            "max_new_tokens": int(max_new_tokens),
+            "sampling": [temperature, top_k, top_p, min_p, seed, k, relaxed_topk, relaxed_delta],
+            "grammar": grammar,
+            "ignore_eos": bool(ignore_eos),
+            "stop": list(stops),
+            "stop_token_ids": [int(t) for t in model._check_tokens(list(stop_token_ids), "stop_token_ids")]
+            if stop_token_ids
+            else [],
+            "text": bool(detokenize or isinstance(prompt, str)),
+        }
+        sampling = self._sampling(spec)  # validates the sampling parameters
+        if self._channel is not None:
+            try:
+                json.dumps(spec)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"the request cannot be sent to the other processes: {e}") from e
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError(f"the engine is closed{self._failure_note()}")
+            if self._waiting >= self.max_queue:
+                raise EngineFullError(f"the engine's queue is full ({self.max_queue} requests waiting)")
+            rid = self._next_id
+            self._next_id += 1
+            handle = self._build(rid, spec, sampling, stop_check)
+            self._handles[rid] = handle
+            self._waiting += 1
+        self._inbox.put(("submit", handle))
+        return handle
+
+    @staticmethod
+    def _sampling(spec: dict) -> SamplingParams:
+        temperature, top_k, top_p, min_p, seed, k, relaxed_topk, relaxed_delta = spec["sampling"]
+        return SamplingParams.build(
             1,
             temperature,
             top_k,
@@ -315,25 +378,23 @@ class Engine:
             relaxed_topk=relaxed_topk,
             relaxed_delta=relaxed_delta,
         )
-        stop_ids = (
-            frozenset(model._check_tokens(list(stop_token_ids), "stop_token_ids")) if stop_token_ids else None
+
+    def _build(
+        self, rid: int, spec: dict, sampling: SamplingParams, stop_check: StopCheck | None
+    ) -> RequestHandle:
+        """The request ``spec`` describes, as request ``rid``, and its handle (its grammar added)."""
+        stops = spec["stop"]
+        text = TextStream(self.model.text, stops) if stops or spec["text"] else None
+        if spec["grammar"] is not None:
+            self._grammar_for(rid, spec["grammar"])
+        request = Request(
+            spec["prompt"], spec["max_new_tokens"], sampling, id=rid, ignore_eos=spec["ignore_eos"]
         )
-        with self._lock:
-            if self._closed:
-                raise EngineClosedError(f"the engine is closed{self._failure_note()}")
-            if self._waiting >= self.max_queue:
-                raise EngineFullError(f"the engine's queue is full ({self.max_queue} requests waiting)")
-            rid = self._next_id
-            self._next_id += 1
-            if grammar is not None:
-                self._grammar_for(rid, grammar)
-            request = Request(ids, int(max_new_tokens), sampling, id=rid, ignore_eos=ignore_eos)
-            handle = RequestHandle(self, request, text)
-            request.on_token = _token_hook(handle, stop_ids, stop_check)
-            request.on_finish = lambda req, handle=handle: self._finished(handle, req.finish)
-            self._handles[rid] = handle
-            self._waiting += 1
-        self._inbox.put(("submit", handle))
+        handle = RequestHandle(self, request, text)
+        handle._spec = spec
+        stop_ids = frozenset(spec["stop_token_ids"]) or None
+        request.on_token = _token_hook(handle, stop_ids, stop_check)
+        request.on_finish = lambda req, handle=handle: self._finished(handle, req.finish)
         return handle
 
     def _grammar_for(self, rid: int, spec: dict) -> None:
@@ -342,8 +403,7 @@ class Engine:
         if self._constraints is None:
             model = self.model
             constraints = Constraints(model.tokenizer_path, model.config.vocab_size, model.eos_token_ids)
-            self._constraints = constraints
-            self._inbox.put(("constraints", constraints))
+            self._constraints = constraints  # the scheduler's from the first constrained request on
         self._constraints.add(rid, spec)
 
     def _cancel(self, handle: RequestHandle) -> None:
@@ -378,7 +438,8 @@ class Engine:
                 with self._lock:
                     self._waiting -= 1
                 return True
-            self.scheduler.submit(value.request)
+            self._schedule(value)
+            self._events.append(["submit", value.id, value._spec])
         elif kind == "cancel":
             request = value.request
             if request.counters is None:  # not in the scheduler yet: its "submit" item follows
@@ -386,14 +447,25 @@ class Engine:
                 return True
             waiting = request in self.scheduler.queue
             self.scheduler.cancel(request)
+            self._events.append(["cancel", value.id])
             if waiting:
                 with self._lock:
                     self._waiting -= 1
-        elif kind == "constraints":
-            self.scheduler.constraints = value
         elif kind == "close":
+            self._events.append(["close"])
             return False
         return True
+
+    def _schedule(self, handle: RequestHandle) -> None:
+        if handle._spec["grammar"] is not None and self.scheduler.constraints is None:
+            self.scheduler.constraints = self._constraints
+        self.scheduler.submit(handle.request)
+
+    def _publish(self) -> None:
+        """(Process 0 of a multi-process run.) Tell the followers what happened before this step."""
+        events, self._events = self._events, []
+        if self._channel is not None:
+            self._channel.send(json.dumps(events))
 
     def _loop(self) -> None:
         running = True
@@ -406,6 +478,12 @@ class Engine:
                     running = self._take(self._inbox.get_nowait())
             except queue.Empty:
                 pass
+            try:
+                self._publish()
+            except BaseException as e:
+                log.exception("the engine could not reach the other processes")
+                self._fail(e)
+                return
             if not running:
                 break
             queued = len(self.scheduler.queue)
@@ -414,12 +492,40 @@ class Engine:
             except BaseException as e:  # the device state is unknown now: fail everything, stop
                 log.exception("the engine's loop failed")
                 self._fail(e)
+                if self._channel is not None:  # let the followers stop too (best effort)
+                    with contextlib.suppress(BaseException):
+                        self._channel.send(json.dumps([["close"]]))
                 return
             admitted = queued - len(self.scheduler.queue)
             if admitted > 0:
                 with self._lock:
                     self._waiting -= admitted
         self._fail(EngineClosedError("the engine was closed"))
+
+    def _follow(self) -> None:
+        """(Processes other than 0.) Apply what process 0's engine did before each of its steps, then
+        run the same step: the same requests in the same slots, so every collective matches."""
+        try:
+            while True:
+                events = json.loads(self._channel.receive())
+                for kind, *args in events:
+                    if kind == "submit":
+                        rid, spec = args
+                        handle = self._build(rid, spec, self._sampling(spec), None)
+                        with self._lock:
+                            self._handles[rid] = handle
+                        self._schedule(handle)
+                    elif kind == "cancel":
+                        handle = self._handles.get(args[0])
+                        if handle is not None:
+                            self.scheduler.cancel(handle.request)
+                    elif kind == "close":
+                        self._fail(EngineClosedError("process 0 closed the engine"))
+                        return
+                self.scheduler.advance()
+        except BaseException as e:
+            log.exception("the engine's follower loop failed")
+            self._fail(e)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -434,11 +540,18 @@ class Engine:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self, timeout: float | None = 60.0) -> None:
-        """Stop taking requests, cancel those still waiting or running, and stop the thread."""
+        """Stop taking requests, cancel those still waiting or running, and stop the thread. (On the
+        other processes of a multi-process run: wait up to ``timeout`` for process 0 to close.)"""
         with self._lock:
             self._closed = True
         self._inbox.put(("close", None))
         self._thread.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the engine's loop ends (closed, or failed); True if it has. What the other
+        processes of a multi-process run do while process 0 serves."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> Engine:
         return self

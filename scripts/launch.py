@@ -17,6 +17,8 @@ only.
         --new-tokens 32
     python scripts/launch.py --local 2 --mesh data=2,tensor=4 --model checkpoints/tiny-llama3-stdlib \
         --prompt "import os"
+    # an OpenAI-compatible server: process 0 serves HTTP, the others follow its engine step by step
+    python scripts/launch.py --local 2 --mesh data=2,expert=4 --serve --port 8000
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--json", action="store_true", help="print one JSON object (tokens, stats) instead of text"
     )
+    s = p.add_argument_group("serving (process 0 serves HTTP; the others follow its engine)")
+    s.add_argument("--serve", action="store_true", help="run `mtp-jax serve` over the run's mesh")
+    s.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="--serve: port")
+    s.add_argument("--served-model-name", help="--serve: the model's name in the API")
+    s.add_argument("--slots", type=int, default=8, help="--serve: requests decoded at once")
+    s.add_argument("--max-len", type=int, default=None, help="--serve: tokens per request, prompt included")
+    s.add_argument("--max-queue", type=int, default=256, help="--serve: requests that may wait for a slot")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="time decoding (after a compiling run) instead")
     b.add_argument("--batch", type=int, default=1, help="--bench: decode slots")
@@ -152,12 +162,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = mtp_jax.load(model_dir, args.dtype, mesh=mesh)
     load_s = time.perf_counter() - t0
-    prompts, tok = _prompts(args, model_dir, model.config.bos_token_id)
-    if not prompts:
-        raise LaunchError("give --prompt TEXT or --prompt-ids 1,2,3")
     draft = args.draft
     if draft == "auto":
         draft = model.drafts[0] if model.drafts else "none"
+    if args.serve:
+        return _serve(args, model, model_dir, None if draft == "none" else draft, axes)
+    prompts, tok = _prompts(args, model_dir, model.config.bos_token_id)
+    if not prompts:
+        raise LaunchError("give --prompt TEXT or --prompt-ids 1,2,3")
     gen = {
         "temperature": args.temperature,
         "seed": args.seed,
@@ -190,6 +202,36 @@ def run(args: argparse.Namespace) -> int:
     if lead:
         _print(report, args, tok)
     return 0
+
+
+def _serve(args: argparse.Namespace, model, model_dir: str, draft: str | None, axes: dict) -> int:
+    """Process 0 serves HTTP until interrupted and then closes the engine; the others replay its
+    engine's steps until it does (they ignore SIGINT: process 0 tells them when to stop)."""
+    import signal
+
+    import jax
+
+    from mtp_jax.cli import make_engine
+
+    engine = make_engine(args, model, draft)
+    if jax.process_index() != 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        engine.wait()
+        return 1 if engine.failed else 0
+    from mtp_jax.server import serve
+
+    name = args.served_model_name or os.path.basename(os.path.abspath(model_dir))
+    print(
+        f"serving {name} on http://{args.host}:{args.port}/v1 ({jax.process_count()} processes, mesh {axes}; "
+        f"{engine.slots} slots x {engine.max_len} tokens; speculation: {draft or 'none'}; pid {os.getpid()})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        serve(engine, name, host=args.host, port=args.port)
+    finally:
+        engine.close()
+    return 1 if engine.failed else 0
 
 
 def _print(report: dict, args: argparse.Namespace, tok) -> None:

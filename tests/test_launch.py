@@ -18,6 +18,7 @@ from mtp_jax.distributed import (
     LaunchError,
     _relay,
     first_slurm_host,
+    free_port,
     resolve_cluster,
     spawn_local,
 )
@@ -80,6 +81,77 @@ def test_two_processes_run_a_tensor_parallel_llama_like_one():
         prompts, max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=4
     )
     assert got["tokens"] == want.tokens
+
+
+@pytest.mark.slow
+def test_two_processes_serve_what_one_generates():
+    """--serve over 2 processes: process 0 serves HTTP, process 1 replays its engine's steps;
+    concurrent greedy requests (one client hanging up mid-stream) get offline generate's text, the
+    pages all come back, and a SIGINT to process 0 stops both cleanly."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    import signal
+    import threading
+
+    import mtp_jax
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, LAUNCH, "--local", "2", "--mesh", "data=2,expert=4", "--serve", "--port", str(port),
+         "--slots", "4", "--max-len", "128", "--timeout", "500"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        prompts = ["import os", "def main():", "class A:"]
+        texts: dict[int, str] = {}
+
+        def complete(i: int) -> None:
+            body = {"prompt": prompts[i], "max_tokens": 16, "temperature": 0}
+            r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+            texts[i] = r.json()["choices"][0]["text"]
+
+        def hang_up() -> None:
+            body = {"prompt": "import sys", "max_tokens": 100, "temperature": 0, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                        return
+
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(3)]
+        threads.append(threading.Thread(target=hang_up))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(400)
+        model = mtp_jax.load(EMBEDDED_MODEL, "float32")
+        want = model.generate(prompts, max_new_tokens=16, draft="mtp", num_speculative_tokens=3).texts
+        assert [texts.get(i) for i in range(3)] == want
+        usage = None
+        for _ in range(100):  # the hung-up request is cancelled within a step or two
+            metrics = httpx.get(base + "/metrics", timeout=30).text
+            usage = [ln for ln in metrics.splitlines() if ln.startswith("vllm:kv_cache_usage_perc")]
+            if usage and float(usage[0].rsplit(" ", 1)[1]) == 0:
+                break
+            time.sleep(0.1)
+        assert usage and float(usage[0].rsplit(" ", 1)[1]) == 0, usage
+        assert 'finished_reason="abort"' in metrics
+        pid = next(int(ln.rsplit("pid ", 1)[1].rstrip(")\n")) for ln in lines if ln.startswith("serving "))
+        os.kill(pid, signal.SIGINT)
+        assert proc.wait(120) == 0, "".join(lines)[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_bench_mode_times_decoding():
@@ -161,6 +233,56 @@ def test_each_process_reads_only_its_experts(tmp_path):
     assert rc == 0, stderr.getvalue()[-4000:]
     assert "PER-HOST-OK 0" in stdout.getvalue()
     assert "[Gloo]" not in stderr.getvalue()
+
+
+# Process 0 streams messages to process 1 over the coordinator's key-value store; groups every
+# follower has read are deleted. An engine made on every process: the follower refuses requests, a
+# stop_check callable is refused on process 0 (it cannot be replayed), and closing process 0's
+# engine ends the follower's.
+BROADCAST_CHILD = textwrap.dedent(
+    """
+    import sys
+    from mtp_jax.distributed import Broadcast, initialize, resolve_cluster
+    initialize(resolve_cluster(), 120)
+    import jax, pytest
+    import mtp_jax
+
+    lead = jax.process_index() == 0
+    b = Broadcast("test")
+    b.GROUP = 4
+    if lead:
+        for i in range(10):
+            b.send(f"m{i}")
+    else:
+        assert [b.receive(poll_s=0.5) for _ in range(10)] == [f"m{i}" for i in range(10)]
+    engine = mtp_jax.Engine(mtp_jax.load(sys.argv[1], "float32"), slots=2, max_len=64)
+    if lead:
+        with pytest.raises(mtp_jax.InvalidRequestError, match="cannot be replayed"):
+            engine.submit([1, 2], stop_check=lambda t: False)
+        b.send("done")
+        b._collect()  # the follower acknowledged groups 0 and 1 (messages 0..7)
+        assert b._dropped == 2
+        with pytest.raises(Exception, match="NOT_FOUND"):
+            b.client.key_value_try_get("test/0/1")
+        engine.close()
+        print("BROADCAST-OK", flush=True)
+    else:
+        with pytest.raises(mtp_jax.InvalidRequestError, match="requests go to process 0"):
+            engine.submit([1, 2])
+        assert b.receive() == "done"
+        assert engine.wait(120) and not engine.failed
+    """
+)
+
+
+def test_broadcast_and_follower_engines():
+    stdout, stderr = io.StringIO(), io.StringIO()
+    rc = spawn_local(
+        [sys.executable, "-c", BROADCAST_CHILD, EMBEDDED_MODEL], 2, 1, timeout_s=300, env=ENV,
+        stdout=stdout, stderr=stderr,
+    )  # fmt: skip
+    assert rc == 0, stderr.getvalue()[-4000:]
+    assert "BROADCAST-OK" in stdout.getvalue()
 
 
 def test_gloo_chatter_is_dropped_even_when_its_lines_arrive_cut():
