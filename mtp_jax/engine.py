@@ -139,6 +139,7 @@ class Scheduler:
         constraints: Constraints | None = None,
         pipelined: bool = True,
         grammar_masks: str = "host",
+        row_buckets: bool = False,
     ) -> None:
         self.callback = constraints is not None and grammar_masks == "callback"
         if self.callback and (not fused or jax.process_count() > 1):
@@ -151,7 +152,11 @@ class Scheduler:
         self.fused, self.pipelined = fused, pipelined
         self.constraints = constraints
         self.eos = frozenset(eos_token_ids)
-        self.variants: dict[int, StepConfig] = {}  # the steps run: one program each
+        self.variants: dict[int, StepConfig] = {}  # the K of the steps run
+        # with row_buckets, a step covers only the slots up to the last occupied one (rounded up
+        # to a power of two): a program per (K, rows) pair run
+        self.row_buckets = row_buckets and fused and self.shards == 1
+        self.programs: set[tuple[int, int]] = set()
         self.allocator = ShardedPageAllocator(slots * width, self.shards)  # slot b's pages: its shard
         state = init_state(sc, slots, self.allocator.num_pages, width, cache_dtype)
         if sc.mesh is not None:
@@ -389,9 +394,14 @@ class Scheduler:
         for b, req in enumerate(self.owner):
             if req is not None:
                 self.proposed[b] = min(self.row_k(req), sc_now.k)
+        rows = self.slots
+        if self.row_buckets:
+            rows = min(next_power_of_two(1 + max(b for b, o in enumerate(self.owner) if o is not None)), rows)
+        self.programs.add((sc_now.k, rows))
+        extra = {"rows": rows} if rows < self.slots else {}
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
-        emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc_now, *args)
+        emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc_now, *args, **extra)
         if not self.counts["steps"]:  # the call returns once compiled; the step itself runs on
             self.first_step_seconds = time.perf_counter() - t_call
         self.counts["steps"] += 1
@@ -471,7 +481,7 @@ def generate(
         "prompt_tokens": sum(len(p) for p in prompts),
         "new_tokens": new_tokens,
         "steps": sched.counts["steps"],
-        "step_programs": len(sched.variants),
+        "step_programs": len(sched.programs),
         "step_num_speculative_tokens": sorted(sched.variants),
         "prefill_calls": sched.counts["prefills"],
         "acceptance_length": spec.pop("acceptance_length"),

@@ -203,7 +203,10 @@ class Engine:
     ``draft`` / ``num_speculative_tokens`` / ``draft_sampling`` / ``draft_block_size`` are the
     engine's speculation (a request may ask for fewer drafts, or none); ``think_tokens`` enables
     per-request relaxed acceptance between those markers (see :meth:`mtp_jax.Model.generate`);
-    ``grammar_masks`` how grammar masks reach the step."""
+    ``grammar_masks`` how grammar masks reach the step. With ``row_buckets`` (the default, unless
+    rows are split over a data axis) a step covers only the slots up to the last occupied one,
+    rounded up to a power of two: a few requests in many slots cost what they would alone, for a
+    program per (K, power of two) that occurs (``stats()["step_programs"]``)."""
 
     def __init__(
         self,
@@ -218,6 +221,7 @@ class Engine:
         think_tokens: tuple[int, int] | None = None,
         max_queue: int = 256,
         grammar_masks: str = "host",
+        row_buckets: bool = True,
     ) -> None:
         from mtp_jax.grammar import DELIVERIES
         from mtp_jax.model import DTYPES
@@ -256,6 +260,7 @@ class Engine:
             eos_token_ids=model.eos_token_ids,
             cache_dtype=DTYPES[model.dtype],
             grammar_masks=grammar_masks,
+            row_buckets=row_buckets,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -570,7 +575,8 @@ class Engine:
             "waiting": self._waiting,
             "free_pages": self.scheduler.allocator.free,
             "num_pages": self.scheduler.allocator.num_pages,
-            "step_programs": len(self.scheduler.variants),
+            "step_programs": len(self.scheduler.programs),
+            "step_shapes": sorted(self.scheduler.programs),  # (K, rows) of each step program run
             "finished": dict(self._finished_by),
             "prompt_tokens": self._prompt_tokens,
             "generation_tokens": self._generation_tokens,

@@ -36,7 +36,7 @@ from mtp_jax.drafts import DRAFT_METHODS, Draft, Rows, draft_for
 from mtp_jax.drafts.base import at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
 from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
-from mtp_jax.sharding import constrain_state, replicated
+from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
 
 __all__ = ["DRAFT_METHODS", "DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "step"]
@@ -355,25 +355,61 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
 
 
-@functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
+_POOLS = ("target_pages", "draft_state")  # the state's page pools; every other leaf is per slot
+
+
+def _first_rows(state: DecodeState, rows: int) -> DecodeState:
+    per_slot = {
+        f.name: jax.tree.map(lambda x: x[:rows], getattr(state, f.name))
+        for f in dataclasses.fields(state)
+        if f.name not in _POOLS
+    }
+    return dataclasses.replace(state, **per_slot)
+
+
+def _merge_rows(state: DecodeState, part: DecodeState, rows: int) -> DecodeState:
+    per_slot = {
+        f.name: jax.tree.map(lambda x, y: x.at[:rows].set(y), getattr(state, f.name), getattr(part, f.name))
+        for f in dataclasses.fields(state)
+        if f.name not in _POOLS
+    }
+    return dataclasses.replace(part, **per_slot)
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "rows"), donate_argnames=("state",))
 def step(
     params: dict,
     state: DecodeState,
     sc: StepConfig,
     bitmask: jax.Array | None = None,
     grammar_rows: jax.Array | None = None,
+    rows: int | None = None,
 ) -> tuple[jax.Array, jax.Array, DecodeState]:
     """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
     row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots). ``bitmask``
     [B, K+1, ceil(V/32)]: the tokens a grammar allows at each verified position
     (:mod:`mtp_jax.grammar`); or ``grammar_rows`` [B] (each slot's request, -1 for none): the step
-    asks the host for those masks itself, through a callback, while the target runs."""
+    asks the host for those masks itself, through a callback, while the target runs.
+
+    ``rows``: step only slots [0, rows) (every other slot must be inactive), over the same page
+    pools; emitted and n_emit then have ``rows`` rows. A server with few requests in many slots
+    runs a program that size (one per power of two) instead of paying for every slot. Not with
+    rows split over devices (a data axis)."""
+    whole = state
+    if rows is not None:
+        if row_shards(sc.mesh) > 1:
+            raise ValueError("step(rows=...) needs the slots on every device (no data axis)")
+        state = _first_rows(state, rows)
+        bitmask = None if bitmask is None else bitmask[:rows]
+        grammar_rows = None if grammar_rows is None else grammar_rows[:rows]
     if grammar_rows is not None:
         drafts = state.drafts[:, : sc.k]
         bitmask = in_step_masks(grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size)
     hidden, logits, target_pages = _verify(params, state, sc)
     emitted, n_acc = _accept(logits, state, sc, bitmask)
     n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
+    if rows is not None:
+        state = _merge_rows(whole, state, rows)
     return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc)
 
 

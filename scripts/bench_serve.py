@@ -1,0 +1,181 @@
+"""Serving against offline decoding: the same greedy requests through ``model.generate`` (one call,
+continuous batching over ``--slots`` rows), through the persistent :class:`mtp_jax.Engine` (all
+submitted at once, streamed with ``astream``), and through ``mtp-jax serve``'s HTTP server on a
+loopback port (concurrent streaming clients, httpx), at several request counts.
+
+For each: throughput (generated tokens / wall time from the first request to the last token),
+mean time to first token, mean time per output token after the first (TPOT), and whether every
+text equals offline ``generate``'s (checked, not assumed: the run fails otherwise). The server and
+its clients share this machine's cores with the engine; that cost is part of what is measured.
+
+    python scripts/bench_serve.py --requests 1 8 32 --new-tokens 64 --json benchmarks/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mtp_jax.bench import held_out_prompts, machine_info, model_path, write_json  # noqa: E402
+
+
+def _summary(starts: list[float], firsts: list[float], ends: list[float], counts: list[int]) -> dict:
+    t0 = min(starts)
+    total = sum(counts)
+    tpot = [(e - f) / (n - 1) for f, e, n in zip(firsts, ends, counts, strict=True) if n > 1]
+    return {
+        "tokens": total,
+        "seconds": max(ends) - t0,
+        "tok_s": total / (max(ends) - t0),
+        "ttft_ms": 1000 * float(np.mean([f - s for s, f in zip(starts, firsts, strict=True)])),
+        "tpot_ms": 1000 * float(np.mean(tpot)) if tpot else None,
+    }
+
+
+def offline(model, prompts: list[list[int]], args, gen: dict) -> tuple[dict, list[str], list[int]]:
+    def run():
+        return model.generate(prompts, max_new_tokens=args.new_tokens, max_batch=args.slots, **gen)
+
+    run()  # compiled for this many rows (the engine keeps its programs: it compiled once, before)
+    t0 = time.perf_counter()
+    out = run()
+    t1 = time.perf_counter()
+    total = sum(len(t) for t in out.tokens)
+    summary = {"tokens": total, "seconds": t1 - t0, "tok_s": total / (t1 - t0)}
+    return summary, [model.text.decode(t) for t in out.tokens], [len(t) for t in out.tokens]
+
+
+def through_engine(engine, prompts: list[list[int]], args) -> tuple[dict, list[str]]:
+    async def one(i: int, handle, t_submit: float, rec: list) -> None:
+        first, text = None, ""
+        async for _, piece in handle.astream():
+            first = first or time.perf_counter()
+            text += piece
+        rec[i] = (t_submit, first, time.perf_counter(), len(handle.result().tokens), text)
+
+    async def run() -> list:
+        rec: list = [None] * len(prompts)
+        tasks = []
+        for i, p in enumerate(prompts):
+            t = time.perf_counter()
+            h = engine.submit(p, max_new_tokens=args.new_tokens, temperature=0.0, detokenize=True)
+            tasks.append(one(i, h, t, rec))
+        await asyncio.gather(*tasks)
+        return rec
+
+    rec = asyncio.run(run())
+    return _summary(*[list(x) for x in list(zip(*rec, strict=True))[:4]]), [r[4] for r in rec]
+
+
+def through_http(base: str, prompts: list[list[int]], counts: list[int], args) -> tuple[dict, list[str]]:
+    import httpx
+
+    async def one(http, i: int, rec: list) -> None:
+        body = {"prompt": prompts[i], "max_tokens": args.new_tokens, "temperature": 0, "stream": True}
+        t0, first, text = time.perf_counter(), None, ""
+        async with http.stream("POST", base + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    piece = json.loads(line[6:])["choices"][0]["text"]
+                    if piece:
+                        first = first or time.perf_counter()
+                        text += piece
+        rec[i] = (t0, first, time.perf_counter(), counts[i], text)
+
+    async def run() -> list:
+        rec: list = [None] * len(prompts)
+        limits = httpx.Limits(max_connections=len(prompts) + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            await asyncio.gather(*(one(http, i, rec) for i in range(len(prompts))))
+        return rec
+
+    rec = asyncio.run(run())
+    return _summary(*[list(x) for x in list(zip(*rec, strict=True))[:4]]), [r[4] for r in rec]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--drafts", default="none,mtp", help="comma-separated: none and/or the model's drafts")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32, help="random prompts (no eval.json) only")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    import uvicorn
+
+    import mtp_jax
+    from mtp_jax.server import Server
+
+    path = model_path(args.model)
+    model = mtp_jax.load(path, dtype=args.dtype)
+    args.prompts = max(args.requests)
+    prompts, note = held_out_prompts(model, path, args)
+    rows, ok = [], True
+    for draft in args.drafts.split(","):
+        spec = None if draft == "none" else draft
+        gen = {"draft": spec, "num_speculative_tokens": args.k if spec else None}
+        engine = mtp_jax.Engine(model, slots=args.slots, max_len=args.max_len, **gen, max_queue=1024)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(
+            uvicorn.Config(Server(engine, "bench").app(), log_level="warning", timeout_keep_alive=60)
+        )
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        for n in args.requests:
+            batch = prompts[:n]
+            off, want, counts = offline(model, batch, args, gen)
+            through_engine(engine, batch, args)  # any step program this load needs, compiled
+            eng, eng_texts = through_engine(engine, batch, args)
+            http, http_texts = through_http(base, batch, counts, args)
+            same = eng_texts == want and http_texts == want
+            ok &= same
+            rows.append({"draft": draft, "requests": n, "offline": off, "engine": eng, "http": http})
+            rows[-1]["same_text"] = same
+            line = f"{draft:>5} {n:>4} requests: offline {off['tok_s']:7.1f} tok/s"
+            for name, r in (("engine", eng), ("http", http)):
+                line += (
+                    f" | {name} {r['tok_s']:7.1f} ({r['tok_s'] / off['tok_s']:.2f}x, "
+                    f"TTFT {r['ttft_ms']:.0f} ms, TPOT {r['tpot_ms'] or 0:.1f} ms)"
+                )
+            print(f"{line} | same text {same}", flush=True)
+        server.should_exit = True
+        thread.join(30)
+        engine.close()
+    report = {
+        "model": os.path.basename(os.path.abspath(path)),
+        "k": args.k,
+        "slots": args.slots,
+        "new_tokens": args.new_tokens,
+        "prompts": note,
+        **machine_info(),
+        "results": rows,
+    }
+    if args.json:
+        write_json(args.json, report)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
