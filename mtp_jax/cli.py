@@ -146,6 +146,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot")
     sv.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="start serving at once and compile programs as requests first need them (latency spikes)",
+    )
+    sv.add_argument(
         "--draft",
         choices=["auto", "mtp", "eagle3", "dflash", "none"],
         default="auto",
@@ -362,7 +367,7 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
     """The serving engine of `mtp-jax serve`'s (or `scripts/launch.py --serve`'s) flags."""
     from mtp_jax.serving import Engine
 
-    return Engine(
+    engine = Engine(
         model,
         slots=args.slots,
         max_len=args.max_len,
@@ -372,6 +377,19 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         max_queue=args.max_queue,
         grammar_masks=getattr(args, "grammar_masks", "host"),
     )
+    if engine.leader and not args.no_warmup:  # the other processes of a run follow process 0's
+        t0 = time.perf_counter()
+        tty = sys.stderr.isatty()
+
+        def progress(done: int, total: int) -> None:
+            if tty or done == total or done % 10 == 0:
+                end = "\n" if done == total or not tty else ""
+                line = f"\rcompiling the engine's programs: {done}/{total}"
+                print(line, end=end, file=sys.stderr, flush=True)
+
+        n = engine.warmup(progress)
+        print(f"{n} programs compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return engine
 
 
 def _serve(args: argparse.Namespace) -> int:

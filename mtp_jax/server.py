@@ -6,7 +6,8 @@ Starlette routes on uvicorn (the ``serve`` extra: ``pip install 'mtp-jax[serve]'
   with ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``n``,
   ``response_format`` ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema":
   ...}}, or {"type": "regex", "regex": ...}), and the extension object ``speculation``
-  ({"num_speculative_tokens", "relaxed_topk", "relaxed_delta"}) per request;
+  ({"num_speculative_tokens", "relaxed_topk", "relaxed_delta"}) and vLLM's ``ignore_eos`` per
+  request;
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text; the speculative-decoding
   counters under vLLM's names, ``vllm:spec_decode_num_accepted_tokens_total`` and the rest).
 
@@ -128,6 +129,10 @@ class Server:
         seed = body.get("seed")
         kw["seed"] = secrets.randbelow(2**32) if seed is None else _number(body, "seed", int, 0)
         kw["stop"] = body.get("stop")
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: benchmarks use it
+        if not isinstance(ignore_eos, bool):
+            raise BadRequest(f"ignore_eos must be a boolean, got {ignore_eos!r}", param="ignore_eos")
+        kw["ignore_eos"] = ignore_eos
         kw["grammar"] = _grammar(body)
         spec = body.get("speculation") or {}
         if not isinstance(spec, Mapping) or set(spec) - set(SPECULATION_FIELDS):

@@ -96,10 +96,14 @@ class RequestHandle:
         with self._cond:
             self._tokens.append(token)
             self._pieces.append(piece)
+        self._engine._fresh.add(self)  # consumers are woken once per step, not once per token
+        return stop
+
+    def _announce(self) -> None:
+        with self._cond:
             self._cond.notify_all()
             waiters = list(self._waiters)
         _wake(waiters)
-        return stop
 
     def _close(self, reason: str, error: BaseException | None = None) -> None:
         tail = self._text.finish() if self._text is not None and error is None else ""
@@ -272,6 +276,7 @@ class Engine:
         self._closed = False
         self._failure: BaseException | None = None
         self._events: list[list] = []  # what the loop did since the last step (for the followers)
+        self._fresh: set[RequestHandle] = set()  # handles with tokens their consumers have not seen
         self._channel = None
         self.leader = jax.process_index() == 0
         if jax.process_count() > 1:
@@ -456,10 +461,50 @@ class Engine:
             if waiting:
                 with self._lock:
                     self._waiting -= 1
+        elif kind == "warmup":
+            progress, done = value
+            try:
+                if self.scheduler.pending is not None or any(o is not None for o in self.scheduler.owner):
+                    raise InvalidRequestError("warm the engine up before requests run (some are running)")
+                # the followers compile the same programs in the same order (and, this message
+                # ending with "warmup", do not step after it: neither does this loop)
+                self._events.append(["warmup"])
+                self._publish()
+                done.append(self._warmup(progress))
+            except InvalidRequestError as e:
+                done.append(e)
+            except BaseException as e:
+                done.append(e)
+                raise
+            finally:
+                with done[0]:
+                    done[0].notify_all()
         elif kind == "close":
             self._events.append(["close"])
             return False
         return True
+
+    def _warmup(self, progress: Callable[[int, int], None] | None) -> int:
+        return self.scheduler.warmup(self.max_len - 1, range(self.sc.k + 1), progress)
+
+    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Compile, before requests arrive, every prefill and step program a request without a
+        grammar can need (each admission size and prompt-length bucket, each K up to the engine's
+        and each row bucket), so that no request waits for a compilation; requests submitted
+        meanwhile wait. ``progress(done, total)`` is called on the engine's thread after each
+        program. Returns how many ran. (Process 0 of a multi-process run: the others follow.)"""
+        if not self.leader:
+            raise InvalidRequestError("only process 0's engine warms up: the others follow it")
+        done: list = [threading.Condition()]
+        with done[0]:
+            self._inbox.put(("warmup", (progress, done)))
+            while len(done) == 1:
+                if not self._thread.is_alive():
+                    raise EngineClosedError(f"the engine is closed{self._failure_note()}")
+                done[0].wait(1.0)
+        if isinstance(done[1], BaseException):
+            raise done[1]
+        return done[1]
 
     def _schedule(self, handle: RequestHandle) -> None:
         if handle._spec["grammar"] is not None and self.scheduler.constraints is None:
@@ -494,6 +539,7 @@ class Engine:
             queued = len(self.scheduler.queue)
             try:
                 self.scheduler.advance()
+                self._announce()
             except BaseException as e:  # the device state is unknown now: fail everything, stop
                 log.exception("the engine's loop failed")
                 self._fail(e)
@@ -507,9 +553,15 @@ class Engine:
                     self._waiting -= admitted
         self._fail(EngineClosedError("the engine was closed"))
 
+    def _announce(self) -> None:
+        fresh, self._fresh = self._fresh, set()
+        for handle in fresh:
+            handle._announce()
+
     def _follow(self) -> None:
         """(Processes other than 0.) Apply what process 0's engine did before each of its steps, then
-        run the same step: the same requests in the same slots, so every collective matches."""
+        run the same step: the same requests in the same slots, so every collective matches. A
+        message ending with "warmup" is followed by the warm-up instead of a step, as on process 0."""
         try:
             while True:
                 events = json.loads(self._channel.receive())
@@ -527,7 +579,11 @@ class Engine:
                     elif kind == "close":
                         self._fail(EngineClosedError("process 0 closed the engine"))
                         return
-                self.scheduler.advance()
+                if events and events[-1] == ["warmup"]:
+                    self._warmup(None)
+                else:
+                    self.scheduler.advance()
+                    self._announce()
         except BaseException as e:
             log.exception("the engine's follower loop failed")
             self._fail(e)

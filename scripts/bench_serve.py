@@ -3,7 +3,9 @@ continuous batching over ``--slots`` rows), through the persistent :class:`mtp_j
 submitted at once, streamed with ``astream``), and through ``mtp-jax serve``'s HTTP server on a
 loopback port (concurrent streaming clients, httpx), at several request counts.
 
-For each: throughput (generated tokens / wall time from the first request to the last token),
+Every request generates ``--new-tokens`` (EOS ignored). The engine is warmed up first (every
+program compiled, as ``mtp-jax serve`` does); offline ``generate`` runs once untimed. For each:
+throughput (generated tokens / wall time from the first request to the last token),
 mean time to first token, mean time per output token after the first (TPOT), and whether every
 text equals offline ``generate``'s (checked, not assumed: the run fails otherwise). The server and
 its clients share this machine's cores with the engine; that cost is part of what is measured.
@@ -44,7 +46,9 @@ def _summary(starts: list[float], firsts: list[float], ends: list[float], counts
 
 def offline(model, prompts: list[list[int]], args, gen: dict) -> tuple[dict, list[str], list[int]]:
     def run():
-        return model.generate(prompts, max_new_tokens=args.new_tokens, max_batch=args.slots, **gen)
+        return model.generate(
+            prompts, max_new_tokens=args.new_tokens, max_batch=args.slots, ignore_eos=True, **gen
+        )
 
     run()  # compiled for this many rows (the engine keeps its programs: it compiled once, before)
     t0 = time.perf_counter()
@@ -68,7 +72,7 @@ def through_engine(engine, prompts: list[list[int]], args) -> tuple[dict, list[s
         tasks = []
         for i, p in enumerate(prompts):
             t = time.perf_counter()
-            h = engine.submit(p, max_new_tokens=args.new_tokens, temperature=0.0, detokenize=True)
+            h = engine.submit(p, max_new_tokens=args.new_tokens, ignore_eos=True, detokenize=True)
             tasks.append(one(i, h, t, rec))
         await asyncio.gather(*tasks)
         return rec
@@ -82,6 +86,7 @@ def through_http(base: str, prompts: list[list[int]], counts: list[int], args) -
 
     async def one(http, i: int, rec: list) -> None:
         body = {"prompt": prompts[i], "max_tokens": args.new_tokens, "temperature": 0, "stream": True}
+        body["ignore_eos"] = True
         t0, first, text = time.perf_counter(), None, ""
         async with http.stream("POST", base + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -143,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         while not server.started:
             time.sleep(0.05)
         base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        t0 = time.perf_counter()
+        programs = engine.warmup()  # as `mtp-jax serve` does: no request waits for a compilation
+        print(f"draft {draft}: {programs} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
         for n in args.requests:
             batch = prompts[:n]
             off, want, counts = offline(model, batch, args, gen)
-            through_engine(engine, batch, args)  # any step program this load needs, compiled
             eng, eng_texts = through_engine(engine, batch, args)
             http, http_texts = through_http(base, batch, counts, args)
             same = eng_texts == want and http_texts == want

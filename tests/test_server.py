@@ -158,6 +158,7 @@ BAD = [
         "num_speculative_tokens",
     ),
     ("/v1/completions", {"prompt": "x", "n": 99}, "n must be in"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos must be a boolean"),
 ]
 
 

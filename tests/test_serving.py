@@ -161,3 +161,32 @@ def test_grammar_requests(model, engine):
     assert free.result(timeout=60).tokens == model.generate([PROMPTS[5]], max_new_tokens=16).tokens[0]
     with pytest.raises(mtp_jax.InvalidRequestError, match="grammar of the request is invalid"):
         engine.submit(PROMPTS[0], grammar={"regex": "("})
+
+
+def test_warmup_compiles_every_program_requests_need(model):
+    """After ``warmup`` no request compiles anything: prompts of every length bucket, one and two
+    at once, K = 1 and 0, greedy and sampled, short and cancelled."""
+    from mtp_jax.step import deactivate, prefill, step
+
+    seen = []
+    with mtp_jax.Engine(model, slots=2, max_len=48, draft="mtp", num_speculative_tokens=1) as engine:
+        n = engine.warmup(progress=lambda done, total: seen.append((done, total)))
+        assert n == len(seen) and seen[-1] == (n, n) and engine.stats()["running"] == 0
+        programs = [f._cache_size() for f in (prefill, step, deactivate)]
+        for length, k, temperature in [(3, 1, 0.0), (20, 0, 0.8), (39, 1, 0.8)]:
+            prompt = [1] + [7 + i % 50 for i in range(length - 1)]
+            alone = engine.submit(prompt, max_new_tokens=8, num_speculative_tokens=k, temperature=temperature)
+            alone.result(timeout=60)
+            pair = [engine.submit(prompt, max_new_tokens=8 - j, temperature=temperature) for j in range(2)]
+            for h in pair:
+                h.result(timeout=60)
+        h = engine.submit(PROMPTS[0], max_new_tokens=30)
+        next(iter(h))
+        h.cancel()
+        h.result(timeout=60)
+        _wait_idle(engine)
+        assert [f._cache_size() for f in (prefill, step, deactivate)] == programs
+        with pytest.raises(mtp_jax.InvalidRequestError, match="before requests run"):
+            long = engine.submit(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+            next(iter(long))
+            engine.warmup()
