@@ -146,9 +146,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot")
     sv.add_argument(
-        "--no-warmup",
-        action="store_true",
-        help="start serving at once and compile programs as requests first need them (latency spikes)",
+        "--warmup",
+        choices=["background", "first", "none"],
+        default="background",
+        help="compile every program requests can need: while idle (background), before serving (first), "
+        "or only as requests first need them (none)",
     )
     sv.add_argument(
         "--draft",
@@ -377,18 +379,26 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         max_queue=args.max_queue,
         grammar_masks=getattr(args, "grammar_masks", "host"),
     )
-    if engine.leader and not args.no_warmup:  # the other processes of a run follow process 0's
+    mode = getattr(args, "warmup", "background")
+    if engine.leader and mode != "none":  # the other processes of a run follow process 0's
         t0 = time.perf_counter()
         tty = sys.stderr.isatty()
 
         def progress(done: int, total: int) -> None:
-            if tty or done == total or done % 10 == 0:
+            if mode == "background":
+                if done == total:
+                    print(f"warm-up done: {total} programs compiled", file=sys.stderr, flush=True)
+            elif tty or done == total or done % 10 == 0:
                 end = "\n" if done == total or not tty else ""
                 line = f"\rcompiling the engine's programs: {done}/{total}"
                 print(line, end=end, file=sys.stderr, flush=True)
 
-        n = engine.warmup(progress)
-        print(f"{n} programs compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        if mode == "first":
+            n = engine.warmup(progress)
+            print(f"{n} programs compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        else:
+            n = engine.warmup(progress, background=True)
+            print(f"compiling {n} programs in the background while no request runs", file=sys.stderr)
     return engine
 
 

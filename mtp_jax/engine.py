@@ -274,50 +274,63 @@ class Scheduler:
         padded[: len(rows)] = rows
         self.state = deactivate(self.state, jnp.asarray(padded))
 
-    def warmup(
-        self, max_prompt_len: int, ks: Sequence[int], progress: Callable[[int, int], None] | None = None
-    ) -> int:
-        """Compile every program requests without a grammar can make the scheduler run, by running
-        each on no request (padding rows and inactive slots: nothing changes): admissions of 1, 2,
-        4 ... rows per shard with prompts padded to 16, 32 ... up to ``max_prompt_len`` tokens,
-        steps for each K in ``ks`` over each row bucket, and slot releases. Call it while no
-        request runs. ``progress(done, total)`` after each; returns how many programs ran."""
+    def warmup_jobs(self, max_prompt_len: int, ks: Sequence[int]) -> list[tuple[str, int, int]]:
+        """Every program requests without a grammar can make the scheduler run, smallest first:
+        admissions ("prefill", rows per shard, prompt bucket) of 1, 2, 4 ... rows per shard with
+        prompts padded to 16, 32 ... up to ``max_prompt_len`` tokens; steps ("step", K, rows) for
+        each K in ``ks`` over each row bucket; slot releases ("release", n, 0)."""
         per_shard = next_power_of_two(self.slots // self.shards)
         pers = [1 << i for i in range(per_shard.bit_length()) if 1 << i <= per_shard]
         top = next_power_of_two(max_prompt_len, minimum=16)
         buckets = [16 << i for i in range(top.bit_length()) if 16 << i <= top]
-        if self.pending is not None or any(o is not None for o in self.owner):
-            raise ValueError("warm up before requests run (some are running now)")
         powers = [1 << i for i in range(self.slots.bit_length() + 1)]
         rows = [r for r in powers if r < self.slots] if self.row_buckets else []
         releases = [r for r in powers if r <= next_power_of_two(self.slots)]
         jobs = [("prefill", per, t) for per in pers for t in buckets]
-        jobs += [("step", k, r) for k in ks for r in [*rows, self.slots]]
+        jobs += [("step", k, r) for k in sorted(ks, reverse=True) for r in [*rows, self.slots]]
         jobs += [("release", n, 0) for n in releases]
-        for i, (kind, a, b) in enumerate(jobs):
-            if kind == "prefill":
-                r = a * self.shards
-                sampling = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), SamplingParams.build(r))
-                table = jnp.asarray(np.zeros((r, self.width), np.int32))
-                first, self.state = prefill(
-                    self.params,
-                    self.state,
-                    self.sc,
-                    jnp.asarray(np.full(r, self.slots, np.int32)),
-                    np.zeros((r, b), np.int32),
-                    jnp.asarray(np.ones(r, np.int32)),
-                    table,
-                    sampling,
-                    None,
-                )
-                np.asarray(first)
-            elif kind == "step":
-                extra = {"rows": b} if b < self.slots else {}
-                sc = self._variant(a)
-                emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc, None, **extra)
-                np.asarray(n_emit)
-            else:
-                self.state = deactivate(self.state, jnp.asarray(np.full(a, self.slots, np.int32)))
+        kinds = ("prefill", "step", "release")
+        size = {"prefill": lambda a, b: a * b // 16, "step": lambda a, b: b, "release": lambda a, b: a}
+        return sorted(jobs, key=lambda j: (size[j[0]](j[1], j[2]), kinds.index(j[0])))
+
+    def warmup_job(self, kind: str, a: int, b: int) -> None:
+        """Run one of :meth:`warmup_jobs`' programs on no request (padding rows and inactive
+        slots: nothing changes), compiling it. Only while no request runs."""
+        if self.pending is not None or any(o is not None for o in self.owner):
+            raise ValueError("warm up before requests run (some are running now)")
+        if kind == "prefill":
+            r = a * self.shards
+            sampling = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), SamplingParams.build(r))
+            first, self.state = prefill(
+                self.params,
+                self.state,
+                self.sc,
+                jnp.asarray(np.full(r, self.slots, np.int32)),
+                np.zeros((r, b), np.int32),
+                jnp.asarray(np.ones(r, np.int32)),
+                jnp.asarray(np.zeros((r, self.width), np.int32)),
+                sampling,
+                None,
+            )
+            np.asarray(first)
+        elif kind == "step":
+            extra = {"rows": b} if b < self.slots else {}
+            sc = self._variant(a)
+            emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc, None, **extra)
+            np.asarray(n_emit)
+        elif kind == "release":
+            self.state = deactivate(self.state, jnp.asarray(np.full(a, self.slots, np.int32)))
+        else:
+            raise ValueError(f"unknown warm-up job {kind!r}")
+
+    def warmup(
+        self, max_prompt_len: int, ks: Sequence[int], progress: Callable[[int, int], None] | None = None
+    ) -> int:
+        """Compile every program of :meth:`warmup_jobs` now. Call it while no request runs.
+        ``progress(done, total)`` after each; returns how many programs ran."""
+        jobs = self.warmup_jobs(max_prompt_len, ks)
+        for i, job in enumerate(jobs):
+            self.warmup_job(*job)
             if progress is not None:
                 progress(i + 1, len(jobs))
         return len(jobs)

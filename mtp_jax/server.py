@@ -380,6 +380,11 @@ class Server:
         used = 1 - st["free_pages"] / max(st["num_pages"], 1)
         metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache pages in use.", [("", used)])
         metric(
+            "mtp_jax:warmup_programs_left", "gauge",
+            "Programs a background warm-up has still to compile (requests that need one wait for it).",
+            [("", st["warmup_left"])],
+        )  # fmt: skip
+        metric(
             "vllm:prompt_tokens_total",
             "counter",
             "Prompt tokens of finished requests.",

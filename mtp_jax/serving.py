@@ -277,6 +277,9 @@ class Engine:
         self._failure: BaseException | None = None
         self._events: list[list] = []  # what the loop did since the last step (for the followers)
         self._fresh: set[RequestHandle] = set()  # handles with tokens their consumers have not seen
+        self._warm_jobs: list[tuple[str, int, int]] = []  # a background warm-up's programs left
+        self._warm_progress: Callable[[int, int], None] | None = None
+        self._warm_total = self._warm_done = 0
         self._channel = None
         self.leader = jax.process_index() == 0
         if jax.process_count() > 1:
@@ -479,22 +482,38 @@ class Engine:
             finally:
                 with done[0]:
                     done[0].notify_all()
+        elif kind == "warmup_background":
+            self._warm_jobs, self._warm_progress = list(value[0]), value[1]
         elif kind == "close":
             self._events.append(["close"])
             return False
         return True
 
+    def _warmup_jobs(self) -> list[tuple[str, int, int]]:
+        return self.scheduler.warmup_jobs(self.max_len - 1, range(self.sc.k + 1))
+
     def _warmup(self, progress: Callable[[int, int], None] | None) -> int:
+        self._warm_jobs = []  # a background warm-up still under way has nothing left to do
+        self._warm_total = self._warm_done = 0
         return self.scheduler.warmup(self.max_len - 1, range(self.sc.k + 1), progress)
 
-    def warmup(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compile, before requests arrive, every prefill and step program a request without a
-        grammar can need (each admission size and prompt-length bucket, each K up to the engine's
-        and each row bucket), so that no request waits for a compilation; requests submitted
-        meanwhile wait. ``progress(done, total)`` is called on the engine's thread after each
-        program. Returns how many ran. (Process 0 of a multi-process run: the others follow.)"""
+    def warmup(self, progress: Callable[[int, int], None] | None = None, background: bool = False) -> int:
+        """Compile every prefill and step program a request without a grammar can need (each
+        admission size and prompt-length bucket, each K up to the engine's and each row bucket),
+        so that no request waits for a compilation. ``progress(done, total)`` is called on the
+        engine's thread after each program; returns how many there are. By default it returns
+        when all are compiled (requests submitted meanwhile wait); with ``background`` it returns
+        at once and the engine compiles them, smallest first, whenever no request runs (a request
+        meanwhile may still compile the program it needs; ``stats()["warmup_left"]`` counts down).
+        (Process 0 of a multi-process run: the others follow.)"""
         if not self.leader:
             raise InvalidRequestError("only process 0's engine warms up: the others follow it")
+        if background:
+            jobs = self._warmup_jobs()
+            # counted here, so that stats() shows the programs left as soon as this returns
+            self._warm_total, self._warm_done = len(jobs), 0
+            self._inbox.put(("warmup_background", (jobs, progress)))
+            return len(jobs)
         done: list = [threading.Condition()]
         with done[0]:
             self._inbox.put(("warmup", (progress, done)))
@@ -520,7 +539,7 @@ class Engine:
     def _loop(self) -> None:
         running = True
         while running:
-            block = not self.scheduler.busy
+            block = not self.scheduler.busy and not self._warm_jobs
             try:
                 item = self._inbox.get(block=block)
                 running = self._take(item)
@@ -528,6 +547,11 @@ class Engine:
                     running = self._take(self._inbox.get_nowait())
             except queue.Empty:
                 pass
+            job = None
+            if running and self._warm_jobs and not self.scheduler.busy:
+                # idle: one program of a background warm-up instead of a step (the followers too)
+                job = self._warm_jobs.pop(0)
+                self._events.append(["warmjob", *job])
             try:
                 self._publish()
             except BaseException as e:
@@ -536,6 +560,17 @@ class Engine:
                 return
             if not running:
                 break
+            if job is not None:
+                try:
+                    self.scheduler.warmup_job(*job)
+                    self._warm_done += 1
+                    if self._warm_progress is not None:
+                        self._warm_progress(self._warm_done, self._warm_total)
+                except BaseException as e:
+                    log.exception("the engine's warm-up failed")
+                    self._fail(e)
+                    return
+                continue
             queued = len(self.scheduler.queue)
             try:
                 self.scheduler.advance()
@@ -581,6 +616,8 @@ class Engine:
                         return
                 if events and events[-1] == ["warmup"]:
                     self._warmup(None)
+                elif events and events[-1][0] == "warmjob":
+                    self.scheduler.warmup_job(*events[-1][1:])
                 else:
                     self.scheduler.advance()
                     self._announce()
@@ -633,6 +670,7 @@ class Engine:
             "num_pages": self.scheduler.allocator.num_pages,
             "step_programs": len(self.scheduler.programs),
             "step_shapes": sorted(self.scheduler.programs),  # (K, rows) of each step program run
+            "warmup_left": self._warm_total - self._warm_done,  # programs a background warm-up has left
             "finished": dict(self._finished_by),
             "prompt_tokens": self._prompt_tokens,
             "generation_tokens": self._generation_tokens,

@@ -85,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=8, help="--serve: requests decoded at once")
     s.add_argument("--max-len", type=int, default=None, help="--serve: tokens per request, prompt included")
     s.add_argument("--max-queue", type=int, default=256, help="--serve: requests that may wait for a slot")
-    s.add_argument("--no-warmup", action="store_true", help="--serve: compile programs on first use instead")
+    s.add_argument(
+        "--warmup",
+        choices=["background", "first", "none"],
+        default="background",
+        help="--serve: compile every program while idle (background), before serving, or on first use",
+    )
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="time decoding (after a compiling run) instead")
     b.add_argument("--batch", type=int, default=1, help="--bench: decode slots")

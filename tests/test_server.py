@@ -185,6 +185,7 @@ def test_models_health_metrics_and_unknown_routes(served, client):
         if line and not line.startswith("#") and "position=" not in line and "finished_reason" not in line
     }
     assert samples["vllm:spec_decode_num_draft_tokens_total"] > 0
+    assert samples["mtp_jax:warmup_programs_left"] == 0  # no warm-up asked for
     assert (
         0
         < samples["vllm:spec_decode_num_accepted_tokens_total"]

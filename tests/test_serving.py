@@ -164,13 +164,21 @@ def test_grammar_requests(model, engine):
 
 
 def test_warmup_compiles_every_program_requests_need(model):
-    """After ``warmup`` no request compiles anything: prompts of every length bucket, one and two
-    at once, K = 1 and 0, greedy and sampled, short and cancelled."""
+    """A background warm-up serves a request that arrives in its middle, then finishes while
+    idle; after it no request compiles anything: prompts of every length bucket, one and two at
+    once, K = 1 and 0, greedy and sampled, short and cancelled."""
     from mtp_jax.step import deactivate, prefill, step
 
     seen = []
     with mtp_jax.Engine(model, slots=2, max_len=48, draft="mtp", num_speculative_tokens=1) as engine:
-        n = engine.warmup(progress=lambda done, total: seen.append((done, total)))
+        n = engine.warmup(progress=lambda done, total: seen.append((done, total)), background=True)
+        first = engine.submit(PROMPTS[3], max_new_tokens=12).result(timeout=120)
+        want = model.generate([PROMPTS[3]], max_new_tokens=12, draft="mtp", num_speculative_tokens=1)
+        assert first.tokens == want.tokens[0]
+        t0 = time.monotonic()
+        while engine.stats()["warmup_left"]:
+            assert time.monotonic() - t0 < 120
+            time.sleep(0.05)
         assert n == len(seen) and seen[-1] == (n, n) and engine.stats()["running"] == 0
         programs = [f._cache_size() for f in (prefill, step, deactivate)]
         for length, k, temperature in [(3, 1, 0.0), (20, 0, 0.8), (39, 1, 0.8)]:
