@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.cache import localize, write_rows
 from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
-from pallas_kernels.chunks import in_query_chunks
+from pallas_kernels.chunks import gather_pages, in_query_chunks, over_live_pages
 
 NEG_INF = float("-inf")
 
@@ -107,7 +107,7 @@ def gqa_paged_reference(
     table = jnp.clip(page_table, 0, num_pages - 1)
 
     def gather(pages: jax.Array) -> jax.Array:
-        seq = pages[table] if layer is None else pages[layer, table]  # [b, n, page, Hkv, d]
+        seq = gather_pages(pages, table, layer)  # [b, n, page, Hkv, d]
         return seq.reshape(seq.shape[0], -1, *seq.shape[3:])
 
     keys, values = gather(k_pages), gather(v_pages)
@@ -125,11 +125,20 @@ def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer):
         "k": write_rows(pages["k"], k, slots, layer),
         "v": write_rows(pages["v"], v, slots, layer),
     }
+    return _attend(q, positions, pages["k"], pages["v"], page_table, scale, layer), pages
+
+
+def _attend(q, positions, k_pages, v_pages, page_table, scale, layer) -> jax.Array:
+    """:func:`gqa_paged_reference` in chunks of queries (long prompts), each over the pages its
+    queries can see (:func:`over_live_pages`)."""
 
     def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
-        return gqa_paged_reference(q, pages["k"], pages["v"], page_table, positions, scale, layer)
+        def over(table: jax.Array) -> jax.Array:
+            return gqa_paged_reference(q, k_pages, v_pages, table, positions, scale, layer)
 
-    return in_query_chunks(attend, q, positions), pages
+        return over_live_pages(over, page_table, positions, k_pages.shape[-3])
+
+    return in_query_chunks(attend, q, positions)
 
 
 def check_tensor_split(heads: int, kv_heads: int, tensor: int) -> None:
@@ -189,11 +198,7 @@ def gqa_paged(
         }
         shared = jax.lax.axis_index("tensor") * q.shape[2] // (heads // kv_heads)
         one = {name: jax.lax.dynamic_slice_in_dim(x, shared, 1, axis=x.ndim - 2) for name, x in pages.items()}
-
-        def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
-            return gqa_paged_reference(q, one["k"], one["v"], table, positions, scale, idx)
-
-        return in_query_chunks(attend, q, positions), pages
+        return _attend(q, positions, one["k"], one["v"], table, scale, idx), pages
 
     r, h, kv = spec_entry(rows), spec_entry(tensor), spec_entry(kv_split)
     act, kv_act = PartitionSpec(r, None, h, None), PartitionSpec(r, None, kv, None)

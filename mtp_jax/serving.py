@@ -31,6 +31,7 @@ import json
 import logging
 import queue
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import jax
@@ -240,6 +241,13 @@ class Engine:
         if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= limit:
             raise InvalidRequestError(f"max_len must be an integer in [2, {limit}], got {max_len!r}")
         self.model = model
+        if model.dtype != "float32" and jax.default_backend() == "cpu":
+            warnings.warn(
+                f"a {model.dtype} engine on the CPU backend: XLA:CPU copies a 16-bit cache's whole page pool "
+                "on every cache write (about 20 tok/s against 840 for float32 with 8 slots x 4096 tokens of "
+                "the tiny model); load the model with dtype='float32' to serve on a CPU",
+                stacklevel=2,
+            )
         sc = model._step_config(draft, num_speculative_tokens, draft_sampling, draft_block_size)
         if draft is None:
             sc = dataclasses.replace(sc, k=0, draft=None)

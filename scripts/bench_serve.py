@@ -4,7 +4,8 @@ submitted at once, streamed with ``astream``), and through ``mtp-jax serve``'s H
 loopback port (concurrent streaming clients, httpx), at several request counts.
 
 Every request generates ``--new-tokens`` (EOS ignored). The engine is warmed up first (every
-program compiled, as ``mtp-jax serve`` does); offline ``generate`` runs once untimed. For each:
+program compiled, as ``mtp-jax serve --warmup first`` does; ``--no-warmup``: one untimed engine run
+per request count instead); offline ``generate`` runs once untimed. For each:
 throughput (generated tokens / wall time from the first request to the last token),
 mean time to first token, mean time per output token after the first (TPOT), and whether every
 text equals offline ``generate``'s (checked, not assumed: the run fails otherwise). The server and
@@ -118,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--max-len", type=int, default=256)
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="instead of Engine.warmup() (every program: minutes at a long --max-len), one untimed "
+        "engine run per request count",
+    )
     p.add_argument("--requests", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32, help="random prompts (no eval.json) only")
@@ -149,10 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         base = f"http://127.0.0.1:{sock.getsockname()[1]}"
         t0 = time.perf_counter()
-        programs = engine.warmup()  # as `mtp-jax serve` does: no request waits for a compilation
-        print(f"draft {draft}: {programs} programs compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+        if not args.no_warmup:
+            programs = engine.warmup()  # as `mtp-jax serve --warmup first` does
+            took = time.perf_counter() - t0
+            print(f"draft {draft}: {programs} programs compiled in {took:.1f}s", flush=True)
         for n in args.requests:
             batch = prompts[:n]
+            if args.no_warmup:
+                through_engine(engine, batch, args)  # untimed: compiles what this request count runs
             off, want, counts = offline(model, batch, args, gen)
             eng, eng_texts = through_engine(engine, batch, args)
             http, http_texts = through_http(base, batch, counts, args)

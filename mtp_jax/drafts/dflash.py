@@ -36,6 +36,7 @@ from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
 from mtp_jax.targets.base import Hidden, lm_head
 from mtp_jax.targets.llama3 import rope_tables
+from pallas_kernels.chunks import gather_pages
 
 
 def dflash_features(cfg: DFlashConfig, num_target_layers: int, hidden: Hidden) -> jax.Array:
@@ -217,7 +218,9 @@ def _extend_and_propose(params, sc, state, page_table, rows: Rows, active, sampl
             "k": write_rows(pages["k"], k_new, slots, index),
             "v": write_rows(pages["v"], v_new, slots, index),
         }
-        k_ctx, v_ctx = (pages[n][index][table].reshape(b, width, *pages[n].shape[3:]) for n in ("k", "v"))
+        k_ctx, v_ctx = (
+            gather_pages(pages[n], table, index).reshape(b, width, *pages[n].shape[3:]) for n in ("k", "v")
+        )
         return k_ctx, v_ctx, pages
 
     normed, state = _block_layers(params, cfg, blocks, positions, visible, context_kv, state)

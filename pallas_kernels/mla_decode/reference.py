@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.chunks import gather_pages
+
 
 def mla_decode_reference(
     q: jax.Array,
@@ -44,7 +46,7 @@ def mla_decode_reference(
     # Entries past a row's last needed page may be garbage: clamp so the gather stays in bounds,
     # and the mask below keeps those keys (and anything non-finite in them) out of the result.
     table = jnp.clip(page_table, 0, num_pages - 1)
-    seq = (pages[table] if pages.ndim == 3 else pages[layer, table]).astype(q.dtype)
+    seq = gather_pages(pages, table, None if pages.ndim == 3 else layer).astype(q.dtype)
     keys = seq.reshape(seq.shape[0], -1, seq.shape[-1])  # [B, N·S, C]
     key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
     visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, N·S]

@@ -305,6 +305,34 @@ def test_reference_dispatch_in_query_chunks_equals_one_call(monkeypatch, stacked
     assert_close(got, expected, jnp.float32)
 
 
+@pytest.mark.parametrize("last, width", [([5, 9, 12], 2), ([5, 40, 12], 8), ([-1, -1, -1], 2)])
+def test_reference_dispatch_reads_only_the_live_pages(monkeypatch, last, width):
+    """Off the kernel, a call reads the narrowest prefix of the page table (a factor 4 apart, not
+    under LIVE_KEYS keys) holding every key its queries see, chosen on device, and gives what the
+    reference over the whole table gives."""
+    import pallas_kernels.chunks as chunks
+    import pallas_kernels.mla_decode as dispatcher
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8 and 2
+    widths = []
+
+    def spy(q, pages, table, positions, **kw):
+        jax.debug.callback(lambda: widths.append(table.shape[1]))
+        return mla_decode_reference(q, pages, table, positions, **kw)
+
+    monkeypatch.setattr(dispatcher, "mla_decode_reference", spy)
+    q, pages, table, positions = make_inputs(
+        3, batch=3, tokens=2, heads=2, width=40, page_size=8, pages_per_row=8, dtype=jnp.float32, last=last
+    )
+    got = jax.jit(lambda *a: mla_decode(*a, scale=0.3, value_dim=32))(q, pages, table, positions)
+    assert widths == [width]
+    want = mla_decode_reference(q, pages, table, positions, scale=0.3, value_dim=32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    expected = numpy_attention(*(np.asarray(a) for a in (q, pages, table, positions)), 0.3, 32)
+    assert_close(got, expected, jnp.float32)
+
+
 def test_dispatcher_impl_choice(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     with pytest.raises(ValueError, match="impl must be one of"):

@@ -1,0 +1,41 @@
+"""Grouped-query attention over the paged cache: the live-pages dispatch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax.gqa as gqa
+
+
+@pytest.mark.parametrize("last, width", [([3, 12], 2), ([3, 50], 8)])
+def test_paged_attention_reads_only_the_live_pages(monkeypatch, last, width):
+    """A call attends over the narrowest page-table prefix holding every key its queries see (chosen
+    on device) and gives what the reference over the whole table gives; grouped heads, a layer of a
+    stack, keys written by the call itself."""
+    import pallas_kernels.chunks as chunks
+
+    monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8 and 2
+    widths = []
+    reference = gqa.gqa_paged_reference
+
+    def spy(q, k_pages, v_pages, table, positions, scale, layer):
+        jax.debug.callback(lambda: widths.append(table.shape[1]))
+        return reference(q, k_pages, v_pages, table, positions, scale, layer)
+
+    monkeypatch.setattr(gqa, "gqa_paged_reference", spy)
+    rng = np.random.default_rng(0)
+    b, t, heads, kv, d, page, per_row = 2, 3, 4, 2, 8, 8, 8
+    pages = {n: jnp.asarray(rng.standard_normal((2, b * per_row, page, kv, d)), jnp.float32) for n in "kv"}
+    table = jnp.asarray(np.stack([rng.permutation(b * per_row)[:per_row] for _ in range(b)]), jnp.int32)
+    positions = jnp.asarray(np.asarray(last)[:, None] - np.arange(t)[::-1], jnp.int32)
+    slots = jnp.take_along_axis(table, positions // page, axis=1) * page + positions % page
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) for h in (heads, kv, kv))
+    got, written = jax.jit(lambda *a: gqa.gqa_paged(*a, scale=0.3, layer=1))(
+        q, k, v, pages, slots, table, positions
+    )
+    assert widths == [width]
+    want = reference(q, written["k"], written["v"], table, positions, 0.3, 1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
