@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.cache import localize, write_rows
 from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
-from pallas_kernels.chunks import gather_pages, in_query_chunks, over_live_pages
+from pallas_kernels.chunks import attend_paged, gather_pages
 
 NEG_INF = float("-inf")
 
@@ -130,15 +130,12 @@ def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer):
 
 def _attend(q, positions, k_pages, v_pages, page_table, scale, layer) -> jax.Array:
     """:func:`gqa_paged_reference` in chunks of queries (long prompts), each over the pages its
-    queries can see (:func:`over_live_pages`)."""
+    queries can see (:func:`pallas_kernels.chunks.attend_paged`)."""
 
-    def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
-        def over(table: jax.Array) -> jax.Array:
-            return gqa_paged_reference(q, k_pages, v_pages, table, positions, scale, layer)
+    def reference(q: jax.Array, table: jax.Array, positions: jax.Array) -> jax.Array:
+        return gqa_paged_reference(q, k_pages, v_pages, table, positions, scale, layer)
 
-        return over_live_pages(over, page_table, positions, k_pages.shape[-3])
-
-    return in_query_chunks(attend, q, positions)
+    return attend_paged(reference, q, page_table, positions, k_pages.shape[-3])
 
 
 def check_tensor_split(heads: int, kv_heads: int, tensor: int) -> None:

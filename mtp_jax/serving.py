@@ -497,13 +497,14 @@ class Engine:
             return False
         return True
 
-    def _warmup_jobs(self) -> list[tuple[str, int, int]]:
-        return self.scheduler.warmup_jobs(self.max_len - 1, range(self.sc.k + 1))
+    def _warmup_scope(self) -> tuple[int, range]:
+        """The longest prompt and the Ks a request can bring: what a warm-up covers."""
+        return self.max_len - 1, range(self.sc.k + 1)
 
     def _warmup(self, progress: Callable[[int, int], None] | None) -> int:
         self._warm_jobs = []  # a background warm-up still under way has nothing left to do
         self._warm_total = self._warm_done = 0
-        return self.scheduler.warmup(self.max_len - 1, range(self.sc.k + 1), progress)
+        return self.scheduler.warmup(*self._warmup_scope(), progress)
 
     def warmup(self, progress: Callable[[int, int], None] | None = None, background: bool = False) -> int:
         """Compile every prefill and step program a request without a grammar can need (each
@@ -517,7 +518,7 @@ class Engine:
         if not self.leader:
             raise InvalidRequestError("only process 0's engine warms up: the others follow it")
         if background:
-            jobs = self._warmup_jobs()
+            jobs = self.scheduler.warmup_jobs(*self._warmup_scope())
             # counted here, so that stats() shows the programs left as soon as this returns
             self._warm_total, self._warm_done = len(jobs), 0
             self._inbox.put(("warmup_background", (jobs, progress)))

@@ -72,3 +72,20 @@ def in_query_chunks(
     ps = jnp.moveaxis(positions.reshape(batch, n, chunk), 1, 0)
     out = jnp.moveaxis(jax.lax.map(lambda a: attend(*a), (qs, ps)), 0, 1)  # [B, n, chunk, H, V]
     return out.reshape(batch, n * chunk, heads, out.shape[-1])[:, :tokens]
+
+
+def attend_paged(
+    reference: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+    q: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    page_size: int,
+    chunk: int = QUERY_CHUNK,
+) -> jax.Array:
+    """``reference(q, table, positions)`` for q [B, T, H, C] in chunks of ``chunk`` queries
+    (:func:`in_query_chunks`), each over the pages its queries can see (:func:`over_live_pages`)."""
+
+    def attend(q: jax.Array, positions: jax.Array) -> jax.Array:
+        return over_live_pages(lambda table: reference(q, table, positions), page_table, positions, page_size)
+
+    return in_query_chunks(attend, q, positions, chunk)

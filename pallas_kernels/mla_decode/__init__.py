@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import native
-from pallas_kernels.chunks import QUERY_CHUNK, in_query_chunks, over_live_pages
+from pallas_kernels.chunks import QUERY_CHUNK, attend_paged
 from pallas_kernels.mla_decode.kernel import NATIVE_DTYPES, check_page_size, mla_decode_kernel
 from pallas_kernels.mla_decode.reference import mla_decode_reference
 
@@ -132,7 +132,8 @@ def mla_decode(
     ``s <= positions[b, t]``; a negative position sees nothing and yields zeros. See
     :func:`mla_decode_reference` for the full contract. ``impl``: "auto", "kernel" (compiled Mosaic
     GPU kernel), "interpret" (the kernel in Mosaic GPU interpret mode, any backend) or "reference"
-    (in chunks of :data:`QUERY_CHUNK` queries, over the live pages: :func:`over_live_pages`).
+    (in chunks of :data:`QUERY_CHUNK` queries, each over the pages it can see:
+    :func:`pallas_kernels.chunks.attend_paged`).
     """
     _check_args(q, pages, page_table, positions, value_dim, layer)
     automatic = impl == "auto" and not os.environ.get(ENV_VAR, "").strip()
@@ -145,15 +146,11 @@ def mla_decode(
         impl = "reference"
     if impl == "reference":
 
-        def attend(q, positions):
-            def over(table):
-                return mla_decode_reference(
-                    q, pages, table, positions, scale=scale, value_dim=value_dim, layer=layer
-                )
+        def reference(q, table, positions):
+            kw = dict(scale=scale, value_dim=value_dim, layer=layer)
+            return mla_decode_reference(q, pages, table, positions, **kw)
 
-            return over_live_pages(over, page_table, positions, pages.shape[-2])
-
-        return in_query_chunks(attend, q, positions, QUERY_CHUNK)
+        return attend_paged(reference, q, page_table, positions, pages.shape[-2], QUERY_CHUNK)
     if impl == "kernel" and jnp.dtype(q.dtype) not in NATIVE_DTYPES:
         raise ValueError(
             f"mla_decode: the compiled kernel takes {[str(d) for d in NATIVE_DTYPES]}, got {q.dtype} "
