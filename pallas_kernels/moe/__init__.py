@@ -53,7 +53,7 @@ ENV_CHOICES = ("reference", "kernel", "interpret")
 # The keyword options each kernel takes; the others are dropped (and every option is ignored by the
 # non-kernel implementations), so one set of options can go to whichever kernel "auto" picks.
 KERNEL_OPTIONS = {
-    "mosaic_gpu": ("block_m", "block_n", "block_k", "num_stages"),
+    "mosaic_gpu": ("block_m", "block_n", "block_k", "num_stages", "group_splits"),
     "triton": ("block_m", "block_n", "block_k", "num_warps", "num_stages"),
 }
 

@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -109,6 +110,7 @@ MAX_TILE_ELEMENTS = 64 * 128  # block_m * block_n: register budget of the two fl
 DEFAULT_BLOCK_N = 128
 DEFAULT_BLOCK_K = 64
 DEFAULT_STAGES = 3
+TARGET_PROGRAMS = 132  # an H100 / H200 has 132 SMs
 _BIG = 2**30  # start/end of the padding entries of the group walk: past every row
 
 _ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -127,6 +129,7 @@ class _Dims:
     rhs_dtype: jnp.dtype  # dtype of the rhs in memory: dtype, or float8_e4m3fn
     fp8_block: tuple[int, int] | None
     interpret: bool  # no register layouts in interpret mode
+    group_splits: int  # programs sharing one output tile's groups (strided), each a partial output
 
 
 def interpret_params(**kwargs: Any) -> Any:
@@ -237,14 +240,17 @@ def _walk(
     """One program's walk over its groups; returns the [block_m, block_n] float32 output tile."""
     i = lax.axis_index("m")
     j = lax.axis_index("n")
-    lo = tiles_ref[0, i]
+    # This program's groups: the tile's walk lo, lo+1, ... hi-1 taken from lo + split, every
+    # group_splits-th one.
+    first = tiles_ref[0, i] + lax.axis_index("g")
     hi = tiles_ref[1, i]
-    num_steps = (hi - lo) * d.num_k
+    mine = lax.div(jnp.maximum(hi - first + d.group_splits - 1, 0), d.group_splits)
+    num_steps = mine * d.num_k
     row0 = i * d.block_m
 
     def fetch(s):
-        """Start the copies of step s (group lo + s // num_k, k block s % num_k) into its slot."""
-        p = lo + lax.div(s, d.num_k)
+        """Start the copies of step s (the program's group s // num_k, k block s % num_k) into its slot."""
+        p = first + lax.div(s, d.num_k) * d.group_splits
         kk = lax.rem(s, d.num_k)
         slot = lax.rem(s, d.stages)
         g = groups_ref[0, p]
@@ -262,9 +268,10 @@ def _walk(
     for s in range(d.stages - 1):  # prologue: the first stages - 1 steps
         pl.when(s < num_steps)(functools.partial(fetch, s))
 
-    def group(p, out):
+    def group(q, out):
+        p = first + q * d.group_splits
         g = groups_ref[0, p]
-        base = (p - lo) * d.num_k
+        base = q * d.num_k
 
         def k_loop(acc_ref):
             def step(kk, carry):
@@ -296,7 +303,7 @@ def _walk(
         return jnp.where(inside, acc, out)
 
     out = _cast(jnp.zeros((d.block_m, d.block_n), jnp.float32), plgpu.Layout.WGMMA, d)
-    return lax.fori_loop(lo, hi, group, out)
+    return lax.fori_loop(0, mine, group, out)
 
 
 def _kernel(groups_ref, tiles_ref, lhs_ref, rhs_ref, *refs, d: _Dims):
@@ -322,19 +329,29 @@ def _kernel(groups_ref, tiles_ref, lhs_ref, rhs_ref, *refs, d: _Dims):
     out = out.astype(out_ref.dtype)
     rows = pl.ds(lax.axis_index("m") * d.block_m, d.block_m)
     cols = pl.ds(lax.axis_index("n") * d.block_n, d.block_n)
+    target = out_ref.at[rows, cols] if d.group_splits == 1 else out_ref.at[lax.axis_index("g"), rows, cols]
 
     # A second scope, so the output tile reuses the shared memory of the pipeline's buffers.
     def store(out_smem):
         out_smem[...] = out
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows, cols])
+        plgpu.copy_smem_to_gmem(out_smem, target)
         plgpu.wait_smem_to_gmem(0)
 
     out_transforms = _transforms(d.dtype, _swizzle(d.block_n * itemsize))
     pl.run_scoped(store, plgpu.SMEM((d.block_m, d.block_n), d.dtype, transforms=out_transforms))
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_stages", "interpret"))
+def default_group_splits(m: int, experts: int, tiles: int, block_m: int) -> int:
+    """Programs to share each output tile's groups when ``tiles`` (m tiles x n tiles) programs
+    would leave SMs idle: enough to reach about :data:`TARGET_PROGRAMS`, at most the groups one
+    tile can hold (min(experts, rows of a tile))."""
+    return max(1, min(-(-TARGET_PROGRAMS // tiles), experts, block_m, m))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_stages", "group_splits", "interpret")
+)
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array | Fp8Weight,
@@ -344,6 +361,7 @@ def gmm(
     block_n: int | None = None,
     block_k: int | None = None,
     num_stages: int = DEFAULT_STAGES,
+    group_splits: int | None = None,
     interpret: Any = False,
 ) -> jax.Array:
     """Grouped matmul on a Hopper GPU: out [m, ndim] in lhs.dtype, float32 accumulation.
@@ -352,6 +370,10 @@ def gmm(
     lhs.dtype if it differs) or :class:`Fp8Weight` (w [E, kdim, ndim] float8_e4m3fn, scale_inv
     [E, ceil(kdim/b_in), ceil(ndim/b_out)]); group_sizes [E] int, non-negative, sum <= m. Tiles: see
     :func:`tile_sizes`; ``num_stages`` (>= 2) shared-memory slots in the copy pipeline.
+    ``group_splits``: programs per output tile, each taking every ``group_splits``-th of the tile's
+    groups and writing a partial output tile (zero outside its groups' rows) that are summed after
+    the kernel (exact: each row is one group's); None picks :func:`default_group_splits` (decode
+    sizes: one program per group instead of one SM per column tile walking all of them).
     ``interpret`` True (or an :func:`interpret_params` object) runs the kernel in Mosaic GPU interpret
     mode on any backend; otherwise it compiles for a Hopper GPU. Shapes and dtypes are checked by the
     dispatcher :func:`pallas_kernels.moe.gmm`; this checks what only the kernel requires.
@@ -360,6 +382,8 @@ def gmm(
     block_m, block_n, block_k = tile_sizes(fp8_block, block_m, block_n, block_k)
     if num_stages < 2:
         raise ValueError(f"gmm Mosaic GPU kernel: num_stages must be >= 2, got {num_stages}")
+    if group_splits is not None and group_splits < 1:
+        raise ValueError(f"gmm Mosaic GPU kernel: group_splits must be >= 1, got {group_splits}")
     dtype = jnp.dtype(lhs.dtype)
     if dtype not in LHS_DTYPES or (not interpret and dtype not in NATIVE_DTYPES):
         allowed = LHS_DTYPES if interpret else NATIVE_DTYPES
@@ -371,10 +395,13 @@ def gmm(
     (m, kdim), ndim = lhs.shape, w.shape[2]
     if not m * kdim * ndim:  # nothing to launch: an empty sum is zero
         return jnp.zeros((m, ndim), dtype)
-    groups, tiles = group_walk(group_sizes, m, block_m)
+    groups, walk = group_walk(group_sizes, m, block_m)
     lhs_p, w_p = pad_operands(lhs, w, block_m, block_n, block_k)
     m_pad, k_pad = lhs_p.shape
     n_pad = w_p.shape[2]
+    tiles = (m_pad // block_m, n_pad // block_n)
+    if group_splits is None:
+        group_splits = default_group_splits(m, w.shape[0], math.prod(tiles), block_m)
     d = _Dims(
         block_m=block_m,
         block_n=block_n,
@@ -385,18 +412,23 @@ def gmm(
         rhs_dtype=jnp.dtype(w.dtype),
         fp8_block=fp8_block,
         interpret=bool(interpret),
+        group_splits=group_splits,
     )
-    operands = [groups, tiles, lhs_p, w_p]
+    operands = [groups, walk, lhs_p, w_p]
     if fp8_block:
         operands.append(rhs.scale_inv.astype(jnp.float32))
     if interpret is True:
         interpret = interpret_params()
+    parts = () if group_splits == 1 else (group_splits,)
     call = plgpu.kernel(
         functools.partial(_kernel, d=d),
-        out_type=jax.ShapeDtypeStruct((m_pad, n_pad), dtype),
-        grid=(m_pad // block_m, n_pad // block_n),
-        grid_names=("m", "n"),
+        out_type=jax.ShapeDtypeStruct((*parts, m_pad, n_pad), dtype),
+        grid=(*tiles, group_splits),
+        grid_names=("m", "n", "g"),
         interpret=interpret or None,
         kernel_name="moe_gmm",
     )
-    return call(*operands)[:m, :ndim]
+    out = call(*operands)
+    if group_splits > 1:  # each element is non-zero in at most one part: the sum is exact
+        out = out.sum(axis=0, dtype=dtype)
+    return out[:m, :ndim]

@@ -188,17 +188,19 @@ def test_group_walk_lists_exactly_the_overlapping_groups(seed):
 
 
 @pytest.mark.parametrize(
-    "dtype, sizes, m, stages",
+    "dtype, sizes, m, stages, splits",
     [
-        (jnp.float32, [0, 9, 54, 1, 0, 30, 0], 117, 2),  # a 1-row group at a tile's last row
-        (jnp.bfloat16, [5, 0, 64, 11, 0, 3], 90, 3),
-        (jnp.float16, [40, 1, 1, 50], 92, 4),
-        (jnp.float32, [0, 0, 0], 9, 3),
-        (jnp.bfloat16, None, None, 3),
+        (jnp.float32, [0, 9, 54, 1, 0, 30, 0], 117, 2, 1),  # a 1-row group at a tile's last row
+        (jnp.bfloat16, [5, 0, 64, 11, 0, 3], 90, 3, 2),
+        (jnp.float16, [40, 1, 1, 50], 92, 4, 3),
+        (jnp.float32, [0, 0, 0], 9, 3, None),
+        (jnp.bfloat16, None, None, 3, None),
     ],
-    ids=["f32-stages2", "bf16-stages3", "f16-stages4", "all-empty", "bf16-random-sizes"],
+    ids=["f32-stages2", "bf16-stages3-splits2", "f16-stages4-splits3", "all-empty", "bf16-random-sizes"],
 )
-def test_mosaic_gmm_matches_reference_and_ragged_dot(dtype, sizes, m, stages):
+def test_mosaic_gmm_matches_reference_and_ragged_dot(dtype, sizes, m, stages, splits):
+    """Groups split over programs (``group_splits``, partial tiles summed) or not; None: the default
+    for these few tiles, one program per group a tile can hold."""
     rng = np.random.default_rng(10 if m is None else m)
     if sizes is None:  # 9 random sizes, two forced empty, and 7 rows past the groups
         sizes = rng.integers(0, 30, 9)
@@ -209,7 +211,9 @@ def test_mosaic_gmm_matches_reference_and_ragged_dot(dtype, sizes, m, stages):
     rhs = rand(rng, (len(sizes), kdim, ndim), dtype, scale=1 / math.sqrt(kdim))
     group_sizes = jnp.asarray(sizes, jnp.int32)
 
-    got = mosaic_gpu.gmm(lhs, rhs, group_sizes, interpret=True, num_stages=stages, **MOSAIC_SMALL_TILES)
+    got = mosaic_gpu.gmm(
+        lhs, rhs, group_sizes, interpret=True, num_stages=stages, group_splits=splits, **MOSAIC_SMALL_TILES
+    )
     ref = reference.gmm(lhs, rhs, group_sizes)
     ragged = jax.lax.ragged_dot(lhs, rhs, group_sizes)
     assert got.dtype == ref.dtype == dtype and got.shape == (m, ndim)
