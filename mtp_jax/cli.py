@@ -503,18 +503,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> int:
-    import dataclasses
     import json
     import subprocess
 
     from mtp_jax.config import (
         DFlashConfig,
         Llama3Config,
-        dflash_capture,
-        eagle3_capture,
         parse_config,
-        parse_dflash_config,
-        parse_eagle3_config,
+        parse_draft_config,
         read_json,
     )
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
@@ -526,14 +522,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     draft_cfg = None
     if args.draft_config:
         raw = read_json(args.draft_config, what="draft config")
-        archs = " ".join(map(str, raw.get("architectures") or [])).lower()
-        if "dflash" in archs or "dflash_config" in raw:
-            draft_cfg = parse_dflash_config(raw)
-            capture = dflash_capture(draft_cfg, cfg.num_hidden_layers)
-        else:
-            draft_cfg = parse_eagle3_config(raw, mla="kv_lora_rank" in raw)  # MLA drafts carry its widths
-            capture = eagle3_capture(draft_cfg, cfg.num_hidden_layers, args.draft_layer_ids)
-        draft_cfg = dataclasses.replace(draft_cfg, capture=capture)
+        draft_cfg = parse_draft_config(raw, cfg.num_hidden_layers, args.draft_layer_ids)
     k = args.k
     if k is None:
         k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) or draft_cfg is not None else 0

@@ -854,3 +854,20 @@ def dflash_capture(cfg: DFlashConfig, num_target_layers: int) -> tuple[int, ...]
                 f"(ids are layer outputs: 0..{n - 1})"
             )
     return tuple(ids)
+
+
+def parse_draft_config(
+    raw: Mapping[str, Any], num_target_layers: int, layer_ids: str = "inputs"
+) -> Eagle3Config | DFlashConfig:
+    """A separately trained draft's config.json (DFlash by its architecture or ``dflash_config``,
+    else EAGLE-3, with MLA attention when it carries ``kv_lora_rank``), with the target layers it
+    captures resolved for a target of ``num_target_layers`` layers (``layer_ids``: how EAGLE-3 ids
+    are read, :func:`eagle3_capture`)."""
+    archs = " ".join(map(str, raw.get("architectures") or [])).lower()
+    if "dflash" in archs or "dflash_config" in raw:
+        cfg: Eagle3Config | DFlashConfig = parse_dflash_config(raw)
+        capture = dflash_capture(cfg, num_target_layers)
+    else:
+        cfg = parse_eagle3_config(raw, mla="kv_lora_rank" in raw)
+        capture = eagle3_capture(cfg, num_target_layers, layer_ids)
+    return dataclasses.replace(cfg, capture=capture)

@@ -25,10 +25,16 @@ that term weighs. Writes (the K+1 new cache rows per layer) are left out: they a
 
 The step is timed in isolation (the engine's jitted :func:`mtp_jax.step.step`, the same program
 generation runs) at a fixed context: each call starts from the same committed length, so every
-call reads the same bytes. The bandwidth limit is the higher of two measurements: a jitted copy of a
-large buffer (read + write) and a matrix-vector product over one (reads only, the decode pattern).
-On a GPU they agree within a few percent; on a CPU the copy is several times slower (its fresh
-output buffer is faulted in page by page), so the matrix-vector rate is the honest limit there.
+call reads the same bytes. Calls are dispatched back to back and waited for once per round, as the
+engine dispatches a step before reading the previous one's tokens. ``--profile DIR`` also traces a
+few steps with :mod:`jax.profiler` and lists the costliest device operations (on a GPU, its
+kernels; the full trace opens in Perfetto or TensorBoard).
+
+The bandwidth limit is the higher of two measurements: a jitted copy of a large buffer (read +
+write) and a matrix-vector product over one (reads only, the decode pattern). On an H100 the copy
+reached 2.9-3.0 TB/s once timed back to back (2.2-2.4 TB/s when each call was waited for); on a
+CPU the copy is several times slower (its fresh output buffer is faulted in page by page), so the
+matrix-vector rate is the honest limit there.
 The ratio step / roofline is what the kernels are judged by (issue 7: within 1.5x at batch 1 on
 the H200). On a CPU the tiny model's weights sit in the caches, so the ratio there measures
 dispatch overhead as much as memory traffic.
@@ -55,18 +61,7 @@ import numpy as np
 # The routed experts' stacked projections: [layers, experts, in, out] (or an Fp8Weight of them).
 ROUTED_EXPERT_LEAVES = ("gate", "up", "down")
 WEIGHT_CHOICES = ("dense", "fp8")
-
-
-def timed(fn: Callable[[], Any], iters: int) -> float:
-    """Median seconds per call of ``fn`` after two untimed calls (compile, warm-up)."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+PROFILE_TOP = 25  # operations listed per K by --profile
 
 
 def timed_back_to_back(fns: Sequence[Callable[[], Any]], iters: int, rounds: int = 5) -> float:
@@ -90,7 +85,15 @@ def copy_bandwidth(megabytes: int, iters: int) -> float:
     """Bytes/s of a jitted copy of a ``megabytes`` buffer (each byte read once and written once)."""
     x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
     copy = jax.jit(lambda a: a + 0.0)
-    return 2 * x.nbytes / timed(lambda: copy(x), iters)
+    y = jax.block_until_ready(copy(copy(x)))  # compile, warm up
+    times = []
+    for _ in range(5):  # chained back to back: at most two buffers live, however large
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            y = copy(y)
+        jax.block_until_ready(y)
+        times.append((time.perf_counter() - t0) / iters)
+    return 2 * x.nbytes / statistics.median(times)
 
 
 def read_bandwidth(megabytes: int, iters: int) -> float:
@@ -100,7 +103,7 @@ def read_bandwidth(megabytes: int, iters: int) -> float:
     w = jnp.ones((max(1, megabytes * 2**20 // (4 * cols)), cols), jnp.float32)
     v = jnp.ones((cols,), jnp.float32)
     matvec = jax.jit(lambda a, b: a @ b)
-    return w.nbytes / timed(lambda: matvec(w, v), iters)
+    return w.nbytes / timed_back_to_back([lambda: matvec(w, v)], iters)
 
 
 def expected_experts(n_tokens: int, n_experts: int, top_k: int) -> float:
@@ -275,25 +278,36 @@ def draft_method(draft_cfg: Any) -> str:
     return "dflash" if isinstance(draft_cfg, DFlashConfig) else "eagle3"
 
 
-def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0) -> dict:
+def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0, draft_cfg: Any = None) -> dict:
     """Parameters of ``cfg`` with random values, made on the device (nothing read from disk): the
     structure, shapes and dtypes the loader produces (:func:`mtp_jax.plan.abstract_params`): every
     weight in ``dtype`` with ``weights="dense"``, projections kept FP8 with ``weights="fp8"``.
     Projections are N(0, 0.02) (FP8: N(0, 1) values with block scales 0.02), norms 1, router biases
-    0: the activations stay finite, which is all a timing needs."""
+    0: the activations stay finite, which is all a timing needs. ``draft_cfg``: an EAGLE-3 or
+    DFlash draft's config (captured layers resolved), whose random (dense) weights are added as the
+    loader adds a draft model; its draft-to-target vocabulary map is the first target ids."""
     from mtp_jax.plan import abstract_params
     from mtp_jax.sharding import make_mesh
 
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
     mesh = make_mesh(devices=jax.devices()[:1])
-    shapes = abstract_params(cfg, mesh, dtype, weights="fp8" if weights == "fp8" else "bf16")
+    shapes = abstract_params(
+        cfg,
+        mesh,
+        dtype,
+        weights="fp8" if weights == "fp8" else "bf16",
+        mtp=draft_cfg is None,  # a separate draft replaces the MTP layer (11 GB of FP8 for V3)
+        draft_cfg=draft_cfg,
+    )
     flat, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     key = jax.random.key(seed)
     leaves = []
     for i, (path, s) in enumerate(flat):  # one leaf at a time: a full-size temporary stays one leaf's
         name = _names(path)[-1]
         kind = "ones" if name.endswith("norm") else name if name in ("bias", "scale_inv") else "normal"
+        if jnp.issubdtype(s.dtype, jnp.integer):  # EAGLE-3's draft_to_target
+            kind = "ids"
         leaves.append(_random_leaf(jax.random.fold_in(key, i), kind=kind, shape=s.shape, dtype=s.dtype))
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -306,6 +320,8 @@ def _random_leaf(key: jax.Array, *, kind: str, shape: tuple[int, ...], dtype: An
         return jnp.zeros(shape, dtype)
     if kind == "scale_inv":
         return jnp.full(shape, 0.02, dtype)
+    if kind == "ids":
+        return jnp.arange(math.prod(shape), dtype=dtype).reshape(shape)
     narrow = jnp.dtype(dtype).itemsize <= 2  # draw 16-bit values: half the temporary of float32
     x = jax.random.normal(key, shape, jnp.bfloat16 if narrow else dtype)
     return (x * (1.0 if jnp.dtype(dtype).itemsize == 1 else 0.02)).astype(dtype)
@@ -322,10 +338,12 @@ def time_step(
     dtype: Any,
     iters: int,
     draft_cfg: Any = None,
+    profile_dir: str | None = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
-    from the MTP layer, or from the EAGLE-3 or DFlash draft of ``draft_cfg``."""
+    from the MTP layer, or from the EAGLE-3 or DFlash draft of ``draft_cfg``. ``profile_dir``:
+    afterwards, trace :data:`PROFILED_STEPS` more steps there with :mod:`jax.profiler`."""
     from mtp_jax.step import StepConfig, init_state, step
 
     draft = None if not k else draft_method(draft_cfg)
@@ -342,7 +360,8 @@ def time_step(
         active=jnp.ones((batch,), bool),
     )
     # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
-    lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(iters + 2)]
+    calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
+    lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(calls)]
     holder = [state]
 
     def one() -> jax.Array:
@@ -351,12 +370,73 @@ def time_step(
         emitted, n_emit, holder[0] = step(params, s, sc)
         return n_emit
 
-    return timed(one, iters)
+    # Dispatched back to back, as the engine does (it reads a step's tokens one step late).
+    seconds = timed_back_to_back([one], iters, rounds=TIMED_ROUNDS)
+    if profile_dir is not None:
+        with jax.profiler.trace(profile_dir, create_perfetto_trace=True):
+            for _ in range(PROFILED_STEPS):
+                jax.block_until_ready(one())
+    return seconds
+
+
+PROFILED_STEPS = 3
+TIMED_ROUNDS = 5
+
+
+def device_op_times(profile_dir: str, steps: int = PROFILED_STEPS) -> list[dict]:
+    """The operations of a :func:`jax.profiler.trace` in ``profile_dir`` (its newest Perfetto trace),
+    costliest first: ``{"name", "us_per_step", "calls_per_step", "share"}``, durations summed per
+    name and divided by ``steps``. On a GPU the device's kernels (its streams); elsewhere the
+    host-side XLA operations (events carrying an ``hlo_op``). ``share``: of the summed durations."""
+    import glob
+    import gzip
+
+    paths = glob.glob(os.path.join(profile_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {profile_dir}")
+    with gzip.open(max(paths, key=os.path.getmtime), "rt", encoding="utf-8") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    names = {
+        e.get("pid"): str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    devices = {pid for pid, name in names.items() if "/device:" in name}
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if devices and e.get("pid") not in devices:
+            continue
+        if not devices and "hlo_op" not in e.get("args", {}):
+            continue
+        entry = totals.setdefault(str(e.get("name")), [0.0, 0])
+        entry[0] += float(e["dur"])
+        entry[1] += 1
+    whole = sum(t for t, _ in totals.values()) or 1.0
+    rows = [
+        {"name": n, "us_per_step": t / steps, "calls_per_step": c / steps, "share": t / whole}
+        for n, (t, c) in totals.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
 def _load_config(path: str, overrides: Sequence[str]) -> Any:
     from mtp_jax.config import parse_config
 
+    return parse_config(_read_overridden(path, overrides))
+
+
+def _config_name(path: str) -> str:
+    """A config file's name for reports: its folder's for a checkpoint's config.json."""
+    path = os.path.abspath(path)
+    base = os.path.basename(path)
+    return os.path.basename(os.path.dirname(path)) if base == "config.json" else base
+
+
+def _read_overridden(path: str, overrides: Sequence[str]) -> dict:
+    """A config.json with ``KEY=VALUE`` overrides (JSON values) applied."""
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
     for item in overrides:
@@ -367,7 +447,7 @@ def _load_config(path: str, overrides: Sequence[str]) -> Any:
             raw[key] = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"--set {key}: value {value!r} is not JSON ({e.msg})") from None
-    return parse_config(raw)
+    return raw
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -394,7 +474,25 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="parameter and cache dtype (default: float32 for --model, bfloat16 for --config)",
     )
     parser.add_argument(
-        "--draft-model", help="--model only: an EAGLE-3 draft directory (drafts from it, not from MTP)"
+        "--draft-model",
+        help="--model only: an EAGLE-3 or DFlash draft directory (drafts from it, not from MTP)",
+    )
+    parser.add_argument(
+        "--draft-config",
+        help="--config only: an EAGLE-3 or DFlash draft's config.json, random weights (drafts from it)",
+    )
+    parser.add_argument(
+        "--draft-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a --draft-config field (JSON value)",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="also trace a few steps of each K with jax.profiler into DIR/k<K> and print the costliest "
+        "device operations",
     )
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3], help="drafts per step (0: plain)")
     parser.add_argument("--batch", type=int, default=1)
@@ -416,13 +514,23 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--set changes a --config; it does nothing to a checkpoint")
     if args.draft_model and args.config:
         raise ValueError("--draft-model goes with --model (a trained draft beside its target)")
+    if args.draft_config and not args.config:
+        raise ValueError("--draft-config goes with --config (random weights for both)")
+    if args.draft_set and not args.draft_config:
+        raise ValueError("--draft-set changes a --draft-config")
     draft_cfg = None
     if args.config:
+        from mtp_jax.config import parse_draft_config
+
         dtype_name = args.dtype or "bfloat16"
         cfg = _load_config(args.config, args.set)
-        print(f"random {args.weights} weights for {args.config} {args.set} ...", file=sys.stderr, flush=True)
-        params = random_params(cfg, DTYPES[dtype_name], args.weights)
-        name = f"{os.path.basename(args.config)} {' '.join(args.set)} ({args.weights}, random)".strip()
+        name = f"{_config_name(args.config)} {' '.join(args.set)} ({args.weights}, random)".strip()
+        if args.draft_config:
+            draft_raw = _read_overridden(args.draft_config, args.draft_set)
+            draft_cfg = parse_draft_config(draft_raw, cfg.num_hidden_layers)
+            name += f" + {_config_name(args.draft_config)} {' '.join(args.draft_set)}".rstrip()
+        print(f"random {args.weights} weights for {name} ...", file=sys.stderr, flush=True)
+        params = random_params(cfg, DTYPES[dtype_name], args.weights, draft_cfg=draft_cfg)
     else:
         import mtp_jax
         from mtp_jax.bench import model_path
@@ -473,8 +581,20 @@ def run(args: argparse.Namespace) -> dict:
             dtype=dtype,
             iters=args.iters,
             draft_cfg=draft_cfg,
+            profile_dir=None if args.profile is None else os.path.join(args.profile, f"k{k}"),
         )
         roofline = need.total / bandwidth
+        ops = []
+        if args.profile is not None:
+            ops = device_op_times(os.path.join(args.profile, f"k{k}"))[:PROFILE_TOP]
+            print(f"K = {k}: costliest operations per step (of {seconds * 1e6:.0f} us):", file=sys.stderr)
+            for op in ops:
+                print(
+                    f"  {op['us_per_step']:9.1f} us {100 * op['share']:5.1f}% x{op['calls_per_step']:<4g} "
+                    f"{op['name'][:100]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
         rows.append(
             {
                 "k": k,
@@ -485,6 +605,7 @@ def run(args: argparse.Namespace) -> dict:
                 "roofline_ms": roofline * 1e3,
                 "over_roofline": seconds / roofline,
                 "achieved_gb_s": need.total / seconds / 1e9,
+                **({"profile_top": ops} if ops else {}),
             }
         )
     return {

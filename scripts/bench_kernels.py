@@ -34,9 +34,12 @@ Hopper GPU, Triton off an sm_80+ GPU) are skipped with the reason.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 
 import jax
@@ -45,7 +48,7 @@ import numpy as np
 
 from mtp_jax.bench import machine_info, write_json
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
-from mtp_jax.roofline import copy_bandwidth, timed_back_to_back
+from mtp_jax.roofline import copy_bandwidth, device_op_times, timed_back_to_back
 from pallas_kernels.mla_decode import IMPLS as MLA_IMPLS
 from pallas_kernels.mla_decode import mla_decode
 from pallas_kernels.moe import gmm
@@ -68,8 +71,10 @@ def mla_case(args: argparse.Namespace, rng: np.random.Generator, batch: int, k: 
     pages_per_row = -(-context // page)
     need = batch * context * width * 2 + batch * tokens * heads * width * 2  # latent cache + queries, bf16
     copies = max(1, min(MAX_COPIES, -(-ROTATE_BYTES // need)))
-    q = jnp.asarray(rng.standard_normal((batch, tokens, heads, width)), jnp.bfloat16)
-    cache = jnp.asarray(rng.standard_normal((copies * batch * pages_per_row, page, width)), jnp.bfloat16)
+    # Drawn on the device: at 64 rows x 32k tokens the cache alone is 2.4 GB of bfloat16.
+    kq, kc = jax.random.split(jax.random.key(int(rng.integers(2**31))))
+    q = jax.random.normal(kq, (batch, tokens, heads, width), jnp.bfloat16)
+    cache = jax.random.normal(kc, (copies * batch * pages_per_row, page, width), jnp.bfloat16)
     perm = rng.permutation(copies * batch * pages_per_row).reshape(copies, batch, pages_per_row)
     tables = [jnp.asarray(t, jnp.int32) for t in perm]
     positions = jnp.asarray(context - tokens + np.arange(tokens), jnp.int32)[None].repeat(batch, 0)
@@ -82,13 +87,14 @@ def mla_case(args: argparse.Namespace, rng: np.random.Generator, batch: int, k: 
         "need": need,
         "copies": copies,
         "ref_gb": ref_gb,
-        "call": lambda impl, i: mla_decode(
-            q, cache, tables[i % copies], positions, scale=scale, value_dim=value_dim, impl=impl
+        "call": lambda impl, q, cache, table, positions: mla_decode(
+            q, cache, table, positions, scale=scale, value_dim=value_dim, impl=impl
         ),
-        "baseline": lambda: mla_decode(
+        "inputs": [(q, cache, t, positions) for t in tables],
+        "baseline": lambda q, cache, table, positions: mla_decode(
             q.astype(jnp.float32),
             cache.astype(jnp.float32),
-            tables[0],
+            table,
             positions,
             scale=scale,
             value_dim=value_dim,
@@ -121,16 +127,16 @@ def gmm_case(args: argparse.Namespace, rng: np.random.Generator, tokens: int, we
         rhs = jax.random.normal(key, (experts, d, f), jnp.bfloat16) * (1 / math.sqrt(d))
         per_expert = d * f * 2
     need = int((sizes > 0).sum()) * per_expert + lhs.nbytes
-    group_sizes = jnp.asarray(sizes)
     return {
         "name": f"gmm {weights} tokens={tokens} ({rows} rows, {int((sizes > 0).sum())} experts)",
         "shape": {"tokens": tokens, "rows": rows, "experts": experts, "d": d, "f": f, "weights": weights},
         "need": need,
         "copies": 1,
         "ref_gb": 0.0,
-        "call": lambda impl, i: gmm(lhs, rhs, group_sizes, impl=impl),
+        "call": lambda impl, lhs, rhs, group_sizes: gmm(lhs, rhs, group_sizes, impl=impl),
+        "inputs": [(lhs, rhs, jnp.asarray(sizes))],
         # The kernel's math (weights exactly as materialize rounds them) with float32 accumulation, by XLA.
-        "baseline": lambda: jax.lax.ragged_dot(
+        "baseline": lambda lhs, rhs, group_sizes: jax.lax.ragged_dot(
             lhs,
             materialize(rhs, jnp.bfloat16).astype(jnp.bfloat16),
             group_sizes,
@@ -139,11 +145,22 @@ def gmm_case(args: argparse.Namespace, rng: np.random.Generator, tokens: int, we
     }
 
 
+def device_seconds(fns: list[Callable], iters: int) -> float:
+    """Seconds per call the device spends in kernels (summed from a :mod:`jax.profiler` trace of
+    ``iters`` calls): the time without the host's dispatch gaps, which dominate small cases."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready([fns[i % len(fns)]() for i in range(iters)])
+        ops = device_op_times(trace_dir, steps=iters)
+    return sum(op["us_per_step"] for op in ops) / 1e6
+
+
 def run_case(case: dict, op: str, impls: list[str], args: argparse.Namespace, limit: float) -> list[dict]:
     rows = []
+    started = time.perf_counter()
     baseline = None
     if case["ref_gb"] <= args.reference_max_gb:
-        baseline = jax.block_until_ready(jax.jit(case["baseline"])())
+        baseline = jax.block_until_ready(jax.jit(case["baseline"])(*case["inputs"][0]))
     for impl in impls:
         row = {"op": op, "impl": impl, "bytes": case["need"], "copies": case["copies"], **case["shape"]}
         if impl == "reference" and case["ref_gb"] > args.reference_max_gb:
@@ -151,9 +168,11 @@ def run_case(case: dict, op: str, impls: list[str], args: argparse.Namespace, li
         elif impl == "reference" and op == "gmm" and not args.small:
             row["skipped"] = "the reference computes every expert on every row (small shapes only)"
         else:
-            fns: list[Callable] = [
-                jax.jit(lambda i=i, impl=impl: case["call"](impl, i)) for i in range(case["copies"])
-            ]
+            # One program per implementation, the inputs its arguments (closed over, gigabytes of
+            # weights would be compiled into the program as constants); the MLA cases rotate page
+            # tables over copies of the cache.
+            run = jax.jit(functools.partial(case["call"], impl))
+            fns: list[Callable] = [functools.partial(run, *inputs) for inputs in case["inputs"]]
             try:
                 out = jax.block_until_ready(fns[0]())
                 if baseline is not None:
@@ -161,29 +180,36 @@ def run_case(case: dict, op: str, impls: list[str], args: argparse.Namespace, li
                 if not np.isfinite(np.asarray(out, np.float32)).all():
                     raise RuntimeError("non-finite output")
                 seconds = timed_back_to_back(fns, args.iters)
+                if args.device_time:
+                    row["device_seconds"] = device_seconds(fns, args.iters)
             except (ValueError, NotImplementedError, RuntimeError) as e:
                 row["skipped"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             else:
+                best = row.get("device_seconds") or seconds
                 row.update(
                     seconds=seconds,
-                    gb_per_s=case["need"] / seconds / 1e9,
-                    of_copy=case["need"] / seconds / limit,
+                    gb_per_s=case["need"] / best / 1e9,
+                    of_copy=case["need"] / best / limit,
                 )
         rows.append(row)
+        row["wall_s"] = time.perf_counter() - started
         if "skipped" in row:
             print(f"{case['name']:52s} {impl:10s} skipped: {row['skipped']}", file=sys.stderr, flush=True)
         else:
             err = f"  err {row['rel_err']:.1e}" if "rel_err" in row else ""
+            dev = f" (device {row['device_seconds'] * 1e6:.1f} us)" if "device_seconds" in row else ""
             print(
-                f"{case['name']:52s} {impl:10s} {row['seconds'] * 1e6:10.1f} us {row['gb_per_s']:8.1f} GB/s "
-                f"{100 * row['of_copy']:5.1f}% of copy{err}",
+                f"{case['name']:52s} {impl:10s} {row['seconds'] * 1e6:10.1f} us{dev} {row['gb_per_s']:8.1f} "
+                f"GB/s {100 * row['of_copy']:5.1f}% of copy{err} [{row['wall_s']:.0f} s]",
                 flush=True,
             )
+        started = time.perf_counter()
     return rows
 
 
 def table(results: list[dict]) -> str:
-    """A markdown table: one line per case, each implementation's time and share of the copy bandwidth."""
+    """A markdown table: one line per case, each implementation's time (the device's kernel time with
+    --device-time) and share of the copy bandwidth."""
     impls = list(dict.fromkeys(r["impl"] for r in results))
     cases: dict[tuple, dict] = {}
     for r in results:
@@ -200,7 +226,9 @@ def table(results: list[dict]) -> str:
                 cells.append("-")
             else:
                 err = f", {r['rel_err']:.0e}" if "rel_err" in r else ""
-                cells.append(f"{r['seconds'] * 1e6:.1f} ({100 * r['of_copy']:.0f}%{err})")
+                cells.append(
+                    f"{(r.get('device_seconds') or r['seconds']) * 1e6:.1f} ({100 * r['of_copy']:.0f}%{err})"
+                )
         label = " ".join(f"{k}={v}" for k, v in key[1:])
         lines.append(f"| {key[0]} {label} | {any_row['bytes'] / 1e6:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -230,6 +258,12 @@ def main() -> int:
         help="implementations to time (mla_decode runs those it has: not triton / ragged_dot)",
     )
     parser.add_argument("--iters", type=int, default=20, help="calls per timed round")
+    parser.add_argument(
+        "--device-time",
+        action="store_true",
+        help="also trace each case with jax.profiler and rate it by the device's kernel time per call "
+        "(bandwidths then use that time)",
+    )
     parser.add_argument("--copy-mb", type=int, default=1024, help="buffer size of the copy measurement")
     parser.add_argument(
         "--reference-max-gb", type=float, default=12.0, help="skip the MLA reference above this much memory"

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 21's checks on a Hopper GPU, in one command: the environment, the native kernel tests, the
-# kernel sweep and the unified step against its roofline. Logs and JSON go to OUT_DIR (default
-# ./gpu-out). Stages: env tests kernels step step_dsf (default: the first four), e.g.
-# `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's dynamic-slice fusion on.
-# Each stage runs under its own time limit (seconds, TESTS_S / KERNELS_S / STEP_S) so a hang in one
-# leaves the others their time.
+# Issue 30's checks on a Hopper GPU, in one command: the environment, the native kernel tests, the
+# kernel sweep and the unified step against its roofline (with a jax.profiler trace), for every
+# target x draft at real sizes with random weights. Logs and JSON go to OUT_DIR (default ./gpu-out).
+# Stages: env tests kernels step step_eagle3 step_dflash llama llama_eagle3 llama_dflash step_dsf
+# (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's dynamic-slice
+# fusion on. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
+# hang in one leaves the others their time; a timed-out pytest is interrupted (SIGINT) so that it
+# still prints its summary.
 set -uo pipefail
+set -f  # no globbing: the stages pass JSON values such as [0,1,2]
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-gpu-out}
 mkdir -p "$OUT_DIR"
@@ -20,20 +23,32 @@ for stage in $stages; do
       $PY -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
       ;;
     tests)
-      timeout "${TESTS_S:-300}" $PY -m pytest -q -rs --tb=short -p no:cacheprovider ${TESTS_ARGS:-tests/pallas_kernels} \
-        >"$OUT_DIR/tests.log" 2>&1
-      echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT_DIR/tests.log" | tail -30
+      timeout -k 20 -s INT "${TESTS_S:-300}" $PY -m pytest -q -rs --tb=short -p no:cacheprovider \
+        ${TESTS_ARGS:-tests/pallas_kernels} >"$OUT_DIR/tests.log" 2>&1
+      echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/tests.log" | tail -30
+      grep -qE "passed|failed" "$OUT_DIR/tests.log" || tail -40 "$OUT_DIR/tests.log"
       ;;
     kernels)
-      timeout "${KERNELS_S:-300}" $PY scripts/bench_kernels.py ${KERNELS_ARGS:---batch 1 64 --context 1024 32768 --k 0 3 --gmm-tokens 1 32 256 --gmm-weights bf16 fp8} \
+      timeout "${KERNELS_S:-300}" $PY scripts/bench_kernels.py ${KERNELS_ARGS:---batch 1 64 --context 1024 32768 --k 0 3 --gmm-tokens 1 32 256 --gmm-weights bf16 fp8 --device-time} \
         --json "$OUT_DIR/kernels.json" >"$OUT_DIR/kernels.md" 2>"$OUT_DIR/kernels.log"
       echo "kernels rc=$?"; cat "$OUT_DIR/kernels.md"; grep -E "skipped|Error|error" "$OUT_DIR/kernels.log" | cut -c1-400 | sort -u | head -20
       ;;
-    step)
-      timeout "${STEP_S:-300}" $PY scripts/bench_step.py --config configs/deepseek-v3.json --weights fp8 \
-        ${STEP_ARGS:---set num_hidden_layers=3 --set first_k_dense_replace=1 --context 4096 --k 0 1 3 --iters 10} \
-        --json "$OUT_DIR/step.json" >"$OUT_DIR/step.md" 2>"$OUT_DIR/step.log"
-      echo "step rc=$?"; cat "$OUT_DIR/step.md"; tail -5 "$OUT_DIR/step.log"
+    step|step_eagle3|step_dflash|llama|llama_eagle3|llama_dflash)
+      V3="--config configs/deepseek-v3.json --weights fp8 --set num_hidden_layers=3 --set first_k_dense_replace=1"
+      case $stage in
+        step) run_args="$V3 --k 0 1 3" ;;  # the MTP layer
+        step_eagle3) run_args="$V3 --draft-config configs/eagle3-deepseek-v3.json --k 1 3" ;;
+        step_dflash)  # the 3-layer target: the draft reads its 3 layers
+          run_args="$V3 --draft-config configs/dflash-deepseek-v3.json --draft-set num_target_layers=3
+            --draft-set dflash_config={\"mask_token_id\":129279,\"target_layer_ids\":[0,1,2]} --k 3 7" ;;
+        llama) run_args="--config configs/llama-3.1-8b.json --k 0" ;;
+        llama_eagle3) run_args="--config configs/llama-3.1-8b.json --draft-config configs/eagle3-llama-3.1-8b.json --k 1 3" ;;
+        llama_dflash) run_args="--config configs/llama-3.1-8b.json --draft-config configs/dflash-llama-3.1-8b.json --k 3 7" ;;
+      esac
+      [ -n "${STEP_K:-}" ] && run_args="$run_args --k $STEP_K"  # e.g. STEP_K="3": one K per stage
+      timeout "${STEP_S:-300}" $PY scripts/bench_step.py $run_args ${STEP_ARGS:---context 4096 --iters 10} \
+        --profile "$OUT_DIR/prof_$stage" --json "$OUT_DIR/$stage.json" >"$OUT_DIR/$stage.md" 2>"$OUT_DIR/$stage.log"
+      echo "$stage rc=$?"; cat "$OUT_DIR/$stage.md"; grep -vE "^\s+[0-9.]+ us" "$OUT_DIR/$stage.log" | tail -5
       ;;
     step_dsf)  # the same step with XLA's dynamic-slice fusion: the scanned layers' weight slices read in place
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true" timeout "${STEP_S:-300}" \

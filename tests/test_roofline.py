@@ -16,7 +16,7 @@ import pytest
 
 from mtp_jax import roofline
 from mtp_jax.checkpoint.estimate import count_parameters, weight_bytes
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.config import DeepseekV3Config, parse_draft_config
 from mtp_jax.plan import abstract_params
 from mtp_jax.roofline import expected_experts, random_params, step_bytes
 from mtp_jax.sharding import make_mesh
@@ -108,6 +108,22 @@ def test_random_params_have_the_loaders_structure(weights, planned):
         random_params(cfg, jnp.bfloat16, "int4")
 
 
+def test_random_params_with_a_draft_have_the_loaders_structure():
+    """A DFlash draft's random weights sit where load(draft_model=) puts them, with no MTP layer."""
+    cfg = DeepseekV3Config.from_dict(TINY_CONFIG)
+    raw = {"architectures": ["DFlashDraftModel"], "hidden_size": cfg.hidden_size, "intermediate_size": 64}
+    raw |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    raw |= {"vocab_size": cfg.vocab_size, "block_size": 4, "dflash_config": {"mask_token_id": 5}}
+    draft_cfg = parse_draft_config(raw, cfg.num_hidden_layers)
+    params = random_params(cfg, jnp.bfloat16, "dense", draft_cfg=draft_cfg)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    shapes = abstract_params(cfg, mesh, jnp.bfloat16, weights="bf16", mtp=False, draft_cfg=draft_cfg)
+    assert "mtp" not in params and "dflash" in params
+    assert jax.tree.structure(params) == jax.tree.structure(shapes)
+    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shapes), strict=True):
+        assert x.shape == s.shape and x.dtype == s.dtype
+
+
 def _run(*args: str, cwd: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench_step.py"), *args],
@@ -125,6 +141,7 @@ def test_bench_step_smoke_run(tmp_path):
     out = tmp_path / "step.json"
     args = ["--config", str(config), "--set", "num_hidden_layers=2", "--weights", "fp8", "--k", "0", "2"]
     args += ["--context", "40", "--page-size", "8", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
+    args += ["--profile", str(tmp_path / "profile")]
     run = _run(*args, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
@@ -143,6 +160,34 @@ def test_bench_step_smoke_run(tmp_path):
     assert rows[2]["bytes_by_part"]["kv"] == (2 + 2) * (40 + 3) * width * 2
     assert rows[0]["bytes_by_part"]["draft_heads"] == 0 < rows[2]["bytes_by_part"]["draft_heads"]
     assert "| K | step ms |" in run.stdout
+    # --profile: a trace per K, its costliest operations (XLA's on the CPU) listed per step
+    for k, r in rows.items():
+        assert (tmp_path / "profile" / f"k{k}").is_dir()
+        ops = r["profile_top"]
+        assert ops and all(op["us_per_step"] > 0 and op["calls_per_step"] > 0 for op in ops)
+        assert [op["us_per_step"] for op in ops] == sorted((op["us_per_step"] for op in ops), reverse=True)
+    assert "costliest operations per step" in run.stderr
+
+
+def test_bench_step_with_a_random_eagle3_draft(tmp_path):
+    """--draft-config: the shipped tiny EAGLE-3 draft's config over the tiny Llama's, random weights."""
+    out = tmp_path / "step.json"
+    llama = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+    args = ["--config", os.path.join(llama, "config.json"), "--draft-config"]
+    args += [
+        os.path.join(llama + "-eagle3", "config.json"),
+        "--draft-set",
+        "draft_vocab_size=512",
+        "--k",
+        "2",
+    ]
+    args += ["--context", "40", "--page-size", "8", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
+    run = _run(*args, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert "eagle3" in report["model"] and "draft_vocab_size=512" in report["model"]
+    (row,) = report["results"]
+    assert row["draft"] == "eagle3" and row["step_ms"] > 0 and row["bytes_by_part"]["draft_weights"] > 0
 
 
 @pytest.mark.parametrize(
@@ -153,6 +198,8 @@ def test_bench_step_smoke_run(tmp_path):
         (["--config", "CONFIG", "--set", "hidden_size=sixty"], "is not JSON"),
         (["--k", "0", "--batch", "0"], "must be >= 1"),
         (["--context", "5000"], "max_position_embeddings"),
+        (["--draft-config", "CONFIG"], "--draft-config goes with --config"),
+        (["--config", "CONFIG", "--draft-set", "hidden_size=8"], "--draft-set changes a --draft-config"),
     ],
 )
 def test_bench_step_argument_errors(tmp_path, args, message):

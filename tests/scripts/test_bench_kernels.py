@@ -7,12 +7,25 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
 def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
     out = tmp_path / "kernels.json"
-    args = ["--small", "--context", "64", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
+    args = [
+        "--small",
+        "--context",
+        "64",
+        "--iters",
+        "2",
+        "--copy-mb",
+        "8",
+        "--json",
+        str(out),
+        "--device-time",
+    ]
     args += ["--gmm-weights", "bf16", "fp8"]
     args += ["--impls", "kernel", "triton", "reference", "ragged_dot"]
     env = dict(os.environ, PYTHONPATH=REPO)
@@ -39,6 +52,9 @@ def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
         assert "skipped" in rows[key] and "GPU" in rows[key]["skipped"]
     for key in [("mla_decode", "reference"), ("gmm", "reference"), ("gmm", "ragged_dot")]:
         assert rows[key]["seconds"] > 0 and rows[key]["gb_per_s"] > 0 and rows[key]["bytes"] > 0
+        # --device-time: the operations' own time from a profiler trace, which the rates then use
+        assert rows[key]["device_seconds"] > 0
+        assert rows[key]["gb_per_s"] == pytest.approx(rows[key]["bytes"] / rows[key]["device_seconds"] / 1e9)
         # against the float32-accumulated baseline: bf16 output rounding only
         assert 0 < rows[key]["rel_err"] < 1e-2
     fp8 = [r for r in report["results"] if r.get("weights") == "fp8" and r["impl"] == "ragged_dot"]
