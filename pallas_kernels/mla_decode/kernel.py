@@ -32,16 +32,18 @@ A masked key still enters ``p @ V`` with probability 0, so cache rows of a neede
 query positions must be finite (the cache is zero-initialised and only holds finished rows).
 Pages past the needed ones are never read.
 
-Verified on CPU only: interpret-mode results against the reference, and lowering of the native
-path to a Mosaic GPU module (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``). A GPU
-session must verify the device compile (ptxas, sm_90a; register spills: the loop holds a 64×256
-float32 accumulator), results and speed: ``test_native_kernel_deepseek_sizes`` in
-``tests/pallas_kernels/test_mla_decode.py`` runs only on a Hopper GPU.
+Verified: interpret-mode results on CPU against the reference, lowering of the native path to a
+Mosaic GPU module from the CPU (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``),
+and on an H100 (JAX 0.11.2) the native compile and results (``test_native_kernel_deepseek_sizes``
+in ``tests/pallas_kernels/test_mla_decode.py``: DeepSeek-V3 heads and widths, 32k positions, page
+sizes 16 and 64, one and automatic splits). Speed there: one query token per row, batch 1, 32k
+positions: 39 us of device time, 970 GB/s, 34% of the copy bandwidth (XLA's reference: 93 us).
 
 Known cost: every (row block, value block) program streams the row's keys itself, so at
 DeepSeek-V3 sizes (T·H = 512 rows, two value blocks) each page is read 16 times per step, mostly
 from L2. Sharing one key tile between the row blocks (several consumer warpgroups per program, as
-FlashMLA does) is the obvious next step once the device numbers are in.
+FlashMLA does) is the next step: at one query token per row (two row blocks) the H100 number above
+is 34% of the copy bandwidth, the goal 80%.
 """
 
 from __future__ import annotations
