@@ -59,6 +59,18 @@ from mtp_jax.checkpoint.synthetic import (  # noqa: E402
 from mtp_jax.config import DeepseekV3Config  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def require_extra(module: str, reason: str | None = None):
+    """``pytest.importorskip(module)``, except under CI (``CI`` set), where a missing extra is an
+    install failure and must fail the run rather than skip its tests."""
+    if os.environ.get("CI"):
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=reason)
+
+
 PARITY_DIR = os.path.join(REPO, "tests", "fixtures", "parity")
 EMBEDDED_MODEL = os.path.join(REPO, "checkpoints", "tiny-deepseek-v3-stdlib")
 

@@ -16,7 +16,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax.cli import main
-from tests.conftest import EMBEDDED_MODEL
+from tests.conftest import EMBEDDED_MODEL, require_extra
 
 FIB = "def fibonacci(n):"
 CODE = "import os\nprint(os.getcwd())"
@@ -293,7 +293,7 @@ def test_console_script_subprocess(tmp_path, embedded):
 
 def test_generate_under_a_grammar(capsys, embedded, tmp_path):
     """--regex and --json-schema FILE: the printed continuation is valid and complete."""
-    pytest.importorskip("llguidance")
+    require_extra("llguidance")
     args = ["generate", "--prompt", FIB, "--max-new-tokens", "40", "--temperature", "1"]
     rc, out, err = run(capsys, *args, "--regex", r"return [a-z]{1,4}\(n\)")
     assert rc == 0, err

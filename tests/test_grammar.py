@@ -17,10 +17,10 @@ from tokenizers import Tokenizer
 
 import mtp_jax
 from mtp_jax.grammar import mask_logits
-from tests.conftest import EMBEDDED_MODEL
+from tests.conftest import EMBEDDED_MODEL, require_extra
 from tests.test_acceptance import assert_distribution
 
-pytest.importorskip("llguidance", reason="grammar tests need the test extra (llguidance)")
+require_extra("llguidance", reason="grammar tests need the test extra (llguidance)")
 
 SCHEMA = {  # a "hidden" schema: nothing in the package knows it
     "type": "object",

@@ -22,7 +22,7 @@ from mtp_jax.distributed import (
     resolve_cluster,
     spawn_local,
 )
-from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.conftest import EMBEDDED_MODEL, REPO, require_extra
 
 LAUNCH = os.path.join(REPO, "scripts", "launch.py")
 ENV = dict(os.environ, PYTHONPATH=REPO)
@@ -88,8 +88,8 @@ def test_two_processes_serve_what_one_generates():
     """--serve over 2 processes: process 0 serves HTTP, process 1 replays its engine's steps;
     concurrent greedy requests (one client hanging up mid-stream) get offline generate's text, the
     pages all come back, and a SIGINT to process 0 stops both cleanly."""
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("uvicorn")
+    httpx = require_extra("httpx")
+    require_extra("uvicorn")
     import signal
     import threading
 

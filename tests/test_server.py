@@ -14,12 +14,12 @@ import time
 import pytest
 
 import mtp_jax
-from tests.conftest import EMBEDDED_MODEL
+from tests.conftest import EMBEDDED_MODEL, require_extra
 
-pytest.importorskip("starlette")
-pytest.importorskip("uvicorn")
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+require_extra("starlette")
+require_extra("uvicorn")
+openai = require_extra("openai")
+httpx = require_extra("httpx")
 
 NAME = "tiny-chat"
 # A chat template of our own in the hub's tokenizer_config.json layout.

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import mtp_jax
-from tests.conftest import EMBEDDED_MODEL
+from tests.conftest import EMBEDDED_MODEL, require_extra
 
 PROMPTS = [[1, 40 + i, 7, 100 + 3 * i][: 2 + i % 3] for i in range(12)]
 
@@ -143,7 +143,7 @@ def test_bounded_queue_and_close(model):
 
 
 def test_grammar_requests(model, engine):
-    pytest.importorskip("llguidance")
+    require_extra("llguidance")
     import re
 
     handles = [

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 import mtp_jax
 from mtp_jax.text import IncrementalDecoder, StopStrings, TextCodec, check_stops
-from tests.conftest import EMBEDDED_MODEL
+from tests.conftest import EMBEDDED_MODEL, require_extra
 
 TEXTS = [
     "def f(x):\n    return x  # ok",
@@ -81,7 +81,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):
-    pytest.importorskip("jinja2")
+    require_extra("jinja2")
     path = tmp_path_factory.mktemp("chat") / "model"
     shutil.copytree(EMBEDDED_MODEL, path)
     config = {"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
