@@ -27,7 +27,7 @@ from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
 from mtp_jax.sharding import replicated
 from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
 from mtp_jax.targets import Hidden, target_for
-from mtp_jax.targets.base import check_capture
+from mtp_jax.targets.base import check_capture, unstack_layers
 from mtp_jax.text import TextCodec, TextStream, check_stops
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -67,6 +67,67 @@ def _draft_logits(params: dict, sc: StepConfig, tokens: jax.Array) -> jax.Array:
     return replicated(sc.drafter.teacher_forced(params, sc, tokens, hidden), sc.mesh)
 
 
+LAYER_BUFFER_MIN_BYTES = 4 * 2**20
+"""``layer_buffers=None`` gives each layer its own buffers when a layer's weights are at least this
+large (real models; the tiny test models keep their stacks and compile one scanned layer)."""
+
+
+def layer_stack_paths(params: dict, config: ModelConfig) -> list[tuple[str, ...]]:
+    """Paths of the stacked layer trees in ``params``: the target's and its drafts' (the seams'
+    ``layer_stacks`` hooks)."""
+    paths = [(name,) for name in target_for(config).layer_stacks(config) if name in params]
+    for draft in DRAFTS.values():
+        paths += [path for path in draft.layer_stacks if path[0] in params]
+    return paths
+
+
+def _get(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def resolve_layer_buffers(
+    params: dict, config: ModelConfig, mesh: jax.sharding.Mesh | None, layer_buffers: bool | None
+) -> bool:
+    """Whether a model keeps one buffer per layer (see :func:`mtp_jax.targets.base.scan_layers`):
+    ``layer_buffers`` when given, else True for a single-device model whose largest layer holds at
+    least :data:`LAYER_BUFFER_MIN_BYTES` of weights. Not yet with a mesh (ValueError)."""
+    if layer_buffers and mesh is not None:
+        raise ValueError(
+            "layer_buffers=True is not supported with a mesh yet (the expert-parallel and tensor-parallel "
+            "paths take stacked layers); use layer_buffers=None or False"
+        )
+    if layer_buffers is not None:
+        return bool(layer_buffers)
+    if mesh is not None:
+        return False
+    largest = 0
+    for path in layer_stack_paths(params, config):
+        stack = _get(params, path)
+        if isinstance(stack, tuple):
+            return True
+        leaves = jax.tree.leaves(stack)
+        largest = max(largest, sum(x.nbytes for x in leaves) // leaves[0].shape[0])
+    return largest >= LAYER_BUFFER_MIN_BYTES
+
+
+def with_layer_buffers(params: dict, config: ModelConfig) -> dict:
+    """``params`` with every stacked layer tree (:func:`layer_stack_paths`) replaced by a tuple of
+    per-layer trees (:func:`mtp_jax.targets.base.unstack_layers`). The dict and the groups on the
+    paths are new; the other groups are shared. Each stack's slices are made before the next stack
+    is read, so at most one stack is held twice."""
+    out = dict(params)
+    for path in layer_stack_paths(params, config):
+        parent = out
+        for key in path[:-1]:
+            parent[key] = dict(parent[key])
+            parent = parent[key]
+        if not isinstance(parent[path[-1]], tuple):
+            parent[path[-1]] = unstack_layers(parent[path[-1]])
+    return out
+
+
 class Model:
     """A loaded target model (DeepSeek-V3 or Llama 3, with any draft it carries): parameters on
     device plus what generation needs."""
@@ -82,14 +143,19 @@ class Model:
         page_size: int = 16,
         mesh: jax.sharding.Mesh | None = None,
         draft_config: Any = None,
+        layer_buffers: bool | None = None,
     ) -> None:
         """``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
         split over it as :mod:`mtp_jax.sharding` describes. ``draft_config``: the parsed config of a
-        separately loaded draft (EAGLE-3), whose weights are in ``params``."""
+        separately loaded draft (EAGLE-3, DFlash), whose weights are in ``params``.
+        ``layer_buffers``: keep each layer's weights in buffers of their own (read in place by the
+        unrolled layers) instead of the loaded stacks (sliced, i.e. copied, by a scan every step);
+        None: :func:`resolve_layer_buffers` decides (on for real models on one device)."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.config = config
-        self.params = params
+        self.layer_buffers = resolve_layer_buffers(params, config, mesh, layer_buffers)
+        self.params = with_layer_buffers(params, config) if self.layer_buffers else params
         self.dtype = dtype
         self.path = path
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -434,6 +500,7 @@ def load(
     mesh: jax.sharding.Mesh | None = None,
     draft_model: str | os.PathLike[str] | None = None,
     draft_layer_ids: str = "inputs",
+    layer_buffers: bool | None = None,
 ) -> Model:
     """Load a checkpoint directory: Hugging Face layout (config.json + *.safetensors, one file or
     index-sharded) or one written by ``mtp-jax convert`` (orbax). The model family comes from
@@ -456,7 +523,7 @@ def load(
     dtype and on the same mesh (today: EAGLE-3, any of its published key layouts; then
     ``generate(draft="eagle3")``). ``draft_layer_ids``: how its config's captured-layer ids are read:
     "inputs" (id i = the input of target layer i, as vLLM reads them) or "outputs" (the output of
-    layer i, as SGLang does); the layers chosen are printed.
+    layer i, as SGLang does); the layers chosen are printed. ``layer_buffers``: see :class:`Model`.
     """
     path = os.fspath(path)
     if dtype not in DTYPES:
@@ -504,6 +571,7 @@ def load(
         page_size=page_size,
         mesh=mesh,
         draft_config=draft_config,
+        layer_buffers=layer_buffers,
     )
 
 

@@ -489,6 +489,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="override a --draft-config field (JSON value)",
     )
     parser.add_argument(
+        "--layer-buffers",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="one buffer per layer's weights (read in place by unrolled layers) or the scanned stacks "
+        "(auto: per-layer for layers of 4 MiB and more; mtp_jax.model.resolve_layer_buffers)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="DIR",
         help="also trace a few steps of each K with jax.profiler into DIR/k<K> and print the costliest "
@@ -519,8 +526,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.draft_set and not args.draft_config:
         raise ValueError("--draft-set changes a --draft-config")
     draft_cfg = None
+    layer_buffers = {"auto": None, "on": True, "off": False}[args.layer_buffers]
     if args.config:
         from mtp_jax.config import parse_draft_config
+        from mtp_jax.model import resolve_layer_buffers, with_layer_buffers
 
         dtype_name = args.dtype or "bfloat16"
         cfg = _load_config(args.config, args.set)
@@ -531,14 +540,19 @@ def run(args: argparse.Namespace) -> dict:
             name += f" + {_config_name(args.draft_config)} {' '.join(args.draft_set)}".rstrip()
         print(f"random {args.weights} weights for {name} ...", file=sys.stderr, flush=True)
         params = random_params(cfg, DTYPES[dtype_name], args.weights, draft_cfg=draft_cfg)
+        buffered = resolve_layer_buffers(params, cfg, None, layer_buffers)
+        if buffered:
+            params = with_layer_buffers(params, cfg)
     else:
         import mtp_jax
         from mtp_jax.bench import model_path
 
         dtype_name = args.dtype or "float32"
         path = model_path(args.model)
-        model = mtp_jax.load(path, dtype=dtype_name, draft_model=args.draft_model)
-        cfg, params = model.config, model.params
+        model = mtp_jax.load(
+            path, dtype=dtype_name, draft_model=args.draft_model, layer_buffers=layer_buffers
+        )
+        cfg, params, buffered = model.config, model.params, model.layer_buffers
         name = os.path.basename(os.path.abspath(path))
         if args.draft_model:
             draft_cfg = model.draft_config
@@ -618,6 +632,7 @@ def run(args: argparse.Namespace) -> dict:
         "copy_bandwidth_gb_s": copy / 1e9,
         "read_bandwidth_gb_s": read / 1e9,
         "bandwidth_limit_gb_s": bandwidth / 1e9,
+        "layer_buffers": buffered,
         **machine_info(),
         "results": rows,
     }
@@ -655,6 +670,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return 2
     print(
         f"{report['model']}, batch {report['batch']}, context {report['context']}, {report['dtype']}, "
+        f"{'per-layer weight buffers' if report['layer_buffers'] else 'scanned layer stacks'}, "
         f"bandwidth limit {report['bandwidth_limit_gb_s']:.1f} GB/s "
         f"(copy {report['copy_bandwidth_gb_s']:.1f}, matrix-vector {report['read_bandwidth_gb_s']:.1f}) "
         f"on {report['device']}"

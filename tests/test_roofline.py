@@ -170,7 +170,8 @@ def test_bench_step_smoke_run(tmp_path):
 
 
 def test_bench_step_with_a_random_eagle3_draft(tmp_path):
-    """--draft-config: the shipped tiny EAGLE-3 draft's config over the tiny Llama's, random weights."""
+    """--draft-config: the shipped tiny EAGLE-3 draft's config over the tiny Llama's, random weights,
+    the Llama's layers in buffers of their own (--layer-buffers on)."""
     out = tmp_path / "step.json"
     llama = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
     args = ["--config", os.path.join(llama, "config.json"), "--draft-config"]
@@ -180,12 +181,15 @@ def test_bench_step_with_a_random_eagle3_draft(tmp_path):
         "draft_vocab_size=512",
         "--k",
         "2",
+        "--layer-buffers",
+        "on",
     ]
     args += ["--context", "40", "--page-size", "8", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
     run = _run(*args, cwd=str(tmp_path))
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert "eagle3" in report["model"] and "draft_vocab_size=512" in report["model"]
+    assert report["layer_buffers"] is True  # the unrolled layers over per-layer buffers ran
     (row,) = report["results"]
     assert row["draft"] == "eagle3" and row["step_ms"] > 0 and row["bytes_by_part"]["draft_weights"] > 0
 

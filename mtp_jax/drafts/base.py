@@ -73,6 +73,9 @@ class Draft:
     state_logical: Callable[[list[str], int], tuple[str | None, ...]]
     extend_and_propose: Callable[..., tuple[jax.Array, jax.Array, Any]]
     teacher_forced: Callable[..., jax.Array]
+    layer_stacks: tuple[tuple[str, ...], ...] = ()
+    """Paths into the parameters of the draft's stacked layer trees (run with
+    :func:`mtp_jax.targets.base.scan_layers`, so they may be per-layer buffers)."""
 
 
 def choose(logits: jax.Array, sampled: bool, sampling: SamplingParams, position: jax.Array):

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp_jax.cache import slots_for, write_rows
 from mtp_jax.config import DFlashConfig
 from mtp_jax.drafts.base import Draft, Rows, at_rows, choose, no_drafts
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
-from mtp_jax.targets.base import Hidden, lm_head
+from mtp_jax.targets.base import Hidden, lm_head, scan_layers
 from mtp_jax.targets.llama3 import rope_tables
 from pallas_kernels.chunks import gather_pages
 
@@ -123,7 +124,8 @@ def _block_layers(params, cfg: DFlashConfig, blocks, block_positions, ctx_visibl
         x = x + swiglu(rms_norm(x, lp["post_attn_norm"], cfg.rms_norm_eps), **lp["mlp"])
         return (x, carry), None
 
-    (x, carry), _ = jax.lax.scan(layer, (x, carry), (p["layers"], jnp.arange(cfg.num_hidden_layers)))
+    index = np.arange(cfg.num_hidden_layers, dtype=np.int32)
+    (x, carry), _ = scan_layers(layer, (x, carry), p["layers"], index)
     return rms_norm(x, p["norm"], cfg.rms_norm_eps).reshape(b, n, bs, -1), carry
 
 
@@ -245,4 +247,5 @@ DRAFT = Draft(
     state_logical=_state_logical,
     extend_and_propose=_extend_and_propose,
     teacher_forced=_teacher_forced,
+    layer_stacks=(("dflash", "layers"),),
 )

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
@@ -30,7 +31,7 @@ from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import mla_dense, mla_paged
 from mtp_jax.moe import DISPATCH, resolve_dispatch, route
 from mtp_jax.sharding import ACTIVATION, constrain
-from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, lm_head
+from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, lm_head, scan_layers
 
 __all__ = ["TARGET", "Hidden", "PagedAttention", "decoder_layer", "forward", "init_cache", "lm_head"]
 
@@ -82,8 +83,10 @@ def forward(
 
         # the stack's pages ride in the carry and each layer writes its slice in place
         pages_in = None if paged is None else paged.pages[name]
-        xs = (params[name], jnp.asarray(plan.slot_of[first : first + n]), jnp.arange(n, dtype=jnp.int32))
-        (h, captured, pages_out), load = jax.lax.scan(layer, (h, captured, pages_in), xs)
+        slots, index = plan.slot_of[first : first + n], np.arange(n, dtype=np.int32)
+        (h, captured, pages_out), load = scan_layers(
+            layer, (h, captured, pages_in), params[name], slots, index
+        )
         new_pages[name] = pages_out
         if load is not None:
             expert_load = load
@@ -218,4 +221,5 @@ TARGET = Target(
     cache_logical=_cache_logical,
     cache_bytes_per_token=_cache_bytes_per_token,
     check_mesh=_check_mesh,
+    layer_stacks=lambda cfg: tuple(stack_sizes(cfg)),
 )

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.config import Llama3Config
 from mtp_jax.gqa import gqa_dense, gqa_paged
 from mtp_jax.layers import apply_rope_half, llama3_frequencies, rms_norm, rope_cos_sin, swiglu
 from mtp_jax.sharding import ACTIVATION, constrain
-from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target
+from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, scan_layers
 
 __all__ = ["TARGET", "attention", "decoder_layer", "forward", "init_cache", "qkv"]
 
@@ -127,8 +128,10 @@ def forward(
     # the cache stacks ride in the carry and each layer writes its slice in place
     pages_in = None if paged is None else paged.pages
     n = cfg.num_hidden_layers
-    xs = (params["layers"], jnp.asarray(plan.slot_of), jnp.arange(n, dtype=jnp.int32))
-    (h, captured, pages), _ = jax.lax.scan(layer, (h, captured, pages_in), xs)
+    carry = (h, captured, pages_in)
+    (h, captured, pages), _ = scan_layers(
+        layer, carry, params["layers"], plan.slot_of, np.arange(n, dtype=np.int32)
+    )
     hidden = Hidden(
         post_norm=rms_norm(h, params["final_norm"], cfg.rms_norm_eps),
         pre_norm=h,
@@ -172,4 +175,5 @@ TARGET = Target(
     cache_logical=_cache_logical,
     cache_bytes_per_token=_cache_bytes_per_token,
     check_mesh=_check_mesh,
+    layer_stacks=lambda cfg: ("layers",),
 )
