@@ -115,8 +115,9 @@ def resolve_layer_buffers(
 def with_layer_buffers(params: dict, config: ModelConfig) -> dict:
     """``params`` with every stacked layer tree (:func:`layer_stack_paths`) replaced by a tuple of
     per-layer trees (:func:`mtp_jax.targets.base.unstack_layers`). The dict and the groups on the
-    paths are new; the other groups are shared. Each stack's slices are made before the next stack
-    is read, so at most one stack is held twice."""
+    paths are new; the other groups are shared. While the caller still holds ``params``, the layers
+    are on the device twice: converting needs room for a second copy of them (load() drops its
+    copy on return)."""
     out = dict(params)
     for path in layer_stack_paths(params, config):
         parent = out

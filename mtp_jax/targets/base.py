@@ -58,11 +58,6 @@ def unstack_layers(stack: Any) -> tuple:
     return tuple(jax.tree.map(lambda x, i=i: x[i], stack) for i in range(n))
 
 
-def stack_size(stack: Any) -> int:
-    """Layers in a stacked tree or a tuple of per-layer trees."""
-    return len(stack) if isinstance(stack, tuple) else jax.tree.leaves(stack)[0].shape[0]
-
-
 class Hidden(NamedTuple):
     """Hidden states of a forward pass, all [b, t, d] (``layers``: [n_captured, b, t, d])."""
 
