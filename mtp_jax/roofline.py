@@ -32,7 +32,7 @@ kernels; the full trace opens in Perfetto or TensorBoard).
 
 The bandwidth limit is the higher of two measurements: a jitted copy of a large buffer (read +
 write) and a matrix-vector product over one (reads only, the decode pattern). On an H100 the copy
-reached 2.9-3.0 TB/s once timed back to back (2.2-2.4 TB/s when each call was waited for); on a
+reached 2.9-3.0 TB/s once timed back to back (2.0-2.4 TB/s when each call was waited for); on a
 CPU the copy is several times slower (its fresh output buffer is faulted in page by page), so the
 matrix-vector rate is the honest limit there.
 The ratio step / roofline is what the kernels are judged by (issue 7: within 1.5x at batch 1 on
@@ -435,18 +435,18 @@ def _config_name(path: str) -> str:
     return os.path.basename(os.path.dirname(path)) if base == "config.json" else base
 
 
-def _read_overridden(path: str, overrides: Sequence[str]) -> dict:
-    """A config.json with ``KEY=VALUE`` overrides (JSON values) applied."""
+def _read_overridden(path: str, overrides: Sequence[str], flag: str = "--set") -> dict:
+    """A config.json with ``KEY=VALUE`` overrides (JSON values, given with ``flag``) applied."""
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
+            raise ValueError(f"{flag} takes KEY=VALUE, got {item!r}")
         try:
             raw[key] = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--set {key}: value {value!r} is not JSON ({e.msg})") from None
+            raise ValueError(f"{flag} {key}: value {value!r} is not JSON ({e.msg})") from None
     return raw
 
 
@@ -535,7 +535,7 @@ def run(args: argparse.Namespace) -> dict:
         cfg = _load_config(args.config, args.set)
         name = f"{_config_name(args.config)} {' '.join(args.set)} ({args.weights}, random)".strip()
         if args.draft_config:
-            draft_raw = _read_overridden(args.draft_config, args.draft_set)
+            draft_raw = _read_overridden(args.draft_config, args.draft_set, "--draft-set")
             draft_cfg = parse_draft_config(draft_raw, cfg.num_hidden_layers)
             name += f" + {_config_name(args.draft_config)} {' '.join(args.draft_set)}".rstrip()
         print(f"random {args.weights} weights for {name} ...", file=sys.stderr, flush=True)
