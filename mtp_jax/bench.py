@@ -131,16 +131,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def held_out_prompts(model, path: str | None, args: argparse.Namespace) -> tuple[list[list[int]], str]:
     """Held-out prompts from the checkpoint's eval.json when present, else random token ids."""
     eval_path = None if path is None else os.path.join(path, "eval.json")
-    tok_path = None if path is None else os.path.join(path, "tokenizer.json")
-    if eval_path and os.path.isfile(eval_path) and os.path.isfile(tok_path):
-        from tokenizers import Tokenizer
-
+    if eval_path and os.path.isfile(eval_path) and model.tokenizer_path is not None:
         with open(eval_path, encoding="utf-8") as f:
             texts = json.load(f).get("prompts") or []
         if texts:
-            tok = Tokenizer.from_file(tok_path)
-            bos = model.config.bos_token_id
-            ids = [([bos] if bos is not None else []) + tok.encode(t).ids for t in texts]
+            ids = [model.text.encode(t) for t in texts]
             note = f"{len(texts)} held-out prompts (eval.json)"
             return [ids[i % len(ids)] for i in range(args.prompts)], note
     rng = np.random.default_rng(0)

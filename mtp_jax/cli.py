@@ -28,26 +28,41 @@ class CliError(Exception):
 
 
 def _model_dir(arg: str | None) -> str:
+    """The model of --model: a checkpoint directory, a GGUF file or a packaged model's name
+    (``smollm2-135m-instruct``); the embedded default model without one."""
+    from mtp_jax.checkpoint.gguf import is_gguf
+    from mtp_jax.embedded import resolve_model_path
+
     path = arg or default_model_dir()
     if path is None:
         raise CliError("no --model given and no embedded default model found (set --model DIR)")
+    try:
+        path = resolve_model_path(path)
+    except FileNotFoundError as e:
+        raise CliError(str(e)) from None
+    if os.path.isfile(path):
+        if not is_gguf(path):
+            raise CliError(f"{path} is a file but not a GGUF file; --model takes a directory or a .gguf file")
+        return path
     if not os.path.isdir(path):
         raise CliError(f"model directory not found: {path}")
     return path
 
 
-def _tokenizer(model_dir: str):
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise CliError(f"no tokenizer.json in {model_dir}; the CLI needs one beside the weights")
-    from tokenizers import Tokenizer
+def _tokenizer(model_path: str):
+    """The model's :class:`~mtp_jax.text.TextCodec` (a GGUF file carries its own tokenizer)."""
+    from mtp_jax.text import TextCodec
 
-    return Tokenizer.from_file(path)
+    if os.path.isdir(model_path) and not os.path.isfile(os.path.join(model_path, "tokenizer.json")):
+        raise CliError(f"no tokenizer.json in {model_path}; the CLI needs one beside the weights")
+    return TextCodec.for_path(model_path)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", help="checkpoint directory in Hugging Face layout (default: the embedded model)"
+        "--model",
+        help="checkpoint directory in Hugging Face layout, a .gguf file, or a packaged model "
+        "(smollm2-135m-instruct; default: the embedded model)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter dtype")
 
@@ -60,7 +75,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text from a prompt")
     _add_common(g)
-    g.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
+    g.add_argument(
+        "--chat",
+        action="append",
+        default=[],
+        metavar="MESSAGE",
+        help="a user message, rendered with the model's chat template (repeat for a batch)",
+    )
+    g.add_argument("--system", help="a system message for every --chat prompt")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -167,8 +190,13 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_common(s)
     s.add_argument("--text", required=True)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face checkpoint to an orbax checkpoint")
-    c.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
+    c = sub.add_parser(
+        "convert", help="convert a Hugging Face checkpoint or GGUF file to an orbax checkpoint"
+    )
+    c.add_argument(
+        "src",
+        help="source: a checkpoint directory (config.json + *.safetensors), a .gguf file or a packaged model",
+    )
     c.add_argument("dst", help="destination directory (must not exist)")
     c.add_argument(
         "--weights",
@@ -184,7 +212,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_estimate_options(c)
 
     i = sub.add_parser("inspect", help="parameter counts and memory estimates from config.json alone")
-    i.add_argument("model", nargs="?", help="checkpoint directory (reads its config.json)")
+    i.add_argument(
+        "model", nargs="?", help="checkpoint directory (reads its config.json) or GGUF file (its metadata)"
+    )
     i.add_argument("--config", help="a config.json file instead of a directory")
     i.add_argument(
         "--weights",
@@ -267,10 +297,9 @@ def _add_estimate_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _encode(tok, text: str, bos: int | None) -> list[int]:
-    ids = tok.encode(text).ids
-    if bos is not None:
-        ids = [bos] + ids
+def _encode(codec, text: str) -> list[int]:
+    """``text`` as the tokenizer encodes a prompt (its own BOS rule)."""
+    ids = codec.encode(text)
     if not ids:
         raise CliError("the text encodes to no tokens")
     return ids
@@ -299,10 +328,18 @@ def _grammar(args: argparse.Namespace) -> dict | None:
 
 def _generate(args: argparse.Namespace) -> int:
 
+    if not args.prompt and not args.chat:
+        raise CliError("give a prompt: --prompt TEXT or --chat MESSAGE (either may repeat)")
     tok = _tokenizer(_model_dir(args.model))
+    if args.chat and tok.chat_template is None:
+        raise CliError("--chat needs a model with a chat template (tokenizer_config.json's chat_template)")
     _, model, draft = _load_with_draft(args)
     draft = draft or "none"
-    prompts = [_encode(tok, text, model.config.bos_token_id) for text in args.prompt]
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    prompts = [_encode(tok, text) for text in args.prompt] + [
+        tok.encode_chat([*system, {"role": "user", "content": text}]) for text in args.chat
+    ]
+    shown = list(args.prompt) + [""] * len(args.chat)  # a chat's reply is printed alone
     grammar = _grammar(args)
     t0 = time.perf_counter()
     result = model.generate(
@@ -325,9 +362,9 @@ def _generate(args: argparse.Namespace) -> int:
         grammar=grammar,
     )
     wall = time.perf_counter() - t0
-    rows = zip(args.prompt, result.tokens, result.finish_reasons, result.request_stats, strict=True)
+    rows = zip(shown, result.tokens, result.finish_reasons, result.request_stats, strict=True)
     for text, new, reason, rs in rows:
-        if len(args.prompt) > 1:
+        if len(shown) > 1:
             print("=" * 60)
         print(text + tok.decode(new, skip_special_tokens=True))
         accepted = f" [acceptance length {rs['acceptance_length']:.2f}]" if rs["num_draft_tokens"] else ""
@@ -432,7 +469,7 @@ def _score(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.model)
     tok = _tokenizer(model_dir)
     model = mtp_jax.load(model_dir, dtype=args.dtype)
-    ids = _encode(tok, args.text, model.config.bos_token_id)
+    ids = _encode(tok, args.text)
     if len(ids) < 2:
         raise CliError("the text is too short to score: it needs at least two tokens")
     result = model.score(ids)
@@ -459,11 +496,20 @@ def _parse_mesh(text: str) -> dict[str, int]:
     return mesh
 
 
-def _print_estimates(config_path: str, weights: str, args: argparse.Namespace) -> None:
-    from mtp_jax.checkpoint.estimate import format_report, stored_format
-    from mtp_jax.config import parse_config, read_json
+def _config_of(path: str) -> dict:
+    """The config.json of a checkpoint directory, or what a GGUF file's metadata implies."""
+    from mtp_jax.checkpoint.gguf import GGUFCheckpoint, is_gguf
+    from mtp_jax.config import read_json
 
-    raw = read_json(config_path, what="config")
+    if os.path.isfile(path) and is_gguf(path):
+        return GGUFCheckpoint(path).hf_config()
+    return read_json(path if os.path.isfile(path) else os.path.join(path, "config.json"), what="config")
+
+
+def _print_estimates(raw: dict, weights: str, args: argparse.Namespace) -> None:
+    from mtp_jax.checkpoint.estimate import format_report, stored_format
+    from mtp_jax.config import parse_config
+
     cfg = parse_config(raw)
     if weights == "auto":
         weights = stored_format(cfg, raw)
@@ -476,13 +522,12 @@ def _print_estimates(config_path: str, weights: str, args: argparse.Namespace) -
 def _convert(args: argparse.Namespace) -> int:
     from mtp_jax.checkpoint.convert import convert
 
-    if not os.path.isdir(args.src):
-        raise CliError(f"source directory not found: {args.src}")
+    src = _model_dir(args.src)
     if args.dry_run:
-        _print_estimates(os.path.join(args.src, "config.json"), args.weights, args)
+        _print_estimates(_config_of(src), args.weights, args)
         return 0
     try:
-        report = convert(args.src, args.dst, weights=args.weights, mtp=not args.no_mtp, strict=args.strict)
+        report = convert(src, args.dst, weights=args.weights, mtp=not args.no_mtp, strict=args.strict)
     except FileExistsError as e:
         raise CliError(str(e)) from None
     rate = report.bytes_read / max(report.seconds, 1e-9) / 1e6
@@ -496,10 +541,39 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.config is None):
-        raise CliError("give either a checkpoint directory or --config FILE")
-    path = args.config or os.path.join(args.model, "config.json")
-    _print_estimates(path, args.weights, args)
+        raise CliError("give either a checkpoint directory (or GGUF file) or --config FILE")
+    path = args.config or _model_dir(args.model)
+    if args.model and os.path.isfile(path):  # a GGUF file (_model_dir refuses other files)
+        from mtp_jax.checkpoint.gguf import GGUFCheckpoint
+
+        print(describe_gguf(GGUFCheckpoint(path)))
+        print()
+    _print_estimates(_config_of(path), args.weights, args)
     return 0
+
+
+def describe_gguf(ckpt) -> str:
+    """What a GGUF file holds: its model, tensor types, tokenizer and chat template."""
+    from collections import Counter
+
+    from mtp_jax.progress import human_bytes
+
+    meta = ckpt.metadata
+    types = Counter(ckpt.tensor_type(n) for n in ckpt.tensor_names())
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    lines = [
+        f"GGUF file {ckpt.path} ({human_bytes(os.path.getsize(ckpt.path))})",
+        f"  model: {meta.get('general.name', '?')} (architecture {ckpt.architecture}, "
+        f"license {meta.get('general.license', '?')})",
+        f"  tensors: {len(ckpt.tensor_names())} ("
+        + ", ".join(f"{n} {t}" for t, n in types.most_common())
+        + "); dequantised to the model dtype when loaded",
+        f"  tokenizer: {meta.get('tokenizer.ggml.model', 'none')} (pre-tokenizer "
+        f"{meta.get('tokenizer.ggml.pre', 'default')}), {len(tokens)} tokens, BOS added: "
+        f"{bool(meta.get('tokenizer.ggml.add_bos_token', False))}",
+        f"  chat template: {'yes' if isinstance(meta.get('tokenizer.chat_template'), str) else 'no'}",
+    ]
+    return "\n".join(lines)
 
 
 def _plan(args: argparse.Namespace, argv: list[str]) -> int:

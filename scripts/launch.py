@@ -122,7 +122,7 @@ def _mesh_axes(text: str | None, n_devices: int, split: str = "expert") -> dict[
     return axes
 
 
-def _prompts(args: argparse.Namespace, model_dir: str, bos: int | None):
+def _prompts(args: argparse.Namespace, model_dir: str):
     """Token-id prompts from --prompt-ids and --prompt, and the tokenizer when text needs one."""
     from mtp_jax.cli import _encode, _tokenizer
 
@@ -134,10 +134,12 @@ def _prompts(args: argparse.Namespace, model_dir: str, bos: int | None):
             raise LaunchError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
     tok = (
         _tokenizer(model_dir)
-        if args.prompt or os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
+        if args.prompt
+        or os.path.isfile(model_dir)
+        or os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
         else None
     )
-    prompts += [_encode(tok, text, bos) for text in args.prompt]
+    prompts += [_encode(tok, text) for text in args.prompt]
     return prompts, tok
 
 
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         draft = model.drafts[0] if model.drafts else "none"
     if args.serve:
         return _serve(args, model, model_dir, None if draft == "none" else draft, axes)
-    prompts, tok = _prompts(args, model_dir, model.config.bos_token_id)
+    prompts, tok = _prompts(args, model_dir)
     if not prompts:
         raise LaunchError("give --prompt TEXT or --prompt-ids 1,2,3")
     gen = {

@@ -41,10 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
     add_run_arguments,
     bf16_rounded,
+    data_sentence,
     report_for,
     run_training,
     ship,
     start_run,
+    usage_line,
 )
 from train_tiny import BOS, EOS, make_optimizer, rewrite_card  # noqa: E402
 
@@ -60,7 +62,9 @@ from mtp_jax.targets.base import lm_head  # noqa: E402
 PAD = 2  # <|pad|> of the embedded models' tokenizer: the mask token
 
 
-def draft_config(target: dict, cfg: ModelConfig, layers: int, layer_ids: list[int], block: int) -> dict:
+def draft_config(
+    target: dict, cfg: ModelConfig, layers: int, layer_ids: list[int], block: int, mask: int = PAD
+) -> dict:
     """The draft's config.json: ``layers`` Qwen3-style layers at the target's width (GQA like a
     Llama target's attention; for a DeepSeek-V3 target, its head count and an even split)."""
     heads = target["num_attention_heads"]
@@ -84,9 +88,9 @@ def draft_config(target: dict, cfg: ModelConfig, layers: int, layer_ids: list[in
         "vocab_size": cfg.vocab_size,
         "num_target_layers": cfg.num_hidden_layers,
         "block_size": block,
-        "dflash_config": {"mask_token_id": PAD, "target_layer_ids": layer_ids},
-        "bos_token_id": BOS,
-        "eos_token_id": EOS,
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": layer_ids},
+        "bos_token_id": target.get("bos_token_id", BOS),
+        "eos_token_id": target.get("eos_token_id", EOS),
         "torch_dtype": "bfloat16",
     }
 
@@ -159,12 +163,12 @@ def evaluate(
     """Mean held-out numbers over ``count`` fixed, evenly spaced windows with fixed anchors."""
     starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
     windows = np.stack([stream[s : s + length] for s in starts])
-    fn = jax.jit(lambda t, w, a: draft_losses(t, params, cfg, dcfg, w, a, gamma)[1])
+    fn = jax.jit(lambda t, w, a, p: draft_losses(t, p, cfg, dcfg, w, a, gamma)[1])
     totals: dict[str, np.ndarray] = {}
     for i in range(0, count, 8):
         w = windows[i : i + 8]
         a = anchors_for(0, i, len(w), anchors, length - 1, dcfg.block_size)
-        aux = fn(tree, jnp.asarray(w), jnp.asarray(a))
+        aux = fn(tree, jnp.asarray(w), jnp.asarray(a), params)
         for key, value in aux.items():
             totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64) * len(w)
     return {k: (v / count).tolist() for k, v in totals.items()}
@@ -182,6 +186,12 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=8, help="tokens per block (anchor + drafts)")
     parser.add_argument("--anchors", type=int, default=16, help="anchored blocks per training window")
     parser.add_argument("--gamma", type=float, default=4.0, help="block row j weighted exp(-(j-1)/GAMMA)")
+    parser.add_argument(
+        "--mask-token-id",
+        type=int,
+        help="the mask token (default: <|pad|> of the embedded tokenizer; 0 for a chat target, whose "
+        "conversations never contain it)",
+    )
     args = parser.parse_args()
     if args.card:
         rewrite_card(args.card, card)
@@ -197,16 +207,23 @@ def main() -> int:
         parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
     if run.length - 1 < args.block_size:
         parser.error(f"--seq {args.seq} is shorter than a block of {args.block_size}")
-    raw = draft_config(run.target_raw, cfg, args.layers, layer_ids, args.block_size)
+    mask = (
+        args.mask_token_id
+        if args.mask_token_id is not None
+        else (PAD if run.data.get("kind") != "chat" else 0)
+    )
+    if not 0 <= mask < cfg.vocab_size:
+        parser.error(f"--mask-token-id {mask} is not a token id of the target (0..{cfg.vocab_size - 1})")
+    raw = draft_config(run.target_raw, cfg, args.layers, layer_ids, args.block_size, mask)
     dcfg, tree = init_draft(raw, cfg, args.seed)
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
 
     @jax.jit
-    def update(state: dict, window: jax.Array, anchors: jax.Array) -> tuple[dict, dict]:
-        tree = state["draft"]
+    def update(state: dict, window: jax.Array, anchors: jax.Array, target: dict) -> tuple[dict, dict]:
+        tree = state["draft"]  # the frozen target is an argument: a closure would be folded in as constants
         grad_fn = jax.value_and_grad(draft_losses, has_aux=True)
-        (_, aux), grads = grad_fn(tree, params, cfg, dcfg, window, anchors, args.gamma)
+        (_, aux), grads = grad_fn(tree, target, cfg, dcfg, window, anchors, args.gamma)
         updates, opt_state = optimizer.update(grads, state["opt_state"], tree)
         return {
             "draft": optax.apply_updates(tree, updates),
@@ -219,7 +236,7 @@ def main() -> int:
         anchors = anchors_for(
             args.seed, step, window.shape[0], args.anchors, window.shape[1] - 1, args.block_size
         )
-        return update(state, window, jnp.asarray(anchors))
+        return update(state, window, jnp.asarray(anchors), params)
 
     print(
         f"draft: DFlash for {cfg.model_type}, {args.layers} layers, {n_params / 1e6:.2f}M parameters, target "
@@ -228,7 +245,19 @@ def main() -> int:
         file=sys.stderr,
     )
     state = {"draft": tree, "opt_state": optimizer.init(tree), "step": jnp.zeros((), jnp.int32)}
-    done = run_training(run, state, train_step, "dflash")
+
+    def load(reader: CheckpointReader, raw: dict) -> dict:
+        return load_dflash(reader, raw, cfg, jnp.float32, strict=True, verbose=False)[1]
+
+    done = run_training(
+        run,
+        state,
+        train_step,
+        "dflash",
+        raw=raw,
+        export=lambda st: dflash_hub_tensors_from_params(st["draft"], dcfg, ml_dtypes.bfloat16),
+        load=load,
+    )
     if done is None:
         return 0
     state, start, seconds = done
@@ -266,23 +295,22 @@ def card(raw: dict, r: dict) -> str:
     lines = "\n".join(f"| {k} | {v:.2f} | {f'{mtp[k]:.2f}' if k in mtp else '-'} |" for k, v in acc.items())
     return f"""# DFlash draft for `{r["target"]}`
 
-A DFlash block-diffusion draft for the embedded `{r["target"]}` target of mtp-jax, written by
+A DFlash block-diffusion draft for the `{r["target"]}` target of mtp-jax, written by
 `scripts/train_dflash.py`: {dr["layers"]} Qwen3-style decoder layers ({raw["num_attention_heads"]} heads,
 {raw["num_key_value_heads"]} KV heads, q/k norms) over the context `hidden_norm(fc(cat(...)))` of
 target layer outputs {dr["layer_ids"]}; {dr["parameters"] / 1e6:.2f}M parameters of its own (the
 target's embedding and head are used). One forward over `[anchor, MASK x {dr["block_size"] - 1}]`
 proposes up to {dr["block_size"] - 1} drafts. Published layout (`DFlashDraftModel`), bf16.
 
-    mtp-jax generate --model checkpoints/{r["target"]} --draft-model checkpoints/{r["name"]} \\
-        --prompt "def main():"
+{usage_line(r, "dflash")}
 
 ## Training
-{d["train_modules"]} standard-library modules of Python {d["python"]} ({d["train_tokens"]:,} tokens;
-the target's split). {t["steps"]} steps of {t["batch"]} x {t["seq"]} tokens, AdamW (lr {t["lr"]},
+{data_sentence(d)} {t["steps"]} steps of {t["batch"]} x {t["seq"]} tokens, AdamW (lr {t["lr"]},
 warm-up {t["warmup"]}, cosine decay), seed {t["seed"]}; {t["anchors"]} random anchors per window,
 each block over the context before its anchor and bidirectional within itself, row j weighted
 exp(-(j-1)/{t["gamma"]}); labels the target's own distribution (self-distillation);
 {t["own_text"]:.0%} of each batch from the target's own greedy continuations. The target is frozen.
+{t["batch"] * t["seq"] * t["steps"]:,} tokens trained.
 {t["seconds"] / 60:.1f} minutes on {t["machine"]}{note}. The command (resumable):
 
     {t["command"]}

@@ -49,6 +49,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +83,7 @@ from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
 from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint  # noqa: E402
 from mtp_jax.config import DeepseekV3Config, Eagle3Config, ModelConfig, parse_config, parse_eagle3_config  # noqa: E402
 from mtp_jax.drafts.eagle3 import draft_vocab_logits, eagle3_chain_teacher_forced, fused_features  # noqa: E402
+from mtp_jax.embedded import resolve_model_path  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
 from mtp_jax.targets.base import lm_head  # noqa: E402
 
@@ -110,8 +113,8 @@ def draft_config(target: dict, cfg: ModelConfig, attention: str, layer_ids: list
         "max_position_embeddings": target["max_position_embeddings"],
         "rope_theta": target["rope_theta"],
         "tie_word_embeddings": False,
-        "bos_token_id": BOS,
-        "eos_token_id": EOS,
+        "bos_token_id": target.get("bos_token_id", BOS),
+        "eos_token_id": target.get("eos_token_id", EOS),
         "torch_dtype": "bfloat16",
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True},
     }
@@ -220,10 +223,10 @@ def evaluate(
     """Mean held-out numbers over ``count`` fixed, evenly spaced windows."""
     starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
     windows = np.stack([stream[s : s + length] for s in starts])
-    fn = jax.jit(lambda t, w: draft_losses(t, params, cfg, dcfg, w, depth, decay)[1])
+    fn = jax.jit(lambda t, w, p: draft_losses(t, p, cfg, dcfg, w, depth, decay)[1])
     totals: dict[str, np.ndarray] = {}
     for i in range(0, count, 8):
-        aux = fn(tree, jnp.asarray(windows[i : i + 8]))
+        aux = fn(tree, jnp.asarray(windows[i : i + 8]), params)
         for key, value in aux.items():
             totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64) * len(windows[i : i + 8])
     return {k: (v / count).tolist() for k, v in totals.items()}
@@ -232,7 +235,24 @@ def evaluate(
 # --- a run against a frozen target (shared with scripts/train_dflash.py) ---------------------------
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments every draft-training script against a frozen target takes."""
-    parser.add_argument("--target", required=True, help="the frozen target: a trained checkpoint directory")
+    parser.add_argument(
+        "--target",
+        required=True,
+        help="the frozen target: a checkpoint directory trained here, or a real model (directory or .gguf)",
+    )
+    parser.add_argument(
+        "--data",
+        default="auto",
+        choices=["auto", "stdlib", "chat"],
+        help="stdlib: the standard-library text the tiny targets were trained on; chat: the target's own "
+        "replies to chat and code prompts (scripts/distill_data.py); auto: stdlib for a target trained "
+        "here (it has eval.json), chat otherwise",
+    )
+    parser.add_argument("--reply-tokens", type=int, default=160, help="chat data: longest target reply")
+    parser.add_argument(
+        "--max-prompts", type=int, help="chat data: train on the first N prompts (a fair sample) only"
+    )
+    parser.add_argument("--eval-prompts", type=int, default=16, help="chat data: held-out prompts per kind")
     parser.add_argument("--out", help="draft directory to write (must not exist)")
     parser.add_argument(
         "--card", metavar="DIR", help="only rewrite DIR/README.md from its config.json and eval.json"
@@ -248,6 +268,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument(
+        "--export-every",
+        type=int,
+        default=0,
+        help="write the draft to OUT.partial every N steps (at a save); a run without the orbax state "
+        "starts from it (commit it to resume on another machine)",
+    )
     parser.add_argument("--max-files", type=int, help="use only the first N modules (smoke tests)")
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument(
@@ -274,6 +301,14 @@ class Run:
     held_stream: np.ndarray
     start: float = dataclasses.field(default_factory=time.perf_counter)
     own_windows: np.ndarray | None = None
+    data: dict = dataclasses.field(default_factory=dict)
+    """eval.json's account of the data (chat data; stdlib data is described by its module split)."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A held-out prompt as the target sees it: BOS + text (stdlib), or the chat-rendered user turn."""
+        if self.data.get("kind") == "chat":
+            return self.tok.encode_chat([{"role": "user", "content": text}])
+        return [BOS, *self.tok.encode(text, add_special_tokens=False).ids]
 
     @property
     def length(self) -> int:
@@ -282,24 +317,46 @@ class Run:
 
 def start_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
     """Check the shared arguments (the smoke preset shrinks everything to seconds), load the frozen
-    target and the data split it was trained on."""
+    target and the data: the split it was trained on (stdlib), or its own replies (chat)."""
     if not args.out:
         parser.error("--out is required")
     if os.path.exists(args.out):
         parser.error(f"--out {args.out} already exists; choose a new directory")
-    for name in ("config.json", "tokenizer.json"):
-        if not os.path.isfile(os.path.join(args.target, name)):
-            parser.error(f"--target {args.target} is not a trained checkpoint (no {name})")
+    args.target_name = args.target  # a packaged model's name, or the path given
+    try:
+        args.target = resolve_model_path(args.target)
+    except FileNotFoundError as e:
+        parser.error(f"--target: {e}")
+    if not os.path.exists(args.target):
+        parser.error(f"--target {args.target} does not exist")
+    trained_here = os.path.isfile(os.path.join(args.target, "eval.json"))
+    data = args.data if args.data != "auto" else ("stdlib" if trained_here else "chat")
+    if data == "stdlib":
+        for name in ("config.json", "tokenizer.json", "eval.json"):
+            if not os.path.isfile(os.path.join(args.target, name)):
+                parser.error(f"--target {args.target} is not a checkpoint trained here (no {name})")
+    elif os.path.isdir(args.target) and not all(
+        os.path.isfile(os.path.join(args.target, n)) for n in ("config.json", "tokenizer.json")
+    ):
+        parser.error(
+            f"--target {args.target} is not a checkpoint: neither one trained here (config.json, "
+            "tokenizer.json, eval.json) nor a real model (a .gguf file, or config.json and tokenizer.json)"
+        )
     if not 0.0 <= args.own_text <= 1.0:
         parser.error(f"--own-text is a fraction in [0, 1], got {args.own_text}")
+    if data == "chat":
+        args.own_text = 0.0  # the data already is the target's own text
     if args.preset == "smoke":  # a few seconds end to end
         args.max_files, args.batch, args.seq = args.max_files or 8, 2, 32
         args.own_text_windows, args.eval_windows = min(args.own_text_windows, 2), min(args.eval_windows, 4)
+        args.reply_tokens, args.eval_prompts = min(args.reply_tokens, 8), min(args.eval_prompts, 2)
     own = round(args.own_text * args.batch)
     if args.own_text and own == 0:
         parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
     t0 = time.perf_counter()
+    if data == "chat":
+        return start_chat_run(args, workdir, t0)
     with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
         target_raw = json.load(f)
     cfg = parse_config(target_raw)
@@ -315,7 +372,7 @@ def start_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
         f"{len(held_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)",
         file=sys.stderr,
     )
-    run = Run(
+    return Run(
         args,
         workdir,
         own,
@@ -330,7 +387,64 @@ def start_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
         held_stream,
         start=t0,
     )
-    return run
+
+
+def start_chat_run(args: argparse.Namespace, workdir: str, t0: float) -> Run:
+    """A real chat model as the target: its own greedy replies to the prompts of
+    :mod:`distill_data` (generated once through mtp-jax, kept beside the training state)."""
+    import distill_data
+
+    model = mtp_jax.load(args.target, "float32", layer_buffers=False)
+    codec = model.text
+    if codec.chat_template is None:
+        raise SystemExit(f"--target {args.target} has no chat template: chat data needs one")
+    if os.path.isfile(args.target):
+        from mtp_jax.checkpoint.gguf import GGUFCheckpoint
+
+        target_raw = GGUFCheckpoint(args.target).hf_config()
+    else:
+        with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
+            target_raw = json.load(f)
+    train, held = distill_data.build_prompts(args.max_files)
+    train = train[: args.max_prompts]
+    evaluation = distill_data.heldout_prompts(args.eval_prompts, args.max_files)
+    streams = []
+    for name, prompts in (("train", train), ("heldout", held)):
+        path = distill_data.replies_path(os.path.dirname(workdir), args.target, name, args.reply_tokens)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        replies = distill_data.generate_replies(model, codec, prompts, path, args.reply_tokens)
+        streams.append(distill_data.conversation_stream(codec, prompts, replies))
+    train_stream, held_stream = streams
+    print(
+        f"data: {len(train)} train / {len(held)} held-out prompts; {len(train_stream):,} train / "
+        f"{len(held_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)",
+        file=sys.stderr,
+    )
+    data = {
+        "kind": "chat",
+        "source": distill_data.SOURCE.format(version=platform.python_version()),
+        "replies": f"the target's greedy replies, at most {args.reply_tokens} tokens, through mtp-jax",
+        "train_prompts": len(train),
+        "heldout_prompts": len(held),
+        "train_tokens": int(len(train_stream)),
+        "heldout_tokens": int(len(held_stream)),
+    }
+    return Run(
+        args,
+        workdir,
+        0,
+        target_raw,
+        model.config,
+        model.params,
+        codec,
+        {"prompts": [p["text"] for p in evaluation]},
+        [],
+        [],
+        train_stream,
+        held_stream,
+        start=t0,
+        data=data,
+    )
 
 
 def own_text(run: Run) -> np.ndarray | None:
@@ -349,24 +463,107 @@ def own_text(run: Run) -> np.ndarray | None:
     return run.own_windows
 
 
-def run_training(run: Run, state: dict, train_step, name: str) -> tuple[dict, int, float] | None:
+def partial_dir(args: argparse.Namespace) -> str:
+    return args.out.rstrip("/") + ".partial"
+
+
+def with_step_count(opt_state: Any, step: int) -> Any:
+    """Optimizer state whose step counters read ``step`` (the learning-rate schedule goes on)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.full_like(x, step) if getattr(p[-1], "name", None) == "count" else x, opt_state
+    )
+
+
+def run_training(
+    run: Run,
+    state: dict,
+    train_step,
+    name: str,
+    raw: dict | None = None,
+    export: Callable[[dict], dict] | None = None,
+    load: Callable[[CheckpointReader, dict], dict] | None = None,
+) -> tuple[dict, int, float] | None:
     """:func:`train_tiny.train_loop` on the run's data: (state, first step of this run, seconds), or
-    None when stopped early."""
-    done = train_loop(run.args, run.workdir, state, train_step, run.train_stream, own_text(run), name=name)
+    None when stopped early.
+
+    With ``--export-every N``, every N steps the draft (``export(state)``: its hub tensors, bf16) is
+    written to ``OUT.partial`` with the step reached; a run on a machine without the orbax state
+    (``--workdir``) starts from there (``load(reader, raw)``: the draft tree) with a fresh optimizer
+    whose schedule goes on from that step. Commit ``OUT.partial`` to carry a long run across
+    machines."""
+    args = run.args
+
+    exported = [0]
+
+    def on_save(st: dict, step: int) -> None:  # the first save at or past each multiple of N, and the last
+        due = args.export_every and (step // args.export_every > exported[0] // args.export_every)
+        if export is None or not (due or (args.export_every and step == args.steps)):
+            return
+        exported[0] = step
+        partial = partial_dir(args)
+        progress = {"step": step, "steps": args.steps, "command": report_command()}
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(partial))) as tmp:
+            path = os.path.join(tmp, "partial")
+            path_json = os.path.join(tmp, "progress.json")
+            with open(path_json, "w", encoding="utf-8") as f:
+                json.dump(progress, f, indent=2)
+            write_hub_checkpoint(path, raw, export(st), extra_files={"progress.json": path_json})
+            if os.path.isdir(partial):
+                shutil.rmtree(partial)
+            os.replace(path, partial)
+        print(f"draft at step {step} written to {partial}", file=sys.stderr)
+
+    def warm(st: dict) -> tuple[dict, int] | None:
+        partial = partial_dir(args)
+        if load is None or not os.path.isfile(os.path.join(partial, "progress.json")):
+            return None
+        with open(os.path.join(partial, "config.json"), encoding="utf-8") as f:
+            if json.load(f) != raw:
+                raise SystemExit(
+                    f"{partial} holds a draft of another configuration; move it away to start afresh"
+                )
+        with open(os.path.join(partial, "progress.json"), encoding="utf-8") as f:
+            step = int(json.load(f)["step"])
+        tree = load(CheckpointReader(partial), raw)
+        st = {**st, "draft": tree, "opt_state": with_step_count(st["opt_state"], step)}
+        if "step" in st:
+            st["step"] = jnp.asarray(step, st["step"].dtype)
+        print(
+            f"starting from the draft at step {step} in {partial} (fresh optimizer moments)", file=sys.stderr
+        )
+        exported[0] = step
+        return st, step
+
+    done = train_loop(
+        args,
+        run.workdir,
+        state,
+        train_step,
+        run.train_stream,
+        own_text(run),
+        name=name,
+        warm=warm,
+        on_save=on_save,
+    )
     if done is None:
         return None
     state, _, start, seconds = done
     return state, start, seconds
 
 
+def report_command() -> str:
+    return " ".join(["python", f"scripts/{os.path.basename(sys.argv[0])}", *sys.argv[1:]])
+
+
 def report_for(run: Run, draft: dict, training: dict, heldout: dict, start: int, seconds: float) -> dict:
     """eval.json of a draft: the target, the draft, the data, the run (with its exact command)."""
     args = run.args
     return {
-        "target": os.path.basename(os.path.normpath(args.target)),
+        "target": os.path.basename(os.path.normpath(args.target_name)),
+        "target_path": args.target_name,
         "name": os.path.basename(os.path.normpath(args.out)),
         "draft": draft,
-        "data": data_report(run.train_files, run.held_files, run.train_stream, run.held_stream),
+        "data": run.data or data_report(run.train_files, run.held_files, run.train_stream, run.held_stream),
         "training": {
             **run_report(args),
             **training,
@@ -375,7 +572,7 @@ def report_for(run: Run, draft: dict, training: dict, heldout: dict, start: int,
             "seconds": round(seconds, 1),
             "resumed_from": start,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}",
-            "command": " ".join(["python", f"scripts/{os.path.basename(sys.argv[0])}", *sys.argv[1:]]),
+            "command": report_command(),
         },
         "heldout": heldout,
         "prompts": run.target_eval.get("prompts", []),
@@ -391,7 +588,7 @@ def ship(run: Run, raw: dict, tensors: dict, report: dict, method: str, render) 
         staged = os.path.join(tmp, "draft")
         write_hub_checkpoint(staged, raw, tensors)
         report["acceptance"] = acceptance_lengths(
-            args.target, staged, run.tok, report["prompts"], args.acceptance_k, method
+            args.target, staged, [run.encode_prompt(t) for t in report["prompts"]], args.acceptance_k, method
         )
         if "acceptance" in run.target_eval:
             report["mtp_acceptance"] = run.target_eval["acceptance"]  # the target's own MTP, same prompts
@@ -405,6 +602,7 @@ def ship(run: Run, raw: dict, tensors: dict, report: dict, method: str, render) 
         write_hub_checkpoint(args.out, raw, tensors, extra_files=files)
     print(f"wrote {args.out} ({time.perf_counter() - run.start:.0f}s in all)", file=sys.stderr)
     shutil.rmtree(run.workdir, ignore_errors=True)
+    shutil.rmtree(partial_dir(args), ignore_errors=True)
     if run.own:
         os.remove(continuations_path(run.workdir, args.own_text_windows, run.length, args.seed))
 
@@ -468,14 +666,18 @@ def main() -> int:
     optimizer = make_optimizer(args, tree)
 
     @jax.jit
-    def train_step(state: dict, window: jax.Array) -> tuple[dict, dict]:
+    def update(state: dict, window: jax.Array, target: dict) -> tuple[dict, dict]:
+        # the frozen target is an argument, not a closure: XLA would fold a real model in as constants
         def objective(t):
-            return draft_losses({**t, **fixed}, params, cfg, dcfg, window, args.depth, args.step_decay)
+            return draft_losses({**t, **fixed}, target, cfg, dcfg, window, args.depth, args.step_decay)
 
         tree = state["draft"]
         (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(tree)
         updates, opt_state = optimizer.update(grads, state["opt_state"], tree)
         return {"draft": optax.apply_updates(tree, updates), "opt_state": opt_state}, aux
+
+    def train_step(state: dict, window: jax.Array) -> tuple[dict, dict]:
+        return update(state, window, params)
 
     print(
         f"draft: EAGLE-3 ({attention.upper()}) for {cfg.model_type}, {n_params / 1e6:.2f}M parameters, "
@@ -483,7 +685,19 @@ def main() -> int:
         f"{args.batch} x {args.seq} tokens, {args.depth} chained steps, own text {run.own}/{args.batch}",
         file=sys.stderr,
     )
-    done = run_training(run, {"draft": tree, "opt_state": optimizer.init(tree)}, train_step, "eagle3")
+
+    def export(state: dict) -> dict:
+        return eagle3_hub_tensors_from_params(
+            {**state["draft"], **fixed}, dcfg, ml_dtypes.bfloat16, LAYER_PREFIX
+        )
+
+    def load(reader: CheckpointReader, raw: dict) -> dict:
+        _, loaded = load_eagle3(reader, raw, cfg, params, jnp.float32, strict=True, verbose=False)
+        loaded.pop("draft_to_target")
+        return loaded
+
+    state = {"draft": tree, "opt_state": optimizer.init(tree)}
+    done = run_training(run, state, train_step, "eagle3", raw=raw, export=export, load=load)
     if done is None:
         return 0
     state, start, seconds = done
@@ -514,20 +728,48 @@ def main() -> int:
 
 
 def acceptance_lengths(
-    target: str, draft: str, tok: Tokenizer, texts: list[str], ks: list[int], method: str = "eagle3"
+    target: str, draft: str, ids: list[list[int]], ks: list[int], method: str = "eagle3"
 ) -> dict:
-    """Greedy acceptance length of K drafts over the held-out prompts (64 new tokens), through the
-    public API: the written draft loaded beside the target."""
-    if not ks or not texts:
+    """Greedy acceptance length of K drafts over the held-out prompts (token ids; 64 new tokens),
+    through the public API: the written draft loaded beside the target."""
+    if not ks or not ids:
         return {}
     model = mtp_jax.load(target, "float32", draft_model=draft)
-    ids = [[BOS, *tok.encode(t).ids] for t in texts]
     out = {}
     for k in ks:
         result = model.generate(ids, max_new_tokens=64, draft=method, num_speculative_tokens=k, max_batch=8)
         out[str(k)] = result.stats["acceptance_length"]
         print(f"acceptance length K={k}: {out[str(k)]:.2f}", file=sys.stderr)
     return out
+
+
+def data_sentence(d: dict) -> str:
+    """The card's account of the training data, stdlib or chat."""
+    if d.get("kind") == "chat":
+        return (
+            f"The target's own greedy replies (at most a few hundred tokens each) to {d['train_prompts']:,} "
+            f"chat and code prompts built from the {d['source']} ({d['train_tokens']:,} tokens of "
+            f"conversation; {d['heldout_prompts']} prompts of held-out modules and topics kept out)."
+        )
+    return (
+        f"{d['train_modules']} standard-library modules of Python {d['python']} ({d['train_tokens']:,} "
+        f"tokens; the target's split, {d['heldout_modules']} modules held out)."
+    )
+
+
+def usage_line(r: dict, method: str) -> str:
+    """How to run the draft with its target."""
+    if r["data"].get("kind") == "chat":
+        model = r.get("target_path", r["target"])
+        return (
+            f"    mtp-jax generate --model {model} --draft {method} \\\n"
+            f"        --draft-model checkpoints/{r['name']} \\\n"
+            '        --chat "Write a Python function that reverses a string."'
+        )
+    return (
+        f"    mtp-jax generate --model checkpoints/{r['target']} --draft {method} --draft-model "
+        f'checkpoints/{r["name"]} \\\n        --prompt "def main():"'
+    )
 
 
 def card(raw: dict, r: dict) -> str:
@@ -555,7 +797,7 @@ def card(raw: dict, r: dict) -> str:
         )
     return f"""# EAGLE-3 draft for `{r["target"]}`
 
-An EAGLE-3 draft for the embedded `{r["target"]}` target of mtp-jax, written by
+An EAGLE-3 draft for the `{r["target"]}` target of mtp-jax, written by
 `scripts/train_eagle3.py`: one decoder layer with {kind}
 over `fc(cat(low, mid, high))` of three target layers (layer inputs {dr["layer_ids"]}, as
 `eagle_config.eagle_aux_hidden_state_layer_ids` reads them) and the embedding of the next token;
@@ -564,17 +806,16 @@ Its head covers the {dr["draft_vocab_size"]} most frequent tokens of the trainin
 offsets, `t2d` mask); it proposes nothing else.
 Hub layout: bf16 safetensors, `layers.0.*` keys.
 
-    mtp-jax generate --model checkpoints/{r["target"]} --draft eagle3 --draft-model checkpoints/{r["name"]} \\
-        --prompt "def main():" --num-speculative-tokens 4
+{usage_line(r, "eagle3")}
 
 ## Training
-{d["train_modules"]} standard-library modules of Python {d["python"]} ({d["train_tokens"]:,} tokens;
-the target's split, {d["heldout_modules"]} modules held out). {t["steps"]} steps of {t["batch"]} x
+{data_sentence(d)} {t["steps"]} steps of {t["batch"]} x
 {t["seq"]} tokens, AdamW (lr {t["lr"]}, warm-up {t["warmup"]}, cosine decay), seed {t["seed"]};
 EAGLE-3's training-time test: the draft unrolled {t["depth"]} steps on its own states with the
 decode-time attention pattern, step j weighted {t["step_decay"]}^(j-1), labels the target's own
 distribution over the draft vocabulary (self-distillation); {t["own_text"]:.0%} of each batch from
 {t["own_text_windows"]:,} windows of the target's own greedy continuations. The target is frozen.
+{t["batch"] * t["seq"] * t["steps"]:,} tokens trained.
 {t["seconds"] / 60:.1f} minutes on {t["machine"]}{note}.
 The command (resumable: rerun it after an interruption):
 

@@ -72,7 +72,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from mtp_jax.checkpoint.export import hub_tensors_from_params
 from mtp_jax.checkpoint.formats import checkpoint_format
@@ -221,13 +221,19 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok.train_from_iterator(texts, trainer, length=len(texts))
     if tok.get_vocab_size() != vocab_size:
         raise SystemExit(f"tokenizer has {tok.get_vocab_size()} tokens, expected {vocab_size}")
+    # every text the models see starts with <|bos|>: the tokenizer's own rule, as transformers reads it
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL[BOS]} $A",
+        pair=f"{SPECIAL[BOS]} $A {SPECIAL[BOS]} $B",
+        special_tokens=[(SPECIAL[BOS], BOS)],
+    )
     return tok
 
 
 def token_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
     """All documents as one int32 stream: <|bos|> doc <|eos|> <|bos|> doc <|eos|> ..."""
     parts = []
-    for enc in tok.encode_batch(texts):
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
         parts.append(np.asarray([BOS, *enc.ids, EOS], dtype=np.int32))
     return np.concatenate(parts)
 
@@ -520,13 +526,19 @@ def train_loop(
     stream: np.ndarray,
     own_windows: np.ndarray | None,
     name: str = "mtp",
+    warm: Callable[[dict], tuple[dict, int] | None] | None = None,
+    on_save: Callable[[dict, int], None] | None = None,
 ) -> tuple[dict, dict | None, int, float] | None:
     """The resumable training loop: ``state`` (a dict of pytrees, e.g. parameters and optimizer
     state) restored from the latest orbax save in ``workdir`` when there is one, then
     ``state, aux = step_fn(state, window)`` for the remaining steps (``--stop-after`` of them at
     most) with the progress line, saved every ``--save-every`` steps and at the end of the run.
     Returns (state, the last step's aux or None, the step this run started at, seconds), or None
-    when the run stopped before ``--steps`` (rerun to resume)."""
+    when the run stopped before ``--steps`` (rerun to resume).
+
+    With no saved state in ``workdir``, ``warm(state)`` may supply a (state, step) to start from
+    instead (weights kept somewhere that outlives this machine); ``on_save(state, step)`` runs at
+    every save."""
     manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
     start = 0
     if manager.latest_step() is not None:
@@ -534,6 +546,8 @@ def train_loop(
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
         state = dict(manager.restore(start, args=ocp.args.StandardRestore(abstract)))
         print(f"resuming from step {start} in {workdir}", file=sys.stderr)
+    elif warm is not None and (found := warm(state)) is not None:
+        state, start = found
     meter = Meter(args.steps, args.batch * args.seq, first_step=start, name=name)
     aux = None
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
@@ -546,6 +560,8 @@ def train_loop(
         meter.show(step + 1, stats, force=step + 1 == args.steps)
         if (step + 1) % args.save_every == 0 or step + 1 == end:
             manager.save(step + 1, args=ocp.args.StandardSave(state))
+            if on_save is not None:
+                on_save(state, step + 1)
     manager.wait_until_finished()
     if end < args.steps:
         print(f"stopped after step {end}; rerun the same command to resume from {workdir}", file=sys.stderr)
@@ -873,7 +889,7 @@ def acceptance_lengths(
     from mtp_jax.model import Model
 
     model = Model(cfg, params, dtype="float32", eos_token_ids=[EOS])
-    ids = [[BOS, *tok.encode(t).ids] for t in texts]
+    ids = [[BOS, *tok.encode(t, add_special_tokens=False).ids] for t in texts]
     out = {}
     for k in ks:
         result = model.generate(ids, max_new_tokens=64, draft="mtp", num_speculative_tokens=k, max_batch=8)
@@ -895,7 +911,7 @@ def write_checkpoint(
     """Hub layout (bf16), tokenizer, generation config, eval.json and the model card, atomically."""
     tensors = hub_tensors_from_params(params, cfg, ml_dtypes.bfloat16)
     passage = snippet(tok, held_texts)
-    ids = [BOS, *tok.encode(passage).ids]
+    ids = [BOS, *tok.encode(passage, add_special_tokens=False).ids]
     # The recorded bound is measured on the bf16 weights that are shipped, in float32 compute.
     exported = jax.tree.map(lambda x: jnp.asarray(np.asarray(x, ml_dtypes.bfloat16), jnp.float32), params)
     window = jnp.asarray([ids])

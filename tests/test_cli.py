@@ -52,7 +52,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 def expected_text(embedded, prompts: list[str], **kwargs) -> list[str]:
     """What the CLI should print for each prompt: prompt + decoded new tokens (bos prepended)."""
     model, tok = embedded
-    ids = [[model.config.bos_token_id, *tok.encode(p).ids] for p in prompts]
+    ids = [tok.encode(p).ids for p in prompts]
     result = model.generate(ids, **kwargs)
     return [
         p + tok.decode(new, skip_special_tokens=True) for p, new in zip(prompts, result.tokens, strict=True)
@@ -134,7 +134,7 @@ def test_generate_stops_at_eos_unless_ignore_eos(capsys, embedded):
     # within 8 tokens through the API, then check that the CLI stops there too (and not with
     # --ignore-eos).
     model, tok = embedded
-    ids = [model.config.bos_token_id, *tok.encode(MAIN).ids]
+    ids = tok.encode(MAIN).ids
     seed = next(
         s
         for s in range(64)
@@ -172,7 +172,7 @@ def test_score_matches_model_score(capsys, embedded):
     model, tok = embedded
     rc, out, err = run(capsys, "score", "--text", CODE)
     assert rc == 0, err
-    ids = [model.config.bos_token_id, *tok.encode(CODE).ids]
+    ids = tok.encode(CODE).ids
     assert len(ids) > 10
 
     lines = out.splitlines()

@@ -30,7 +30,7 @@ def test_is_the_cli_default(monkeypatch):
 
 def test_heldout_perplexity_is_below_the_bound_recorded_at_training(shipped):
     model, tok, report = shipped
-    ids = [model.config.bos_token_id, *tok.encode(report["snippet"]["text"]).ids]
+    ids = tok.encode(report["snippet"]["text"]).ids
     ppl = model.score(ids).perplexity
     assert ppl <= report["snippet"]["perplexity"] * 1.01
     assert ppl < model.config.vocab_size / 20  # trained: an untrained model sits near the vocabulary size
@@ -38,7 +38,7 @@ def test_heldout_perplexity_is_below_the_bound_recorded_at_training(shipped):
 
 def test_speculative_greedy_equals_plain_greedy(shipped):
     model, tok, report = shipped
-    prompts = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"][:6]]
+    prompts = [tok.encode(t).ids for t in report["prompts"][:6]]
     plain = model.generate(prompts, max_new_tokens=40, max_batch=3)
     spec = model.generate(prompts, max_new_tokens=40, max_batch=3, draft="mtp", num_speculative_tokens=3)
     assert spec.tokens == plain.tokens

@@ -37,7 +37,7 @@ def shipped(request):
     tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))
     with open(os.path.join(draft, "eval.json"), encoding="utf-8") as f:
         report = json.load(f)
-    prompts = [[model.config.bos_token_id, *tok.encode(t).ids] for t in report["prompts"]]
+    prompts = [tok.encode(t).ids for t in report["prompts"]]
     if name not in _PLAIN:  # plain decoding once per target: the drafts' prompts are the target's
         _PLAIN[name] = model.generate(prompts, max_new_tokens=64, max_batch=8).tokens
     return name, method, model, report, prompts, draft, _PLAIN[name]

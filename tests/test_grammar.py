@@ -73,7 +73,7 @@ def targets():
 
 
 def _prompt(model, tok, text: str) -> list[int]:
-    return [model.config.bos_token_id, *tok.encode(text).ids]
+    return tok.encode(text).ids
 
 
 def test_mask_logits_reads_the_packed_bits():

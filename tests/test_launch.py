@@ -56,7 +56,7 @@ def test_two_processes_generate_the_tokens_of_one():
 
     model = mtp_jax.load(EMBEDDED_MODEL, "float32")
     tok = _tokenizer(EMBEDDED_MODEL)
-    ids = [_encode(tok, p, model.config.bos_token_id) for p in prompts]
+    ids = [_encode(tok, p) for p in prompts]
     want = model.generate(ids, max_new_tokens=12, ignore_eos=True, draft="mtp", num_speculative_tokens=3)
     assert got["tokens"] == want.tokens
 

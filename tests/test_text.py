@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 import mtp_jax
 from mtp_jax.text import IncrementalDecoder, StopStrings, TextCodec, check_stops
-from tests.conftest import EMBEDDED_MODEL, require_extra
+from tests.conftest import EMBEDDED_MODEL, REPO, real_model, require_extra
 
 TEXTS = [
     "def f(x):\n    return x  # ok",
@@ -90,7 +90,7 @@ def chat_model_dir(tmp_path_factory):
 
 
 def test_chat_template(chat_model_dir):
-    codec = TextCodec(chat_model_dir, bos_token_id=0)
+    codec = TextCodec.from_dir(chat_model_dir)
     msgs = [
         {"role": "system", "content": " Be brief. "},
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
@@ -104,13 +104,13 @@ def test_chat_template(chat_model_dir):
     with pytest.raises(mtp_jax.InvalidRequestError, match="only text content parts"):
         codec.render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
     with pytest.raises(mtp_jax.InvalidRequestError, match="no chat template"):
-        TextCodec(EMBEDDED_MODEL).render_chat(msgs)
+        TextCodec.from_dir(EMBEDDED_MODEL).render_chat(msgs)
 
 
 def test_text_prompts_and_stop_strings_through_generate(tok):
     model = mtp_jax.load(EMBEDDED_MODEL, "float32")
     text = "def main():\n"
-    ids = [model.config.bos_token_id, *tok.encode(text).ids]
+    ids = tok.encode(text).ids
     by_ids = model.generate([ids], max_new_tokens=24, ignore_eos=True)
     by_text = model.generate([text], max_new_tokens=24, ignore_eos=True, draft="mtp")
     assert by_text.tokens == by_ids.tokens
@@ -121,3 +121,29 @@ def test_text_prompts_and_stop_strings_through_generate(tok):
     assert cut.finish_reasons == ["stop"] and cut.texts == [full[: full.index(stop)]]
     assert tok.decode(cut.tokens[0]).find(stop) >= 0  # the tokens go up to the one completing it
     assert cut.tokens[0] == by_ids.tokens[0][: len(cut.tokens[0])]
+
+
+REFERENCE = os.path.join(REPO, "tests", "fixtures", "tokenizers.json")
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3-stdlib", "tiny-deepseek-v3-stdlib", "smollm2-135m-instruct"])
+def test_text_and_chats_encode_as_transformers_does(name):
+    """Prompts (BOS or not by the tokenizer's own rule) and rendered chats equal what transformers'
+    AutoTokenizer and apply_chat_template(add_generation_prompt=True) gave
+    (scripts/make_tokenizer_fixtures.py); SmolLM2 through its GGUF's own tokenizer."""
+    with open(REFERENCE, encoding="utf-8") as f:
+        ref = json.load(f)["models"][name]
+    if name.startswith("tiny"):
+        codec = TextCodec.from_dir(os.path.join(REPO, "checkpoints", name))
+    else:
+        require_extra("gguf")
+        require_extra("jinja2")
+        codec = TextCodec.for_path(real_model(name))
+    for case in ref["texts"]:
+        assert codec.encode(case["text"]) == case["ids"], case["text"]
+    bos = codec.tokenizer.token_to_id("<|bos|>")
+    assert (ref["texts"][0]["ids"][0] == bos) == name.startswith("tiny")  # SmolLM2 adds no BOS
+    for case in ref.get("chats", []):
+        assert codec.render_chat(case["messages"]) == case["text"]
+        assert codec.encode_chat(case["messages"]) == case["ids"]
+    assert name.startswith("tiny") or ref.get("chats")

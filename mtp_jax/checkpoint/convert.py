@@ -33,9 +33,10 @@ import numpy as np
 
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
+from mtp_jax.checkpoint.gguf import GGUFCheckpoint, is_gguf
 from mtp_jax.checkpoint.loader import FLOAT32_LEAVES, host_dtype
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import ModelConfig, load_config
+from mtp_jax.config import ModelConfig, load_config, parse_config
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError
 from mtp_jax.progress import Progress
 
@@ -84,9 +85,15 @@ def _write_json(path: str, data: Any) -> None:
 
 def _fingerprint(src: str, reader: CheckpointReader, options: dict) -> str:
     h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
-    names = sorted({"config.json"} | {f for f in os.listdir(src) if f.endswith((".safetensors", ".json"))})
+    if os.path.isfile(src):  # a GGUF file
+        root, names = os.path.dirname(src), [os.path.basename(src)]
+    else:
+        root = src
+        names = sorted(
+            {"config.json"} | {f for f in os.listdir(src) if f.endswith((".safetensors", ".json"))}
+        )
     for name in names:
-        st = os.stat(os.path.join(src, name))
+        st = os.stat(os.path.join(root, name))
         h.update(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()
 
@@ -122,7 +129,7 @@ def convert(
     progress: bool = True,
     on_group: Callable[[str], None] | None = None,
 ) -> ConvertReport:
-    """Convert the hub checkpoint ``src`` into an orbax checkpoint at ``dst``.
+    """Convert the hub checkpoint (directory) or GGUF file ``src`` into an orbax checkpoint at ``dst``.
 
     weights: "auto" (default) keeps every tensor's stored precision: FP8 weights stay FP8 with their
     block scales, BF16 stays BF16, FP32 stays FP32, so that loading the converted checkpoint gives
@@ -135,15 +142,22 @@ def convert(
     src, dst = os.fspath(src), os.fspath(dst)
     if weights not in CONVERT_WEIGHTS:
         raise ValueError(f"weights must be one of {CONVERT_WEIGHTS}, got {weights!r}")
-    if not os.path.isdir(src):
-        raise CheckpointNotFoundError(f"source checkpoint directory not found: {src}")
+    gguf = os.path.isfile(src) and is_gguf(src)
+    if not gguf and not os.path.isdir(src):
+        raise CheckpointNotFoundError(f"source checkpoint directory or GGUF file not found: {src}")
     if is_converted(src):
         raise CheckpointError(f"{src} is already a converted mtp-jax checkpoint")
     if os.path.exists(dst):
         raise FileExistsError(f"destination {dst} already exists; remove it or choose another path")
-    cfg = load_config(os.path.join(src, "config.json"))
+    if gguf:  # quantised tensors are dequantised to float32 as they are read
+        source = GGUFCheckpoint(src)
+        cfg = parse_config(source.hf_config())
+        reader = source.tensors()
+    else:
+        source = None
+        cfg = load_config(os.path.join(src, "config.json"))
+        reader = CheckpointReader(src)
     fmt = checkpoint_format(cfg)
-    reader = CheckpointReader(src)
     if weights == "fp8" and cfg.quantization_config is None:
         raise CheckpointError(
             f"--weights fp8 needs an FP8 source checkpoint; {src}/config.json has no quantization_config"
@@ -205,7 +219,9 @@ def convert(
             bar.update(len(keys), nbytes, gdir)
     checkpointer.close()
 
-    for fname in COPIED_FILES:
+    if source is not None:
+        source.write_hub_files(work)
+    for fname in COPIED_FILES if source is None else ():
         if os.path.isfile(os.path.join(src, fname)):
             shutil.copyfile(os.path.join(src, fname), os.path.join(work, fname))
     _write_json(

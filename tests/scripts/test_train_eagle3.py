@@ -137,7 +137,7 @@ def test_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, message):
 def test_refuses_to_overwrite_or_a_target_that_is_not_a_trained_checkpoint(tmp_path, monkeypatch, capsys):
     for target, out, message in (
         (LLAMA, tmp_path, "already exists"),
-        (str(tmp_path), tmp_path / "o", "is not a trained checkpoint"),
+        (str(tmp_path), tmp_path / "o", "is not a checkpoint"),
     ):
         monkeypatch.setattr(sys, "argv", ["train_eagle3.py", "--target", target, "--out", str(out)])
         with pytest.raises(SystemExit) as exit_:

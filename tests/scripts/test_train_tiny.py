@@ -72,7 +72,7 @@ def test_smoke_run_writes_a_loadable_hub_checkpoint_and_resumes_deterministicall
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(straight / "tokenizer.json"))
-    ids = [config["bos_token_id"], *tok.encode(report["snippet"]["text"]).ids]
+    ids = tok.encode(report["snippet"]["text"]).ids
     assert model.score(ids).perplexity == pytest.approx(report["snippet"]["perplexity"], rel=1e-3)
 
     # Interrupted after 2 steps, then resumed: the same weights as the uninterrupted run. Beside
@@ -205,7 +205,7 @@ def test_llama_smoke_run_reuses_the_tokenizer_and_writes_a_llama_checkpoint(tmp_
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    ids = [config["bos_token_id"], *tok.encode(report["snippet"]["text"]).ids]
+    ids = tok.encode(report["snippet"]["text"]).ids
     assert model.score(ids).perplexity == pytest.approx(report["snippet"]["perplexity"], rel=1e-3)
     assert len(model.generate([ids[:8]], max_new_tokens=4, ignore_eos=True).tokens[0]) == 4
     card = (out / "README.md").read_text()
