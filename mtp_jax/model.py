@@ -572,7 +572,13 @@ def load(
         target_for(config).check_mesh(config, mesh)
     if gguf_file:
         params = checkpoint_format(config).load_params(
-            ckpt.tensors(), config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
+            ckpt.tensors(progress=True),
+            config,
+            DTYPES[dtype],
+            weights=weights,
+            mtp=mtp,
+            strict=strict,
+            mesh=mesh,
         )
     elif is_converted(path):
         params = load_converted(path, config, DTYPES[dtype], weights=weights, mtp=mtp, mesh=mesh)

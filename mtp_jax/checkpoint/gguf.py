@@ -275,8 +275,12 @@ class GGUFCheckpoint:
             )
         return np.ascontiguousarray(out.reshape(shape))
 
-    def tensors(self) -> GGUFTensors:
-        return GGUFTensors(self)
+    def tensors(self, progress: bool = False) -> GGUFTensors:
+        """The tensors under hub names; ``progress`` draws a progress line on stderr as they are read."""
+        return GGUFTensors(self, progress)
+
+    def stored_bytes(self, name: str) -> int:
+        return int(self._tensors[name].n_bytes)
 
     # --- tokenizer ----------------------------------------------------------------------------
     def tokenizer_json(self) -> str:
@@ -411,9 +415,16 @@ class GGUFTensors:
     :class:`mtp_jax.checkpoint.safetensors_io.CheckpointReader` (``keys``, ``shape``, ``dtype``,
     ``get``). Query/key projections get their rows back in rotate-half order."""
 
-    def __init__(self, ckpt: GGUFCheckpoint) -> None:
+    def __init__(self, ckpt: GGUFCheckpoint, progress: bool = False) -> None:
         self.ckpt = ckpt
         self.directory = ckpt.path
+        self._bar = None
+        if progress:
+            from mtp_jax.progress import Progress
+
+            names = [n for n in ckpt.tensor_names() if n != "rope_freqs.weight"]
+            total = sum(ckpt.stored_bytes(n) for n in names)
+            self._bar = Progress(f"load {os.path.basename(ckpt.path)}", len(names), total)
         self._names: dict[str, str] = {}  # hub name -> GGUF name
         for name in ckpt.tensor_names():
             if name == "rope_freqs.weight":  # read into the config (llama3 rope scaling)
@@ -444,6 +455,8 @@ class GGUFTensors:
 
     def get(self, key: str) -> np.ndarray:
         x = self.ckpt._array(self._gguf(key))
+        if self._bar is not None:
+            self._bar.update(1, self.ckpt.stored_bytes(self._gguf(key)), key)
         proj = key.rsplit(".", 2)[-2] if key.endswith("_proj.weight") else None
         if proj in ("q_proj", "k_proj"):  # undo llama.cpp's per-head interleaving of the rope halves
             heads = int(self.ckpt._meta("attention.head_count"))
