@@ -210,7 +210,7 @@ def conversation_stream(codec, prompts: list[dict], replies: list[list[int]]) ->
 def replies_path(directory: str, target: str, split: str, reply_tokens: int) -> str:
     """Where a target's replies are kept: shared by every draft trained in ``directory``."""
     name = os.path.basename(os.path.normpath(target)).removesuffix(".gguf")
-    return os.path.join(directory, f".distill-{name}-{split}-{reply_tokens}.jsonl")
+    return os.path.join(directory, f"replies-{name}-{split}-{reply_tokens}.jsonl")
 
 
 def main() -> int:

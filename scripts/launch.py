@@ -66,9 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument(
         "--draft",
-        choices=["auto", "mtp", "none"],
+        choices=["auto", "mtp", "eagle3", "dflash", "none"],
         default="auto",
-        help="auto = the model's own draft (the MTP layer) when it has one, else plain decoding",
+        help="auto = the --draft-model when given, else the model's own draft (the MTP layer) when it "
+        "has one, else plain decoding",
+    )
+    g.add_argument(
+        "--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash), loaded on the mesh"
+    )
+    g.add_argument(
+        "--draft-layer-ids",
+        choices=["inputs", "outputs"],
+        default="inputs",
+        help="how an EAGLE-3 config's captured-layer ids are read (as vLLM: inputs; as SGLang: outputs)",
     )
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -153,13 +163,13 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     import mtp_jax
-    from mtp_jax.cli import _model_dir
-    from mtp_jax.config import Llama3Config, load_config
+    from mtp_jax.cli import _config_of, _model_dir
+    from mtp_jax.config import Llama3Config, parse_config
 
     lead = jax.process_index() == 0
     n_dev = jax.device_count()
     model_dir = _model_dir(args.model)
-    llama = isinstance(load_config(model_dir), Llama3Config)
+    llama = isinstance(parse_config(_config_of(model_dir)), Llama3Config)
     axes = _mesh_axes(args.mesh, n_dev, "tensor" if llama else "expert")
     if math.prod(axes.values()) != n_dev:
         raise LaunchError(
@@ -168,11 +178,16 @@ def run(args: argparse.Namespace) -> int:
         )
     mesh = mtp_jax.make_mesh(**axes)
     t0 = time.perf_counter()
-    model = mtp_jax.load(model_dir, args.dtype, mesh=mesh)
+    if args.draft in ("eagle3", "dflash") and args.draft_model is None:
+        raise LaunchError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
+    model = mtp_jax.load(
+        model_dir, args.dtype, mesh=mesh, draft_model=args.draft_model, draft_layer_ids=args.draft_layer_ids
+    )
     load_s = time.perf_counter() - t0
     draft = args.draft
     if draft == "auto":
-        draft = model.drafts[0] if model.drafts else "none"
+        loaded = [d for d in ("dflash", "eagle3") if d in model.drafts]  # a --draft-model first
+        draft = (loaded or list(model.drafts) or ["none"])[0]
     if args.serve:
         return _serve(args, model, model_dir, None if draft == "none" else draft, axes)
     prompts, tok = _prompts(args, model_dir)

@@ -200,20 +200,25 @@ def main() -> int:
         parser.error("--layers and --anchors must be >= 1, --block-size >= 2, --gamma > 0")
     if args.preset == "smoke":
         args.anchors, args.block_size = min(args.anchors, 4), min(args.block_size, 4)
-    run = start_run(args, parser)
+
+    def check(cfg: ModelConfig, data: str) -> None:
+        layer_ids = args.layer_ids or list(dflash_default_layers(cfg.num_hidden_layers, args.layers))
+        if any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
+            parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
+        if args.seq < args.block_size:
+            parser.error(f"--seq {args.seq} is shorter than a block of {args.block_size}")
+        if args.mask_token_id is None:
+            args.mask_token_id = 0 if data == "chat" else PAD  # chat conversations never contain id 0
+        if not 0 <= args.mask_token_id < cfg.vocab_size:
+            parser.error(
+                f"--mask-token-id {args.mask_token_id} is not a token id of the target "
+                f"(0..{cfg.vocab_size - 1})"
+            )
+
+    run = start_run(args, parser, check)
     cfg, params = run.cfg, run.params
     layer_ids = args.layer_ids or list(dflash_default_layers(cfg.num_hidden_layers, args.layers))
-    if any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
-        parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
-    if run.length - 1 < args.block_size:
-        parser.error(f"--seq {args.seq} is shorter than a block of {args.block_size}")
-    mask = (
-        args.mask_token_id
-        if args.mask_token_id is not None
-        else (PAD if run.data.get("kind") != "chat" else 0)
-    )
-    if not 0 <= mask < cfg.vocab_size:
-        parser.error(f"--mask-token-id {mask} is not a token id of the target (0..{cfg.vocab_size - 1})")
+    mask = args.mask_token_id
     raw = draft_config(run.target_raw, cfg, args.layers, layer_ids, args.block_size, mask)
     dcfg, tree = init_draft(raw, cfg, args.seed)
     n_params = sum(x.size for x in jax.tree.leaves(tree))

@@ -252,6 +252,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-prompts", type=int, help="chat data: train on the first N prompts (a fair sample) only"
     )
+    parser.add_argument(
+        "--replies-dir",
+        help="chat data: where the target's replies are kept (default: beside --workdir; commit it to "
+        "carry them to another machine)",
+    )
+    parser.add_argument("--partial", help="where --export-every writes the draft (default: OUT.partial)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="chat data: held-out prompts per kind")
     parser.add_argument("--out", help="draft directory to write (must not exist)")
     parser.add_argument(
@@ -315,9 +321,15 @@ class Run:
         return self.args.seq + 1
 
 
-def start_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
+def start_run(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    check: Callable[[ModelConfig, str], None] | None = None,
+) -> Run:
     """Check the shared arguments (the smoke preset shrinks everything to seconds), load the frozen
-    target and the data: the split it was trained on (stdlib), or its own replies (chat)."""
+    target and the data: the split it was trained on (stdlib), or its own replies (chat).
+    ``check(cfg, data)`` checks the script's own arguments against the target's config before
+    anything is loaded (a bad argument fails in a second)."""
     if not args.out:
         parser.error("--out is required")
     if os.path.exists(args.out):
@@ -355,11 +367,18 @@ def start_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
         parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
     t0 = time.perf_counter()
-    if data == "chat":
-        return start_chat_run(args, workdir, t0)
-    with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
-        target_raw = json.load(f)
+    if os.path.isfile(args.target):
+        from mtp_jax.checkpoint.gguf import GGUFCheckpoint
+
+        target_raw = GGUFCheckpoint(args.target).hf_config()
+    else:
+        with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
+            target_raw = json.load(f)
     cfg = parse_config(target_raw)
+    if check is not None:
+        check(cfg, data)
+    if data == "chat":
+        return start_chat_run(args, workdir, t0, target_raw)
     params = load_params(args.target, cfg)
     tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
     with open(os.path.join(args.target, "eval.json"), encoding="utf-8") as f:
@@ -389,7 +408,7 @@ def start_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Run:
     )
 
 
-def start_chat_run(args: argparse.Namespace, workdir: str, t0: float) -> Run:
+def start_chat_run(args: argparse.Namespace, workdir: str, t0: float, target_raw: dict) -> Run:
     """A real chat model as the target: its own greedy replies to the prompts of
     :mod:`distill_data` (generated once through mtp-jax, kept beside the training state)."""
     import distill_data
@@ -398,19 +417,14 @@ def start_chat_run(args: argparse.Namespace, workdir: str, t0: float) -> Run:
     codec = model.text
     if codec.chat_template is None:
         raise SystemExit(f"--target {args.target} has no chat template: chat data needs one")
-    if os.path.isfile(args.target):
-        from mtp_jax.checkpoint.gguf import GGUFCheckpoint
-
-        target_raw = GGUFCheckpoint(args.target).hf_config()
-    else:
-        with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
-            target_raw = json.load(f)
     train, held = distill_data.build_prompts(args.max_files)
     train = train[: args.max_prompts]
     evaluation = distill_data.heldout_prompts(args.eval_prompts, args.max_files)
     streams = []
     for name, prompts in (("train", train), ("heldout", held)):
-        path = distill_data.replies_path(os.path.dirname(workdir), args.target, name, args.reply_tokens)
+        path = distill_data.replies_path(
+            args.replies_dir or os.path.dirname(workdir), args.target_name, name, args.reply_tokens
+        )
         os.makedirs(os.path.dirname(path), exist_ok=True)
         replies = distill_data.generate_replies(model, codec, prompts, path, args.reply_tokens)
         streams.append(distill_data.conversation_stream(codec, prompts, replies))
@@ -464,7 +478,7 @@ def own_text(run: Run) -> np.ndarray | None:
 
 
 def partial_dir(args: argparse.Namespace) -> str:
-    return args.out.rstrip("/") + ".partial"
+    return args.partial or args.out.rstrip("/") + ".partial"
 
 
 def with_step_count(opt_state: Any, step: int) -> Any:
@@ -646,15 +660,20 @@ def main() -> int:
         parser.error("--depth must be at least 1")
     if args.preset == "smoke":
         args.depth = min(args.depth, 3)
-    run = start_run(args, parser)
+
+    def check(cfg: ModelConfig, data: str) -> None:
+        layer_ids = args.layer_ids or spread_layer_ids(cfg.num_hidden_layers)
+        if any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
+            parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
+        vocab = args.draft_vocab or cfg.vocab_size // 2
+        if not 1 <= vocab <= cfg.vocab_size:
+            parser.error(f"--draft-vocab {vocab} must be in [1, {cfg.vocab_size}] (the target's vocabulary)")
+
+    run = start_run(args, parser, check)
     cfg, params = run.cfg, run.params
     attention = args.attention or ("mla" if isinstance(cfg, DeepseekV3Config) else "gqa")
     layer_ids = args.layer_ids or spread_layer_ids(cfg.num_hidden_layers)
-    if any(not 0 <= i < cfg.num_hidden_layers for i in layer_ids):
-        parser.error(f"--layer-ids {layer_ids}: the target has layers 0..{cfg.num_hidden_layers - 1}")
     vocab = args.draft_vocab or cfg.vocab_size // 2
-    if not 1 <= vocab <= cfg.vocab_size:
-        parser.error(f"--draft-vocab {vocab} must be in [1, {cfg.vocab_size}] (the target's vocabulary)")
     own_windows = own_text(run)
     ids = draft_vocabulary(
         [run.train_stream] + ([own_windows] if own_windows is not None else []), cfg.vocab_size, vocab

@@ -63,22 +63,29 @@ def test_two_processes_generate_the_tokens_of_one():
 
 @pytest.mark.slow
 def test_two_processes_run_a_tensor_parallel_llama_like_one():
-    """Llama over 2 processes x 4 devices, rows over data and heads over tensor: the tokens of one
-    process, sampled ones included (the model has no draft: --draft auto decodes plainly)."""
+    """Llama with a separately trained EAGLE-3 draft (--draft-model) over 2 processes x 4 devices,
+    rows over data and heads over tensor: the tokens of one process, sampled ones included."""
     import mtp_jax
 
-    model_dir = os.path.join(REPO, "tests", "fixtures", "parity_llama", "mha_fp16")
-    prompts = [[3, 14, 15, 92, 65], [35, 89, 79]]
+    model_dir = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+    draft_dir = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib-eagle3")
+    prompts = [[0, 485, 289, 857, 878], [0, 35, 89, 79]]
     out = _launch(
-        "--local", "2", "--mesh", "data=2,tensor=4", "--model", model_dir,
+        "--local", "2", "--mesh", "data=2,tensor=4", "--model", model_dir, "--draft-model", draft_dir,
         *(f"--prompt-ids={','.join(map(str, p))}" for p in prompts), "--temperature", "0.8", "--seed", "4",
-        "--max-new-tokens", "10", "--ignore-eos", "--json", "--timeout", "500",
+        "-k", "3", "--max-new-tokens", "10", "--ignore-eos", "--json", "--timeout", "500",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["mesh"] == {"data": 2, "tensor": 4} and got["stats"]["num_speculative_tokens"] == 0
-    want = mtp_jax.load(model_dir, "float32").generate(
-        prompts, max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=4
+    assert got["mesh"] == {"data": 2, "tensor": 4} and got["stats"]["num_speculative_tokens"] == 3
+    want = mtp_jax.load(model_dir, "float32", draft_model=draft_dir).generate(
+        prompts,
+        max_new_tokens=10,
+        ignore_eos=True,
+        temperature=0.8,
+        seed=4,
+        draft="eagle3",
+        num_speculative_tokens=3,
     )
     assert got["tokens"] == want.tokens
 
