@@ -42,6 +42,7 @@ from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
     add_run_arguments,
     bf16_rounded,
     data_sentence,
+    own_text_clause,
     report_for,
     run_training,
     ship,
@@ -313,8 +314,8 @@ proposes up to {dr["block_size"] - 1} drafts. Published layout (`DFlashDraftMode
 {data_sentence(d)} {t["steps"]} steps of {t["batch"]} x {t["seq"]} tokens, AdamW (lr {t["lr"]},
 warm-up {t["warmup"]}, cosine decay), seed {t["seed"]}; {t["anchors"]} random anchors per window,
 each block over the context before its anchor and bidirectional within itself, row j weighted
-exp(-(j-1)/{t["gamma"]}); labels the target's own distribution (self-distillation);
-{t["own_text"]:.0%} of each batch from the target's own greedy continuations. The target is frozen.
+exp(-(j-1)/{t["gamma"]}); labels the target's own distribution (self-distillation){own_text_clause(d, t)}.
+The target is frozen.
 {t["batch"] * t["seq"] * t["steps"]:,} tokens trained.
 {t["seconds"] / 60:.1f} minutes on {t["machine"]}{note}. The command (resumable):
 

@@ -712,7 +712,8 @@ def main() -> int:
 
     def load(reader: CheckpointReader, raw: dict) -> dict:
         _, loaded = load_eagle3(reader, raw, cfg, params, jnp.float32, strict=True, verbose=False)
-        loaded.pop("draft_to_target")
+        # the draft vocabulary it was trained on, whatever this run's data would choose
+        fixed["draft_to_target"] = loaded.pop("draft_to_target")
         return loaded
 
     state = {"draft": tree, "opt_state": optimizer.init(tree)}
@@ -766,7 +767,7 @@ def data_sentence(d: dict) -> str:
     """The card's account of the training data, stdlib or chat."""
     if d.get("kind") == "chat":
         return (
-            f"The target's own greedy replies (at most a few hundred tokens each) to {d['train_prompts']:,} "
+            f"The target's own text: {d['replies']}, to {d['train_prompts']:,} "
             f"chat and code prompts built from the {d['source']} ({d['train_tokens']:,} tokens of "
             f"conversation; {d['heldout_prompts']} prompts of held-out modules and topics kept out)."
         )
@@ -774,6 +775,14 @@ def data_sentence(d: dict) -> str:
         f"{d['train_modules']} standard-library modules of Python {d['python']} ({d['train_tokens']:,} "
         f"tokens; the target's split, {d['heldout_modules']} modules held out)."
     )
+
+
+def own_text_clause(d: dict, t: dict) -> str:
+    """How much of each batch was the target's own greedy text (all of it, for chat data)."""
+    if d.get("kind") == "chat":
+        return ""
+    windows = f" from {t['own_text_windows']:,} windows" if t.get("own_text_windows") else ""
+    return f"; {t['own_text']:.0%} of each batch{windows} of the target's own greedy continuations"
 
 
 def usage_line(r: dict, method: str) -> str:
@@ -832,8 +841,7 @@ Hub layout: bf16 safetensors, `layers.0.*` keys.
 {t["seq"]} tokens, AdamW (lr {t["lr"]}, warm-up {t["warmup"]}, cosine decay), seed {t["seed"]};
 EAGLE-3's training-time test: the draft unrolled {t["depth"]} steps on its own states with the
 decode-time attention pattern, step j weighted {t["step_decay"]}^(j-1), labels the target's own
-distribution over the draft vocabulary (self-distillation); {t["own_text"]:.0%} of each batch from
-{t["own_text_windows"]:,} windows of the target's own greedy continuations. The target is frozen.
+distribution over the draft vocabulary (self-distillation){own_text_clause(d, t)}. The target is frozen.
 {t["batch"] * t["seq"] * t["steps"]:,} tokens trained.
 {t["seconds"] / 60:.1f} minutes on {t["machine"]}{note}.
 The command (resumable: rerun it after an interruption):
