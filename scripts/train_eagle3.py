@@ -522,8 +522,9 @@ def run_training(
             with open(path_json, "w", encoding="utf-8") as f:
                 json.dump(progress, f, indent=2)
             write_hub_checkpoint(path, raw, export(st), extra_files={"progress.json": path_json})
-            if os.path.isdir(partial):
-                shutil.rmtree(partial)
+            old = os.path.join(tmp, "previous")
+            if os.path.isdir(partial):  # a kill between the renames leaves it whole in tmp*/previous
+                os.replace(partial, old)
             os.replace(path, partial)
         print(f"draft at step {step} written to {partial}", file=sys.stderr)
 
