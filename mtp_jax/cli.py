@@ -496,14 +496,10 @@ def _parse_mesh(text: str) -> dict[str, int]:
     return mesh
 
 
-def _config_of(path: str) -> dict:
-    """The config.json of a checkpoint directory, or what a GGUF file's metadata implies."""
-    from mtp_jax.checkpoint.gguf import GGUFCheckpoint, is_gguf
-    from mtp_jax.config import read_json
+def _read_config(path: str) -> dict:
+    from mtp_jax.model import read_model_config
 
-    if os.path.isfile(path) and is_gguf(path):
-        return GGUFCheckpoint(path).hf_config()
-    return read_json(path if os.path.isfile(path) else os.path.join(path, "config.json"), what="config")
+    return read_model_config(path)
 
 
 def _print_estimates(raw: dict, weights: str, args: argparse.Namespace) -> None:
@@ -524,7 +520,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     src = _model_dir(args.src)
     if args.dry_run:
-        _print_estimates(_config_of(src), args.weights, args)
+        _print_estimates(_read_config(src), args.weights, args)
         return 0
     try:
         report = convert(src, args.dst, weights=args.weights, mtp=not args.no_mtp, strict=args.strict)
@@ -548,7 +544,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
         print(describe_gguf(GGUFCheckpoint(path)))
         print()
-    _print_estimates(_config_of(path), args.weights, args)
+    _print_estimates(_read_config(path), args.weights, args)
     return 0
 
 

@@ -148,6 +148,7 @@ class Model:
         mesh: jax.sharding.Mesh | None = None,
         draft_config: Any = None,
         layer_buffers: bool | None = None,
+        gguf: GGUFCheckpoint | None = None,
     ) -> None:
         """``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
         split over it as :mod:`mtp_jax.sharding` describes. ``draft_config``: the parsed config of a
@@ -166,6 +167,7 @@ class Model:
         self.page_size = page_size
         self.mesh = mesh
         self.draft_config = draft_config
+        self._gguf = gguf  # a GGUF model's file, already parsed: its tokenizer is read from it
 
     @functools.cached_property
     def tokenizer_path(self) -> str | None:
@@ -186,7 +188,7 @@ class Model:
         """The model's tokenizer and chat template (:class:`~mtp_jax.text.TextCodec`)."""
         if self.path is None:
             raise InvalidRequestError("text in and out needs the model's directory (tokenizer.json)")
-        return TextCodec.for_path(self.path)
+        return TextCodec.from_gguf(self._gguf) if self._gguf is not None else TextCodec.for_path(self.path)
 
     # --- validation -------------------------------------------------------------------------
     def _check_tokens(self, ids: Sequence[int], where: str) -> list[int]:
@@ -496,6 +498,14 @@ class Model:
         return StepConfig(self.config, self.page_size, k, draft, draft_sampling, self.mesh, draft_cfg)
 
 
+def read_model_config(path: str) -> dict:
+    """The config.json of a checkpoint directory (or a config.json file), or what a GGUF file's
+    metadata implies, unparsed."""
+    if os.path.isfile(path) and is_gguf(path):
+        return GGUFCheckpoint(path).hf_config()
+    return read_json(path if os.path.isfile(path) else os.path.join(path, "config.json"), what="config")
+
+
 def load(
     path: str | os.PathLike[str],
     dtype: str = "bfloat16",
@@ -602,6 +612,7 @@ def load(
         mesh=mesh,
         draft_config=draft_config,
         layer_buffers=layer_buffers,
+        gguf=ckpt if gguf_file else None,
     )
 
 

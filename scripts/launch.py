@@ -163,13 +163,14 @@ def run(args: argparse.Namespace) -> int:
     import jax
 
     import mtp_jax
-    from mtp_jax.cli import _config_of, _model_dir
+    from mtp_jax.cli import _model_dir
     from mtp_jax.config import Llama3Config, parse_config
+    from mtp_jax.model import read_model_config
 
     lead = jax.process_index() == 0
     n_dev = jax.device_count()
     model_dir = _model_dir(args.model)
-    llama = isinstance(parse_config(_config_of(model_dir)), Llama3Config)
+    llama = isinstance(parse_config(read_model_config(model_dir)), Llama3Config)
     axes = _mesh_axes(args.mesh, n_dev, "tensor" if llama else "expert")
     if math.prod(axes.values()) != n_dev:
         raise LaunchError(

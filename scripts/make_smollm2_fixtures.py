@@ -13,12 +13,14 @@ position, with its cache or without, where a full forward scores 18.3875 against
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+from make_tokenizer_fixtures import write_fixture  # noqa: E402
 
 from mtp_jax.embedded import packaged_model_path  # noqa: E402
 
@@ -69,12 +71,7 @@ def main() -> int:
         "gguf": name,
         "cases": cases,
     }
-    tmp = OUT + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, OUT)
-    print(f"wrote {OUT}")
+    write_fixture(OUT, data)
     return 0
 
 

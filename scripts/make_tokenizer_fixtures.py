@@ -71,13 +71,18 @@ def main() -> int:
         "transformers": transformers.__version__,
         "models": models,
     }
-    tmp = OUT + ".tmp"
+    write_fixture(OUT, data)
+    return 0
+
+
+def write_fixture(path: str, data: dict) -> None:
+    """A committed JSON fixture, written through a temporary name."""
+    tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1, ensure_ascii=False)
         f.write("\n")
-    os.replace(tmp, OUT)
-    print(f"wrote {OUT}")
-    return 0
+    os.replace(tmp, path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoin
 from mtp_jax.config import DeepseekV3Config, Eagle3Config, ModelConfig, parse_config, parse_eagle3_config  # noqa: E402
 from mtp_jax.drafts.eagle3 import draft_vocab_logits, eagle3_chain_teacher_forced, fused_features  # noqa: E402
 from mtp_jax.embedded import resolve_model_path  # noqa: E402
+from mtp_jax.model import read_model_config  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
 from mtp_jax.targets.base import lm_head  # noqa: E402
 
@@ -367,13 +368,7 @@ def start_run(
         parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
     t0 = time.perf_counter()
-    if os.path.isfile(args.target):
-        from mtp_jax.checkpoint.gguf import GGUFCheckpoint
-
-        target_raw = GGUFCheckpoint(args.target).hf_config()
-    else:
-        with open(os.path.join(args.target, "config.json"), encoding="utf-8") as f:
-            target_raw = json.load(f)
+    target_raw = read_model_config(args.target)
     cfg = parse_config(target_raw)
     if check is not None:
         check(cfg, data)
