@@ -198,13 +198,17 @@ def generate_replies(
     return done
 
 
-def conversation_stream(codec, prompts: list[dict], replies: list[list[int]]) -> np.ndarray:
-    """One int32 stream of the conversations: chat-rendered prompt, then the target's reply."""
+def conversation_stream(
+    codec, prompts: list[dict], replies: list[list[int]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """One int32 stream of the conversations (chat-rendered prompt, then the target's reply) and
+    where each conversation starts in it."""
     parts = [
         np.asarray(codec.encode_chat([{"role": "user", "content": p["text"]}]) + r, np.int32)
         for p, r in zip(prompts, replies, strict=True)
     ]
-    return np.concatenate(parts)
+    starts = np.cumsum([0] + [len(x) for x in parts[:-1]]).astype(np.int64)
+    return np.concatenate(parts), starts
 
 
 def replies_path(directory: str, target: str, split: str, reply_tokens: int) -> str:

@@ -38,8 +38,10 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import target_cache  # noqa: E402
 from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
     add_run_arguments,
+    attach_target_cache,
     bf16_rounded,
     data_sentence,
     own_text_clause,
@@ -127,17 +129,24 @@ def draft_losses(
     window: jax.Array,
     anchors: jax.Array,
     gamma: float,
+    cached: dict | None = None,
 ) -> tuple[jax.Array, dict]:
     """Windows [b, s] with anchors [b, n]: the frozen target's features and distributions, then the
     n blocks per window in one forward (each over the context before its anchor). Block row j's soft
     cross-entropy is against the target's distribution for the token at anchor + j; ``agreement``:
-    the draft's argmax equals the target's greedy token there."""
+    the draft's argmax equals the target's greedy token there.
+
+    ``cached``: the target's rows for the window's first s - 1 tokens from a target cache
+    (features [b, s-1, F], top_ids / top_logp [b, s-1, k]) instead of running the target."""
     inputs = window[:, :-1]
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
-    features = jax.lax.stop_gradient(dflash_features(dcfg, cfg.num_hidden_layers, hidden))
-    logits = jax.lax.stop_gradient(lm_head(params, hidden.post_norm))  # row r predicts token r+1
+    if cached is None:
+        hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
+        features = jax.lax.stop_gradient(dflash_features(dcfg, cfg.num_hidden_layers, hidden))
+        logits = jax.lax.stop_gradient(lm_head(params, hidden.post_norm))  # row r predicts token r+1
+    else:
+        features = cached["features"]
     full = {**params, "dflash": tree}
     bs = dcfg.block_size
     offsets = jnp.arange(bs, dtype=jnp.int32)
@@ -149,10 +158,16 @@ def draft_losses(
         full, dcfg, blocks, block_pos, context_rows(full, dcfg, features), positions, visible
     )
     rows = (block_pos[:, :, 1:] - 1).reshape(b, -1)  # target logits row predicting each block row
-    teacher = jnp.take_along_axis(logits, rows[..., None], axis=1).reshape(*block_pos[:, :, 1:].shape, -1)
+    shape = block_pos[:, :, 1:].shape
+    if cached is None:
+        picked = jnp.take_along_axis(logits, rows[..., None], axis=1).reshape(*shape, -1)
+        teacher = target_cache.dense_teacher(picked, None)
+    else:
+        top = [jnp.take_along_axis(cached[k], rows[..., None], axis=1) for k in ("top_ids", "top_logp")]
+        teacher = target_cache.top_k_teacher(*(x.reshape(*shape, -1) for x in top), None, cfg.vocab_size)
     logp = jax.nn.log_softmax(lm_head(full, normed[:, :, 1:]), axis=-1)
-    per_row = -(jax.nn.softmax(teacher, -1) * logp).sum(-1).mean((0, 1))  # [bs - 1]
-    agree = (jnp.argmax(logp, -1) == jnp.argmax(teacher, -1)).mean((0, 1))
+    per_row = -(teacher["probs"] * logp).sum(-1).mean((0, 1))  # [bs - 1]
+    agree = (jnp.argmax(logp, -1) == teacher["greedy"]).mean((0, 1))
     weights = np.exp(-np.arange(bs - 1) / gamma)
     total = (per_row * (weights / weights.sum())).sum()
     return total, {"loss": total, "level_loss": per_row, "level_agreement": agree}
@@ -224,12 +239,16 @@ def main() -> int:
     dcfg, tree = init_draft(raw, cfg, args.seed)
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
+    attach_target_cache(
+        run, dcfg.capture, lambda hidden: dflash_features(dcfg, cfg.num_hidden_layers, hidden), "DFlash"
+    )
 
     @jax.jit
-    def update(state: dict, window: jax.Array, anchors: jax.Array, target: dict) -> tuple[dict, dict]:
+    def update(state: dict, batch: dict, anchors: jax.Array, target: dict) -> tuple[dict, dict]:
         tree = state["draft"]  # the frozen target is an argument: a closure would be folded in as constants
+        cached = {k: v for k, v in batch.items() if k != "window"} or None
         grad_fn = jax.value_and_grad(draft_losses, has_aux=True)
-        (_, aux), grads = grad_fn(tree, target, cfg, dcfg, window, anchors, args.gamma)
+        (_, aux), grads = grad_fn(tree, target, cfg, dcfg, batch["window"], anchors, args.gamma, cached)
         updates, opt_state = optimizer.update(grads, state["opt_state"], tree)
         return {
             "draft": optax.apply_updates(tree, updates),
@@ -237,12 +256,11 @@ def main() -> int:
             "step": state["step"] + 1,
         }, aux
 
-    def train_step(state: dict, window: jax.Array) -> tuple[dict, dict]:
+    def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         step = int(state["step"])  # the anchors of a step come from (seed, step): a resumed run redraws them
-        anchors = anchors_for(
-            args.seed, step, window.shape[0], args.anchors, window.shape[1] - 1, args.block_size
-        )
-        return update(state, window, jnp.asarray(anchors), params)
+        b, length = batch["window"].shape
+        anchors = anchors_for(args.seed, step, b, args.anchors, length - 1, args.block_size)
+        return update(state, batch, jnp.asarray(anchors), params)
 
     print(
         f"draft: DFlash for {cfg.model_type}, {args.layers} layers, {n_params / 1e6:.2f}M parameters, target "

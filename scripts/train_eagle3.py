@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -60,6 +61,7 @@ import optax
 from tokenizers import Tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import target_cache  # noqa: E402
 from train_tiny import (  # noqa: E402  (the data pipeline and optimizer the targets were trained with)
     BOS,
     EOS,
@@ -74,6 +76,8 @@ from train_tiny import (  # noqa: E402  (the data pipeline and optimizer the tar
     stdlib_modules,
     token_stream,
     train_loop,
+    training_window,
+    window_starts,
 )
 
 import mtp_jax  # noqa: E402
@@ -86,7 +90,7 @@ from mtp_jax.drafts.eagle3 import draft_vocab_logits, eagle3_chain_teacher_force
 from mtp_jax.embedded import resolve_model_path  # noqa: E402
 from mtp_jax.model import read_model_config  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
-from mtp_jax.targets.base import lm_head  # noqa: E402
+from mtp_jax.targets.base import Hidden, lm_head  # noqa: E402
 
 LAYER_PREFIX = "layers.0."
 
@@ -186,30 +190,38 @@ def draft_losses(
     window: jax.Array,
     depth: int,
     decay: float,
+    cached: dict | None = None,
 ) -> tuple[jax.Array, dict]:
     """Windows [b, s]: the frozen target's features and distributions, then the draft's ``depth``
     chained steps (:func:`eagle3_chain_teacher_forced`). Step j's soft cross-entropy is against the
     target's distribution for token i+j+1 restricted to the draft vocabulary; ``agreement``: the
     draft's argmax (as a target id) equals the target's greedy token there (step 1: the K = 1
-    acceptance rate at temperature 0; step j: draft j's, given true earlier tokens)."""
-    inputs = window[:, :-1]
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
-    feats = jax.lax.stop_gradient(fused_features(hidden.layers))
-    logits = jax.lax.stop_gradient(lm_head(params, hidden.post_norm))  # row r predicts token r+1
+    acceptance rate at temperature 0; step j: draft j's, given true earlier tokens).
+
+    ``cached``: the target's rows for the window's first s - 1 tokens from a target cache
+    (features [b, s-1, F], top_ids / top_logp [b, s-1, k]) instead of running the target."""
     ids = tree["draft_to_target"]
+    if cached is None:
+        inputs = window[:, :-1]
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+        hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
+        feats = jax.lax.stop_gradient(fused_features(hidden.layers))
+        logits = jax.lax.stop_gradient(lm_head(params, hidden.post_norm))  # row r predicts token r+1
+        teacher = target_cache.dense_teacher(logits, ids)
+    else:
+        feats = cached["features"]
+        teacher = target_cache.top_k_teacher(cached["top_ids"], cached["top_logp"], ids, cfg.vocab_size)
     full = {**params, "eagle3": tree}
     levels = eagle3_chain_teacher_forced(full, dcfg, window, feats, depth)
     n = levels[0].shape[1]
     losses, agree = [], []
     for j, normed in enumerate(levels, start=1):
-        teacher = logits[:, j : j + n]
         logp = jax.nn.log_softmax(draft_vocab_logits(full, normed), axis=-1)
-        losses.append(-(jax.nn.softmax(teacher[..., ids], axis=-1) * logp).sum(-1).mean())
-        agree.append((ids[jnp.argmax(logp, -1)] == jnp.argmax(teacher, -1)).mean())
+        losses.append(-(teacher["probs"][:, j : j + n] * logp).sum(-1).mean())
+        agree.append((ids[jnp.argmax(logp, -1)] == teacher["greedy"][:, j : j + n]).mean())
     weights = decay ** np.arange(depth) / np.sum(decay ** np.arange(depth))
     total = sum(float(w) * loss for w, loss in zip(weights, losses, strict=True))
-    coverage = jax.nn.softmax(logits[:, 1 : 1 + n], -1)[..., ids].sum(-1).mean()
+    coverage = teacher["covered"][:, 1 : 1 + n].mean()
     return total, {
         "loss": total,
         "level_loss": jnp.stack(losses),
@@ -288,6 +300,22 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--stop-after", type=int, help="stop after this many steps in this run (rerun to resume)"
     )
     parser.add_argument("--acceptance-k", type=int, nargs="*", default=[1, 2, 3, 4, 5])
+    parser.add_argument(
+        "--target-cache",
+        metavar="DIR",
+        help="compute the frozen target's features and top --cache-k next-token log-probabilities once "
+        "per training token into DIR (scripts/target_cache.py; resumable) and train from them instead of "
+        "running the target every step",
+    )
+    parser.add_argument(
+        "--cache-k", type=int, default=32, help="teacher tokens kept per position in the cache"
+    )
+    parser.add_argument(
+        "--cache-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="cached features' precision",
+    )
 
 
 @dataclasses.dataclass
@@ -310,6 +338,21 @@ class Run:
     own_windows: np.ndarray | None = None
     data: dict = dataclasses.field(default_factory=dict)
     """eval.json's account of the data (chat data; stdlib data is described by its module split)."""
+    train_starts: np.ndarray | None = None
+    """Where each conversation starts in the train stream (chat data; None: one text)."""
+    cache: Any = None
+    """The target cache (:class:`target_cache.TargetCache`) when ``--target-cache`` is given."""
+
+    def batch(self, step: int) -> dict:
+        """Step ``step``'s batch: its windows [b, seq + 1] and, with a target cache, the cached rows
+        of their first seq tokens (features, top_ids, top_logp)."""
+        args = self.args
+        window = training_window(args, self.train_stream, self.own_windows if self.own else None, step)
+        out = {"window": jnp.asarray(window)}
+        if self.cache is not None:
+            starts = window_starts(len(self.train_stream), args.seed, step, args.batch, args.seq + 1)
+            out.update({k: jnp.asarray(v) for k, v in self.cache.rows(starts, args.seq).items()})
+        return out
 
     def encode_prompt(self, text: str) -> list[int]:
         """A held-out prompt as the target sees it: BOS + text (stdlib), or the chat-rendered user turn."""
@@ -366,6 +409,12 @@ def start_run(
     own = round(args.own_text * args.batch)
     if args.own_text and own == 0:
         parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
+    if args.target_cache and own:
+        parser.error(
+            "--target-cache holds the training stream's rows, not --own-text windows: add --own-text 0"
+        )
+    if args.cache_k < 1:
+        parser.error(f"--cache-k must be at least 1, got {args.cache_k}")
     workdir = os.path.abspath(args.workdir or args.out.rstrip("/") + ".train")
     t0 = time.perf_counter()
     target_raw = read_model_config(args.target)
@@ -423,7 +472,7 @@ def start_chat_run(args: argparse.Namespace, workdir: str, t0: float, target_raw
         os.makedirs(os.path.dirname(path), exist_ok=True)
         replies = distill_data.generate_replies(model, codec, prompts, path, args.reply_tokens)
         streams.append(distill_data.conversation_stream(codec, prompts, replies))
-    train_stream, held_stream = streams
+    (train_stream, train_starts), (held_stream, _) = streams
     print(
         f"data: {len(train)} train / {len(held)} held-out prompts; {len(train_stream):,} train / "
         f"{len(held_stream):,} held-out tokens ({time.perf_counter() - t0:.0f}s)",
@@ -453,7 +502,54 @@ def start_chat_run(args: argparse.Namespace, workdir: str, t0: float, target_raw
         held_stream,
         start=t0,
         data=data,
+        train_starts=train_starts,
     )
+
+
+def attach_target_cache(
+    run: Run, capture: tuple[int, ...], features: Callable[[Hidden], jax.Array], kind: str
+) -> None:
+    """With ``--target-cache DIR``: build (or finish, or open) the cache of the target's
+    ``features(hidden)`` over the training stream, one conversation per context, and make every
+    step read it (:meth:`Run.batch`)."""
+    args = run.args
+    if not args.target_cache:
+        return
+    cfg, target = run.cfg, target_for(run.cfg)
+
+    def forward(params: dict, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        hidden, _ = target.forward(params, cfg, tokens, positions, capture=capture)
+        return features(hidden), jax.nn.log_softmax(lm_head(params, hidden.post_norm).astype(jnp.float32), -1)
+
+    probe = jax.eval_shape(forward, run.params, jax.ShapeDtypeStruct((1, 2), jnp.int32))
+    config_digest = hashlib.sha256(json.dumps(run.target_raw, sort_keys=True).encode()).hexdigest()[:16]
+    identity = {
+        "target": os.path.basename(os.path.normpath(args.target_name)),
+        "target_config": config_digest,
+        "features": f"{kind}, captured layers {list(capture)}",
+    }
+    print(f"target cache: {args.target_cache} ({kind} features, top {args.cache_k})", file=sys.stderr)
+    run.cache = target_cache.build(
+        args.target_cache,
+        forward=forward,
+        params=run.params,
+        stream=run.train_stream,
+        starts=run.train_starts,
+        identity=identity,
+        feature_size=probe[0].shape[-1],
+        k=args.cache_k,
+        feature_dtype=args.cache_dtype,
+    )
+
+
+def keep_vocabulary(path: str, ids: np.ndarray) -> None:
+    """Keep the draft vocabulary beside the training state (a resumed run trains the same head
+    rows even when its data would now choose others)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp-write.npy"
+    np.save(tmp, np.asarray(ids, np.int32))
+    os.replace(tmp, path)
 
 
 def own_text(run: Run) -> np.ndarray | None:
@@ -554,6 +650,7 @@ def run_training(
         name=name,
         warm=warm,
         on_save=on_save,
+        batch_for=run.batch,
     )
     if done is None:
         return None
@@ -671,28 +768,39 @@ def main() -> int:
     layer_ids = args.layer_ids or spread_layer_ids(cfg.num_hidden_layers)
     vocab = args.draft_vocab or cfg.vocab_size // 2
     own_windows = own_text(run)
-    ids = draft_vocabulary(
-        [run.train_stream] + ([own_windows] if own_windows is not None else []), cfg.vocab_size, vocab
-    )
+    # the vocabulary a saved training state was trained with, whatever this run's data would choose
+    vocab_file = os.path.join(run.workdir, "draft_vocabulary.npy")
+    if os.path.isfile(vocab_file):
+        ids = np.load(vocab_file)
+    else:
+        ids = draft_vocabulary(
+            [run.train_stream] + ([own_windows] if own_windows is not None else []), cfg.vocab_size, vocab
+        )
     raw = draft_config(run.target_raw, cfg, attention, layer_ids, vocab)
     dcfg, tree = init_draft(raw, cfg, params, ids, args.seed)
     fixed = {"draft_to_target": tree.pop("draft_to_target")}
+    keep_vocabulary(vocab_file, np.asarray(fixed["draft_to_target"]))
+    attach_target_cache(run, dcfg.capture, lambda hidden: fused_features(hidden.layers), "EAGLE-3")
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
 
     @jax.jit
-    def update(state: dict, window: jax.Array, target: dict) -> tuple[dict, dict]:
+    def update(state: dict, batch: dict, target: dict) -> tuple[dict, dict]:
         # the frozen target is an argument, not a closure: XLA would fold a real model in as constants
+        cached = {k: v for k, v in batch.items() if k != "window"} or None
+
         def objective(t):
-            return draft_losses({**t, **fixed}, target, cfg, dcfg, window, args.depth, args.step_decay)
+            return draft_losses(
+                {**t, **fixed}, target, cfg, dcfg, batch["window"], args.depth, args.step_decay, cached
+            )
 
         tree = state["draft"]
         (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(tree)
         updates, opt_state = optimizer.update(grads, state["opt_state"], tree)
         return {"draft": optax.apply_updates(tree, updates), "opt_state": opt_state}, aux
 
-    def train_step(state: dict, window: jax.Array) -> tuple[dict, dict]:
-        return update(state, window, params)
+    def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
+        return update(state, batch, params)
 
     print(
         f"draft: EAGLE-3 ({attention.upper()}) for {cfg.model_type}, {n_params / 1e6:.2f}M parameters, "
@@ -710,6 +818,7 @@ def main() -> int:
         _, loaded = load_eagle3(reader, raw, cfg, params, jnp.float32, strict=True, verbose=False)
         # the draft vocabulary it was trained on, whatever this run's data would choose
         fixed["draft_to_target"] = loaded.pop("draft_to_target")
+        keep_vocabulary(vocab_file, np.asarray(fixed["draft_to_target"]))
         return loaded
 
     state = {"draft": tree, "opt_state": optimizer.init(tree)}

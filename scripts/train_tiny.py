@@ -64,7 +64,9 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -238,11 +240,15 @@ def token_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def window_starts(size: int, seed: int, step: int, batch: int, length: int) -> np.ndarray:
+    """Offsets [batch] of step ``step``'s windows of ``length`` tokens in a stream of ``size``,
+    drawn from (seed, step): resumable."""
+    return np.random.default_rng([seed, step]).integers(0, size - length, batch)
+
+
 def batch_at(stream: np.ndarray, seed: int, step: int, batch: int, length: int) -> np.ndarray:
     """Windows [batch, length] of the stream at offsets drawn from (seed, step): resumable."""
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(stream) - length, batch)
-    return np.stack([stream[s : s + length] for s in starts])
+    return np.stack([stream[s : s + length] for s in window_starts(len(stream), seed, step, batch, length)])
 
 
 def own_continuations(
@@ -481,14 +487,20 @@ class Meter:
     last: float = -math.inf
     name: str = "mtp"
     """What the draft is called on the line."""
+    recent: deque = dataclasses.field(default_factory=lambda: deque(maxlen=21))
+    """(step, time) of the last steps: the rate and ETA are over these, not since the start (a
+    long run's early steps, compiles or a busy machine would skew them for hours)."""
 
     def show(self, step: int, aux: dict, force: bool = False) -> None:
         now = time.perf_counter()
+        if not self.recent:
+            self.recent.append((self.first_step, self.start))
+        self.recent.append((step, now))
         if not (self.tty or force or now - self.last >= 10):
             return
         self.last = now
-        done = step - self.first_step
-        rate = done * self.tokens_per_step / max(now - self.start, 1e-9)
+        step0, t0 = self.recent[0]
+        rate = (step - step0) * self.tokens_per_step / max(now - t0, 1e-9)
         eta = (self.total - step) * self.tokens_per_step / rate if rate else math.inf
         frac = step / self.total
         bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
@@ -528,6 +540,7 @@ def train_loop(
     name: str = "mtp",
     warm: Callable[[dict], tuple[dict, int] | None] | None = None,
     on_save: Callable[[dict, int], None] | None = None,
+    batch_for: Callable[[int], Any] | None = None,
 ) -> tuple[dict, dict | None, int, float] | None:
     """The resumable training loop: ``state`` (a dict of pytrees, e.g. parameters and optimizer
     state) restored from the latest orbax save in ``workdir`` when there is one, then
@@ -538,7 +551,8 @@ def train_loop(
 
     With no saved state in ``workdir``, ``warm(state)`` may supply a (state, step) to start from
     instead (weights kept somewhere that outlives this machine); ``on_save(state, step)`` runs at
-    every save."""
+    every save. ``batch_for(step)`` makes a step's batch (default: :func:`training_window`'s
+    windows)."""
     manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
     start = 0
     if manager.latest_step() is not None:
@@ -552,7 +566,11 @@ def train_loop(
     aux = None
     end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
     for step in range(start, end):
-        state, aux = step_fn(state, jnp.asarray(training_window(args, stream, own_windows, step)))
+        if batch_for is None:
+            batch = jnp.asarray(training_window(args, stream, own_windows, step))
+        else:
+            batch = batch_for(step)
+        state, aux = step_fn(state, batch)
         if not np.isfinite(float(aux["loss"])):
             raise SystemExit(f"loss is {float(aux['loss'])} at step {step}; lower --lr")
         shown = ("loss", "mtp_loss", "mtp_agreement", "level_agreement")

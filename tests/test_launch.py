@@ -401,8 +401,9 @@ def test_mesh_must_cover_every_device():
 
 
 def test_a_failing_process_stops_the_others():
-    # the others fail after 3 s, so that process 0 has printed its line, even on a loaded machine
-    code = "import os, sys, time; pid = int(os.environ['JAX_PROCESS_ID']); print('hi', pid, flush=True); time.sleep(60 if pid == 0 else 3); sys.exit(3)"  # noqa: E501
+    # only process 1 fails early (after 3 s, so that process 0 has printed its line even on a loaded
+    # machine); the others would sleep a minute, so which failure is reported first is deterministic
+    code = "import os, sys, time; pid = int(os.environ['JAX_PROCESS_ID']); print('hi', pid, flush=True); time.sleep(3 if pid == 1 else 60); sys.exit(3)"  # noqa: E501
     stdout, stderr = io.StringIO(), io.StringIO()
     t0 = time.monotonic()
     rc = spawn_local([sys.executable, "-c", code], 3, timeout_s=120, stdout=stdout, stderr=stderr)
