@@ -91,7 +91,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--draft",
         nargs="+",
         default=None,
-        help="draft methods to compare (default: every one the model has, e.g. mtp eagle3)",
+        help="draft methods to compare (default: every one the model has, e.g. mtp eagle3; weightless "
+        "ones such as ngram when named)",
     )
     parser.add_argument(
         "--draft-model",
@@ -199,6 +200,7 @@ def run(args: argparse.Namespace) -> dict:
     import mtp_jax
     from mtp_jax.checkpoint.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.drafts import DRAFTS
 
     if min(args.batch) < 1 or min(args.k or [0]) < 0 or args.prompts < 1 or args.repeats < 1:
         raise ValueError("--batch, --prompts and --repeats must be >= 1 and --k >= 0")
@@ -216,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
             name = os.path.basename(os.path.abspath(path))
         model, owners = _load_drafted(mtp_jax, path, args)
         drafts = list(owners) if args.draft is None else args.draft
+        owners.update({d: model for d in drafts if d in DRAFTS and not DRAFTS[d].weights})  # any model
         missing = [d for d in drafts if d not in owners]
         if missing:
             raise ValueError(f"{name} cannot draft with {missing}; it has {list(owners) or 'no draft'}")

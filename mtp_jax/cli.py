@@ -93,10 +93,11 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument(
         "--draft",
-        choices=["auto", "mtp", "eagle3", "dflash", "none"],
+        metavar="{auto,mtp,eagle3,dflash,ngram,none}",
         default="auto",
-        help="speculative decoding draft: auto = the --draft-model when given, else the checkpoint's MTP "
-        "layer when it has one; none = plain",
+        help="speculative decoding draft (any registered draft method): auto = the --draft-model when "
+        "given, else the checkpoint's MTP layer when it has one; ngram = prompt lookup (no weights, any "
+        "model); none = plain",
     )
     g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
     g.add_argument(
@@ -177,9 +178,10 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--draft",
-        choices=["auto", "mtp", "eagle3", "dflash", "none"],
+        metavar="{auto,mtp,eagle3,dflash,ngram,none}",
         default="auto",
-        help="auto = the --draft-model when given, else the checkpoint's MTP layer; none = plain",
+        help="auto = the --draft-model when given, else the checkpoint's MTP layer; ngram = prompt "
+        "lookup (no weights); none = plain",
     )
     sv.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
     sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
@@ -383,12 +385,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_draft_name(name: str, error: type[Exception]) -> None:
+    """``--draft NAME``: auto, none or a registered draft method (the registry, not a fixed list)."""
+    from mtp_jax.drafts import DRAFTS
+
+    if name not in ("auto", "none", *DRAFTS):
+        raise error(
+            f"--draft {name!r} is not a draft method; choose auto, none or one of {', '.join(DRAFTS)}"
+        )
+
+
 def _load_with_draft(args: argparse.Namespace):
     """The model of --model (and --draft-model) and the draft --draft names (None: plain)."""
     import mtp_jax
 
     model_dir = _model_dir(args.model)
     print(f"loading {model_dir} ({args.dtype}) ...", file=sys.stderr)
+    check_draft_name(args.draft, CliError)
     if args.draft in ("eagle3", "dflash") and args.draft_model is None:
         raise CliError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     layer_ids = getattr(args, "draft_layer_ids", "inputs")

@@ -28,7 +28,7 @@ from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from mtp_jax.grammar import DELIVERIES, Constraints
 from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
 from mtp_jax.sharding import replicated
-from mtp_jax.step import DRAFT_METHODS, DRAFT_SAMPLING, StepConfig
+from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.targets import Hidden, target_for
 from mtp_jax.targets.base import check_capture, unstack_layers
 from mtp_jax.text import TextCodec, TextStream, check_stops
@@ -450,8 +450,11 @@ class Model:
 
     @property
     def drafts(self) -> tuple[str, ...]:
-        """The draft methods this loaded model can speculate with (e.g. ("mtp",))."""
-        return tuple(name for name, d in DRAFTS.items() if d.available(self.params, self.config) is None)
+        """The draft models this loaded model can speculate with (e.g. ("mtp",)); weightless drafts
+        such as ``"ngram"``, which any model can use, are not listed."""
+        return tuple(
+            name for name, d in DRAFTS.items() if d.weights and d.available(self.params, self.config) is None
+        )
 
     def _step_config(
         self, draft: str | None, k: int | None, draft_sampling: str, block: int | None = None
@@ -463,11 +466,11 @@ class Model:
         if draft is None:
             if k not in (None, 0):
                 raise InvalidRequestError(
-                    f"num_speculative_tokens={k} needs a draft (draft=one of {list(DRAFT_METHODS)})"
+                    f"num_speculative_tokens={k} needs a draft (draft=one of {list(DRAFTS)})"
                 )
             return StepConfig(self.config, self.page_size, mesh=self.mesh, draft_cfg=self.draft_config)
-        if draft not in DRAFT_METHODS:
-            raise InvalidRequestError(f"unknown draft {draft!r}; available: {', '.join(DRAFT_METHODS)}")
+        if draft not in DRAFTS:
+            raise InvalidRequestError(f"unknown draft {draft!r}; available: {', '.join(DRAFTS)}")
         why = DRAFTS[draft].available(self.params, self.config)
         if why is not None:
             raise InvalidRequestError(f"{why}; {self.path or 'this model'} cannot draft with {draft!r}")

@@ -58,8 +58,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The routed experts' stacked projections: [layers, experts, in, out] (or an Fp8Weight of them).
-ROUTED_EXPERT_LEAVES = ("gate", "up", "down")
+from mtp_jax.drafts.base import StepReads
+from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
+
 WEIGHT_CHOICES = ("dense", "fp8")
 PROFILE_TOP = 25  # operations listed per K by --profile
 
@@ -106,34 +107,6 @@ def read_bandwidth(megabytes: int, iters: int) -> float:
     return w.nbytes / timed_back_to_back([lambda: matvec(w, v)], iters)
 
 
-def expected_experts(n_tokens: int, n_experts: int, top_k: int) -> float:
-    """Expected number of distinct experts ``n_tokens`` tokens touch when each picks ``top_k`` of
-    ``n_experts`` uniformly and independently (each expert is missed by a token with probability
-    1 - top_k / n_experts)."""
-    if n_tokens < 0 or not 0 < top_k <= n_experts:
-        raise ValueError(
-            f"need n_tokens >= 0 and 0 < top_k <= n_experts, got {n_tokens}, {top_k}, {n_experts}"
-        )
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** n_tokens)
-
-
-def _nbytes(x: Any) -> int:
-    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-
-
-def _names(path: tuple) -> list[str]:
-    return [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
-
-
-def _is_routed_expert(names: list[str]) -> bool:
-    """A routed expert's projection (MoE layers and the MTP layer; not the dense layers' MLP)."""
-    return (
-        names[0] in ("moe", "mtp")
-        and "mlp" in names
-        and names[names.index("mlp") + 1] in ROUTED_EXPERT_LEAVES
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class StepBytes:
     """Bytes one step must read, by what reads them (see the module docstring)."""
@@ -159,6 +132,7 @@ def step_bytes(
     context: int,
     cache_itemsize: int,
     draft_cfg: Any = None,
+    draft: str | None = None,
 ) -> StepBytes:
     """Bytes a step of ``batch`` rows at committed length ``context`` with ``k`` drafts reads.
 
@@ -170,112 +144,70 @@ def step_bytes(
     latent) cache read by every pass; or (a :class:`mtp_jax.config.DFlashConfig`) from the DFlash
     draft in ``params["dflash"]``: ONE block forward, so every draft weight, the target's head (for
     all K rows at once) and every draft layer's paged context K/V are read once; the embedding rows
-    of the anchors and the mask token.
+    of the anchors and the mask token. ``draft`` names a registered draft instead (e.g. "ngram",
+    which has no config); each draft's terms are its ``step_reads`` hook.
     """
     if min(batch, context) < 1 or k < 0:
         raise ValueError(f"need batch >= 1, context >= 1, k >= 0; got {batch}, {context}, {k}")
-    draft = draft_method(draft_cfg)
-    if k and draft not in params:
-        raise ValueError(
-            "k > 0 needs the MTP layer in params (load with mtp=True)"
-            if draft == "mtp"
-            else f"k > 0 needs the {NAMES[draft]} draft in params (load with draft_model=)"
-        )
+    from mtp_jax.drafts import DRAFTS
     from mtp_jax.targets import target_for
 
+    draft = DRAFTS[draft or draft_method(draft_cfg)]
+    if k and draft.params_group is not None and draft.params_group not in params:
+        raise ValueError(
+            "k > 0 needs the MTP layer in params (load with mtp=True)"
+            if draft.name == "mtp"
+            else f"k > 0 needs the {draft.title or draft.name} draft in params (load with draft_model=)"
+        )
     moe = hasattr(cfg, "n_routed_experts")
     e, top_k = (cfg.n_routed_experts, cfg.num_experts_per_tok) if moe else (1, 1)
-    d = cfg.hidden_size
     tied = "lm_head" not in params  # the head reads the whole embedding
     verified = batch * (k + 1)
-    # Each MTP pass: the catch-up over the K+1 verified rows, then K-1 chained one-token passes.
-    draft_passes = [verified] + [batch] * (k - 1) if k else []
-    if draft == "dflash":  # one block forward: the anchors' rows and the mask token's
-        draft_passes = [batch + 1] if k else []
-    parts = dict.fromkeys(
-        ("target_weights", "target_experts", "draft_weights", "draft_experts", "draft_heads"), 0.0
-    )
-    own_embed = draft == "eagle3" and "embed" in params.get("eagle3", {})
-    mtp_head = draft != "mtp"  # an EAGLE-3 draft has its own head, DFlash's reads the target's once
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        names = _names(path)
-        nbytes = _nbytes(leaf)
-        group = names[0]
-        if group == "embed" and tied:  # the output head: read whole
-            parts["target_weights"] += nbytes
-        elif group == "embed":  # looked up by row: the target's tokens and each draft pass's
-            row = nbytes / leaf.shape[0]
-            parts["target_weights"] += row * min(verified, leaf.shape[0])
-            if not own_embed:
-                parts["draft_weights"] += row * sum(min(n, leaf.shape[0]) for n in draft_passes)
-        elif group == "lm_head":
-            parts["target_weights"] += nbytes
-        elif group == "eagle3":
-            if not k or draft != "eagle3":
-                continue
-            if names[1] in ("lm_head", "draft_to_target"):
-                parts["draft_heads"] += k * nbytes
-            elif names[1] == "embed":
-                row = nbytes / leaf.shape[0]
-                parts["draft_weights"] += row * sum(min(n, leaf.shape[0]) for n in draft_passes)
-            elif names[1] == "fc":
-                parts["draft_weights"] += nbytes
-            else:
-                parts["draft_weights"] += k * nbytes
-        elif group == "dflash":
-            if k and draft == "dflash":  # fc included: the new rows' context in the same forward
-                parts["draft_weights"] += nbytes
-        elif group == "mtp":
-            if not k or draft != "mtp":
-                continue
-            if names[1] == "head":
-                mtp_head = True
-                parts["draft_heads"] += k * nbytes
-            elif names[1] == "embed":
-                parts["draft_weights"] += (
-                    nbytes / leaf.shape[1] * sum(min(n, leaf.shape[1]) for n in draft_passes)
-                )
-            elif _is_routed_expert(names):
-                parts["draft_experts"] += sum(
-                    nbytes * expected_experts(n, e, top_k) / e for n in draft_passes
-                )
-            else:
-                parts["draft_weights"] += k * nbytes
-        elif moe and _is_routed_expert(names):
-            parts["target_experts"] += nbytes * expected_experts(verified, e, top_k) / e
-        else:
-            parts["target_weights"] += nbytes
-    head_bytes = d * cfg.vocab_size * jnp.dtype(params["lm_head" if not tied else "embed"].dtype).itemsize
-    if k and not mtp_head:  # drafts read the target's head
-        parts["draft_heads"] += k * head_bytes
-    elif k and draft == "dflash":  # the block's K rows through the target's head in one matmul
-        parts["draft_heads"] += head_bytes
     positions = batch * (context + k + 1)
-    kv = positions * target_for(cfg).cache_bytes_per_token(cfg, cache_itemsize)
-    if k and draft == "eagle3":  # every draft pass reads the draft's own cache
-        from mtp_jax.targets.deepseek_v3 import latent_width
-
-        c = draft_cfg
-        per_token = 2 * c.num_key_value_heads * c.head_dim if c.mla is None else latent_width(c.mla)
-        kv += k * positions * per_token * cache_itemsize
-    elif k and draft == "dflash":  # every draft layer reads its context keys and values once
-        c = draft_cfg
-        kv += c.num_hidden_layers * positions * 2 * c.num_key_value_heads * c.head_dim * cache_itemsize
-    elif k:  # every MTP pass reads the MTP layer's latent cache
-        kv += k * positions * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_itemsize
-    return StepBytes(**parts, kv=float(kv))
-
-
-NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+    reads = StepReads()
+    if k and draft.step_reads is not None:
+        reads = draft.step_reads(params, cfg, draft_cfg, k, batch, positions, cache_itemsize)
+    draft_groups = {d.params_group for d in DRAFTS.values() if d.params_group is not None}
+    target_weights = target_experts = 0.0
+    draft_weights = reads.weights
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = path_names(path)
+        size = nbytes(leaf)
+        group = names[0]
+        if group in draft_groups:  # the running draft's bytes are its step_reads
+            continue
+        if group == "embed" and not tied:  # looked up by row: the target's tokens and the draft's
+            row = size / leaf.shape[0]
+            target_weights += row * min(verified, leaf.shape[0])
+            draft_weights += row * sum(min(n, leaf.shape[0]) for n in reads.target_embedding_rows)
+        elif moe and is_routed_expert(names):
+            target_experts += size * expected_experts(verified, e, top_k) / e
+        else:  # the rest, the tied embedding (the output head) whole
+            target_weights += size
+    head = params["lm_head" if not tied else "embed"]
+    head_bytes = cfg.hidden_size * cfg.vocab_size * jnp.dtype(head.dtype).itemsize
+    kv = positions * target_for(cfg).cache_bytes_per_token(cfg, cache_itemsize) + reads.kv
+    return StepBytes(
+        target_weights=target_weights,
+        target_experts=target_experts,
+        draft_weights=draft_weights,
+        draft_experts=reads.experts,
+        draft_heads=reads.heads + reads.target_head_passes * head_bytes,
+        kv=float(kv),
+    )
 
 
 def draft_method(draft_cfg: Any) -> str:
-    """The draft method of a separately loaded draft's config (``None``: the target's MTP layer)."""
-    from mtp_jax.config import DFlashConfig
+    """The draft method of a separately loaded draft's config (``None``: the target's MTP layer):
+    the registered draft whose ``config_class`` it is."""
+    from mtp_jax.drafts import DRAFTS
 
     if draft_cfg is None:
         return "mtp"
-    return "dflash" if isinstance(draft_cfg, DFlashConfig) else "eagle3"
+    for draft in DRAFTS.values():
+        if draft.config_class is not None and isinstance(draft_cfg, draft.config_class):
+            return draft.name
+    raise TypeError(f"no registered draft takes a config of type {type(draft_cfg).__name__}")
 
 
 def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0, draft_cfg: Any = None) -> dict:
@@ -304,7 +236,7 @@ def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0, draft_cf
     key = jax.random.key(seed)
     leaves = []
     for i, (path, s) in enumerate(flat):  # one leaf at a time: a full-size temporary stays one leaf's
-        name = _names(path)[-1]
+        name = path_names(path)[-1]
         kind = "ones" if name.endswith("norm") else name if name in ("bias", "scale_inv") else "normal"
         if jnp.issubdtype(s.dtype, jnp.integer):  # EAGLE-3's draft_to_target
             kind = "ids"
@@ -339,6 +271,7 @@ def time_step(
     iters: int,
     draft_cfg: Any = None,
     profile_dir: str | None = None,
+    draft: str | None = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
@@ -346,7 +279,7 @@ def time_step(
     afterwards, trace :data:`PROFILED_STEPS` more steps there with :mod:`jax.profiler`."""
     from mtp_jax.step import StepConfig, init_state, step
 
-    draft = None if not k else draft_method(draft_cfg)
+    draft = None if not k else (draft or draft_method(draft_cfg))
     sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None)
     width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
     state = init_state(sc, batch, batch * width, width, dtype)
@@ -489,6 +422,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="override a --draft-config field (JSON value)",
     )
     parser.add_argument(
+        "--draft",
+        help="a registered draft method by name (e.g. ngram: no weights); default: the --draft-model's or "
+        "--draft-config's, else the MTP layer",
+    )
+    parser.add_argument(
         "--layer-buffers",
         choices=["auto", "on", "off"],
         default="auto",
@@ -557,7 +495,16 @@ def run(args: argparse.Namespace) -> dict:
         if args.draft_model:
             draft_cfg = model.draft_config
             name += f" + {os.path.basename(os.path.abspath(args.draft_model))}"
-    if max(args.k) and "mtp" not in params and draft_cfg is None:
+    if args.draft is not None:
+        from mtp_jax.drafts import DRAFTS
+
+        if args.draft not in DRAFTS:
+            raise ValueError(
+                f"--draft {args.draft!r} is not a draft method; choose one of {', '.join(DRAFTS)}"
+            )
+        if DRAFTS[args.draft].config_class is not None and draft_cfg is None:
+            raise ValueError(f"--draft {args.draft} needs its weights: --draft-model or --draft-config")
+    if max(args.k) and "mtp" not in params and draft_cfg is None and args.draft in (None, "mtp"):
         raise ValueError(f"{name} has no MTP layer: only --k 0 can run (or give --draft-model)")
     if args.context + 2 * (max(args.k) + 1) > cfg.max_position_embeddings:
         raise ValueError(
@@ -584,6 +531,7 @@ def run(args: argparse.Namespace) -> dict:
             context=args.context,
             cache_itemsize=jnp.dtype(dtype).itemsize,
             draft_cfg=draft_cfg,
+            draft=args.draft,
         )
         seconds = time_step(
             params,
@@ -596,6 +544,7 @@ def run(args: argparse.Namespace) -> dict:
             iters=args.iters,
             draft_cfg=draft_cfg,
             profile_dir=None if args.profile is None else os.path.join(args.profile, f"k{k}"),
+            draft=args.draft,
         )
         roofline = need.total / bandwidth
         ops = []
@@ -612,7 +561,7 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(
             {
                 "k": k,
-                "draft": None if not k else draft_method(draft_cfg),
+                "draft": None if not k else (args.draft or draft_method(draft_cfg)),
                 "step_ms": seconds * 1e3,
                 "bytes": need.total,
                 "bytes_by_part": dataclasses.asdict(need),

@@ -32,14 +32,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
-from mtp_jax.drafts import DRAFT_METHODS, Draft, Rows, draft_for
+from mtp_jax.drafts import Draft, Rows, draft_for
 from mtp_jax.drafts.base import at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
 from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
 
-__all__ = ["DRAFT_METHODS", "DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "step"]
+__all__ = ["DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "step"]
 
 DRAFT_SAMPLING = ("argmax", "sampled")
 

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument(
         "--draft",
-        choices=["auto", "mtp", "eagle3", "dflash", "none"],
+        metavar="{auto,mtp,eagle3,dflash,ngram,none}",
         default="auto",
         help="auto = the --draft-model when given, else the model's own draft (the MTP layer) when it "
         "has one, else plain decoding",
@@ -179,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
         )
     mesh = mtp_jax.make_mesh(**axes)
     t0 = time.perf_counter()
+    from mtp_jax.cli import check_draft_name
+
+    check_draft_name(args.draft, LaunchError)
     if args.draft in ("eagle3", "dflash") and args.draft_model is None:
         raise LaunchError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     model = mtp_jax.load(

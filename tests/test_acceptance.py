@@ -605,6 +605,12 @@ def small_vocab_dflash(small_vocab_model, tmp_path_factory):
     return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, draft_model=str(path))
 
 
+@pytest.fixture(scope="module")
+def small_vocab_ngram(small_vocab_model):
+    """The n-gram draft needs no weights: the same model."""
+    return small_vocab_model
+
+
 def exact_first_three(model, prompt: list[int], params: dict) -> np.ndarray:
     """P(t1, t2, t3) [V, V, V] of the first three generated tokens: the product of the processed
     teacher-forced conditionals, over every two-token continuation of the prompt."""
@@ -647,6 +653,9 @@ E2E_CASES = [
     # a block draft: both positions proposed at once, independently given the context
     ("dflash", 2, "argmax", "truncated"),
     ("dflash", 2, "sampled", "truncated"),
+    # deterministic drafts copied from the row's own text (q one-hot in sampled mode)
+    ("ngram", 2, "argmax", "truncated"),
+    ("ngram", 2, "sampled", "truncated"),
 ]
 
 

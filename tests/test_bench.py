@@ -54,6 +54,11 @@ def test_bench_on_a_model_without_a_draft_times_plain_decoding(tmp_path, capsys)
     capsys.readouterr()
     assert main([*argv, "--k", "0", "2"]) == 2
     assert "has no draft to speculate with: only --k 0" in capsys.readouterr().err
+    # a weightless draft drafts for any model, when named
+    ngram = ["--draft", "ngram", "--k", "0", "2", "--repeats", "1", "--no-baseline", "--json", str(out)]
+    assert main([*argv, *ngram]) == 0
+    assert [(r["draft"], r["k"]) for r in json.loads(out.read_text())["results"]] == [(None, 0), ("ngram", 2)]
+    capsys.readouterr()
     # with EAGLE-3 and DFlash drafts beside it, the draft method (and DFlash's block) is an axis
     from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, eagle3_hub_tensors, write_hub_checkpoint
     from mtp_jax.config import DFlashConfig, Eagle3Config

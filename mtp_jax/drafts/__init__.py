@@ -1,12 +1,40 @@
-"""Draft methods: what proposes the K tokens a speculative step verifies (:mod:`.base`)."""
+"""Draft methods: what proposes the K tokens a speculative step verifies (:mod:`.base`).
+
+Each draft module builds one :class:`Draft`; :func:`register_draft` makes it known by name to the
+step, ``generate``, the engine and server, the CLI and ``mtp-jax bench``. The shipped drafts
+register themselves here, one line each; a draft defined elsewhere (a plug-in) registers the same
+way before it is used.
+"""
 
 from __future__ import annotations
 
-from mtp_jax.drafts import dflash, eagle3, mtp
 from mtp_jax.drafts.base import Draft, Rows
 
-DRAFTS: dict[str, Draft] = {d.name: d for d in (mtp.DRAFT, eagle3.DRAFT, dflash.DRAFT)}
-DRAFT_METHODS = tuple(DRAFTS)
+DRAFTS: dict[str, Draft] = {}
+"""The registered draft methods by name (read it live: plug-ins add to it)."""
+
+
+def register_draft(draft: Draft, *, replace: bool = False) -> Draft:
+    """Make ``draft`` known by its name. A second draft of a taken name is refused unless
+    ``replace`` (ValueError), as are names the command line reserves (auto, none)."""
+    if not isinstance(draft, Draft):
+        raise TypeError(f"register_draft takes a mtp_jax.drafts.Draft, got {type(draft).__name__}")
+    if draft.name in ("auto", "none") or not draft.name.isidentifier():
+        raise ValueError(f"{draft.name!r} cannot name a draft (a Python identifier other than auto and none)")
+    if draft.name in DRAFTS and not replace and DRAFTS[draft.name] is not draft:
+        raise ValueError(f"a draft named {draft.name!r} is already registered (pass replace=True)")
+    DRAFTS[draft.name] = draft
+    return draft
+
+
+def unregister_draft(name: str) -> None:
+    """Forget the draft called ``name`` (KeyError when none is)."""
+    del DRAFTS[name]
+
+
+def draft_methods() -> tuple[str, ...]:
+    """The registered draft names, in registration order."""
+    return tuple(DRAFTS)
 
 
 def draft_for(name: str) -> Draft:
@@ -16,4 +44,11 @@ def draft_for(name: str) -> Draft:
     return DRAFTS[name]
 
 
-__all__ = ["DRAFTS", "DRAFT_METHODS", "Draft", "Rows", "draft_for"]
+from mtp_jax.drafts import dflash, eagle3, mtp, ngram  # noqa: E402  (they import base, not this module)
+
+register_draft(mtp.DRAFT)
+register_draft(eagle3.DRAFT)
+register_draft(dflash.DRAFT)
+register_draft(ngram.DRAFT)
+
+__all__ = ["DRAFTS", "Draft", "Rows", "draft_for", "draft_methods", "register_draft", "unregister_draft"]

@@ -76,6 +76,46 @@ class Draft:
     layer_stacks: tuple[tuple[str, ...], ...] = ()
     """Paths into the parameters of the draft's stacked layer trees (run with
     :func:`mtp_jax.targets.base.scan_layers`, so they may be per-layer buffers)."""
+    step_reads: Callable[..., StepReads] | None = None
+    """``step_reads(params, cfg, draft_cfg, k, batch, positions, cache_itemsize) -> StepReads``:
+    what one step of K > 0 drafts reads for this draft (the roofline, :mod:`mtp_jax.roofline`);
+    ``params`` is the whole tree, ``positions`` the rows' cache positions a step reads
+    (``batch · (context + K + 1)``). None: nothing worth counting."""
+    params_group: str | None = None
+    """The top-level key of the draft's weights in the parameter tree (None: it has none there)."""
+    config_class: type | None = None
+    """The parsed config class of a separately loaded draft (None: the draft lives in the target's
+    checkpoint, or has no config)."""
+    title: str = ""
+    """How messages name it (e.g. "EAGLE-3"; default: its name)."""
+    weights: bool = True
+    """Whether the draft is a model with weights of its own. A weightless one (n-gram lookup) works
+    with any target, so it is asked for by name only: not listed in ``Model.drafts`` nor picked by
+    ``--draft auto``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReads:
+    """Bytes a draft reads in one step of K drafts, by kind, and what it reads of the target's."""
+
+    weights: float = 0.0
+    """Its own weights (routed experts excepted), as often as its passes read them."""
+    experts: float = 0.0
+    """Its routed experts: per pass, those the pass's tokens are expected to touch."""
+    heads: float = 0.0
+    """Its own output head(s)."""
+    kv: float = 0.0
+    """Its own caches."""
+    target_embedding_rows: tuple[int, ...] = ()
+    """Rows of the TARGET's embedding each of its passes looks up (its own embedding: none)."""
+    target_head_passes: int = 0
+    """How often it reads the TARGET's output head."""
+
+
+def chained_passes(k: int, batch: int) -> list[int]:
+    """Tokens of each pass of a chained draft: the catch-up over the K+1 verified rows, then K-1
+    one-token passes."""
+    return [batch * (k + 1)] + [batch] * (k - 1) if k else []
 
 
 def choose(logits: jax.Array, sampled: bool, sampling: SamplingParams, position: jax.Array):

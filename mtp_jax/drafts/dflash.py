@@ -32,9 +32,10 @@ import numpy as np
 
 from mtp_jax.cache import slots_for, write_rows
 from mtp_jax.config import DFlashConfig
-from mtp_jax.drafts.base import Draft, Rows, at_rows, choose, no_drafts
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, choose, no_drafts
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
+from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets.base import Hidden, lm_head, scan_layers
 from mtp_jax.targets.llama3 import rope_tables
 from pallas_kernels.chunks import gather_pages
@@ -239,6 +240,16 @@ def _teacher_forced(params, sc, tokens, hidden):
     return teacher_forced_block_logits(params, sc.draft_cfg, tokens, features)
 
 
+def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
+    """ONE block forward: every draft weight (fc included: the new rows' context in the same
+    forward), the target's head once for all K rows, every layer's context K/V once; the embedding
+    rows of the anchors and the mask token."""
+    weights = float(sum(nbytes(leaf) for leaf in jax.tree.leaves(params["dflash"])))
+    c = draft_cfg
+    kv = c.num_hidden_layers * positions * 2 * c.num_key_value_heads * c.head_dim * cache_itemsize
+    return StepReads(weights, 0.0, 0.0, float(kv), (batch + 1,), 1)
+
+
 DRAFT = Draft(
     name="dflash",
     available=_available,
@@ -248,4 +259,8 @@ DRAFT = Draft(
     extend_and_propose=_extend_and_propose,
     teacher_forced=_teacher_forced,
     layer_stacks=(("dflash", "layers"),),
+    step_reads=_step_reads,
+    title="DFlash",
+    params_group="dflash",
+    config_class=DFlashConfig,
 )

@@ -44,10 +44,11 @@ from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import Eagle3Config
-from mtp_jax.drafts.base import Draft, Rows, at_rows, chain_drafts
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
+from mtp_jax.param_bytes import nbytes, path_names
 from mtp_jax.targets.base import Hidden, PagedAttention
 from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
 from mtp_jax.targets.llama3 import attention, qkv, rope_tables
@@ -260,6 +261,29 @@ def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampl
     return chain_drafts(sc, sampling, first_pos, first, recycled(cfg, last_h2, last_normed), pages, advance)
 
 
+def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
+    """The layer once per pass, ``fc`` once (only the catch-up reads target features), its own head
+    over the draft vocabulary once per draft, its paged K/V (or latent) cache read by every pass."""
+    passes = chained_passes(k, batch)
+    weights = heads = 0.0
+    tree = params["eagle3"]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = path_names(path)[0]
+        size = nbytes(leaf)
+        if name in ("lm_head", "draft_to_target"):
+            heads += k * size
+        elif name == "embed":
+            weights += size / leaf.shape[0] * sum(min(n, leaf.shape[0]) for n in passes)
+        elif name == "fc":
+            weights += size
+        else:
+            weights += k * size
+    c = draft_cfg
+    per_token = 2 * c.num_key_value_heads * c.head_dim if c.mla is None else latent_width(c.mla)
+    kv = k * positions * per_token * cache_itemsize
+    return StepReads(weights, 0.0, heads, float(kv), () if "embed" in tree else tuple(passes), 0)
+
+
 DRAFT = Draft(
     name="eagle3",
     available=_available,
@@ -270,4 +294,8 @@ DRAFT = Draft(
     teacher_forced=lambda params, sc, tokens, hidden: teacher_forced_logits(
         params, sc.draft_cfg, tokens, hidden
     ),
+    step_reads=_step_reads,
+    title="EAGLE-3",
+    params_group="eagle3",
+    config_class=Eagle3Config,
 )

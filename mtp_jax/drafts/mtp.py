@@ -23,9 +23,10 @@ from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.drafts.base import Draft, Rows, at_rows, chain_drafts
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
+from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
 from mtp_jax.targets.deepseek_v3 import PagedAttention, attention_fn, decoder_layer, latent_width
 
 
@@ -195,6 +196,29 @@ def teacher_forced_logits(params: dict, cfg: DeepseekV3Config, tokens: jax.Array
     return mtp_forward(params, cfg, tokens[:, 1:], hidden.post_norm[:, : t - 1], positions).logits
 
 
+def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
+    """K passes of the MTP layer (each with the experts of its own tokens), its head once per
+    draft (the target's when it has none), its latent cache read by every pass."""
+    passes = chained_passes(k, batch)
+    e, top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    weights = experts = heads = 0.0
+    own_head = False
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params["mtp"])[0]:
+        names = ["mtp", *path_names(path)]
+        size = nbytes(leaf)
+        if names[1] == "head":
+            own_head = True
+            heads += k * size
+        elif names[1] == "embed":
+            weights += size / leaf.shape[1] * sum(min(n, leaf.shape[1]) for n in passes)
+        elif is_routed_expert(names):
+            experts += sum(size * expected_experts(n, e, top_k) / e for n in passes)
+        else:
+            weights += k * size
+    kv = k * positions * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cache_itemsize
+    return StepReads(weights, experts, heads, float(kv), tuple(passes), 0 if own_head else k)
+
+
 DRAFT = Draft(
     name="mtp",
     available=_available,
@@ -203,4 +227,6 @@ DRAFT = Draft(
     state_logical=_state_logical,
     extend_and_propose=_extend_and_propose,
     teacher_forced=lambda params, sc, tokens, hidden: teacher_forced_logits(params, sc.cfg, tokens, hidden),
+    step_reads=_step_reads,
+    params_group="mtp",
 )

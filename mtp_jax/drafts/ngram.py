@@ -1,0 +1,154 @@
+"""N-gram prompt lookup: drafts copied from earlier in the row's own text, no weights.
+
+As vLLM's ``ngram``, SGLang's and TensorRT-LLM's prompt lookup: when the text so far ends with n
+tokens that occurred before, the tokens that followed that earlier occurrence are proposed. Code
+edits, quoting, summaries and structured output repeat their input, so many drafts are accepted
+there; elsewhere little is.
+
+Per row, inside the unified step, on device:
+
+* the row's tokens are kept in a paged int32 buffer on the target's page ids (``[P, page]``), written
+  as rows are committed (prompt, accepted tokens, and the committed next token);
+* the lookup takes the longest suffix length n in ``[MIN_N, MAX_N]`` whose last n tokens occurred
+  earlier, and of those occurrences the latest; draft j is the token j + 1 after its end. Where the
+  occurrence is within K tokens of the present the earlier text runs out: the repetition is
+  continued periodically (period = the distance between the occurrence and the present), which is
+  exactly what the text would be if it kept repeating;
+* without any match the row's newest token is proposed again (a valid token; the target rejects it
+  unless it repeats).
+
+Drafts are deterministic, so acceptance is lossless in greedy and argmax modes and exact in sampled
+mode (q is one-hot at the draft). The history scan reads the row's whole page list once per step
+(4 bytes a token): small beside the target's weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from mtp_jax.cache import localize, slots_for
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, no_drafts
+from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
+
+MAX_N = 4
+"""Longest suffix matched (vLLM's ``prompt_lookup_max`` default is 5, SGLang's window 4)."""
+MIN_N = 1
+"""Shortest suffix matched."""
+
+
+def lookup(history: jax.Array, n: jax.Array, k: int, max_n: int = MAX_N, min_n: int = MIN_N) -> jax.Array:
+    """Drafts [b, k] (token ids) for rows whose first ``n`` [b] tokens of ``history`` [b, L] are
+    known: the tokens after the latest earlier occurrence of the longest matching suffix of length
+    ``min_n..max_n`` (continued periodically past the present), else the newest token repeated."""
+    b, length = history.shape
+    idx = jnp.arange(length, dtype=jnp.int32)[None, :]
+    last = n - 1
+    match = idx <= (n - 2)[:, None]  # an occurrence ends before the newest token
+    best = jnp.full((b,), -1, jnp.int32)
+    for r in range(max_n):  # the suffix's r-th token from the end
+        want = at_rows(history, jnp.maximum(last - r, 0))
+        earlier = jnp.pad(history, ((0, 0), (r, 0)))[:, :length]  # earlier[:, i] = history[:, i - r]
+        match = match & (earlier == want[:, None]) & (idx >= r) & (last - r >= 0)[:, None]
+        if r + 1 >= min_n:  # longer suffixes come later and win
+            latest = jnp.max(jnp.where(match, idx, -1), axis=1)
+            best = jnp.where(latest >= 0, latest, best)
+    period = jnp.maximum(last - best, 1)
+    j = jnp.arange(k, dtype=jnp.int32)[None, :]
+    pos = jnp.where((best >= 0)[:, None], best[:, None] + 1 + j % period[:, None], last[:, None])
+    return jnp.take_along_axis(history, pos, axis=1)
+
+
+def _init_state(sc, num_pages: int, dtype) -> jax.Array:
+    """The rows' tokens, paged on the target's page ids: [P, page] int32."""
+    return jnp.zeros((num_pages, sc.page_size), jnp.int32)
+
+
+def _history(tokens: jax.Array, page_table: jax.Array) -> jax.Array:
+    """Each row's tokens in position order [b, W * page]."""
+    return tokens[page_table].reshape(page_table.shape[0], -1)
+
+
+def _write_and_look_up(
+    tokens, table, slots, next_slots, values, next_values, first_pos, k: int, page: int, mesh, rows
+):
+    """Write the committed tokens (values [b, t] at slots [b, t], next_values [b] at next_slots
+    [b]) into the buffer [P, page] and look the drafts up ([b, k]). With ``rows`` (mesh axes),
+    inside ``shard_map``: this shard's pages and rows, global page ids made local."""
+    if rows:
+        n = tokens.shape[0]
+        first = shard_index(mesh, rows) * n
+        table, slots = localize(table, slots, first, n, page)
+        _, next_slots = localize(table, next_slots, first, n, page)
+    flat = tokens.reshape(-1)
+    flat = flat.at[slots.reshape(-1)].set(values.reshape(-1), mode="drop")
+    flat = flat.at[next_slots].set(next_values, mode="drop")
+    tokens = flat.reshape(tokens.shape)
+    drafts = lookup(_history(tokens, table), first_pos, k) if k else jnp.zeros((table.shape[0], 0), jnp.int32)
+    return drafts, tokens
+
+
+def _extend_and_propose(params, sc, tokens, page_table, rows: Rows, active, sampling, first_pos):
+    """Write the committed rows' tokens and the committed next token, then look the drafts up."""
+    page, b = sc.page_size, page_table.shape[0]
+    slots = slots_for(page_table, rows.positions, rows.valid, page)
+    last_pos = at_rows(rows.positions, rows.last) + 1
+    next_slots = slots_for(page_table, last_pos[:, None], at_rows(rows.valid, rows.last)[:, None], page)[:, 0]
+    args = (
+        tokens,
+        page_table,
+        slots,
+        next_slots,
+        rows.tokens,
+        at_rows(rows.next_tokens, rows.last),
+        first_pos,
+    )
+    split = () if sc.mesh is None else split_axes(sc.mesh, ROW_AXES, b, tokens.shape[0])
+    if not split:
+        drafts, tokens = _write_and_look_up(*args, sc.k, page, None, ())
+    else:
+        r = spec_entry(split)
+        by_row, one = PartitionSpec(r, None), PartitionSpec(r)
+        drafts, tokens = jax.shard_map(
+            lambda *a: _write_and_look_up(*a, sc.k, page, sc.mesh, split),
+            mesh=sc.mesh,
+            in_specs=(by_row, by_row, by_row, one, by_row, one, one),
+            out_specs=(by_row, by_row),
+        )(*args)
+    if sc.k == 0:
+        return no_drafts(b) + (tokens,)
+    if sc.sampled:  # deterministic drafts: q is one-hot (acceptance min(1, p(d)), exact residual)
+        q = jax.nn.one_hot(drafts, sc.cfg.vocab_size, dtype=jnp.float32)
+    else:
+        q = jnp.zeros((b, sc.k, 0), jnp.float32)
+    return drafts, q, tokens
+
+
+def _teacher_forced(params, sc, tokens: jax.Array, hidden) -> jax.Array:
+    """[b, T-1, V]: row i proposes token i+2 from tokens 0..i+1 (0 at the draft, -inf elsewhere)."""
+    t = tokens.shape[1]
+    drafts = jax.vmap(lambda n: lookup(tokens, jnp.full((tokens.shape[0],), n, jnp.int32), 1)[:, 0])(
+        jnp.arange(2, t + 1, dtype=jnp.int32)
+    )  # [T-1, b]
+    onehot = jax.nn.one_hot(drafts.T, sc.cfg.vocab_size, dtype=jnp.float32)
+    return jnp.where(onehot > 0, 0.0, -jnp.inf)
+
+
+def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
+    """The rows' token buffers (int32), scanned once."""
+    return StepReads(kv=float(positions * 4))
+
+
+DRAFT = Draft(
+    name="ngram",
+    available=lambda params, cfg: None,
+    capture=lambda sc: (),
+    init_state=_init_state,
+    state_logical=lambda names, rank: ("pages",) + (None,) * (rank - 1),
+    extend_and_propose=_extend_and_propose,
+    teacher_forced=_teacher_forced,
+    step_reads=_step_reads,
+    title="n-gram",
+    weights=False,
+)

@@ -1,0 +1,235 @@
+"""The n-gram prompt-lookup draft (mtp_jax/drafts/ngram.py): its lookup against a plain-Python
+reference and by hand; greedy speculation lossless on both targets with drafts accepted; a sampled
+row's output independent of its batch; teacher-forced logits; weightless (any model, never picked
+by auto); the CLI. Its exactness under sampling is in tests/test_acceptance.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.drafts.ngram import MAX_N, MIN_N, lookup
+from tests.conftest import EMBEDDED_MODEL, REPO, check_per_request_k
+
+LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+
+
+def reference(history: list[int], k: int, max_n: int = MAX_N, min_n: int = MIN_N) -> list[int]:
+    """The rule in plain Python: the longest suffix (max_n..min_n tokens) with an earlier
+    occurrence, its latest occurrence, the tokens after it (periodic past the present); else the
+    newest token again."""
+    n = len(history)
+    for m in range(min(max_n, n), min_n - 1, -1):
+        suffix = history[n - m :]
+        for end in range(n - 2, m - 2, -1):  # latest first
+            if history[end - m + 1 : end + 1] == suffix:
+                period = n - 1 - end
+                return [history[end + 1 + j % period] for j in range(k)]
+    return [history[-1]] * k
+
+
+def run_lookup(histories: list[list[int]], k: int, width: int = 48, **kw) -> list[list[int]]:
+    rng = np.random.default_rng(len(histories))
+    padded = rng.integers(0, 50, (len(histories), width)).astype(np.int32)  # garbage past each row's end
+    for i, h in enumerate(histories):
+        padded[i, : len(h)] = h
+    n = jnp.asarray([len(h) for h in histories], jnp.int32)
+    return np.asarray(lookup(jnp.asarray(padded), n, k, **kw)).tolist()
+
+
+def test_lookup_by_hand():
+    cases = [
+        ([1, 2, 3, 1, 2], 3, [3, 1, 2]),  # suffix 1 2 seen at 0..1; its followers, then periodic
+        ([5, 5, 5], 3, [5, 5, 5]),  # period 1
+        ([1, 2, 3], 2, [3, 3]),  # no match: the newest token again
+        ([7, 1, 2, 9, 1, 2, 4, 1, 2], 4, [4, 1, 2, 4]),  # the latest occurrence of 1 2 (ends at 5)
+        ([4], 2, [4, 4]),  # a one-token history
+        ([3, 8, 6, 3], 2, [8, 6]),  # only a one-token suffix matches
+    ]
+    got = run_lookup([h for h, _, _ in cases], 4)
+    for (h, k, want), row in zip(cases, got, strict=True):
+        assert row[:k] == want, h
+    # the longest suffix wins over a later, shorter match; MAX_N bounds it
+    h = [1, 2, 3, 4, 5, 9, 2, 3, 4, 5, 8, 1, 2, 3, 4, 5]
+    assert run_lookup([h], 1, max_n=5) == [[9]] and reference(h, 1, max_n=5) == [9]
+    assert run_lookup([h], 1) == [[8]] and MAX_N == 4
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_lookup_equals_the_reference_on_random_histories(k):
+    rng = np.random.default_rng(k)
+    histories = [
+        rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 41))).tolist() for _ in range(400)
+    ]
+    got = run_lookup(histories, k)
+    assert got == [reference(h, k) for h in histories]
+    # not vacuous: most rows matched something, and some matched 4 tokens
+    assert sum(reference(h, 1, min_n=1) != [h[-1]] for h in histories) > 100
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {
+        "llama": mtp_jax.load(LLAMA, "float32", page_size=4),
+        "deepseek": mtp_jax.load(EMBEDDED_MODEL, "float32", page_size=4),
+    }
+
+
+PROMPTS = [
+    [5, 9, 17, 3, 5, 9, 17, 3, 5, 9],
+    [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5],
+    [100],
+    [8, 8, 8, 8, 8, 8, 8],
+]
+
+
+@pytest.mark.parametrize("which", ["llama", "deepseek"])
+def test_greedy_speculation_is_lossless_and_accepts_drafts(models, which):
+    model = models[which]
+    assert "ngram" not in model.drafts  # weightless: asked for by name, never picked by auto
+    plain = model.generate(PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3)
+    for k in (1, 4):
+        out = model.generate(
+            PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="ngram", num_speculative_tokens=k
+        )
+        assert out.tokens == plain.tokens, k
+        assert out.stats["acceptance_length"] > 1.2, out.stats  # the tiny models repeat themselves
+    check_per_request_k(model, "ngram", PROMPTS, plain.tokens)
+
+
+@pytest.mark.parametrize("draft_sampling", ["argmax", "sampled"])
+def test_a_sampled_row_does_not_depend_on_its_batch(models, draft_sampling):
+    model = models["llama"]
+    kw = dict(max_new_tokens=12, ignore_eos=True, draft="ngram", num_speculative_tokens=3)
+    kw["draft_sampling"] = draft_sampling
+    mine = dict(temperature=0.7, top_k=20, seed=5)
+    alone = model.generate([PROMPTS[0]], **mine, **kw).tokens[0]
+    batch = model.generate(
+        [PROMPTS[1], PROMPTS[0], PROMPTS[3]],
+        temperature=[1.0, 0.7, 0.0],
+        top_k=[0, 20, 0],
+        seed=[1, 5, 2],
+        **kw,
+    ).tokens
+    assert batch[1] == alone
+
+
+def test_teacher_forced_logits_are_the_lookup(models):
+    model = models["deepseek"]
+    seqs = [[5, 9, 17, 3, 5, 9, 17, 3], [1, 2, 3, 4, 5, 6, 7, 1]]
+    logits = model.draft_logits(seqs, draft="ngram")
+    assert logits.shape == (2, 7, model.config.vocab_size) and logits.dtype == np.float32
+    for b, seq in enumerate(seqs):
+        for i in range(7):
+            want = reference(seq[: i + 2], 1)[0]
+            assert np.argmax(logits[b, i]) == want and np.isfinite(logits[b, i]).sum() == 1
+
+
+def test_the_cli_takes_any_registered_draft_and_refuses_others():
+    base = [
+        sys.executable,
+        "-m",
+        "mtp_jax.cli",
+        "generate",
+        "--model",
+        LLAMA,
+        "--prompt",
+        "def f(x):\n    return x\n\n\ndef f(x):",
+    ]
+    run = subprocess.run(
+        [*base, "--draft", "ngram", "-k", "3", "--max-new-tokens", "8"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert "acceptance" in run.stderr + run.stdout
+    bad = subprocess.run([*base, "--draft", "lookahead"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "'lookahead' is not a draft method" in bad.stderr and "ngram" in bad.stderr
+
+
+SHARDED_CHILD = textwrap.dedent(
+    """
+    import os, tempfile
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax
+    assert len(jax.devices()) == 8
+    import mtp_jax
+    from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
+    from mtp_jax.config import DeepseekV3Config
+    from tests.conftest import TINY_CONFIG
+    from tests.drafts.test_eagle3 import TARGET
+
+    ds_target = os.path.join(tempfile.mkdtemp(), "ds")
+    write_hub_checkpoint(ds_target, TINY_CONFIG, hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0))
+    prompts = [[5, 9, 17, 3, 5, 9], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77], [10], [8, 8, 8, 8, 8, 8], [3, 1]]
+    spec = dict(max_new_tokens=10, ignore_eos=True, draft="ngram", num_speculative_tokens=3)
+    sampled = dict(spec, temperature=0.9, top_k=20, seed=[1, 2, 3, 4, 5])
+    for target, meshes in [
+        (TARGET, [dict(data=4, tensor=2)]),
+        (ds_target, [dict(data=2, expert=4)]),
+    ]:
+        one = mtp_jax.load(target, "float32", page_size=4)
+        want = {how: one.generate(prompts, draft_sampling=how, **kw).tokens
+                for how, kw in (("argmax", spec), ("sampled", sampled))}
+        for axes in meshes:
+            model = mtp_jax.load(target, "float32", page_size=4, mesh=mtp_jax.make_mesh(**axes))
+            for how, kw in (("argmax", spec), ("sampled", sampled)):
+                out = model.generate(prompts, draft_sampling=how, **kw)
+                assert out.tokens == want[how], (target, axes, how)
+                assert out.stats["acceptance_length"] > 1.0, (target, axes, how)
+    print("NGRAM-SHARDED-OK")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.child(SHARDED_CHILD)
+def test_sharded_like_one_device(child_output):
+    assert "NGRAM-SHARDED-OK" in child_output
+
+
+def test_the_engine_serves_with_it(models):
+    model = models["llama"]
+    plain = model.generate(PROMPTS, max_new_tokens=12, ignore_eos=True).tokens
+    with mtp_jax.Engine(model, slots=2, max_len=64, draft="ngram", num_speculative_tokens=3) as engine:
+        handles = [engine.submit(p, max_new_tokens=12, ignore_eos=True) for p in PROMPTS]
+        assert [list(h.result(timeout=120).tokens) for h in handles] == plain
+        assert engine.stats()["acceptance_length"] > 1.0
+
+
+def test_the_roofline_counts_its_token_buffer_and_bench_step_times_it(models):
+    from mtp_jax.roofline import build_parser, run, step_bytes
+
+    model = models["llama"]
+    kw = dict(batch=2, context=9, cache_itemsize=4)
+    plain = step_bytes(model.params, model.config, k=0, **kw)
+    got = step_bytes(model.params, model.config, k=3, draft="ngram", **kw)
+    positions = 2 * (9 + 3 + 1)
+    assert got.draft_weights == got.draft_heads == got.draft_experts == 0
+    assert got.kv == pytest.approx(plain.kv / (2 * 10) * positions + positions * 4)
+    args = [
+        "--model",
+        LLAMA,
+        "--draft",
+        "ngram",
+        "--k",
+        "0",
+        "2",
+        "--iters",
+        "2",
+        "--copy-mb",
+        "4",
+        "--context",
+        "8",
+    ]
+    out = run(build_parser().parse_args(args))
+    assert [r["draft"] for r in out["results"]] == [None, "ngram"] and all(
+        r["step_ms"] > 0 for r in out["results"]
+    )
+    with pytest.raises(ValueError, match="--draft eagle3 needs its weights"):
+        run(build_parser().parse_args(["--model", LLAMA, "--draft", "eagle3", "--k", "1"]))
