@@ -583,7 +583,7 @@ class Eagle3Config:
 
 
 def parse_eagle3_config(raw: Mapping[str, Any], mla: bool = False) -> Eagle3Config:
-    """An EAGLE-3 draft's config.json (any of the published spellings; FORMATS.md "EAGLE-3 drafts").
+    """An EAGLE-3 draft's config.json (any of the published spellings; docs/formats.md, "EAGLE-3 drafts").
     ``mla``: the draft's attention is DeepSeek's MLA (its checkpoint has ``q_a_proj`` /
     ``kv_a_proj_with_mqa``), described by the DeepSeek fields (``kv_lora_rank``, ...) and a YaRN
     ``rope_scaling``; otherwise Llama-style GQA with the llama3 scaling or none."""
@@ -733,7 +733,7 @@ def describe_capture(capture: tuple[int, ...]) -> str:
 # --- DFlash drafts ---------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class DFlashConfig:
-    """A DFlash block-diffusion draft (FORMATS.md, "DFlash drafts"): ``num_hidden_layers``
+    """A DFlash block-diffusion draft (docs/formats.md, "DFlash drafts"): ``num_hidden_layers``
     Qwen3-style decoder layers (q_norm / k_norm before rope) that propose a whole block in one
     non-causal forward, conditioned on the target's hidden states injected as extra keys and values;
     no embedding and no head of its own (the target's).

@@ -1,7 +1,7 @@
 """THE unified speculative-decoding step, and prefill, as jitted functions over a donated state.
 
 One call of :func:`step` does a whole speculative step for every batch slot, with no host round
-trip inside (DESIGN.md, "The unified step"):
+trip inside (docs/architecture.md, "The step"):
 
 1. merge: the committed-but-uncached ``next_token`` and the K drafts form a [B, K+1] input at
    positions seq_len .. seq_len+K;

@@ -7,7 +7,7 @@ DeepSeek-V3) on the Python standard library, and write it in the published layou
         --out checkpoints/tiny-deepseek-v3-stdlib-dflash
     python scripts/train_dflash.py --target DIR --out /tmp/smoke --preset smoke     # seconds
 
-The draft (FORMATS.md, "DFlash drafts"; :mod:`mtp_jax.drafts.dflash`): ``--layers`` Qwen3-style
+The draft (docs/formats.md, "DFlash drafts"; :mod:`mtp_jax.drafts.dflash`): ``--layers`` Qwen3-style
 decoder layers of the target's width over the context ``hidden_norm(fc(cat(features)))`` of
 captured target layer outputs (``--layer-ids``, default: DFlash's choice for that many layers),
 the target's embedding and head; a block is ``[anchor, MASK x (block_size - 1)]`` (MASK: the

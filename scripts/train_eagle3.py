@@ -7,7 +7,7 @@ Python standard library, and write it in the published hub layout.
         --out checkpoints/tiny-deepseek-v3-stdlib-eagle3                             # MLA draft
     python scripts/train_eagle3.py --target DIR --out /tmp/smoke --preset smoke      # seconds
 
-The draft (FORMATS.md, "EAGLE-3 drafts"; :mod:`mtp_jax.drafts.eagle3`) is one decoder layer over
+The draft (docs/formats.md, "EAGLE-3 drafts"; :mod:`mtp_jax.drafts.eagle3`) is one decoder layer over
 the concatenated residual streams of three target layers (``--layer-ids``, read as layer INPUTS as
 vLLM reads ``eagle_aux_hidden_state_layer_ids``) fused by ``fc``, and the embedding of the next
 token. Its attention is the target's kind: Llama-style GQA for a Llama target, DeepSeek's MLA

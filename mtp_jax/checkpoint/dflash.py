@@ -1,7 +1,7 @@
 """DFlash draft checkpoints (``architectures: [DFlashDraftModel]``) -> ``params["dflash"]``
 (:mod:`mtp_jax.drafts.dflash`).
 
-The published layout (FORMATS.md, "DFlash drafts"): no ``model.`` prefix, ``fc.weight`` [H, C·H]
+The published layout (docs/formats.md, "DFlash drafts"): no ``model.`` prefix, ``fc.weight`` [H, C·H]
 over C captured target layers, ``hidden_norm``, ``norm``, and ``layers.{i}.*`` Qwen3-style decoder
 layers (``self_attn.q_norm`` / ``k_norm`` [head_dim] before rope). No embedding and no head: the
 target's are used, so the draft's width must be the target's.

@@ -1,6 +1,6 @@
 """EAGLE-3 draft checkpoints -> ``params["eagle3"]`` (:mod:`mtp_jax.drafts.eagle3`).
 
-Published producers name the same tensors three ways (FORMATS.md, "EAGLE-3 drafts"): the decoder
+Published producers name the same tensors three ways (docs/formats.md, "EAGLE-3 drafts"): the decoder
 layer under ``midlayer.`` (EAGLE, SpecForge, SGLang), ``layers.0.`` (vLLM, NVIDIA) or
 ``model.layers.0.`` (NeMo, which also prefixes ``fc``, ``embed_tokens`` and the norm with
 ``model.``). A checkpoint must use one of them throughout; a mix is refused, as is anything that

@@ -1,4 +1,4 @@
-"""DFlash draft: a whole block of drafts from ONE non-causal forward (FORMATS.md, "DFlash drafts").
+"""DFlash draft: a whole block of drafts from ONE non-causal forward (docs/formats.md, "DFlash drafts").
 
 The draft has ``n`` Qwen3-style decoder layers and no embedding or head of its own (the target's).
 Its context is the target: for every committed position p, ``c_p = hidden_norm(fc(cat(features_p)))``

@@ -2,7 +2,7 @@
 
 Row i pairs the target's features at position i (the residual stream of three captured layers,
 concatenated low, mid, high) with the token at i+1, sits at rope position i, and predicts token
-i+2 (FORMATS.md, "EAGLE-3 drafts")::
+i+2 (docs/formats.md, "EAGLE-3 drafts")::
 
     g   = fc(cat(f_low, f_mid, f_high))            # [H]; a recycled draft state skips fc
     u   = cat(input_norm(embed(x_{i+1})), hidden_norm(g))   # [2H], EMBEDDING FIRST

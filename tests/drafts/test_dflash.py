@@ -1,5 +1,5 @@
 """DFlash drafts: the block forward against an independent float64 reference of the published math
-(FORMATS.md, "DFlash drafts") on transformers' own hidden states, the decode-time block over the
+(docs/formats.md, "DFlash drafts") on transformers' own hidden states, the decode-time block over the
 paged context against it, speculative generation with it, and the errors a bad draft gets."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_draft_logits_match_the_published_math(drafts, models, name):
 def test_captured_layers_and_defaults(models):
     assert models["a"].draft_config.capture == (0, 2)  # outputs, as written
     assert models["b"].draft_config.capture == (1,)  # one draft layer: the middle of 3
-    assert dflash_default_layers(36, 5) == (1, 9, 17, 25, 33)  # FORMATS.md's example
+    assert dflash_default_layers(36, 5) == (1, 9, 17, 25, 33)  # docs/formats.md's example
     assert dflash_default_layers(32, 1) == (16,)
     cfg = DFlashConfig.from_dict({**DRAFT_A, "num_target_layers": 36, "dflash_config": {"mask_token_id": 1}})
     assert cfg.block_size == 4 and dflash_capture(cfg, 36) == dflash_default_layers(36, 2)

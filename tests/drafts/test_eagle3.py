@@ -1,5 +1,5 @@
 """EAGLE-3 drafts: the draft forward against an independent float64 reference of the published math
-(FORMATS.md, "EAGLE-3 drafts") on transformers' own hidden states, the three key dialects, the
+(docs/formats.md, "EAGLE-3 drafts") on transformers' own hidden states, the three key dialects, the
 errors a bad draft gets, and speculative generation with it on both targets."""
 
 from __future__ import annotations
