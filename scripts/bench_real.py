@@ -15,8 +15,9 @@ rendered with the model's chat template; every engine gets the same token ids an
 timed repeats after one untimed warm-up, median of ``--repeats``; batch B runs B prompts at once
 where the engine can (llama-cpp-python has no batched API: batch 1 only). Configurations:
 
-* mtp-jax: plain; EAGLE-3 at each ``--k``; DFlash at each ``--block-size`` (a whole block of drafts);
-  auto K (``--auto-k`` table) at batch > 1;
+* mtp-jax: plain; n-gram prompt lookup at each ``--ngram-k`` (no weights: the counterpart of the
+  peers' prompt lookup); EAGLE-3 at each ``--k``; DFlash at each ``--block-size`` (a whole block of
+  drafts); auto K (``--auto-k`` table) at batch > 1;
 * transformers: ``generate`` plain, and with prompt lookup (``prompt_lookup_num_tokens``, batch 1);
 * llama.cpp: plain and with its prompt-lookup draft (``LlamaPromptLookupDecoding``), Q4_1 and F32.
 
@@ -170,7 +171,9 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
     for method, path in (("eagle3", args.eagle3), ("dflash", args.dflash)):
         if path:
             owners[method] = mtp_jax.load(args.model, "float32", draft_model=path)
+    owners["ngram"] = model  # prompt lookup: no weights (the peers' prompt lookup, on device)
     configs: list[tuple[str | None, dict, str]] = [(None, {}, "plain")]
+    configs += [("ngram", {"num_speculative_tokens": k}, f"n-gram K={k}") for k in args.ngram_k]
     if args.eagle3:
         configs += [("eagle3", {"num_speculative_tokens": k}, f"EAGLE-3 K={k}") for k in args.k]
     if args.dflash:
@@ -257,6 +260,9 @@ def main() -> int:
     parser.add_argument("--dflash", help="a DFlash draft for the model")
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--block-size", type=int, nargs="+", default=[4, 8])
+    parser.add_argument(
+        "--ngram-k", type=int, nargs="*", default=[3, 10], help="n-gram prompt lookup at these K (none: skip)"
+    )
     parser.add_argument("--auto-k", help="an auto-K table (mtp-jax bench --auto-k-table) for batch > 1")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])

@@ -33,7 +33,7 @@ from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, no_drafts
 from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
 
 MAX_N = 4
-"""Longest suffix matched (vLLM's ``prompt_lookup_max`` default is 5, SGLang's window 4)."""
+"""Longest suffix matched (as ``prompt_lookup_max`` 4 in vLLM's documented n-gram example)."""
 MIN_N = 1
 """Shortest suffix matched."""
 
