@@ -36,6 +36,7 @@ from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
+from mtp_jax.drafts import draft_for_config
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 
 PLAN_WEIGHTS = ("fp8", "bf16")
@@ -182,56 +183,14 @@ class _AbstractParams:
             out["lm_head"] = self.plain(d, c.vocab_size)
         return out
 
-    def eagle3(self, c: Eagle3Config) -> dict:
-        """``params["eagle3"]`` as :func:`mtp_jax.checkpoint.eagle3.load_eagle3` builds it (dense: drafts
-        are published in bf16), using the target's embedding and with a ``draft_to_target`` map
-        when the draft vocabulary is smaller than the target's."""
-        h, f, plain = c.hidden_size, c.intermediate_size, self.plain
-        if c.mla is None:
-            nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-            attn = {"q": plain(2 * h, nh, hd), "k": plain(2 * h, nkv, hd), "v": plain(2 * h, nkv, hd)}
-            attn["o"] = plain(nh, hd, h)
-        else:
-            attn = _AbstractParams(c.mla, self.dtype, False).attention(d_in=2 * h)
-        tree = {
-            "fc": plain(len(c.capture) * c.target_hidden_size, h),
-            "hidden_norm": plain(h),
-            "input_norm": plain(h),
-            "post_attn_norm": plain(h),
-            "attn": attn,
-            "mlp": {"gate": plain(h, f), "up": plain(h, f), "down": plain(f, h)},
-            "norm": plain(h),
-            "lm_head": plain(h, c.draft_vocab_size),
-        }
-        if c.draft_vocab_size < c.vocab_size:
-            tree["draft_to_target"] = plain(c.draft_vocab_size, dtype=jnp.int32)
-        return tree
+    def mla_attention(self, mla: Any, d_in: int) -> dict:
+        """An MLA attention block of ``mla`` (a DeepSeek-V3-shaped config) over inputs of width
+        ``d_in``, dense (drafts are published in bf16)."""
+        return _AbstractParams(mla, self.dtype, False).attention(d_in=d_in)
 
-    def dflash(self, c: DFlashConfig) -> dict:
-        """``params["dflash"]`` as :func:`mtp_jax.checkpoint.dflash.load_dflash` builds it: fc, the
-        norms and the draft's own layer stack [n, ...] (dense; the embedding and head are the
-        target's)."""
-        h, f, plain, n = c.hidden_size, c.intermediate_size, self.plain, c.num_hidden_layers
-        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        layer = {
-            "input_norm": plain(h),
-            "post_attn_norm": plain(h),
-            "attn": {
-                "q": plain(h, nh, hd),
-                "k": plain(h, nkv, hd),
-                "v": plain(h, nkv, hd),
-                "o": plain(nh, hd, h),
-                "q_norm": plain(hd),
-                "k_norm": plain(hd),
-            },
-            "mlp": {"gate": plain(h, f), "up": plain(h, f), "down": plain(f, h)},
-        }
-        return {
-            "fc": plain(len(c.capture) * h, h),
-            "hidden_norm": plain(h),
-            "norm": plain(h),
-            "layers": jax.tree.map(lambda s: _stacked(s, n), layer),
-        }
+    def stacked(self, tree: Any, n: int) -> Any:
+        """``tree``'s leaves with a leading layer axis of ``n``."""
+        return jax.tree.map(lambda s: _stacked(s, n), tree)
 
     def groups(self, mtp: bool) -> dict[str, Any]:
         """Group name -> the tree of one group (one layer for the stacked groups)."""
@@ -256,11 +215,6 @@ class _AbstractParams:
         return out
 
 
-def draft_kind(draft_cfg: Any) -> str:
-    """The draft method of a separately loaded draft's config."""
-    return "dflash" if isinstance(draft_cfg, DFlashConfig) else "eagle3"
-
-
 def _stacked(s: jax.ShapeDtypeStruct, n: int, sharding: Any = None) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((n,) + tuple(s.shape), s.dtype, sharding=sharding)
 
@@ -279,8 +233,9 @@ def abstract_params(
     same structure, shapes and dtypes, nothing allocated. ``weights``: "fp8" (the hub's FP8
     projections kept FP8 with their block scales; blocks from ``quantization_config``, 128x128 when
     the config has none) or "bf16" (everything dense in ``dtype``). Routers stay float32.
-    ``draft_cfg``: an EAGLE-3 draft loaded beside the target (``load(..., draft_model=)``; its
-    captured layers resolved), added as the ``eagle3`` group."""
+    ``draft_cfg``: a draft loaded beside the target (``load(..., draft_model=)``; an EAGLE-3 or
+    DFlash config with its captured layers resolved), added as its group from the tree the draft
+    declares (``Draft.abstract_params``)."""
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
     if weights == "fp8" and isinstance(cfg, Llama3Config):
@@ -289,10 +244,9 @@ def abstract_params(
     sizes = checkpoint_format(cfg).group_sizes(cfg, mtp)
     params = {}
     groups = build.groups(mtp)
-    if isinstance(draft_cfg, DFlashConfig):
-        groups["dflash"] = build.dflash(draft_cfg)
-    elif draft_cfg is not None:
-        groups["eagle3"] = build.eagle3(draft_cfg)
+    if draft_cfg is not None:  # the draft declares its own tree (Draft.abstract_params)
+        draft = draft_for_config(draft_cfg)
+        groups[draft.params_group] = draft.abstract_params(draft_cfg, build)
     for name, tree in groups.items():
         stacked = name in sizes
         shardings = group_shardings(mesh, name, tree, stacked=stacked)
@@ -550,7 +504,7 @@ def plan(
     mesh = make_mesh(**axes, devices=plan_devices(math.prod(axes.values())))
     layout = CacheLayout(batch, max_len, page_size, k)
     draft_cfg = draft_cfg if k else None
-    draft = None if not k else "mtp" if draft_cfg is None else draft_kind(draft_cfg)
+    draft = None if not k else "mtp" if draft_cfg is None else draft_for_config(draft_cfg).name
     sc = StepConfig(cfg, page_size, k, draft, "argmax", mesh, draft_cfg=draft_cfg)
     params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=draft == "mtp", draft_cfg=draft_cfg)
     state = abstract_state(sc, layout, jdtype)

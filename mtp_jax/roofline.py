@@ -200,14 +200,9 @@ def step_bytes(
 def draft_method(draft_cfg: Any) -> str:
     """The draft method of a separately loaded draft's config (``None``: the target's MTP layer):
     the registered draft whose ``config_class`` it is."""
-    from mtp_jax.drafts import DRAFTS
+    from mtp_jax.drafts import draft_for_config
 
-    if draft_cfg is None:
-        return "mtp"
-    for draft in DRAFTS.values():
-        if draft.config_class is not None and isinstance(draft_cfg, draft.config_class):
-            return draft.name
-    raise TypeError(f"no registered draft takes a config of type {type(draft_cfg).__name__}")
+    return "mtp" if draft_cfg is None else draft_for_config(draft_cfg).name
 
 
 def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0, draft_cfg: Any = None) -> dict:

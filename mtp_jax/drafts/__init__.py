@@ -32,6 +32,14 @@ def unregister_draft(name: str) -> None:
     del DRAFTS[name]
 
 
+def draft_for_config(draft_cfg: object) -> Draft:
+    """The registered draft of a separately loaded draft's parsed config (its ``config_class``)."""
+    for draft in DRAFTS.values():
+        if draft.config_class is not None and isinstance(draft_cfg, draft.config_class):
+            return draft
+    raise TypeError(f"no registered draft takes a config of type {type(draft_cfg).__name__}")
+
+
 def draft_methods() -> tuple[str, ...]:
     """The registered draft names, in registration order."""
     return tuple(DRAFTS)
@@ -51,4 +59,13 @@ register_draft(eagle3.DRAFT)
 register_draft(dflash.DRAFT)
 register_draft(ngram.DRAFT)
 
-__all__ = ["DRAFTS", "Draft", "Rows", "draft_for", "draft_methods", "register_draft", "unregister_draft"]
+__all__ = [
+    "DRAFTS",
+    "Draft",
+    "Rows",
+    "draft_for",
+    "draft_for_config",
+    "draft_methods",
+    "register_draft",
+    "unregister_draft",
+]

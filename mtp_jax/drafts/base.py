@@ -81,6 +81,11 @@ class Draft:
     what one step of K > 0 drafts reads for this draft (the roofline, :mod:`mtp_jax.roofline`);
     ``params`` is the whole tree, ``positions`` the rows' cache positions a step reads
     (``batch · (context + K + 1)``). None: nothing worth counting."""
+    abstract_params: Callable[[Any, Any], dict] | None = None
+    """``abstract_params(draft_cfg, shapes) -> tree``: a separately loaded draft's parameter tree as
+    the loader builds it, as ShapeDtypeStructs made with ``shapes`` (:mod:`mtp_jax.plan`'s builder:
+    ``plain(*shape, dtype=None)``, ``mla_attention(mla_cfg, d_in)``, ``stacked(tree, n)``), for
+    ``mtp-jax plan`` and random-weight timings."""
     params_group: str | None = None
     """The top-level key of the draft's weights in the parameter tree (None: it has none there)."""
     config_class: type | None = None

@@ -250,6 +250,32 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
     return StepReads(weights, 0.0, 0.0, float(kv), (batch + 1,), 1)
 
 
+def _abstract_params(c: DFlashConfig, shapes) -> dict:
+    """``params["dflash"]`` as :func:`mtp_jax.checkpoint.dflash.load_dflash` builds it: fc, the norms
+    and the draft's own layer stack [n, ...] (dense; the embedding and head are the target's)."""
+    h, f, plain = c.hidden_size, c.intermediate_size, shapes.plain
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    layer = {
+        "input_norm": plain(h),
+        "post_attn_norm": plain(h),
+        "attn": {
+            "q": plain(h, nh, hd),
+            "k": plain(h, nkv, hd),
+            "v": plain(h, nkv, hd),
+            "o": plain(nh, hd, h),
+            "q_norm": plain(hd),
+            "k_norm": plain(hd),
+        },
+        "mlp": {"gate": plain(h, f), "up": plain(h, f), "down": plain(f, h)},
+    }
+    return {
+        "fc": plain(len(c.capture) * h, h),
+        "hidden_norm": plain(h),
+        "norm": plain(h),
+        "layers": shapes.stacked(layer, c.num_hidden_layers),
+    }
+
+
 DRAFT = Draft(
     name="dflash",
     available=_available,
@@ -260,6 +286,7 @@ DRAFT = Draft(
     teacher_forced=_teacher_forced,
     layer_stacks=(("dflash", "layers"),),
     step_reads=_step_reads,
+    abstract_params=_abstract_params,
     title="DFlash",
     params_group="dflash",
     config_class=DFlashConfig,

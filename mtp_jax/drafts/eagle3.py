@@ -284,6 +284,32 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
     return StepReads(weights, 0.0, heads, float(kv), () if "embed" in tree else tuple(passes), 0)
 
 
+def _abstract_params(c: Eagle3Config, shapes) -> dict:
+    """``params["eagle3"]`` as :func:`mtp_jax.checkpoint.eagle3.load_eagle3` builds it (dense: drafts
+    are published in bf16), using the target's embedding and with a ``draft_to_target`` map when the
+    draft vocabulary is smaller than the target's."""
+    h, f, plain = c.hidden_size, c.intermediate_size, shapes.plain
+    if c.mla is None:
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        attn = {"q": plain(2 * h, nh, hd), "k": plain(2 * h, nkv, hd), "v": plain(2 * h, nkv, hd)}
+        attn["o"] = plain(nh, hd, h)
+    else:
+        attn = shapes.mla_attention(c.mla, 2 * h)
+    tree = {
+        "fc": plain(len(c.capture) * c.target_hidden_size, h),
+        "hidden_norm": plain(h),
+        "input_norm": plain(h),
+        "post_attn_norm": plain(h),
+        "attn": attn,
+        "mlp": {"gate": plain(h, f), "up": plain(h, f), "down": plain(f, h)},
+        "norm": plain(h),
+        "lm_head": plain(h, c.draft_vocab_size),
+    }
+    if c.draft_vocab_size < c.vocab_size:
+        tree["draft_to_target"] = plain(c.draft_vocab_size, dtype=jnp.int32)
+    return tree
+
+
 DRAFT = Draft(
     name="eagle3",
     available=_available,
@@ -295,6 +321,7 @@ DRAFT = Draft(
         params, sc.draft_cfg, tokens, hidden
     ),
     step_reads=_step_reads,
+    abstract_params=_abstract_params,
     title="EAGLE-3",
     params_group="eagle3",
     config_class=Eagle3Config,
