@@ -395,6 +395,13 @@ def check_draft_name(name: str, error: type[Exception]) -> None:
         )
 
 
+def needs_draft_model(name: str) -> bool:
+    """Whether the draft ``name`` is loaded from a directory of its own (--draft-model)."""
+    from mtp_jax.drafts import DRAFTS
+
+    return name in DRAFTS and DRAFTS[name].config_class is not None
+
+
 def _load_with_draft(args: argparse.Namespace):
     """The model of --model (and --draft-model) and the draft --draft names (None: plain)."""
     import mtp_jax
@@ -402,14 +409,13 @@ def _load_with_draft(args: argparse.Namespace):
     model_dir = _model_dir(args.model)
     print(f"loading {model_dir} ({args.dtype}) ...", file=sys.stderr)
     check_draft_name(args.draft, CliError)
-    if args.draft in ("eagle3", "dflash") and args.draft_model is None:
+    if needs_draft_model(args.draft) and args.draft_model is None:
         raise CliError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     layer_ids = getattr(args, "draft_layer_ids", "inputs")
     model = mtp_jax.load(model_dir, dtype=args.dtype, draft_model=args.draft_model, draft_layer_ids=layer_ids)
     draft = args.draft
     if draft == "auto":
-        loaded = [d for d in ("dflash", "eagle3") if d in model.drafts]  # a --draft-model first
-        draft = (loaded or list(model.drafts) or ["none"])[0]
+        draft = model.default_draft or "none"
     if draft == "none" and args.num_speculative_tokens is not None:
         raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
     return model_dir, model, None if draft == "none" else draft

@@ -272,7 +272,7 @@ class Model:
         if draft is None:
             if not self.drafts:
                 raise InvalidRequestError(f"{self.path or 'this model'} has no draft")
-            draft = next((d for d in ("dflash", "eagle3") if d in self.drafts), self.drafts[0])
+            draft = self.default_draft
         sc = self._step_config(draft, 1, "argmax")
         return np.asarray(_draft_logits(self.params, sc, tokens))
 
@@ -447,6 +447,16 @@ class Model:
             "relaxed acceptance needs the thinking phase's markers: the tokenizer has no <think> and "
             "</think> tokens; pass think_tokens=(start id, end id)"
         )
+
+    @property
+    def default_draft(self) -> str | None:
+        """The draft ``--draft auto`` picks: the separately loaded one (``draft_model=``) when there
+        is one, else the first of the model's own (:attr:`drafts`), else None."""
+        if self.draft_config is not None:
+            from mtp_jax.drafts import draft_for_config
+
+            return draft_for_config(self.draft_config).name
+        return self.drafts[0] if self.drafts else None
 
     @property
     def drafts(self) -> tuple[str, ...]:

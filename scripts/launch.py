@@ -179,10 +179,10 @@ def run(args: argparse.Namespace) -> int:
         )
     mesh = mtp_jax.make_mesh(**axes)
     t0 = time.perf_counter()
-    from mtp_jax.cli import check_draft_name
+    from mtp_jax.cli import check_draft_name, needs_draft_model
 
     check_draft_name(args.draft, LaunchError)
-    if args.draft in ("eagle3", "dflash") and args.draft_model is None:
+    if needs_draft_model(args.draft) and args.draft_model is None:
         raise LaunchError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     model = mtp_jax.load(
         model_dir, args.dtype, mesh=mesh, draft_model=args.draft_model, draft_layer_ids=args.draft_layer_ids
@@ -190,8 +190,7 @@ def run(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     draft = args.draft
     if draft == "auto":
-        loaded = [d for d in ("dflash", "eagle3") if d in model.drafts]  # a --draft-model first
-        draft = (loaded or list(model.drafts) or ["none"])[0]
+        draft = model.default_draft or "none"
     if args.serve:
         return _serve(args, model, model_dir, None if draft == "none" else draft, axes)
     prompts, tok = _prompts(args, model_dir)
