@@ -50,6 +50,7 @@ def test_continuous_batching_is_lossless(oracle_model):
     )
     assert spec.tokens == plain.tokens and spec.finish_reasons == plain.finish_reasons
     assert spec.stats["batch"] == 2 and spec.stats["prefill_calls"] >= 4
+    assert spec.stats["acceptance_length"] > 1.5, spec.stats  # not vacuous: drafts were accepted
 
 
 def test_stops_drop_tokens_past_eos(oracle_model):
@@ -97,6 +98,7 @@ def test_bfloat16_speculative_matches_its_plain_decoding(make_checkpoint):
     plain = model.generate(prompts, max_new_tokens=10, ignore_eos=True)
     spec = model.generate(prompts, max_new_tokens=10, ignore_eos=True, draft="mtp", num_speculative_tokens=2)
     assert spec.tokens == plain.tokens
+    assert spec.stats["acceptance_length"] > 1.5, spec.stats  # not vacuous: drafts were accepted
 
 
 @pytest.mark.parametrize(
