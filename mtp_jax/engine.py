@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import grammar
 from mtp_jax.cache import ShardedPageAllocator, page_table_array
 from mtp_jax.grammar import Constraints
 from mtp_jax.sampling import SamplingParams
@@ -422,11 +421,7 @@ class Scheduler:
     def advance(self) -> bool:
         """One iteration: admit waiting requests into free slots, then dispatch a step (reading the
         previous one after it) or read the step in flight. False when there was nothing to do."""
-        grammar.serving(self.constraints if self.callback else None)
-        try:
-            return self._advance()
-        finally:
-            grammar.serving(None)
+        return self._advance()
 
     def _advance(self) -> bool:
         self._admit()
@@ -466,6 +461,8 @@ class Scheduler:
             rows = min(next_power_of_two(1 + max(b for b, o in enumerate(self.owner) if o is not None)), rows)
         self.programs.add((sc_now.k, rows))
         extra = {"rows": rows} if rows < self.slots else {}
+        if self.callback:
+            extra["grammar_key"] = jnp.int32(self.constraints.key)
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
         emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc_now, *args, **extra)

@@ -13,9 +13,11 @@ leave their logits, and so their tokens, untouched bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -130,6 +132,9 @@ class Constraints:
         self.ahead: dict[int, list] = {}
         self.fresh: dict[int, Any] = {}
         self.error: str | None = None
+        self.key = next(_KEYS)
+        """What the in-step callback finds these constraints by (:func:`in_step_masks`)."""
+        _BY_KEY[self.key] = self
         self._executor = llg.LLExecutor()
         self._fill_along = llg.numpy.fill_next_token_bitmask_par_with_draft_tokens
         self._fill = llg.numpy.fill_next_token_bitmask_par
@@ -233,26 +238,27 @@ class Constraints:
         return out.reshape(b, k + 1, self.words)
 
 
-_SERVING: Constraints | None = None  # whose masks the in-step callback computes (one call at a time)
+# The in-step callback finds its scheduler's constraints by the key the step passes it: a step may
+# run after the host call that dispatched it has returned, and two engines may serve at once.
+_KEYS = itertools.count(1)
+_BY_KEY: weakref.WeakValueDictionary[int, Constraints] = weakref.WeakValueDictionary()
 
 
-def serving(constraints: Constraints | None) -> None:
-    """Route the in-step callback to ``constraints`` (None when the generate call ends)."""
-    global _SERVING
-    _SERVING = constraints
-
-
-def _callback(rows, seq_len, next_token, drafts) -> np.ndarray:
-    if _SERVING is None:
-        raise RuntimeError("a grammar-masked step ran outside a generate call that serves its masks")
-    return _SERVING.callback_masks(
+def _callback(key, rows, seq_len, next_token, drafts) -> np.ndarray:
+    constraints = _BY_KEY.get(int(key))
+    if constraints is None:
+        raise RuntimeError(f"a grammar-masked step ran after its constraints (key {int(key)}) were released")
+    return constraints.callback_masks(
         np.asarray(rows), np.asarray(seq_len), np.asarray(next_token), np.asarray(drafts)
     )
 
 
-def in_step_masks(rows: jax.Array, seq_len: jax.Array, next_token: jax.Array, drafts: jax.Array, vocab: int):
+def in_step_masks(
+    key: jax.Array, rows: jax.Array, seq_len: jax.Array, next_token: jax.Array, drafts: jax.Array, vocab: int
+):
     """Inside the step: the grammar masks [B, k+1, words] of rows ``rows`` [B] (request ids, -1 for
-    none) from the host, through an ordered io_callback (so successive steps ask in order)."""
+    none) from the :class:`Constraints` whose ``key`` ([] int32) the step was given, on the host,
+    through an ordered io_callback (so successive steps ask in order)."""
     b, k = drafts.shape
     shape = jax.ShapeDtypeStruct((b, k + 1, words(vocab)), jnp.int32)
-    return io_callback(_callback, shape, rows, seq_len, next_token, drafts, ordered=True)
+    return io_callback(_callback, shape, key, rows, seq_len, next_token, drafts, ordered=True)

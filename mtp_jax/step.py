@@ -384,12 +384,14 @@ def step(
     bitmask: jax.Array | None = None,
     grammar_rows: jax.Array | None = None,
     rows: int | None = None,
+    grammar_key: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, DecodeState]:
     """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
     row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots). ``bitmask``
     [B, K+1, ceil(V/32)]: the tokens a grammar allows at each verified position
-    (:mod:`mtp_jax.grammar`); or ``grammar_rows`` [B] (each slot's request, -1 for none): the step
-    asks the host for those masks itself, through a callback, while the target runs.
+    (:mod:`mtp_jax.grammar`); or ``grammar_rows`` [B] (each slot's request, -1 for none) with
+    ``grammar_key`` (the scheduler's :class:`mtp_jax.grammar.Constraints` key): the step asks the
+    host for those masks itself, through a callback, while the target runs.
 
     ``rows``: step only slots [0, rows) (every other slot must be inactive), over the same page
     pools; emitted and n_emit then have ``rows`` rows. A server with few requests in many slots
@@ -404,7 +406,11 @@ def step(
         grammar_rows = None if grammar_rows is None else grammar_rows[:rows]
     if grammar_rows is not None:
         drafts = state.drafts[:, : sc.k]
-        bitmask = in_step_masks(grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size)
+        if grammar_key is None:
+            raise ValueError("grammar_rows needs grammar_key: whose constraints compute the masks")
+        bitmask = in_step_masks(
+            grammar_key, grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size
+        )
     hidden, logits, target_pages = _verify(params, state, sc)
     emitted, n_acc = _accept(logits, state, sc, bitmask)
     n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)

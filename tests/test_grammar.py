@@ -250,3 +250,33 @@ def test_callback_delivery_gives_the_host_delivery_tokens(targets, tok):
     assert "grammar" in host.finish_reasons
     with pytest.raises(ValueError, match="grammar_masks must be one of"):
         model.generate(prompts, grammar_masks="device", **kw)
+
+
+def test_the_in_step_callback_finds_its_own_constraints_by_key():
+    """Two schedulers' constraints live side by side: the step's callback reaches the one whose key
+    the step carries (no process-wide "current" constraints), and a released one is named."""
+    import gc
+
+    from mtp_jax import grammar
+
+    require_extra("llguidance")
+    model = mtp_jax.load(EMBEDDED_MODEL, "float32")
+    args = (model.tokenizer_path, model.config.vocab_size, model.eos_token_ids)
+    digits, letters = (
+        grammar.Constraints(*args, [{"regex": "[0-9]+"}]),
+        grammar.Constraints(*args, [{"regex": "[a-z]+"}]),
+    )
+    assert digits.key != letters.key
+    tok = Tokenizer.from_file(model.tokenizer_path)
+    for c, ok in ((digits, "7"), (letters, "q")):
+        c.start(0, [1, 2, 3])  # admitted as the scheduler admits it; its first token is `ok`
+        step = (np.array([0]), np.array([3]), np.array([tok.token_to_id(ok)]), np.zeros((1, 1), np.int32))
+        masks = grammar._callback(np.int32(c.key), *step)
+        allowed = {i for i in range(model.config.vocab_size) if masks[0, 0, i // 32] >> (i % 32) & 1}
+        assert tok.token_to_id(ok) in allowed and allowed != set(range(model.config.vocab_size))
+    key = letters.key
+    del letters, c  # the loop variable held it too
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"constraints \\(key {key}\\) were released"):
+        grammar._callback(np.int32(key), *step)
+    assert grammar._BY_KEY[digits.key] is digits
