@@ -2,7 +2,7 @@
 # Issue 30's checks on a Hopper GPU, in one command: the environment, the native kernel tests, the
 # kernel sweep and the unified step against its roofline (with a jax.profiler trace), for every
 # target x draft at real sizes with random weights. Logs and JSON go to OUT_DIR (default ./gpu-out).
-# Stages: env tests kernels step step_eagle3 step_dflash llama llama_eagle3 llama_dflash step_dsf
+# Stages: env tests kernels step step_eagle3 step_dflash llama llama_eagle3 llama_dflash llama_ngram step_dsf
 # (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's dynamic-slice
 # fusion on. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
 # hang in one leaves the others their time; a timed-out pytest is interrupted (SIGINT) so that it
@@ -33,7 +33,7 @@ for stage in $stages; do
         --json "$OUT_DIR/kernels.json" >"$OUT_DIR/kernels.md" 2>"$OUT_DIR/kernels.log"
       echo "kernels rc=$?"; cat "$OUT_DIR/kernels.md"; grep -E "skipped|Error|error" "$OUT_DIR/kernels.log" | cut -c1-400 | sort -u | head -20
       ;;
-    step|step_eagle3|step_dflash|llama|llama_eagle3|llama_dflash)
+    step|step_eagle3|step_dflash|llama|llama_eagle3|llama_dflash|llama_ngram)
       V3="--config configs/deepseek-v3.json --weights fp8 --set num_hidden_layers=3 --set first_k_dense_replace=1"
       case $stage in
         step) run_args="$V3 --k 0 1 3" ;;  # the MTP layer
@@ -44,6 +44,7 @@ for stage in $stages; do
         llama) run_args="--config configs/llama-3.1-8b.json --k 0" ;;
         llama_eagle3) run_args="--config configs/llama-3.1-8b.json --draft-config configs/eagle3-llama-3.1-8b.json --k 1 3" ;;
         llama_dflash) run_args="--config configs/llama-3.1-8b.json --draft-config configs/dflash-llama-3.1-8b.json --k 3 7" ;;
+        llama_ngram) run_args="--config configs/llama-3.1-8b.json --draft ngram --k 3 7" ;;  # no weights: the verify cost alone
       esac
       [ -n "${STEP_K:-}" ] && run_args="$run_args --k $STEP_K"  # e.g. STEP_K="3": one K per stage
       timeout "${STEP_S:-300}" $PY scripts/bench_step.py $run_args ${STEP_ARGS:---context 4096 --iters 10} \
