@@ -228,7 +228,10 @@ def prefill(
         new_drafts, q_new, draft_state = sc.drafter.extend_and_propose(
             params, sc, draft_state, page_table, prompt, real, sampling, lengths + 1
         )
+        new_drafts, count = _proposed(sc, new_drafts, sampling.max_drafts, first)
         drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
+    else:
+        count = jnp.minimum(sampling.max_drafts, sc.k)
     thinking = jnp.zeros((r,), bool)
     if sc.think_tokens is not None:
         thinking = at_rows(think_phase(tokens, valid, thinking, sc.think_tokens), last)
@@ -245,7 +248,7 @@ def prefill(
             next_token=put(state.next_token, first),
             drafts=put(state.drafts, drafts),
             draft_q=put(state.draft_q, q),
-            num_drafts=put(state.num_drafts, jnp.minimum(sampling.max_drafts, sc.k)),
+            num_drafts=put(state.num_drafts, count),
             thinking=put(state.thinking, thinking),
             active=put(state.active, real),
             sampling=jax.tree.map(put, state.sampling, sampling),
@@ -270,17 +273,20 @@ def think_phase(tokens: jax.Array, valid: jax.Array, before: jax.Array, think: t
     return jnp.where(jnp.maximum(last_start, last_end) < 0, before[:, None], last_start > last_end)
 
 
-def _inputs(state: DecodeState, sc: StepConfig) -> jax.Array:
-    """The step's verified tokens [B, k+1]: next_token and the first k drafts."""
-    return jnp.concatenate([state.next_token[:, None], state.drafts[:, : sc.k]], axis=1)
+def _inputs(state: DecodeState, sc: StepConfig, k: int | None = None) -> jax.Array:
+    """The step's verified tokens [B, k+1]: next_token and the first k drafts (k: sc.k)."""
+    k = sc.k if k is None else k
+    return jnp.concatenate([state.next_token[:, None], state.drafts[:, :k]], axis=1)
 
 
-def _verify(params: dict, state: DecodeState, sc: StepConfig):
-    """Stages 1-2: merge next_token and drafts, run the target over them (writes their KV)."""
+def _verify(params: dict, state: DecodeState, sc: StepConfig, k: int | None = None):
+    """Stages 1-2: merge next_token and the first k drafts (k: sc.k), run the target over them
+    (writes their KV)."""
     b = state.seq_len.shape[0]
-    tokens = _inputs(state, sc)
-    positions = state.seq_len[:, None] + jnp.arange(sc.k + 1, dtype=jnp.int32)
-    valid = jnp.broadcast_to(state.active[:, None], (b, sc.k + 1))
+    k = sc.k if k is None else k
+    tokens = _inputs(state, sc, k)
+    positions = state.seq_len[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    valid = jnp.broadcast_to(state.active[:, None], (b, k + 1))
     return forward_paged(
         params,
         state.target_pages,
@@ -296,33 +302,52 @@ def _verify(params: dict, state: DecodeState, sc: StepConfig):
 
 
 def _accept(
-    logits: jax.Array, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
+    logits: jax.Array,
+    state: DecodeState,
+    sc: StepConfig,
+    bitmask: jax.Array | None = None,
+    k: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Stage 3: (emitted [B, k+1], n_accepted [B]), each row accepting at most its num_drafts; with
     ``bitmask`` [B, k+1, ceil(V/32)] the target's distributions are the grammar-masked ones."""
+    k = sc.k if k is None else k
     if bitmask is not None:
         logits = mask_logits(logits, bitmask)
-    drafts, first, cap = state.drafts[:, : sc.k], state.seq_len + 1, state.num_drafts
+    drafts, first, cap = state.drafts[:, :k], state.seq_len + 1, jnp.minimum(state.num_drafts, k)
     relaxed = None
-    if sc.think_tokens is not None and sc.k > 0:  # draft j is judged after inputs 0..j
-        tokens = _inputs(state, sc)
+    if sc.think_tokens is not None and k > 0:  # draft j is judged after inputs 0..j
+        tokens = _inputs(state, sc, k)
         phase = think_phase(tokens, jnp.ones_like(tokens, bool), state.thinking, sc.think_tokens)
-        relaxed = relaxed_ok(logits, drafts, state.sampling, phase[:, : sc.k])
-    if sc.sampled:
-        q = state.draft_q[:, : sc.k]
+        relaxed = relaxed_ok(logits, drafts, state.sampling, phase[:, :k])
+    if sc.sampled and k > 0:
+        q = state.draft_q[:, :k]
         return accept_sampled_drafts(logits, drafts, q, state.sampling, first, cap, relaxed)
     return accept_argmax_drafts(logits, drafts, state.sampling, first, cap, relaxed)
 
 
-def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
-    """Stages 4-5: advance the committed length, let the draft consume the committed rows and
-    propose K drafts."""
+def _proposed(sc: StepConfig, new_drafts: jax.Array, cap: jax.Array, fallback: jax.Array):
+    """(drafts [b, k] with any unproposed entry (< 0, from a draft with ``proposes_per_row``)
+    replaced by ``fallback`` [b] (a valid id), and each row's draft count [b]: at most ``cap``, and
+    only its leading proposed drafts)."""
+    count = jnp.minimum(cap, sc.k)
+    if sc.drafter is None or not sc.drafter.proposes_per_row or new_drafts.shape[1] == 0:
+        return new_drafts, count
+    given = new_drafts >= 0
+    leading = jnp.sum(jnp.cumprod(given.astype(jnp.int32), axis=1), axis=1)
+    return jnp.where(given, new_drafts, fallback[:, None]), jnp.minimum(count, leading)
+
+
+def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k: int | None = None):
+    """Stages 4-5: advance the committed length, let the draft consume the committed rows (the k+1
+    verified ones; k: sc.k) and propose sc.k drafts."""
+    k = sc.k if k is None else k
     seq = state.seq_len
     n_emit = jnp.where(state.active, n_acc + 1, 0)
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
     draft_state, drafts, q, num_drafts = state.draft_state, state.drafts, state.draft_q, state.num_drafts
-    tokens = _inputs(state, sc)
+    num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.max_drafts, sc.k), num_drafts)
+    tokens = _inputs(state, sc, k)
     thinking = state.thinking
     if sc.think_tokens is not None:
         phase = think_phase(tokens, jnp.ones_like(tokens, bool), thinking, sc.think_tokens)
@@ -330,17 +355,18 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc):
     if sc.drafter is not None:
         # the committed rows: the verified positions seq..seq+n_acc, each followed by the token
         # emitted after it; rows past n_acc are not consumed
-        k1 = sc.k + 1
+        k1 = k + 1
         positions = seq[:, None] + jnp.arange(k1, dtype=jnp.int32)
         valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
         committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
         new_drafts, new_q, draft_state = sc.drafter.extend_and_propose(
             params, sc, draft_state, state.page_table, committed, state.active, state.sampling, new_seq + 1
         )
+        new_drafts, count = _proposed(sc, new_drafts, state.sampling.max_drafts, new_next)
         drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)
+        num_drafts = jnp.where(state.active, count, num_drafts)
         if sc.sampled:
             q = _room(q, new_q)
-    num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.max_drafts, sc.k), num_drafts)
     new_state = dataclasses.replace(
         state,
         target_pages=target_pages,
@@ -411,9 +437,22 @@ def step(
         bitmask = in_step_masks(
             grammar_key, grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size
         )
-    hidden, logits, target_pages = _verify(params, state, sc)
-    emitted, n_acc = _accept(logits, state, sc, bitmask)
-    n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc)
+
+    def verified(k: int, state: DecodeState):
+        hidden, logits, target_pages = _verify(params, state, sc, k)
+        emitted, n_acc = _accept(logits, state, sc, None if bitmask is None else bitmask[:, : k + 1], k)
+        n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k)
+        return _room(jnp.zeros((emitted.shape[0], sc.k + 1), emitted.dtype), emitted), n_emit, state
+
+    if sc.k and sc.drafter is not None and sc.drafter.proposes_per_row:
+        # no active row has a draft: verify one token per row, as plain decoding (the rows' tokens are
+        # the same either way: a row capped at 0 drafts samples exactly as plain decoding does)
+        drafting = jnp.any(state.active & (state.num_drafts > 0))
+        emitted, n_emit, state = jax.lax.cond(
+            drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), state
+        )
+    else:
+        emitted, n_emit, state = verified(sc.k, state)
     if rows is not None:
         state = _merge_rows(whole, state, rows)
     return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc)

@@ -91,6 +91,10 @@ class Draft:
     config_class: type | None = None
     """The parsed config class of a separately loaded draft (None: the draft lives in the target's
     checkpoint, or has no config)."""
+    proposes_per_row: bool = False
+    """The draft marks drafts it has no proposal for with -1 (a row's drafts count up to the first
+    such); a step where no active row has a draft verifies one token per row, as plain decoding,
+    instead of K + 1 (``lax.cond`` in :func:`mtp_jax.step.step`)."""
     title: str = ""
     """How messages name it (e.g. "EAGLE-3"; default: its name)."""
     weights: bool = True

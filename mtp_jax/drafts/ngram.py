@@ -14,8 +14,9 @@ Per row, inside the unified step, on device:
   occurrence is within K tokens of the present the earlier text runs out: the repetition is
   continued periodically (period = the distance between the occurrence and the present), which is
   exactly what the text would be if it kept repeating;
-* without any match the row's newest token is proposed again (a valid token; the target rejects it
-  unless it repeats).
+* without any match the row proposes nothing (its drafts are marked -1 and it verifies no draft);
+  a step in which no row has a match verifies one token per row, as plain decoding does, instead
+  of K + 1 (:attr:`mtp_jax.drafts.base.Draft.proposes_per_row`).
 
 Drafts are deterministic, so acceptance is lossless in greedy and argmax modes and exact in sampled
 mode (q is one-hot at the draft). The history scan reads the row's whole page list once per step
@@ -38,10 +39,13 @@ MIN_N = 1
 """Shortest suffix matched."""
 
 
-def lookup(history: jax.Array, n: jax.Array, k: int, max_n: int = MAX_N, min_n: int = MIN_N) -> jax.Array:
+def lookup(
+    history: jax.Array, n: jax.Array, k: int, max_n: int = MAX_N, min_n: int = MIN_N, none: int | None = None
+) -> jax.Array:
     """Drafts [b, k] (token ids) for rows whose first ``n`` [b] tokens of ``history`` [b, L] are
     known: the tokens after the latest earlier occurrence of the longest matching suffix of length
-    ``min_n..max_n`` (continued periodically past the present), else the newest token repeated."""
+    ``min_n..max_n`` (continued periodically past the present); without a match, ``none`` (None:
+    the newest token repeated)."""
     b, length = history.shape
     idx = jnp.arange(length, dtype=jnp.int32)[None, :]
     last = n - 1
@@ -57,7 +61,8 @@ def lookup(history: jax.Array, n: jax.Array, k: int, max_n: int = MAX_N, min_n: 
     period = jnp.maximum(last - best, 1)
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
     pos = jnp.where((best >= 0)[:, None], best[:, None] + 1 + j % period[:, None], last[:, None])
-    return jnp.take_along_axis(history, pos, axis=1)
+    drafts = jnp.take_along_axis(history, pos, axis=1)
+    return drafts if none is None else jnp.where((best >= 0)[:, None], drafts, none)
 
 
 def _init_state(sc, num_pages: int, dtype) -> jax.Array:
@@ -85,7 +90,11 @@ def _write_and_look_up(
     flat = flat.at[slots.reshape(-1)].set(values.reshape(-1), mode="drop")
     flat = flat.at[next_slots].set(next_values, mode="drop")
     tokens = flat.reshape(tokens.shape)
-    drafts = lookup(_history(tokens, table), first_pos, k) if k else jnp.zeros((table.shape[0], 0), jnp.int32)
+    drafts = (
+        lookup(_history(tokens, table), first_pos, k, none=-1)
+        if k
+        else jnp.zeros((table.shape[0], 0), jnp.int32)
+    )
     return drafts, tokens
 
 
@@ -119,7 +128,7 @@ def _extend_and_propose(params, sc, tokens, page_table, rows: Rows, active, samp
     if sc.k == 0:
         return no_drafts(b) + (tokens,)
     if sc.sampled:  # deterministic drafts: q is one-hot (acceptance min(1, p(d)), exact residual)
-        q = jax.nn.one_hot(drafts, sc.cfg.vocab_size, dtype=jnp.float32)
+        q = jax.nn.one_hot(drafts, sc.cfg.vocab_size, dtype=jnp.float32)  # unproposed rows: capped at 0
     else:
         q = jnp.zeros((b, sc.k, 0), jnp.float32)
     return drafts, q, tokens
@@ -149,6 +158,7 @@ DRAFT = Draft(
     extend_and_propose=_extend_and_propose,
     teacher_forced=_teacher_forced,
     step_reads=_step_reads,
+    proposes_per_row=True,
     title="n-gram",
     weights=False,
 )

@@ -181,7 +181,8 @@ SHARDED_CHILD = textwrap.dedent(
             for how, kw in (("argmax", spec), ("sampled", sampled)):
                 out = model.generate(prompts, draft_sampling=how, **kw)
                 assert out.tokens == want[how], (target, axes, how)
-                assert out.stats["acceptance_length"] > 1.0, (target, axes, how)
+                if how == "argmax":  # (sampled random-weight text rarely repeats itself)
+                    assert out.stats["acceptance_length"] > 1.0, (target, axes, how)
     print("NGRAM-SHARDED-OK")
     """
 )
@@ -233,3 +234,28 @@ def test_the_roofline_counts_its_token_buffer_and_bench_step_times_it(models):
     )
     with pytest.raises(ValueError, match="--draft eagle3 needs its weights"):
         run(build_parser().parse_args(["--model", LLAMA, "--draft", "eagle3", "--k", "1"]))
+
+
+def test_unproposed_drafts_cap_their_row_and_become_valid_ids():
+    """A draft with ``proposes_per_row`` marks missing proposals -1: the row's count stops at its
+    first one (capped by the request's K as before) and the stored ids stay valid tokens."""
+    from mtp_jax.step import StepConfig, _proposed
+
+    sc = StepConfig(mtp_jax.load(LLAMA, "float32").config, 4, 3, "ngram")
+    drafts = jnp.asarray([[5, 6, 7], [-1, -1, -1], [5, -1, 7], [1, 2, 3]], jnp.int32)
+    cap = jnp.asarray([3, 3, 3, 2], jnp.int32)
+    fixed, count = _proposed(sc, drafts, cap, jnp.asarray([9, 9, 9, 9], jnp.int32))
+    assert np.asarray(count).tolist() == [3, 0, 1, 2]
+    assert np.asarray(fixed).tolist() == [[5, 6, 7], [9, 9, 9], [5, 9, 7], [1, 2, 3]]
+    lookup_none = lookup(jnp.asarray([[1, 2, 3, 0]]), jnp.asarray([3]), 2, none=-1)
+    assert np.asarray(lookup_none).tolist() == [[-1, -1]]  # no earlier occurrence of 3
+
+
+def test_a_step_without_matches_verifies_one_token_per_row(models):
+    """With no row matching, the step runs its plain branch: the same tokens as plain decoding, and
+    prompts of distinct tokens generate as plain decoding does while the drafts run dry."""
+    model = models["llama"]
+    prompts = [[11, 12, 13, 14], [21, 22, 23]]
+    plain = model.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    spec = model.generate(prompts, max_new_tokens=6, ignore_eos=True, draft="ngram", num_speculative_tokens=3)
+    assert spec.tokens == plain.tokens
