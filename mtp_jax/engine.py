@@ -141,6 +141,8 @@ class Scheduler:
         row_buckets: bool = False,
     ) -> None:
         self.callback = constraints is not None and grammar_masks == "callback"
+        # whose constraints the step's callback asks (made once: not a transfer per step)
+        self.grammar_key = jnp.int32(constraints.key) if self.callback else None
         if self.callback and (not fused or jax.process_count() > 1):
             raise ValueError('grammar_masks="callback" runs in the fused step of a single-process run')
         self.shards = row_shards(sc.mesh)  # rows and their pages split over this many devices
@@ -462,7 +464,7 @@ class Scheduler:
         self.programs.add((sc_now.k, rows))
         extra = {"rows": rows} if rows < self.slots else {}
         if self.callback:
-            extra["grammar_key"] = jnp.int32(self.constraints.key)
+            extra["grammar_key"] = self.grammar_key
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
         emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc_now, *args, **extra)

@@ -191,7 +191,7 @@ def build(
         done = int(json.load(f)["batches_done"])
     batches = plan_batches(
         segments(len(stream), None if starts is None else starts_arr, max_len), bucket, max_len, token_budget
-    )
+    )  # the segments cover the whole stream
     if done < len(batches):
         arrays = {
             n: np.load(os.path.join(path, f"{n}.npy"), mmap_mode="r+")
@@ -204,7 +204,7 @@ def build(
             top_logp, top_ids = jax.lax.top_k(logp.astype(jnp.float32), k)
             return feats.astype(FEATURE_DTYPES[feature_dtype]), top_ids.astype(jnp.int32), top_logp
 
-        total = sum(b - a for a, b in segments(len(stream), None if starts is None else starts_arr, max_len))
+        total = len(stream)
         covered = sum(b - a for batch in batches[:done] for a, b in batch["pieces"])
         t0, first, last_print = time.perf_counter(), covered, 0.0
         end = len(batches) if stop_after is None else min(len(batches), done + stop_after)
