@@ -24,7 +24,8 @@ live target, run on the window alone, saw none of it).
 The cache is a directory of ``.npy`` files (memory-mapped when read), ``meta.json`` (what it was
 built from: a cache of another target, feature set, ``k``, precision or data is refused by name)
 and ``progress.json`` (batches done: a killed build resumes where it stopped and writes the same
-bytes as an uninterrupted one).
+bytes as an uninterrupted one). A finished cache whose data is a prefix of a run's, ending at a
+conversation, grows: the conversations added after it are computed and the rest kept.
 """
 
 from __future__ import annotations
@@ -131,6 +132,55 @@ def _check_meta(path: str, wanted: dict) -> None:
         )
 
 
+def _grows(path: str, meta: dict, stream: np.ndarray, starts: np.ndarray) -> bool:
+    """Whether the cache at ``path`` holds a prefix of this data that ends at a segment start (more
+    conversations added after the ones it has; everything else the same): it then grows instead
+    of being refused."""
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        found = json.load(f)
+    same = {k: v for k, v in meta.items() if k not in ("tokens", "data")}
+    if any(found.get(k) != v for k, v in same.items()) or set(found) != set(meta):
+        return False
+    n = int(found["tokens"])
+    if not n < len(stream) or n not in set(starts.tolist()):
+        return False
+    if found["data"] != stream_digest(stream[:n], starts[starts < n]):
+        return False
+    with open(os.path.join(path, "progress.json"), encoding="utf-8") as f:
+        progress = json.load(f)
+    offset = int(progress.get("from", 0))
+    pieces = [p for p in segments(n, starts[starts < n], found["max_len"]) if p[0] >= offset]
+    if int(progress["batches_done"]) < len(
+        plan_batches(pieces, found["bucket"], found["max_len"], found["token_budget"])
+    ):
+        raise SystemExit(
+            f"target cache {path} holds the first {n:,} tokens of this data but is not finished: "
+            "finish it with the data it was built for (or remove it) before adding more"
+        )
+    return True
+
+
+def _grow(path: str, meta: dict) -> None:
+    """Make the cache's arrays ``meta["tokens"]`` rows long, keeping the rows it had, and mark the
+    new rows to be computed. Safe to interrupt: the old meta stays until the arrays are in place,
+    and growing again copies the same rows (the first ``tokens`` of the old meta)."""
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        had = int(json.load(f)["tokens"])
+    print(f"target cache {path}: growing from {had:,} to {meta['tokens']:,} tokens", file=sys.stderr)
+    for name in ("features", "top_ids", "top_logp"):
+        final = os.path.join(path, f"{name}.npy")
+        old = np.load(final, mmap_mode="r")
+        tmp = final + ".grow.npy"
+        new = np.lib.format.open_memmap(tmp, "w+", old.dtype, (meta["tokens"], *old.shape[1:]))
+        for a in range(0, had, 1 << 16):  # in pieces: the features of a large cache are gigabytes
+            new[a : min(a + (1 << 16), had)] = old[a : min(a + (1 << 16), had)]
+        new.flush()
+        del new, old
+        os.replace(tmp, final)
+    _write_json(os.path.join(path, "progress.json"), {"from": had, "batches_done": 0})
+    _write_json(os.path.join(path, "meta.json"), meta)
+
+
 def build(
     path: str,
     *,
@@ -172,6 +222,8 @@ def build(
     }
     progress_path = os.path.join(path, "progress.json")
     if os.path.isfile(os.path.join(path, "meta.json")):
+        if _grows(path, meta, stream, starts_arr):
+            _grow(path, meta)
         _check_meta(path, meta)
     else:
         if os.path.exists(path) and os.listdir(path):
@@ -188,10 +240,11 @@ def build(
         _write_json(progress_path, {"batches_done": 0})
         _write_json(os.path.join(path, "meta.json"), meta)  # last: its presence means the files exist
     with open(progress_path, encoding="utf-8") as f:
-        done = int(json.load(f)["batches_done"])
-    batches = plan_batches(
-        segments(len(stream), None if starts is None else starts_arr, max_len), bucket, max_len, token_budget
-    )  # the segments cover the whole stream
+        progress = json.load(f)
+    done, offset = int(progress["batches_done"]), int(progress.get("from", 0))
+    pieces = segments(len(stream), None if starts is None else starts_arr, max_len)
+    # the segments cover the whole stream; a grown cache computes those past what it had
+    batches = plan_batches([(a, b) for a, b in pieces if a >= offset], bucket, max_len, token_budget)
     if done < len(batches):
         arrays = {
             n: np.load(os.path.join(path, f"{n}.npy"), mmap_mode="r+")
@@ -205,7 +258,7 @@ def build(
             return feats.astype(FEATURE_DTYPES[feature_dtype]), top_ids.astype(jnp.int32), top_logp
 
         total = len(stream)
-        covered = sum(b - a for batch in batches[:done] for a, b in batch["pieces"])
+        covered = offset + sum(b - a for batch in batches[:done] for a, b in batch["pieces"])
         t0, first, last_print = time.perf_counter(), covered, 0.0
         end = len(batches) if stop_after is None else min(len(batches), done + stop_after)
         for i in range(done, end):
@@ -223,7 +276,7 @@ def build(
                 covered += b - a
             for a in arrays.values():
                 a.flush()
-            _write_json(progress_path, {"batches_done": i + 1})
+            _write_json(progress_path, {**progress, "batches_done": i + 1})
             now = time.perf_counter()
             if now - last_print >= 10 or i + 1 == len(batches):
                 last_print = now

@@ -189,6 +189,48 @@ def test_a_killed_build_resumes_to_the_same_bytes_and_another_cache_is_refused(s
         build_for(cache, tmp_path / "new", cfg, params, (1,), feats, stream, feature_dtype="fp8", **kw)
 
 
+def test_a_cache_grows_when_conversations_are_added(scripts, llama, tmp_path):
+    cache = scripts[2]
+    _, cfg, params = llama
+    stream = np.random.default_rng(3).integers(0, cfg.vocab_size, 150).astype(np.int32)
+    starts = np.array([20, 50, 90, 100])
+    kw = dict(k=4, max_len=64, bucket=16, token_budget=64)
+    feats = lambda h: h.layers[0]  # noqa: E731
+
+    def build(d, n, **more):
+        cut = {**kw, **more, "starts": starts[starts < n]}
+        return build_for(cache, tmp_path / d, cfg, params, (1,), feats, stream[:n], **cut)
+
+    whole = build("whole", 150)
+    # an unfinished cache does not grow
+    assert build("small", 90, stop_after=1) is None
+    with pytest.raises(SystemExit, match="holds the first 90 tokens of this data but is not finished"):
+        build("small", 150)
+    small = build("small", 90)
+    kept = np.asarray(small.features).copy()
+    with pytest.raises(SystemExit, match="data: cache has"):  # 90 is no conversation start there
+        other = np.array([20, 50, 100])
+        build_for(cache, tmp_path / "small", cfg, params, (1,), feats, stream, starts=other, **kw)
+    with pytest.raises(SystemExit, match="k: cache has 4, this run needs 8"):
+        build("small", 150, k=8)
+    grown = build("small", 150, stop_after=1)  # growing, then killed
+    assert grown is None
+    with open(tmp_path / "small" / "progress.json") as f:
+        assert json.load(f) == {"from": 90, "batches_done": 1}
+    grown = build("small", 150)
+    assert grown.meta == whole.meta and grown.features.shape == whole.features.shape
+    assert np.array_equal(np.asarray(grown.features[:90]), kept)  # the rows it had are kept
+    for name in ("features", "top_logp"):
+        np.testing.assert_allclose(
+            np.asarray(getattr(grown, name), np.float32),
+            np.asarray(getattr(whole, name), np.float32),
+            rtol=2e-2,
+            atol=2e-2,
+        )
+    assert np.mean(np.asarray(grown.top_ids) == np.asarray(whole.top_ids)) > 0.99
+    assert not [n for n in os.listdir(tmp_path / "small") if "grow" in n or "tmp" in n]
+
+
 @pytest.mark.slow
 def test_training_runs_from_a_target_cache(tmp_path):
     script = os.path.join(SCRIPTS, "train_eagle3.py")
