@@ -141,6 +141,10 @@ class Llama3Config:
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
     quantization_config: None = None  # the checkpoint reader's FP8 path never applies to Llama
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections (Qwen2)."""
+    qk_norm: bool = False
+    """An RMSNorm over each query and key head before rope (Qwen3)."""
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -171,14 +175,22 @@ def _refuse_wrapped(raw: Mapping[str, Any]) -> None:
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``."""
+    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``: the
+    built-in DeepSeek-V3 and Llama 3, or a registered target's own parser
+    (:attr:`mtp_jax.targets.base.Target.model_types`)."""
     _refuse_wrapped(raw)
     model_type = raw.get("model_type")
     if model_type in DEEPSEEK_V3_MODEL_TYPES:
         return _parse_deepseek_v3(raw)
     if model_type in LLAMA_MODEL_TYPES:
         return _parse_llama3(raw)
-    raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    from mtp_jax.targets import TARGETS  # the targets import this module
+
+    for target in TARGETS:
+        if model_type in target.model_types and target.parse_config is not None:
+            return target.parse_config(raw)
+    known = [*MODEL_TYPES, *(t for target in TARGETS for t in target.model_types if t not in MODEL_TYPES)]
+    raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(known)}")
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -477,16 +489,42 @@ def _parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
     for flag in ("attention_bias", "mlp_bias"):
         if _get(raw, flag, bool, False):
             raise ConfigError(f"{flag}=true is not supported (Llama 3 projections have no bias)")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act {act!r} is not supported (Llama 3 uses 'silu')")
     if raw.get("sliding_window") is not None:
         raise ConfigError(
             f"sliding_window={raw['sliding_window']!r} is not supported (Llama 3 attends over the whole "
             "context)"
         )
+    return parse_llama_family(raw, Llama3Config, "Llama 3")
+
+
+def sliding_layers(raw: Mapping[str, Any]) -> list[int]:
+    """The layers a Qwen-style config makes attend through a sliding window: those ``layer_types``
+    names ``sliding_attention``, or, without it, with ``use_sliding_window`` and a
+    ``sliding_window``, the layers from ``max_window_layers`` on (transformers' rule)."""
+    n = int(raw.get("num_hidden_layers") or 0)
+    types = raw.get("layer_types")
+    if types is not None:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if raw.get("use_sliding_window") and raw.get("sliding_window") is not None:
+        return list(range(int(raw.get("max_window_layers", n)), n))
+    return []
+
+
+def parse_llama_family(
+    raw: Mapping[str, Any], cls: type, family: str, *, qkv_bias: bool = False, qk_norm: bool = False
+) -> Any:
+    """A Llama-family config (``cls``: :class:`Llama3Config` or a subclass; ``family`` names it in
+    errors): the fields and checks Llama 3, Qwen2 and Qwen3 share, with the family's extras
+    (:attr:`Llama3Config.qkv_bias`, :attr:`Llama3Config.qk_norm`). The caller refuses what its
+    family does not support (biases, sliding windows) first."""
+    model_type = raw.get("model_type")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported ({family} uses 'silu')")
     if raw.get("quantization_config") is not None:
-        raise ConfigError("quantization_config is not supported for Llama checkpoints (BF16/FP16/FP32 only)")
+        raise ConfigError(
+            f"quantization_config is not supported for {family} checkpoints (BF16/FP16/FP32 only)"
+        )
     heads = _positive(raw, "num_attention_heads")
     kv_heads = _positive(raw, "num_key_value_heads", heads)
     hidden = _positive(raw, "hidden_size")
@@ -498,7 +536,7 @@ def _parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
             )
         head_dim = hidden // heads
     theta, scaling = _rope_settings(raw)
-    cfg = Llama3Config(
+    cfg = cls(
         vocab_size=_positive(raw, "vocab_size"),
         hidden_size=hidden,
         intermediate_size=_positive(raw, "intermediate_size"),
@@ -514,6 +552,8 @@ def _parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
         bos_token_id=_get(raw, "bos_token_id", int, None),
         eos_token_ids=_parse_eos(raw),
         model_type=model_type,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
     )
     if heads % kv_heads:
         raise ConfigError(

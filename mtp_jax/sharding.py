@@ -224,7 +224,12 @@ _LLAMA_LAYER = {
     ("mlp", "gate"): (None, "ffn"),
     ("mlp", "up"): (None, "ffn"),
     ("mlp", "down"): ("ffn", None),
+    ("attn", "q_bias"): ("heads", None),  # [H, hd] (Qwen2)
+    ("attn", "k_bias"): ("kv_heads", None),
+    ("attn", "v_bias"): ("kv_heads", None),
 }
+"""As :func:`mtp_jax.targets.llama3.layer_leaves` declares them (a test keeps the two equal; the
+targets import this module, so it cannot read them)."""
 
 
 def param_logical(group: str, names: Sequence[str], rank: int) -> tuple[str | None, ...]:

@@ -1,12 +1,13 @@
-"""Write the Llama 3 parity fixtures: tiny random hub-layout checkpoints plus what transformers'
-``LlamaForCausalLM`` computes on them.
+"""Write the Llama-family parity fixtures (Llama 3, Qwen2, Qwen3): tiny random hub-layout
+checkpoints plus what transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Qwen3ForCausalLM`` computes on them.
 
     pip install -e .[parity]        # torch (CPU) + transformers>=5
     python scripts/make_llama_parity_fixtures.py --out tests/fixtures/parity_llama [--only NAME ...]
 
 Each fixture directory holds ``config.json`` as the hub writes it, the weights (one safetensors
 file, or shards plus ``model.safetensors.index.json``) written by our own writer, and
-``reference.npz`` computed by ``transformers.LlamaForCausalLM.from_pretrained`` on that directory
+``reference.npz`` computed by ``transformers.AutoModelForCausalLM.from_pretrained`` on that directory
 (float32, eager attention, one CPU thread), so the layout is proven to be the one transformers
 reads:
 
@@ -33,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from mtp_jax.checkpoint.synthetic import llama_hub_tensors, write_hub_checkpoint  # noqa: E402
-from mtp_jax.config import Llama3Config  # noqa: E402
+from mtp_jax.config import parse_config  # noqa: E402
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -103,6 +104,39 @@ FIXTURES = {
         },
         {"dtype": "bfloat16", "shards": 3, "T": 32, "drop": ("rope_theta",)},
     ),
+    "qwen2_bias_tied": (
+        "Qwen2 (model_type qwen2): q/k/v biases, tied embeddings (as Qwen2.5 0.5B-3B), rope_theta "
+        "1e6, a published-style sliding_window that use_sliding_window false leaves unused; GQA 4/2",
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "tie_word_embeddings": True,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "use_sliding_window": False,
+            "sliding_window": 4096,
+            "max_window_layers": 3,
+            "drop_llama": ("attention_bias", "mlp_bias", "pretraining_tp"),
+        },
+        {"dtype": "float32", "shards": 1, "T": 32, "embed_std": 0.05, "std": 0.5},
+    ),
+    "qwen3_qk_norm": (
+        "Qwen3 (model_type qwen3): RMSNorm on each query and key head before rope, explicit head_dim "
+        "16 (hidden 32 / 4 heads would be 8), no biases, untied, BF16 weights; GQA 4/2",
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "head_dim": 16,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": 3,
+            "torch_dtype": "bfloat16",
+            "drop_llama": ("mlp_bias", "pretraining_tp"),
+        },
+        {"dtype": "bfloat16", "shards": 1, "T": 32},
+    ),
     "mha_fp16": (
         "MHA (8/8 heads, head_dim 4), FP16 weights, no rope scaling, untied, eos a list",
         {
@@ -121,13 +155,13 @@ PROMPT, NEW = 8, 16
 def build(name: str, out: str) -> None:
     import ml_dtypes
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     doc, overrides, opts = FIXTURES[name]
     config = {**BASE, **overrides}
-    for key in opts.get("drop", ()):
+    for key in (*opts.get("drop", ()), *config.pop("drop_llama", ())):
         config.pop(key)
-    cfg = Llama3Config.from_dict(config)
+    cfg = parse_config(config)
     std, embed_std = opts.get("std", 0.15), opts.get("embed_std", 1.0)
     tensors = llama_hub_tensors(cfg, seed=sum(map(ord, name)), std=std, embed_std=embed_std)
     stored = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[opts["dtype"]]
@@ -138,7 +172,7 @@ def build(name: str, out: str) -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     model.generation_config.eos_token_id = None  # never stop early: N tokens, nothing masked
     rng = np.random.default_rng(len(name))
@@ -178,11 +212,11 @@ def main() -> int:
     for name in args.only or FIXTURES:
         build(name, args.out)
     lines = [
-        "# transformers parity fixtures (Llama 3)",
+        "# transformers parity fixtures (Llama 3, Qwen2, Qwen3)",
         "",
-        "Tiny random Llama 3 checkpoints in the exact hub layout plus `reference.npz` computed by",
-        "`transformers.LlamaForCausalLM.from_pretrained` on each directory (float32, eager attention, one",
-        "CPU thread; BF16/FP16 weights upcast exactly). Do not edit; regenerate with:",
+        "Tiny random Llama-family checkpoints in the exact hub layout plus `reference.npz` computed by",
+        "`transformers.AutoModelForCausalLM.from_pretrained` on each directory (float32, eager attention,",
+        "one CPU thread; BF16/FP16 weights upcast exactly). Do not edit; regenerate with:",
         "",
         "    pip install -e .[parity]",
         "    python scripts/make_llama_parity_fixtures.py",

@@ -33,6 +33,8 @@ import math
 from collections.abc import Iterator, Mapping
 
 from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig
+from mtp_jax.targets import target_for
+from mtp_jax.targets.llama3 import target_layer_leaves
 
 WEIGHT_FORMATS = ("bf16", "fp32", "fp8")
 MESH_AXES = ("data", "expert", "tensor")
@@ -116,16 +118,20 @@ def _layer_specs(cfg: DeepseekV3Config, *, dense: bool, count: int, mtp: bool) -
 
 
 def _llama_specs(cfg: Llama3Config) -> Iterator[_Spec]:
-    """Every tensor of a Llama 3 hub checkpoint, with the tensor-parallel split of each."""
+    """Every tensor of a Llama-family hub checkpoint (its layers as
+    :func:`mtp_jax.targets.llama3.layer_leaves` declares them), with the tensor-parallel split of
+    each."""
     d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    h, kv, hd, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
     yield _Spec("embedding", (v, d), 1, _PLAIN)
-    yield _Spec("norms", (d,), 2 * n + 1, _PLAIN)  # input / post_attention layernorms, model.norm
-    yield _Spec("attention", (h * hd, d), n, _LINEAR, split="tensor")  # q_proj
-    yield _Spec("attention", (kv * hd, d), 2 * n, _LINEAR, split="kv_heads")  # k_proj, v_proj
-    yield _Spec("attention", (d, h * hd), n, _LINEAR, split="tensor")  # o_proj
-    yield _Spec("dense_mlp", (f, d), 2 * n, _LINEAR, split="tensor")  # gate_proj, up_proj
-    yield _Spec("dense_mlp", (d, f), n, _LINEAR, split="tensor")  # down_proj
+    yield _Spec("norms", (d,), 1, _PLAIN)  # model.norm
+    for leaf in target_layer_leaves(cfg):
+        split = next(
+            ({"heads": "tensor", "ffn": "tensor", "kv_heads": "kv_heads"}[a] for a in leaf.logical if a),
+            None,
+        )
+        yield _Spec(
+            leaf.component, leaf.hub_shape, n, _LINEAR if leaf.kind == "linear" else _PLAIN, split=split
+        )
     if not cfg.tie_word_embeddings:
         yield _Spec("lm_head", (v, d), 1, _PLAIN, split="tensor")  # vocabulary-parallel head
 
@@ -462,7 +468,7 @@ def _summary(cfg: ModelConfig) -> list[str]:
                 f"low/high freq factors {r.low_freq_factor:g}/{r.high_freq_factor:g})"
             )
         return [
-            f"Model: {cfg.model_type} (Llama 3)",
+            f"Model: {cfg.model_type} ({target_for(cfg).title})",
             f"  layers      {cfg.num_hidden_layers}",
             f"  attention   {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads (GQA), "
             f"head_dim {cfg.head_dim}, rope_theta {cfg.rope_theta:g}, {rope}",

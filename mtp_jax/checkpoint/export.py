@@ -16,6 +16,7 @@ import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
+from mtp_jax.targets.llama3 import layer_leaves
 
 
 def _np(x: Any, dtype: np.dtype) -> np.ndarray:
@@ -65,14 +66,23 @@ def _layer(p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dty
 
 
 def _llama_layer(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndarray]:
-    t = {f"{pre}input_layernorm.weight": _np(p["input_norm"], dtype)}
-    for name in ("q", "k", "v"):
-        t[f"{pre}self_attn.{name}_proj.weight"] = _linear(p["attn"][name], dtype)
-    o = _np(p["attn"]["o"], dtype)  # [h, hd, d]
-    t[f"{pre}self_attn.o_proj.weight"] = np.ascontiguousarray(o.reshape(-1, o.shape[-1]).T)
-    t[f"{pre}post_attention_layernorm.weight"] = _np(p["post_attn_norm"], dtype)
-    for name in ("gate", "up", "down"):
-        t[f"{pre}mlp.{name}_proj.weight"] = _linear(p["mlp"][name], dtype)
+    """One Llama-family layer's hub tensors, as :func:`mtp_jax.targets.llama3.layer_leaves`
+    declares them for the layer's own shapes and extras (biases, q/k norms)."""
+    a = p["attn"]
+    d_in, h, hd = np.shape(a["q"])
+    d, f = np.shape(p["mlp"]["gate"])
+    leaves = layer_leaves(
+        d, h, np.shape(a["k"])[1], hd, f, d_in=d_in, qkv_bias="q_bias" in a, qk_norm="q_norm" in a
+    )
+    t = {}
+    for leaf in leaves:
+        x = p
+        for name in leaf.path:
+            x = x[name]
+        x = _np(x, dtype)
+        if leaf.kind == "linear":  # ours is the hub's [out, in] transposed, reshaped
+            x = x.reshape(leaf.hub_shape[::-1]).T
+        t[pre + leaf.hub] = np.ascontiguousarray(x.reshape(leaf.hub_shape))
     return t
 
 
@@ -167,7 +177,5 @@ def dflash_hub_tensors_from_params(
     for i in range(cfg.num_hidden_layers):
         layer = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
         pre = f"layers.{i}."
-        t.update(_llama_layer(layer, pre, dtype))
-        for name in ("q_norm", "k_norm"):
-            t[f"{pre}self_attn.{name}.weight"] = _np(layer["attn"][name], dtype)
+        t.update(_llama_layer(layer, pre, dtype))  # with its q/k norms
     return t

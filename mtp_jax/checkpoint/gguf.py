@@ -12,9 +12,11 @@ chat template) and its tensors, many of them block-quantised. :class:`GGUFCheckp
   tokenizer.json and its chat template, BOS/EOS tokens and ``add_bos_token`` rule.
 
 Tensor types read: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (any other is
-refused by name). Architectures: ``llama`` (Llama 2/3 layouts and relatives such as SmolLM2).
-llama.cpp's converter reorders the query and key rows of each head for its interleaved rope; they
-are put back in the rotate-half order of hub checkpoints here.
+refused by name). Architectures: ``llama`` (Llama 2/3 layouts and relatives such as SmolLM2),
+``qwen2`` and ``qwen3`` (with their q/k/v biases and q/k norms). For ``llama`` llama.cpp's converter
+reorders the query and key rows of each head for its interleaved rope; they are put back in the
+rotate-half order of hub checkpoints here (Qwen GGUFs keep the hub order: llama.cpp runs them with
+rotate-half rope).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_HUB_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 MAGIC = b"GGUF"
 
 # llama.cpp tensor names -> hub names (per-layer ones under blk.{i}.).
@@ -54,6 +57,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -187,8 +195,8 @@ class GGUFCheckpoint:
         if isinstance(kv, list):
             raise ConfigError(f"{self.path}: per-layer key/value head counts are not supported")
         raw: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [_HUB_ARCHITECTURES[self.architecture]],
+            "model_type": self.architecture,
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": int(self._meta("feed_forward_length")),
@@ -458,7 +466,9 @@ class GGUFTensors:
         if self._bar is not None:
             self._bar.update(1, self.ckpt.stored_bytes(self._gguf(key)), key)
         proj = key.rsplit(".", 2)[-2] if key.endswith("_proj.weight") else None
-        if proj in ("q_proj", "k_proj"):  # undo llama.cpp's per-head interleaving of the rope halves
+        if (
+            proj in ("q_proj", "k_proj") and self.ckpt.architecture == "llama"
+        ):  # undo llama.cpp's per-head interleaving of the rope halves
             heads = int(self.ckpt._meta("attention.head_count"))
             n = heads if proj == "q_proj" else int(self.ckpt._meta("attention.head_count_kv", heads))
             rows, cols = x.shape

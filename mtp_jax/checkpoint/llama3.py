@@ -1,11 +1,13 @@
 """Hub-layout Llama 3 tensors -> the parameter pytree of :mod:`mtp_jax.targets.llama3`.
 
-Keys: ``model.embed_tokens.weight`` [V, d]; per layer ``model.layers.{i}.`` ``input_layernorm``,
+Keys: ``model.embed_tokens.weight`` [V, d]; per layer ``model.layers.{i}.`` the tensors
+:func:`mtp_jax.targets.llama3.layer_leaves` declares (``input_layernorm``,
 ``post_attention_layernorm`` [d], ``self_attn.{q,k,v}_proj.weight`` ([H·hd, d], [Hkv·hd, d],
 [Hkv·hd, d]), ``self_attn.o_proj.weight`` [d, H·hd], ``mlp.{gate,up}_proj.weight`` [f, d],
-``mlp.down_proj.weight`` [d, f]; ``model.norm.weight``; ``lm_head.weight`` [V, d] unless the
-embedding is tied. The q/k rows of hub checkpoints are already in the order rotate-half rope
-expects, so they are used as stored.
+``mlp.down_proj.weight`` [d, f]; Qwen2's ``self_attn.{q,k,v}_proj.bias``, Qwen3's
+``self_attn.{q,k}_norm.weight`` [hd]); ``model.norm.weight``; ``lm_head.weight`` [V, d] unless the
+embedding is tied. Qwen2 and Qwen3 checkpoints are read by this key map too. The q/k rows of
+hub checkpoints are already in the order rotate-half rope expects, so they are used as stored.
 
 Weights are transposed to [in, out] with the head axes split out (q [d, H, hd], o [H, hd, d]) and
 the layers stacked (group ``layers``). A tied checkpoint stores no head: the model reads the
@@ -26,10 +28,22 @@ from mtp_jax.checkpoint.loader import Group, GroupEmitter, HubTensors, assemble_
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import Llama3Config
 from mtp_jax.errors import CheckpointError
+from mtp_jax.targets.llama3 import LayerLeaf, layer_leaves, leaves_tree, target_layer_leaves
 
 log = logging.getLogger(__name__)
 
 STACKED_GROUPS = ("layers",)
+
+
+def layer_from_leaves(t: HubTensors, pre: str, leaves: tuple[LayerLeaf, ...]) -> dict:
+    """One decoder layer's tree under key prefix ``pre``, read as its ``leaves`` declare."""
+
+    def read(leaf: LayerLeaf) -> Any:
+        if leaf.kind == "linear":
+            return t.linear(pre + leaf.hub, *leaf.hub_shape, leaf.shape)
+        return t.get(pre + leaf.hub, leaf.hub_shape).reshape(leaf.shape)
+
+    return leaves_tree(leaves, read)
 
 
 def decoder_layer_tensors(
@@ -38,36 +52,11 @@ def decoder_layer_tensors(
     """One Llama decoder layer's tensors under key prefix ``pre`` (width d, h query and kv key/value
     heads of hd, MLP width f); the attention projections read inputs of width ``d_in`` (default d;
     an EAGLE-3 draft's read 2d)."""
-    d_in = d if d_in is None else d_in
-    attn = f"{pre}self_attn."
-    return {
-        "input_norm": t.get(f"{pre}input_layernorm.weight", (d,)),
-        "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (d,)),
-        "attn": {
-            "q": t.linear(f"{attn}q_proj.weight", h * hd, d_in, (d_in, h, hd)),
-            "k": t.linear(f"{attn}k_proj.weight", kv * hd, d_in, (d_in, kv, hd)),
-            "v": t.linear(f"{attn}v_proj.weight", kv * hd, d_in, (d_in, kv, hd)),
-            "o": t.linear(f"{attn}o_proj.weight", d, h * hd, (h, hd, d)),
-        },
-        "mlp": {
-            "gate": t.linear(f"{pre}mlp.gate_proj.weight", f, d),
-            "up": t.linear(f"{pre}mlp.up_proj.weight", f, d),
-            "down": t.linear(f"{pre}mlp.down_proj.weight", d, f),
-        },
-    }
+    return layer_from_leaves(t, pre, layer_leaves(d, h, kv, hd, f, d_in=d_in))
 
 
 def _layer(t: HubTensors, i: int) -> dict:
-    c = t.cfg
-    return decoder_layer_tensors(
-        t,
-        f"model.layers.{i}.",
-        c.hidden_size,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
-        c.intermediate_size,
-    )
+    return layer_from_leaves(t, f"model.layers.{i}.", target_layer_leaves(t.cfg))
 
 
 def param_groups(

@@ -19,6 +19,7 @@ import numpy as np
 
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config
+from mtp_jax.targets.llama3 import target_layer_leaves
 
 
 def layer_tensors(
@@ -106,12 +107,12 @@ def hub_tensors(cfg: DeepseekV3Config, seed: int = 0, std: float = 0.1) -> dict[
 def llama_hub_tensors(
     cfg: Llama3Config, seed: int = 0, std: float = 0.1, embed_std: float = 1.0
 ) -> dict[str, np.ndarray]:
-    """Every tensor of a float32 Llama 3 hub checkpoint (no ``lm_head.weight`` when tied), drawn
-    from a seeded normal (the embedding with ``embed_std``, the projections with ``std``); norms
-    near 1."""
+    """Every tensor of a float32 Llama-family hub checkpoint (Llama 3, Qwen2, Qwen3: the layer
+    tensors :func:`mtp_jax.targets.llama3.layer_leaves` declares; no ``lm_head.weight`` when tied),
+    drawn from a seeded normal (the embedding with ``embed_std``, projections and biases with
+    ``std``); norms near 1."""
     rng = np.random.default_rng(seed)
-    d, v, f, hd = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.head_dim
-    h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d, v = cfg.hidden_size, cfg.vocab_size
 
     def w(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -120,21 +121,11 @@ def llama_hub_tensors(
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
     tensors = {"model.embed_tokens.weight": (rng.standard_normal((v, d)) * embed_std).astype(np.float32)}
+    leaves = target_layer_leaves(cfg)
     for i in range(cfg.num_hidden_layers):
-        pre = f"model.layers.{i}."
-        tensors.update(
-            {
-                f"{pre}input_layernorm.weight": norm(d),
-                f"{pre}self_attn.q_proj.weight": w(h * hd, d),
-                f"{pre}self_attn.k_proj.weight": w(kv * hd, d),
-                f"{pre}self_attn.v_proj.weight": w(kv * hd, d),
-                f"{pre}self_attn.o_proj.weight": w(d, h * hd),
-                f"{pre}post_attention_layernorm.weight": norm(d),
-                f"{pre}mlp.gate_proj.weight": w(f, d),
-                f"{pre}mlp.up_proj.weight": w(f, d),
-                f"{pre}mlp.down_proj.weight": w(d, f),
-            }
-        )
+        for leaf in leaves:  # declared in hub order
+            draw = norm if leaf.kind == "norm" else w
+            tensors[f"model.layers.{i}.{leaf.hub}"] = draw(*leaf.hub_shape)
     tensors["model.norm.weight"] = norm(d)
     if not cfg.tie_word_embeddings:
         tensors["lm_head.weight"] = w(v, d)

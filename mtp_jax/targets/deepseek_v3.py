@@ -215,6 +215,7 @@ def _check_mesh(cfg: DeepseekV3Config, mesh: Mesh) -> None:
 
 TARGET = Target(
     name="deepseek_v3",
+    title="DeepSeek-V3",
     config_class=DeepseekV3Config,
     forward=forward,
     init_cache=init_cache,

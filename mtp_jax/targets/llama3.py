@@ -21,6 +21,10 @@ Layer numbering for captured hidden states: layer i means the output of decoder 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,14 +36,138 @@ from mtp_jax.layers import apply_rope_half, llama3_frequencies, rms_norm, rope_c
 from mtp_jax.sharding import ACTIVATION, constrain
 from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, scan_layers
 
-__all__ = ["TARGET", "attention", "decoder_layer", "forward", "init_cache", "qkv"]
+__all__ = [
+    "TARGET",
+    "LayerLeaf",
+    "attention",
+    "decoder_layer",
+    "family_target",
+    "forward",
+    "init_cache",
+    "layer_leaves",
+    "leaves_tree",
+    "qkv",
+]
 
 
-def qkv(p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Queries [b, t, H, hd] and keys [b, t, Hkv, hd] with rope applied, values [b, t, Hkv, hd]."""
-    q = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["q"]), cos, sin)
-    k = apply_rope_half(jnp.einsum("btd,dhk->bthk", x, p["k"]), cos, sin)
-    return q, k, jnp.einsum("btd,dhk->bthk", x, p["v"])
+@dataclasses.dataclass(frozen=True)
+class LayerLeaf:
+    """One tensor of a Llama-family decoder layer, declared once: the loader, the exporter, the
+    synthetic checkpoints, ``plan``'s abstract parameters, the size estimate and the shardings are
+    all read off :func:`layer_leaves`.
+
+    ``path``: where it sits in our layer tree; ``hub``: its key under the layer's prefix
+    (``model.layers.{i}.``); ``shape``: ours (one layer); ``hub_shape``: as stored ([out, in] for a
+    projection, whose ours is its transpose reshaped: ``hub.T.reshape(shape)``); ``kind``:
+    ``linear``, ``norm`` (a norm's weight, near 1) or ``bias``; ``logical``: our axes' logical names
+    (:mod:`mtp_jax.sharding`); ``component``: its part of the model in the size estimate."""
+
+    path: tuple[str, ...]
+    hub: str
+    shape: tuple[int, ...]
+    hub_shape: tuple[int, ...]
+    kind: str
+    logical: tuple[str | None, ...]
+    component: str
+
+
+def layer_leaves(
+    d: int,
+    h: int,
+    kv: int,
+    hd: int,
+    f: int,
+    *,
+    d_in: int | None = None,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+) -> tuple[LayerLeaf, ...]:
+    """The tensors of one Llama-family decoder layer (width ``d``, ``h`` query and ``kv`` key/value
+    heads of ``hd``, MLP width ``f``; attention inputs of width ``d_in``, default ``d``: an
+    EAGLE-3 draft's read 2d), in hub order. ``qkv_bias``: q/k/v biases (Qwen2); ``qk_norm``: an
+    RMSNorm over each query and key head before rope (Qwen3)."""
+    d_in = d if d_in is None else d_in
+    a = "self_attn."
+
+    def proj(name: str, shape: tuple[int, ...], out: int, inp: int, logical: tuple) -> LayerLeaf:
+        component = "attention" if name in "qkvo" else "dense_mlp"
+        hub = f"{a}{name}_proj.weight" if component == "attention" else f"mlp.{name}_proj.weight"
+        path = ("attn", name) if component == "attention" else ("mlp", name)
+        return LayerLeaf(path, hub, shape, (out, inp), "linear", logical, component)
+
+    leaves = [
+        LayerLeaf(("input_norm",), "input_layernorm.weight", (d,), (d,), "norm", (None,), "norms"),
+        proj("q", (d_in, h, hd), h * hd, d_in, (None, "heads", None)),
+        proj("k", (d_in, kv, hd), kv * hd, d_in, (None, "kv_heads", None)),
+        proj("v", (d_in, kv, hd), kv * hd, d_in, (None, "kv_heads", None)),
+        proj("o", (h, hd, d), d, h * hd, ("heads", None, None)),
+        LayerLeaf(
+            ("post_attn_norm",), "post_attention_layernorm.weight", (d,), (d,), "norm", (None,), "norms"
+        ),
+        proj("gate", (d, f), f, d, (None, "ffn")),
+        proj("up", (d, f), f, d, (None, "ffn")),
+        proj("down", (f, d), d, f, ("ffn", None)),
+    ]
+    if qkv_bias:
+        for name, heads, axis in (("q", h, "heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads")):
+            leaves.append(
+                LayerLeaf(
+                    ("attn", f"{name}_bias"),
+                    f"{a}{name}_proj.bias",
+                    (heads, hd),
+                    (heads * hd,),
+                    "bias",
+                    (axis, None),
+                    "attention",
+                )
+            )
+    if qk_norm:
+        for name in ("q", "k"):
+            hub = f"{a}{name}_norm.weight"
+            leaves.append(LayerLeaf(("attn", f"{name}_norm"), hub, (hd,), (hd,), "norm", (None,), "norms"))
+    return tuple(leaves)
+
+
+def leaves_tree(leaves: tuple[LayerLeaf, ...], value: Callable[[LayerLeaf], Any]) -> dict:
+    """The layer tree with ``value(leaf)`` at each declared leaf's path."""
+    out: dict = {}
+    for leaf in leaves:
+        node = out
+        for name in leaf.path[:-1]:
+            node = node.setdefault(name, {})
+        node[leaf.path[-1]] = value(leaf)
+    return out
+
+
+def target_layer_leaves(cfg: Llama3Config) -> tuple[LayerLeaf, ...]:
+    """:func:`layer_leaves` of a Llama-family target's decoder layers."""
+    return layer_leaves(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        qkv_bias=cfg.qkv_bias,
+        qk_norm=cfg.qk_norm,
+    )
+
+
+def qkv(
+    p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, eps: float = 1e-6
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries [b, t, H, hd] and keys [b, t, Hkv, hd] with rope applied, values [b, t, Hkv, hd].
+    The layer's tree decides the family's extras: ``{q,k,v}_bias`` added after the projection
+    (Qwen2), ``{q,k}_norm`` an RMSNorm (epsilon ``eps``) over each head before rope (Qwen3)."""
+
+    def project(name: str) -> jax.Array:
+        y = jnp.einsum("btd,dhk->bthk", x, p[name])
+        if f"{name}_bias" in p:
+            y = y + p[f"{name}_bias"].astype(y.dtype)
+        if f"{name}_norm" in p:
+            y = rms_norm(y, p[f"{name}_norm"], eps)
+        return y
+
+    return apply_rope_half(project("q"), cos, sin), apply_rope_half(project("k"), cos, sin), project("v")
 
 
 def attention(
@@ -58,7 +186,7 @@ def attention(
     keys and values are written to ``pages`` (layer ``layer`` of the stacks) and the queries attend
     over each row's cache (split over ``mesh`` as :func:`mtp_jax.gqa.gqa_paged` does). Returns
     (out [b, t, d], pages)."""
-    q, k, v = qkv(p, x, cos, sin)
+    q, k, v = qkv(p, x, cos, sin, cfg.rms_norm_eps)
     scale = cfg.softmax_scale
     if paged is None:
         out = gqa_dense(q, k, v, scale)
@@ -167,13 +295,29 @@ def _check_mesh(cfg: Llama3Config, mesh: Mesh) -> None:
     check_tensor_split(cfg.num_attention_heads, cfg.num_key_value_heads, mesh.shape["tensor"])
 
 
-TARGET = Target(
-    name="llama",
-    config_class=Llama3Config,
-    forward=forward,
-    init_cache=init_cache,
-    cache_logical=_cache_logical,
-    cache_bytes_per_token=_cache_bytes_per_token,
-    check_mesh=_check_mesh,
-    layer_stacks=lambda cfg: ("layers",),
-)
+def family_target(
+    name: str,
+    config_class: type,
+    model_types: tuple[str, ...] = (),
+    parse_config: Callable[[Any], Any] | None = None,
+    title: str = "",
+) -> Target:
+    """The :class:`Target` of a Llama-family model (Llama 3, Qwen2, Qwen3: this module's forward,
+    the family's extras read from the config and the layer tree)."""
+    return Target(
+        name=name,
+        config_class=config_class,
+        forward=forward,
+        init_cache=init_cache,
+        cache_logical=_cache_logical,
+        cache_bytes_per_token=_cache_bytes_per_token,
+        check_mesh=_check_mesh,
+        layer_stacks=lambda cfg: ("layers",),
+        model_types=model_types,
+        parse_config=parse_config,
+        layer_leaves=target_layer_leaves,
+        title=title or name,
+    )
+
+
+TARGET = family_target("llama", Llama3Config, title="Llama 3")

@@ -36,6 +36,11 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 
@@ -57,13 +62,15 @@ def gguf_name(key: str) -> str:
 
 
 def write_llama_gguf(src: str, path: str, kind: str = "F32", *, add_bos: bool = True, arch: str = "llama"):
-    """A hub Llama checkpoint as llama.cpp's converter writes it: metadata, tokenizer, q/k rows
-    permuted, 2-D weights in ``kind`` (norms stay F32), llama3 rope scaling as rope_freqs."""
+    """A hub Llama-family checkpoint as llama.cpp's converter writes it: metadata, tokenizer (when
+    the checkpoint has one), q/k rows permuted for ``llama`` (not for ``qwen2`` / ``qwen3``), 2-D
+    weights in ``kind`` (norms and biases stay F32), llama3 rope scaling as rope_freqs."""
     cfg = json.loads(Path(src, "config.json").read_text())
-    tok = json.loads(Path(src, "tokenizer.json").read_text())
     w = gguf.GGUFWriter(path, arch)
     h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg["hidden_size"] // h
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // h
+    w.add_key_length(hd)
+    w.add_value_length(hd)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -74,16 +81,8 @@ def write_llama_gguf(src: str, path: str, kind: str = "F32", *, add_bos: bool = 
     w.add_rope_dimension_count(hd)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv_: kv_[1])
-    special = {a["id"] for a in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if i in special else 1 for _, i in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_add_bos_token(add_bos)
+    if os.path.isfile(os.path.join(src, "tokenizer.json")):
+        write_tokenizer(w, src, cfg, add_bos)
     scaling = cfg.get("rope_scaling")
     if scaling:
         divisors = llama3_rope_divisors(
@@ -98,9 +97,9 @@ def write_llama_gguf(src: str, path: str, kind: str = "F32", *, add_bos: bool = 
     reader = CheckpointReader(src)
     for key in reader.keys():
         x = np.asarray(reader.get(key), np.float32)
-        if key.endswith("q_proj.weight"):
+        if key.endswith("q_proj.weight") and arch == "llama":
             x = llama_cpp_permute(x, h)
-        elif key.endswith("k_proj.weight"):
+        elif key.endswith("k_proj.weight") and arch == "llama":
             x = llama_cpp_permute(x, kv)
         if x.ndim == 2 and kind != "F32":
             q = quantize(x, T[kind])
@@ -112,6 +111,20 @@ def write_llama_gguf(src: str, path: str, kind: str = "F32", *, add_bos: bool = 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_tokenizer(w, src: str, cfg: dict, add_bos: bool) -> None:
+    tok = json.loads(Path(src, "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv_: kv_[1])
+    special = {a["id"] for a in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if i in special else 1 for _, i in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(add_bos)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +206,24 @@ def test_llama_gguf_matches_the_same_weights_from_safetensors(tiny_gguf):
     np.testing.assert_allclose(b.logits(ids), a.logits(ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["qwen2_bias_tied", "qwen3_qk_norm"])
+def test_qwen_ggufs_match_the_same_weights_from_safetensors(name, tmp_path):
+    """Qwen2 (q/k/v biases, tied) and Qwen3 (q/k norms, explicit head_dim) GGUFs: the config from the
+    metadata, the biases and norms under their llama.cpp names, the q/k rows in hub order."""
+    src = os.path.join(REPO, "tests", "fixtures", "parity_llama", name)
+    arch = name.split("_")[0]
+    path = write_llama_gguf(src, str(tmp_path / f"{name}.gguf"), arch=arch)
+    a = mtp_jax.load(src, "float32")
+    b = mtp_jax.load(path, "float32", strict=True)
+    assert type(b.config) is type(a.config) and b.config.model_type == arch
+    assert (b.config.head_dim, b.config.tie_word_embeddings) == (
+        a.config.head_dim,
+        a.config.tie_word_embeddings,
+    )
+    ids = [[3, 5, 17, 100, 42, 7, 10, 3, 9]]
+    np.testing.assert_allclose(b.logits(ids), a.logits(ids), rtol=1e-5, atol=1e-5)
+
+
 def test_gguf_tokenizer_equals_the_checkpoints_and_keeps_its_bos_rule(tiny_gguf, tmp_path):
     hub = TextCodec.from_dir(TINY_LLAMA)
     ours = TextCodec.for_path(tiny_gguf)
@@ -231,13 +262,15 @@ def test_malformed_gguf_files_are_refused_by_name(damage, tiny_gguf, tmp_path):
         with pytest.raises(CheckpointError, match="not a GGUF file"):
             GGUFCheckpoint(str(path))
     elif damage == "architecture":
-        w = gguf.GGUFWriter(str(path), "qwen2")
+        w = gguf.GGUFWriter(str(path), "gemma2")
         w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with pytest.raises(ConfigError, match="architecture 'qwen2' is not supported; supported: llama"):
+        with pytest.raises(
+            ConfigError, match="architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3"
+        ):
             mtp_jax.load(str(path))
     else:  # rope_freqs that no llama3 scaling produces
         w = gguf.GGUFWriter(str(path), "llama")

@@ -1,4 +1,5 @@
-"""Llama 3 target: parity with transformers' LlamaForCausalLM on committed hub-layout fixtures
+"""Llama 3 target: parity with transformers' LlamaForCausalLM (and Qwen2/Qwen3ForCausalLM for the
+family's other targets) on committed hub-layout fixtures
 (scripts/make_llama_parity_fixtures.py), the paged decode path, and the errors a bad checkpoint
 or request gets."""
 
@@ -20,6 +21,7 @@ from tests.conftest import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "parity_llama")
 NAMES = ["llama3_gqa42", "gqa81_tied_head_dim", "sharded_bf16_rope_parameters", "mha_fp16"]
+NAMES += ["qwen2_bias_tied", "qwen3_qk_norm"]  # the Llama family's other targets (tests/targets/test_qwen.py)
 
 
 def rel_err(got, want) -> float:

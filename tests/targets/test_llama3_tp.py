@@ -1,5 +1,6 @@
-"""Llama 3 tensor parallelism (heads and MLP columns over ``tensor``, rows and pages over ``data``)
-on 8 simulated CPU devices, in a background child process (see ``child`` in tests/conftest.py)."""
+"""Llama-family (Llama 3, Qwen2, Qwen3) tensor parallelism (heads and MLP columns over ``tensor``,
+rows and pages over ``data``) on 8 simulated CPU devices, in a background child process (see
+``child`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ TP_CHILD = textwrap.dedent(
         ("mha_fp16", [(1, 8), (2, 4), (4, 2), (8, 1)]),  # 8 KV heads: split over tensor 2..8
         ("gqa81_tied_head_dim", [(2, 4), (1, 8)]),  # 1 KV head: replicated, every device reads it
         ("llama3_gqa42", [(4, 2), (1, 4)]),  # 2 KV heads: split over 2, replicated over 4
+        ("qwen2_bias_tied", [(2, 4)]),  # q/k/v biases split with their heads
+        ("qwen3_qk_norm", [(4, 2)]),  # per-head q/k norms on split heads
     ]:
         src = os.path.join(root, name)
         ref = mtp_jax.load(src, "float32")
