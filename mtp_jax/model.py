@@ -614,7 +614,14 @@ def load(
     draft_config = None
     if draft_model is not None:
         draft_config, group, params[group] = load_draft(
-            draft_model, config, params, DTYPES[dtype], layer_ids=draft_layer_ids, strict=strict, mesh=mesh
+            draft_model,
+            config,
+            params,
+            DTYPES[dtype],
+            layer_ids=draft_layer_ids,
+            strict=strict,
+            mesh=mesh,
+            target_path=path,
         )
     return Model(
         config,
@@ -639,29 +646,38 @@ def load_draft(
     layer_ids: str = "inputs",
     strict: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    target_path: str | None = None,
 ) -> tuple[Any, str, dict]:
     """A separately trained draft for the target (``config``, device ``params``): (its config, the
-    name of its parameter group, the group). The kind comes from the draft's config.json and tensor
-    names: EAGLE-3 (group "eagle3") or DFlash (group "dflash")."""
-    from mtp_jax.checkpoint.dflash import is_dflash, load_dflash
-    from mtp_jax.checkpoint.eagle3 import is_eagle3, load_eagle3
-
+    name of its parameter group, the group). The kind is the first registered draft whose
+    ``recognises`` hook takes the directory's config.json and tensors (EAGLE-3, DFlash, then a
+    draft model: any checkpoint mtp-jax loads as a target)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"draft model directory not found: {path}")
     raw = read_json(os.path.join(path, "config.json"), what="draft config")
     reader = CheckpointReader(path)
-    if is_dflash(raw, reader):
-        cfg, tree = load_dflash(reader, raw, config, dtype, strict=strict, mesh=mesh)
-        return cfg, "dflash", tree
-    if not is_eagle3(raw, reader):
-        archs = raw.get("architectures")
-        raise ConfigError(
-            f"{path}: not a supported draft model (architectures {archs!r}); supported: EAGLE-3 "
-            "(an 'fc' fusion layer over target features) and DFlash (DFlashDraftModel)"
-        )
-    cfg, tree = load_eagle3(reader, raw, config, params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh)
-    return cfg, "eagle3", tree
+    for draft in DRAFTS.values():
+        if draft.recognises is not None and draft.load is not None and draft.recognises(raw, reader):
+            cfg, tree = draft.load(
+                reader,
+                raw,
+                config,
+                params,
+                dtype,
+                layer_ids=layer_ids,
+                strict=strict,
+                mesh=mesh,
+                target_path=target_path,
+            )
+            return cfg, draft.params_group, tree
+    archs = raw.get("architectures")
+    kinds = ", ".join(d.title or d.name for d in DRAFTS.values() if d.recognises is not None)
+    raise ConfigError(
+        f"{path}: not a supported draft model (architectures {archs!r}, model_type "
+        f"{raw.get('model_type')!r}); supported: {kinds} (EAGLE-3: an 'fc' fusion layer over target "
+        "features; DFlash: DFlashDraftModel; a draft model: any checkpoint mtp-jax loads as a target)"
+    )
 
 
 def _stop_checks(n: int, streams: list[TextStream] | None, stop_ids: frozenset[int] | None):

@@ -92,10 +92,12 @@ class _AbstractParams:
     every projection the hub stores in FP8 kept as an :class:`Fp8Weight` (``eh_proj``, embeddings
     and heads are bfloat16 in the hub and stay dense); for Llama no head when it is tied."""
 
-    def __init__(self, cfg: ModelConfig, dtype: Any, fp8: bool) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: Any, fp8: bool, mesh: Mesh | None = None) -> None:
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
         self.fp8 = fp8
+        self.mesh = mesh
+        """The mesh the parameters are planned on (a draft that is a whole model places its own)."""
         self.block = fp8_block(cfg)  # hub orientation (out rows, in cols)
 
     def plain(self, *shape: int, dtype: Any = None) -> jax.ShapeDtypeStruct:
@@ -230,7 +232,7 @@ def abstract_params(
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
     if weights == "fp8" and isinstance(cfg, Llama3Config):
         raise ValueError("weights 'fp8': Llama checkpoints are dense (use bf16)")
-    build = _AbstractParams(cfg, dtype, weights == "fp8")
+    build = _AbstractParams(cfg, dtype, weights == "fp8", mesh)
     sizes = checkpoint_format(cfg).group_sizes(cfg, mtp)
     params = {}
     groups = build.groups(mtp)
@@ -238,6 +240,9 @@ def abstract_params(
         draft = draft_for_config(draft_cfg)
         groups[draft.params_group] = draft.abstract_params(draft_cfg, build)
     for name, tree in groups.items():
+        if all(getattr(s, "sharding", None) is not None for s in jax.tree.leaves(tree)):
+            params[name] = tree  # placed by its declaration already (a draft model's own tree)
+            continue
         stacked = name in sizes
         shardings = group_shardings(mesh, name, tree, stacked=stacked)
         if stacked:

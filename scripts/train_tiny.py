@@ -8,11 +8,15 @@ Python standard library's source code.
         --warmup 50 --seed 1 --acceptance-k 1 2 3 4 5                                # ~27 min
     python scripts/train_tiny.py --arch llama --out checkpoints/tiny-llama3-stdlib \
         --tokenizer-from checkpoints/tiny-deepseek-v3-stdlib --steps 1500           # the Llama target
+    python scripts/train_tiny.py --arch llama --preset draft --out checkpoints/tiny-llama3-stdlib-draft \
+        --tokenizer-from checkpoints/tiny-deepseek-v3-stdlib --steps 1500           # its draft model
     python scripts/train_tiny.py --out /tmp/smoke --preset smoke --steps 3          # seconds
 
 The tiny Llama 3 (GQA, llama3 rope scaling, SwiGLU, untied head) is trained on the same text, split
 and tokenizer as the DeepSeek-V3 (``--tokenizer-from``): it is the target the EAGLE-3 and DFlash
-drafts are trained against. Its objective is next-token cross-entropy alone.
+drafts are trained against. Its objective is next-token cross-entropy alone. ``--preset draft``
+makes a 2-layer, 64-wide Llama on the same text and tokenizer: a separate draft model
+(``draft="draft_model"``) for either tiny target.
 
 Data: every ``.py`` file of this interpreter's standard library (tests, demos and site-packages
 excluded), split by module into train and held-out sets by a hash of the module path. A byte-level
@@ -100,7 +104,8 @@ REACH = 0.6
 def llama_config(vocab_size: int, preset: str) -> dict:
     """A Llama 3.1-style architecture (GQA 3:1, llama3 rope scaling, untied head) at a size that
     trains on two CPU cores."""
-    d, layers, ffn, heads, kv_heads = {"default": (192, 6, 512, 6, 2), "smoke": (32, 2, 64, 4, 2)}[preset]
+    sizes = {"default": (192, 6, 512, 6, 2), "smoke": (32, 2, 64, 4, 2), "draft": (64, 2, 192, 4, 2)}
+    d, layers, ffn, heads, kv_heads = sizes[preset]
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -614,7 +619,12 @@ def main() -> int:
         "--card", metavar="DIR", help="only rewrite DIR/README.md from its config.json and eval.json"
     )
     parser.add_argument("--workdir", help="orbax training state, for resuming (default: OUT.train)")
-    parser.add_argument("--preset", default="default", choices=["default", "smoke"])
+    parser.add_argument(
+        "--preset",
+        default="default",
+        choices=["default", "smoke", "draft"],
+        help="model size; 'draft' (Llama only): a 2-layer, 64-wide Llama, the tiny Llama's draft model",
+    )
     parser.add_argument(
         "--arch",
         default="deepseek_v3",
@@ -690,6 +700,8 @@ def main() -> int:
         parser.error(f"--out {args.out} already exists; choose a new directory")
     if args.mtp_depth < 1:
         parser.error("--mtp-depth must be at least 1")
+    if args.preset == "draft" and args.arch != "llama":
+        parser.error("--preset draft is a Llama draft model: give --arch llama")
     if args.train == "mtp" and not args.init_from:
         parser.error("--train mtp fine-tunes a trained model's draft: give --init-from")
     if not 0.0 <= args.own_text <= 1.0:

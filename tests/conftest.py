@@ -345,6 +345,21 @@ def child_output(request) -> str:
     return result.stdout
 
 
+def check_lossless(model, draft: str, prompts: list, ks, plain_tokens: list | None = None, **kw) -> list:
+    """Greedy speculation with ``draft`` at each K of ``ks`` (three slots, ``kw``: e.g.
+    max_new_tokens) gives plain decoding's tokens (``plain_tokens``, or decoded here). Returns the
+    speculative results, in ``ks`` order."""
+    kw = {"max_new_tokens": 14, "ignore_eos": True, "max_batch": 3, **kw}
+    if plain_tokens is None:
+        plain_tokens = model.generate(prompts, **kw).tokens
+    outs = []
+    for k in ks:
+        out = model.generate(prompts, draft=draft, num_speculative_tokens=k, **kw)
+        assert out.tokens == plain_tokens, (draft, k)
+        outs.append(out)
+    return outs
+
+
 def check_per_request_k(model, draft: str, prompts: list, plain_tokens: list) -> None:
     """Requests with their own K (one of them 0: plain) sharing three slots (the batch the callers'
     other runs compile) give plain decoding's tokens, and only the K = 0 request verifies no

@@ -52,12 +52,13 @@ def draft_for(name: str) -> Draft:
     return DRAFTS[name]
 
 
-from mtp_jax.drafts import dflash, eagle3, mtp, ngram  # noqa: E402  (they import base, not this module)
+from mtp_jax.drafts import dflash, draft_model, eagle3, mtp, ngram  # noqa: E402  (they import base, not this module)
 
 register_draft(mtp.DRAFT)
 register_draft(eagle3.DRAFT)
 register_draft(dflash.DRAFT)
 register_draft(ngram.DRAFT)
+register_draft(draft_model.DRAFT)  # last: it recognises any target checkpoint
 
 __all__ = [
     "DRAFTS",

@@ -97,6 +97,13 @@ class Draft:
     instead of K + 1 (``lax.cond`` in :func:`mtp_jax.step.step`)."""
     title: str = ""
     """How messages name it (e.g. "EAGLE-3"; default: its name)."""
+    recognises: Callable[[dict, Any], bool] | None = None
+    """``recognises(raw_config, reader) -> bool``: whether a draft directory (its parsed config.json
+    and its tensors' reader) holds this kind of draft; asked in registration order by
+    :func:`mtp_jax.model.load_draft`. None: never loaded from a directory."""
+    load: Callable[..., tuple[Any, dict]] | None = None
+    """``load(reader, raw, target_cfg, target_params, dtype, *, layer_ids, strict, mesh,
+    target_path) -> (draft config, params[params_group])``: read a recognised draft for the target."""
     weights: bool = True
     """Whether the draft is a model with weights of its own. A weightless one (n-gram lookup) works
     with any target, so it is asked for by name only: not listed in ``Model.drafts`` nor picked by

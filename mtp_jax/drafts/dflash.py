@@ -276,6 +276,18 @@ def _abstract_params(c: DFlashConfig, shapes) -> dict:
     }
 
 
+def _recognises(raw: dict, reader) -> bool:
+    from mtp_jax.checkpoint.dflash import is_dflash
+
+    return is_dflash(raw, reader)
+
+
+def _load(reader, raw, target_cfg, target_params, dtype, *, strict=False, mesh=None, **_):
+    from mtp_jax.checkpoint.dflash import load_dflash
+
+    return load_dflash(reader, raw, target_cfg, dtype, strict=strict, mesh=mesh)
+
+
 DRAFT = Draft(
     name="dflash",
     available=_available,
@@ -290,4 +302,6 @@ DRAFT = Draft(
     title="DFlash",
     params_group="dflash",
     config_class=DFlashConfig,
+    recognises=_recognises,
+    load=_load,
 )

@@ -310,6 +310,21 @@ def _abstract_params(c: Eagle3Config, shapes) -> dict:
     return tree
 
 
+def _recognises(raw: dict, reader) -> bool:
+    from mtp_jax.checkpoint.dflash import is_dflash
+    from mtp_jax.checkpoint.eagle3 import is_eagle3
+
+    return is_eagle3(raw, reader) and not is_dflash(raw, reader)  # a DFlash draft has an fc too
+
+
+def _load(reader, raw, target_cfg, target_params, dtype, *, layer_ids="inputs", strict=False, mesh=None, **_):
+    from mtp_jax.checkpoint.eagle3 import load_eagle3
+
+    return load_eagle3(
+        reader, raw, target_cfg, target_params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh
+    )
+
+
 DRAFT = Draft(
     name="eagle3",
     available=_available,
@@ -325,4 +340,6 @@ DRAFT = Draft(
     title="EAGLE-3",
     params_group="eagle3",
     config_class=Eagle3Config,
+    recognises=_recognises,
+    load=_load,
 )
