@@ -611,7 +611,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     draft_cfg = None
     if args.draft_config:
         raw = read_json(args.draft_config, what="draft config")
-        draft_cfg = parse_draft_config(raw, cfg.num_hidden_layers, args.draft_layer_ids)
+        draft_cfg = parse_draft_config(raw, cfg.num_hidden_layers, args.draft_layer_ids, cfg.vocab_size)
     k = args.k
     if k is None:
         k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) or draft_cfg is not None else 0

@@ -897,13 +897,24 @@ def dflash_capture(cfg: DFlashConfig, num_target_layers: int) -> tuple[int, ...]
 
 
 def parse_draft_config(
-    raw: Mapping[str, Any], num_target_layers: int, layer_ids: str = "inputs"
-) -> Eagle3Config | DFlashConfig:
-    """A separately trained draft's config.json (DFlash by its architecture or ``dflash_config``,
-    else EAGLE-3, with MLA attention when it carries ``kv_lora_rank``), with the target layers it
-    captures resolved for a target of ``num_target_layers`` layers (``layer_ids``: how EAGLE-3 ids
-    are read, :func:`eagle3_capture`)."""
+    raw: Mapping[str, Any],
+    num_target_layers: int,
+    layer_ids: str = "inputs",
+    target_vocab_size: int | None = None,
+) -> Any:
+    """A separately trained draft's config.json (DFlash by its architecture or ``dflash_config``; a
+    draft model when it is a plain causal LM a target reads, e.g. Llama 3.1 8B for 70B: a
+    :class:`mtp_jax.drafts.draft_model.DraftModelConfig` over ``target_vocab_size``, default its
+    own; else EAGLE-3, with MLA attention when it carries ``kv_lora_rank``), with the target layers
+    it captures resolved for a target of ``num_target_layers`` layers (``layer_ids``: how EAGLE-3
+    ids are read, :func:`eagle3_capture`)."""
     archs = " ".join(map(str, raw.get("architectures") or [])).lower()
+    plain_lm = archs.endswith("forcausallm") and "eagle" not in archs and "eagle_config" not in raw
+    if plain_lm and "dflash_config" not in raw and "draft_vocab_size" not in raw:
+        from mtp_jax.drafts.draft_model import DraftModelConfig  # the drafts import this module
+
+        model = parse_config(raw)
+        return DraftModelConfig(model, target_vocab_size or model.vocab_size)
     if "dflash" in archs or "dflash_config" in raw:
         cfg: Eagle3Config | DFlashConfig = parse_dflash_config(raw)
         capture = dflash_capture(cfg, num_target_layers)

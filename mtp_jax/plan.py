@@ -425,26 +425,8 @@ def check_plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= k <= 16:
         raise ValueError(f"k must be in [0, 16], got {k}")
-    if isinstance(draft_cfg, DFlashConfig):
-        if draft_cfg.hidden_size != cfg.hidden_size or draft_cfg.mask_token_id >= cfg.vocab_size:
-            raise ValueError(
-                f"the DFlash draft has hidden_size {draft_cfg.hidden_size} and mask id "
-                f"{draft_cfg.mask_token_id}; the target has hidden_size {cfg.hidden_size} and "
-                f"{cfg.vocab_size} tokens"
-            )
-        if k > draft_cfg.block_size - 1:
-            raise ValueError(
-                f"k {k}: a DFlash block of {draft_cfg.block_size} proposes at most {draft_cfg.block_size - 1}"
-            )
-    elif draft_cfg is not None and (
-        draft_cfg.target_hidden_size != cfg.hidden_size or draft_cfg.vocab_size != cfg.vocab_size
-    ):
-        raise ValueError(
-            f"the EAGLE-3 draft reads hidden states of width {draft_cfg.target_hidden_size} over a "
-            f"vocabulary of {draft_cfg.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}"
-        )
-    if draft_cfg is not None and not draft_cfg.capture:
-        raise ValueError("the draft config has no captured layers resolved (eagle3_capture / dflash_capture)")
+    if draft_cfg is not None and draft_for_config(draft_cfg).check_plan is not None:
+        draft_for_config(draft_cfg).check_plan(draft_cfg, cfg, k)  # the draft's own checks
     if draft_cfg is None and k and not getattr(cfg, "num_nextn_predict_layers", 0):
         raise ValueError(
             "k > 0 drafts with the MTP layer, but the model has none (num_nextn_predict_layers 0, or a "

@@ -469,7 +469,7 @@ def run(args: argparse.Namespace) -> dict:
         name = f"{_config_name(args.config)} {' '.join(args.set)} ({args.weights}, random)".strip()
         if args.draft_config:
             draft_raw = _read_overridden(args.draft_config, args.draft_set, "--draft-set")
-            draft_cfg = parse_draft_config(draft_raw, cfg.num_hidden_layers)
+            draft_cfg = parse_draft_config(draft_raw, cfg.num_hidden_layers, target_vocab_size=cfg.vocab_size)
             name += f" + {_config_name(args.draft_config)} {' '.join(args.draft_set)}".rstrip()
         print(f"random {args.weights} weights for {name} ...", file=sys.stderr, flush=True)
         params = random_params(cfg, DTYPES[dtype_name], args.weights, draft_cfg=draft_cfg)

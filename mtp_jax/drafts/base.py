@@ -97,6 +97,9 @@ class Draft:
     instead of K + 1 (``lax.cond`` in :func:`mtp_jax.step.step`)."""
     title: str = ""
     """How messages name it (e.g. "EAGLE-3"; default: its name)."""
+    check_plan: Callable[[Any, Any, int], None] | None = None
+    """``check_plan(draft_cfg, target_cfg, k)``: ValueError when a separately loaded draft of this
+    config cannot draft K tokens for that target (``mtp-jax plan``, random-weight timings)."""
     recognises: Callable[[dict, Any], bool] | None = None
     """``recognises(raw_config, reader) -> bool``: whether a draft directory (its parsed config.json
     and its tensors' reader) holds this kind of draft; asked in registration order by

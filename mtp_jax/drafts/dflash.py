@@ -276,6 +276,18 @@ def _abstract_params(c: DFlashConfig, shapes) -> dict:
     }
 
 
+def _check_plan(c: DFlashConfig, target_cfg, k: int) -> None:
+    if c.hidden_size != target_cfg.hidden_size or c.mask_token_id >= target_cfg.vocab_size:
+        raise ValueError(
+            f"the DFlash draft has hidden_size {c.hidden_size} and mask id {c.mask_token_id}; the target "
+            f"has hidden_size {target_cfg.hidden_size} and {target_cfg.vocab_size} tokens"
+        )
+    if k > c.block_size - 1:
+        raise ValueError(f"k {k}: a DFlash block of {c.block_size} proposes at most {c.block_size - 1}")
+    if not c.capture:
+        raise ValueError("the draft config has no captured layers resolved (dflash_capture)")
+
+
 def _recognises(raw: dict, reader) -> bool:
     from mtp_jax.checkpoint.dflash import is_dflash
 
@@ -302,6 +314,7 @@ DRAFT = Draft(
     title="DFlash",
     params_group="dflash",
     config_class=DFlashConfig,
+    check_plan=_check_plan,
     recognises=_recognises,
     load=_load,
 )

@@ -37,6 +37,9 @@ from mtp_jax.targets.deepseek_v3 import TARGET as DEEPSEEK_V3
 from mtp_jax.targets.llama3 import TARGET as LLAMA
 
 GROUP = "draft_model"
+VOCAB_PADDING = 256
+"""How many ids a draft model's vocabulary may differ from the target's by (padding: Qwen2.5's
+sizes differ by 128); more means another tokenizer (Llama 3 against DeepSeek-V3: 1024)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,7 @@ def load_draft_model(
                 f"{path}: the draft model's tokenizer vocabulary differs from the target's "
                 f"({target_path}); a draft model must share the target's vocabulary"
             )
-    if abs(cfg.vocab_size - target_cfg.vocab_size) > max(256, target_cfg.vocab_size // 64):
+    if abs(cfg.vocab_size - target_cfg.vocab_size) > VOCAB_PADDING:
         raise ConfigError(
             f"{path}: the draft model's vocab_size is {cfg.vocab_size}, the target's "
             f"{target_cfg.vocab_size}; a draft model must share the target's vocabulary (up to padding)"
@@ -110,6 +113,14 @@ def recognises(raw: dict, reader: Any) -> bool:
     from mtp_jax.targets import TARGETS
 
     return raw.get("model_type") in {*MODEL_TYPES, *(t for target in TARGETS for t in target.model_types)}
+
+
+def _check_plan(c: DraftModelConfig, target_cfg: Any, k: int) -> None:
+    if abs(c.model.vocab_size - target_cfg.vocab_size) > VOCAB_PADDING:
+        raise ValueError(
+            f"the draft model's vocab_size is {c.model.vocab_size}, the target's {target_cfg.vocab_size}: "
+            "a draft model must share the target's vocabulary"
+        )
 
 
 def _available(params: dict, cfg: Any) -> str | None:
@@ -217,6 +228,7 @@ DRAFT = Draft(
     title="draft model",
     params_group=GROUP,
     config_class=DraftModelConfig,
+    check_plan=_check_plan,
     recognises=recognises,
     load=load_draft_model,
 )

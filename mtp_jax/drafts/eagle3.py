@@ -310,6 +310,16 @@ def _abstract_params(c: Eagle3Config, shapes) -> dict:
     return tree
 
 
+def _check_plan(c: Eagle3Config, target_cfg, k: int) -> None:
+    if c.target_hidden_size != target_cfg.hidden_size or c.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"the EAGLE-3 draft reads hidden states of width {c.target_hidden_size} over a vocabulary of "
+            f"{c.vocab_size}; the target has {target_cfg.hidden_size} and {target_cfg.vocab_size}"
+        )
+    if not c.capture:
+        raise ValueError("the draft config has no captured layers resolved (eagle3_capture)")
+
+
 def _recognises(raw: dict, reader) -> bool:
     from mtp_jax.checkpoint.dflash import is_dflash
     from mtp_jax.checkpoint.eagle3 import is_eagle3
@@ -340,6 +350,7 @@ DRAFT = Draft(
     title="EAGLE-3",
     params_group="eagle3",
     config_class=Eagle3Config,
+    check_plan=_check_plan,
     recognises=_recognises,
     load=_load,
 )

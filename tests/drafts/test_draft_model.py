@@ -217,3 +217,23 @@ def test_the_cli_recognises_a_draft_model(capsys):
     assert out == plain and "acceptance length" in err
     assert main([*base, "--draft-model", LLAMA, "--draft", "draft_model", "-k", "2"]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_a_published_model_plans_as_another_ones_draft_model():
+    """``mtp-jax plan --draft-config`` with a plain causal LM's config: Llama 3.1 8B drafting for
+    70B (same vocabulary) passes the plan's checks; for DeepSeek-V3 (another vocabulary) it does not."""
+    from mtp_jax.config import load_config, parse_draft_config, read_json
+    from mtp_jax.drafts.draft_model import DraftModelConfig
+    from mtp_jax.plan import check_plan
+
+    raw = read_json(os.path.join(REPO, "configs", "llama-3.1-8b.json"), what="config")
+    for target, ok in (("llama-3.1-70b.json", True), ("deepseek-v3.json", False)):
+        cfg = load_config(os.path.join(REPO, "configs", target))
+        draft = parse_draft_config(raw, cfg.num_hidden_layers, target_vocab_size=cfg.vocab_size)
+        assert isinstance(draft, DraftModelConfig) and draft.model.num_hidden_layers == 32
+        args = (cfg, {"tensor": 8} if ok else {"expert": 8}, 8, 4096, 16, 4, "bf16", 0)
+        if ok:
+            check_plan(*args, draft_cfg=draft)
+        else:
+            with pytest.raises(ValueError, match="draft model's vocab_size is 128256, the target's 129280"):
+                check_plan(*args, draft_cfg=draft)
