@@ -10,10 +10,12 @@ from source, a benchmark-only peer) runs the GGUF as shipped (Q4_1) and an F32 G
 weights written here with the ``gguf`` package (``--f32-gguf``).
 
 Prompts: the held-out chat and code prompts of ``scripts/distill_data.py`` (never trained on),
-rendered with the model's chat template; every engine gets the same token ids and generates
-``--new-tokens`` tokens past any end of turn. Rates are end to end (prefill included) over the
-timed repeats after one untimed warm-up, median of ``--repeats``; batch B runs B prompts at once
-where the engine can (llama-cpp-python has no batched API: batch 1 only). Configurations:
+and with ``--kinds edit`` requests whose reply repeats the input (a held-out function returned
+whole with a docstring added), rendered with the model's chat template; every engine gets the same
+token ids and generates ``--new-tokens`` tokens past any end of turn. Rates are end to end
+(prefill included) over the timed repeats after one untimed warm-up, median of ``--repeats``;
+batch B runs B prompts at once where the engine can (llama-cpp-python has no batched API: batch
+1 only). Configurations:
 
 * mtp-jax: plain; n-gram prompt lookup at each ``--ngram-k`` (no weights: the counterpart of the
   peers' prompt lookup); EAGLE-3 at each ``--k``; DFlash at each ``--block-size`` (a whole block of
@@ -39,13 +41,22 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 
-def prompt_ids(codec, per_kind: int) -> dict[str, list[list[int]]]:
-    """Held-out prompts by kind ("chat", "code"), as chat-rendered token ids."""
+KINDS = ("chat", "code", "edit")
+
+
+def prompt_ids(codec, per_kind: int, kinds: tuple[str, ...] = ("chat", "code")) -> dict[str, list[list[int]]]:
+    """Held-out prompts by kind ("chat", "code": :func:`distill_data.heldout_prompts`; "edit": a
+    function to return whole with a docstring added, output that repeats the input,
+    :func:`distill_data.edit_prompts`), as chat-rendered token ids."""
     import distill_data
 
-    out: dict[str, list[list[int]]] = {"chat": [], "code": []}
-    for p in distill_data.heldout_prompts(per_kind):
-        out[p["kind"]].append(codec.encode_chat([{"role": "user", "content": p["text"]}]))
+    out: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+    found = distill_data.heldout_prompts(per_kind) if {"chat", "code"} & set(kinds) else []
+    if "edit" in kinds:
+        found += distill_data.edit_prompts(per_kind)
+    for p in found:
+        if p["kind"] in out:
+            out[p["kind"]].append(codec.encode_chat([{"role": "user", "content": p["text"]}]))
     return out
 
 
@@ -266,7 +277,15 @@ def main() -> int:
     parser.add_argument("--auto-k", help="an auto-K table (mtp-jax bench --auto-k-table) for batch > 1")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
-    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per kind (chat, code)")
+    parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per kind")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=["chat", "code"],
+        help="prompt kinds, run together (edit: return a function whole with a docstring added, "
+        "output that repeats the input, where prompt lookup pays)",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp"])
@@ -281,8 +300,8 @@ def main() -> int:
 
     args.gguf = resolve_model_path(args.model)
     codec = TextCodec.for_path(args.gguf)
-    by_kind = prompt_ids(codec, args.prompts)
-    prompts = by_kind["chat"] + by_kind["code"]
+    by_kind = prompt_ids(codec, args.prompts, tuple(args.kinds))
+    prompts = [p for kind in args.kinds for p in by_kind[kind]]
     if args.peer:  # a child: one peer, rows to --json
         rows = {"transformers": peer_transformers, "llama.cpp": peer_llama_cpp}[args.peer](args, prompts)
         write_json(args.json, {"rows": rows})

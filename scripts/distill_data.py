@@ -156,6 +156,41 @@ def heldout_prompts(count_per_kind: int, max_files: int | None = None) -> list[d
     return out
 
 
+def edit_prompts(count: int, max_files: int | None = None) -> list[dict]:
+    """``count`` held-out requests whose answer repeats the input (kind "edit"): a short public
+    function of a held-out module, its docstring removed, to be returned whole with one added: the
+    kind of task prompt lookup (n-gram drafts) is for. Never trained on; a fixed spread-out order."""
+    root, _, held_files = stdlib_modules(max_files)
+    found = []
+    for rel in held_files:
+        source = read_text(root, rel)
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            body = node.body
+            if ast.get_docstring(node) is None or len(body) < 2 or node.decorator_list:
+                continue
+            head = lines[node.lineno - 1 : body[0].lineno - 1]
+            rest = lines[body[1].lineno - 1 : node.end_lineno]
+            if not 5 <= len(head) + len(rest) <= 25:
+                continue
+            code = "\n".join(head + rest)
+            found.append(
+                {
+                    "kind": "edit",
+                    "text": "Add a docstring to this Python function. Reply with the complete function only."
+                    f"\n\n```python\n{code}\n```",
+                }
+            )
+    picks = np.linspace(0, len(found) - 1, min(count, len(found))).astype(int)
+    return [found[i] for i in sorted(set(picks.tolist()))]
+
+
 def generate_replies(
     model, codec, prompts: list[dict], path: str, max_new_tokens: int, batch: int = 32
 ) -> list[list[int]]:
