@@ -19,7 +19,8 @@ from mtp_jax.errors import CheckpointNotFoundError, ConfigError
 # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type.
 DEEPSEEK_V3_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 LLAMA_MODEL_TYPES = ("llama",)
-MODEL_TYPES = DEEPSEEK_V3_MODEL_TYPES + LLAMA_MODEL_TYPES
+QWEN_MODEL_TYPES = ("qwen2", "qwen3")
+MODEL_TYPES = DEEPSEEK_V3_MODEL_TYPES + LLAMA_MODEL_TYPES + QWEN_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,38 @@ class Llama3Config:
         return cls.from_dict(read_json(path, what="config"))
 
 
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config(Llama3Config):
+    """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): the Llama family with q/k/v biases
+    (:mod:`mtp_jax.targets.qwen2`)."""
+
+    model_type: str = "qwen2"
+    qkv_bias: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config(Llama3Config):
+    """Qwen3 (``Qwen3ForCausalLM``, dense): the Llama family with an RMSNorm over each query and
+    key head before rope (:mod:`mtp_jax.targets.qwen3`)."""
+
+    model_type: str = "qwen3"
+    qk_norm: bool = True
+
+
 ModelConfig = DeepseekV3Config | Llama3Config
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelConfig:
+    """A separate draft model's configuration (:mod:`mtp_jax.drafts.draft_model`): its own parsed
+    config (any target family's) and the target's vocabulary size its proposals are in."""
+
+    model: ModelConfig
+    target_vocab_size: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target_vocab_size
 
 
 def _refuse_wrapped(raw: Mapping[str, Any]) -> None:
@@ -175,22 +207,16 @@ def _refuse_wrapped(raw: Mapping[str, Any]) -> None:
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``: the
-    built-in DeepSeek-V3 and Llama 3, or a registered target's own parser
-    (:attr:`mtp_jax.targets.base.Target.model_types`)."""
+    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``."""
     _refuse_wrapped(raw)
     model_type = raw.get("model_type")
     if model_type in DEEPSEEK_V3_MODEL_TYPES:
         return _parse_deepseek_v3(raw)
     if model_type in LLAMA_MODEL_TYPES:
         return _parse_llama3(raw)
-    from mtp_jax.targets import TARGETS  # the targets import this module
-
-    for target in TARGETS:
-        if model_type in target.model_types and target.parse_config is not None:
-            return target.parse_config(raw)
-    known = [*MODEL_TYPES, *(t for target in TARGETS for t in target.model_types if t not in MODEL_TYPES)]
-    raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(known)}")
+    if model_type in QWEN_MODEL_TYPES:
+        return _parse_qwen(raw)
+    raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -495,6 +521,28 @@ def _parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
             "context)"
         )
     return parse_llama_family(raw, Llama3Config, "Llama 3")
+
+
+def _parse_qwen(raw: Mapping[str, Any]) -> Qwen2Config | Qwen3Config:
+    """Qwen2 (q/k/v biases) or Qwen3 (q/k norms, no biases); a sliding-window layer is refused."""
+    model_type = raw.get("model_type")
+    family = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    if model_type == "qwen3":
+        for flag in ("attention_bias", "mlp_bias"):
+            if _get(raw, flag, bool, False):
+                raise ConfigError(
+                    f"{flag}=true is not supported (Qwen3's published projections have no bias)"
+                )
+    layers = sliding_layers(raw)
+    if layers:
+        raise ConfigError(
+            f"sliding-window attention is not supported ({family} config: layers {layers[0]}..{layers[-1]} "
+            f"attend through a window of {raw.get('sliding_window')}); every layer must attend over the "
+            "whole context (use_sliding_window false)"
+        )
+    if model_type == "qwen2":
+        return parse_llama_family(raw, Qwen2Config, family, qkv_bias=True)
+    return parse_llama_family(raw, Qwen3Config, family, qk_norm=True)
 
 
 def sliding_layers(raw: Mapping[str, Any]) -> list[int]:
@@ -911,8 +959,6 @@ def parse_draft_config(
     archs = " ".join(map(str, raw.get("architectures") or [])).lower()
     plain_lm = archs.endswith("forcausallm") and "eagle" not in archs and "eagle_config" not in raw
     if plain_lm and "dflash_config" not in raw and "draft_vocab_size" not in raw:
-        from mtp_jax.drafts.draft_model import DraftModelConfig  # the drafts import this module
-
         model = parse_config(raw)
         return DraftModelConfig(model, target_vocab_size or model.vocab_size)
     if "dflash" in archs or "dflash_config" in raw:

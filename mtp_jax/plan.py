@@ -100,6 +100,11 @@ class _AbstractParams:
         """The mesh the parameters are planned on (a draft that is a whole model places its own)."""
         self.block = fp8_block(cfg)  # hub orientation (out rows, in cols)
 
+    def whole_model(self, cfg: ModelConfig) -> dict:
+        """Another model's whole parameter tree (dense, this dtype, its MTP layer left out) placed
+        on this mesh as its own family places it: a draft that is a whole model."""
+        return abstract_params(cfg, self.mesh, self.dtype, weights="bf16", mtp=False)
+
     def plain(self, *shape: int, dtype: Any = None) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype or self.dtype))
 

@@ -841,6 +841,7 @@ def main() -> int:
             "tokenizer_from": os.path.basename(os.path.normpath(args.tokenizer_from))
             if args.tokenizer_from
             else None,
+            "preset": args.preset,
         },
         "parameters": int(n_params),
         "heldout": held,
@@ -1008,9 +1009,15 @@ def llama_card(config: dict, r: dict) -> str:
         f"{rs['original_max_position_embeddings']} positions, low/high frequency factors "
         f"{rs['low_freq_factor']:g}/{rs['high_freq_factor']:g})"
     )
+    draft = t.get("preset") == "draft"
     command = (
-        "python scripts/train_tiny.py --arch llama --out checkpoints/tiny-llama3-stdlib "
-        f"--steps {t['steps']} --batch {t['batch']} --seq {t['seq']} --lr {t['lr']} "
+        "python scripts/train_tiny.py --arch llama "
+        + (
+            "--preset draft --out checkpoints/tiny-llama3-stdlib-draft "
+            if draft
+            else "--out checkpoints/tiny-llama3-stdlib "
+        )
+        + f"--steps {t['steps']} --batch {t['batch']} --seq {t['seq']} --lr {t['lr']} "
         f"--warmup {t['warmup']} --seed {t['seed']}"
         + (f" --tokenizer-from checkpoints/{t['tokenizer_from']}" if t.get("tokenizer_from") else "")
     )
@@ -1019,14 +1026,33 @@ def llama_card(config: dict, r: dict) -> str:
         if t.get("tokenizer_from")
         else "a byte-level BPE trained on the training split (`tokenizer.json`)"
     )
-    return f"""# Tiny Llama 3 trained on the Python standard library
+    if draft:
+        title, what = (
+            "Tiny Llama 3 draft model",
+            (
+                "A separate draft model for mtp-jax's embedded targets, written by\n"
+                "`scripts/train_tiny.py --arch llama --preset draft`"
+            ),
+        )
+        role = """It drafts
+for both embedded targets, which share its tokenizer (`draft="draft_model"`):
+`mtp_jax.load("checkpoints/tiny-llama3-stdlib", draft_model="checkpoints/tiny-llama3-stdlib-draft")`,
+or `--draft-model` on the command line. Its acceptance and speed against the EAGLE-3 drafts and
+the MTP layer are in the repository's BENCHMARKS.md ("a separate draft model")."""
+    else:
+        title, what = (
+            "Tiny Llama 3",
+            "The embedded Llama 3 target of mtp-jax, written by `scripts/train_tiny.py --arch llama`",
+        )
+        role = """It is
+the target the EAGLE-3 and DFlash drafts are trained against. It writes Python-looking code; it
+knows nothing else. It has no draft of its own: `mtp-jax generate` decodes it plainly."""
+    return f"""# {title} trained on the Python standard library
 
-The embedded Llama 3 target of mtp-jax, written by `scripts/train_tiny.py --arch llama`. A real
+{what}. A real
 `LlamaForCausalLM` — grouped-query attention, rotate-half rope with Llama 3.1's `llama3`
 frequency scaling, RMSNorm, SwiGLU, an untied output head — at {r["parameters"] / 1e6:.2f}M
-parameters, trained on the same text, split and tokenizer as the embedded tiny DeepSeek-V3. It is
-the target the EAGLE-3 and DFlash drafts are trained against. It writes Python-looking code; it
-knows nothing else. It has no draft of its own: `mtp-jax generate` decodes it plainly.
+parameters, trained on the same text, split and tokenizer as the embedded tiny DeepSeek-V3. {role}
 
 | | |
 |---|---|

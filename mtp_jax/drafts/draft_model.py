@@ -20,7 +20,6 @@ The parameters travel beside the target's, as ``params["draft_model"]`` (the dra
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.cache import slots_for
+from mtp_jax.config import MODEL_TYPES, DraftModelConfig, parse_config
 from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets import target_for
@@ -40,23 +40,6 @@ GROUP = "draft_model"
 VOCAB_PADDING = 256
 """How many ids a draft model's vocabulary may differ from the target's by (padding: Qwen2.5's
 sizes differ by 128); more means another tokenizer (Llama 3 against DeepSeek-V3: 1024)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftModelConfig:
-    """A draft model's configuration: its own parsed config (any target family's) and the target's
-    vocabulary size its proposals are in."""
-
-    model: Any
-    target_vocab_size: int
-
-    @property
-    def vocab_size(self) -> int:
-        return self.target_vocab_size
-
-    @property
-    def title(self) -> str:
-        return f"{target_for(self.model).title} draft model, {self.model.num_hidden_layers} layers"
 
 
 def _vocab(path: str) -> dict | None:
@@ -84,7 +67,6 @@ def load_draft_model(
     whose tokenizer.json differs from the target's (when both have one) is refused: its token ids
     would mean other text."""
     from mtp_jax.checkpoint.formats import checkpoint_format
-    from mtp_jax.config import parse_config
     from mtp_jax.errors import ConfigError
 
     path = reader.directory
@@ -109,10 +91,7 @@ def load_draft_model(
 
 def recognises(raw: dict, reader: Any) -> bool:
     """Whether a draft directory holds a language model mtp-jax loads as a target."""
-    from mtp_jax.config import MODEL_TYPES
-    from mtp_jax.targets import TARGETS
-
-    return raw.get("model_type") in {*MODEL_TYPES, *(t for target in TARGETS for t in target.model_types)}
+    return raw.get("model_type") in MODEL_TYPES
 
 
 def _check_plan(c: DraftModelConfig, target_cfg: Any, k: int) -> None:
@@ -210,9 +189,7 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 def _abstract_params(c: DraftModelConfig, shapes) -> dict:
     """The draft model's whole tree as the loader builds it (dense, in the target's dtype), placed
     on the plan's mesh as the draft's own family places it."""
-    from mtp_jax.plan import abstract_params
-
-    return abstract_params(c.model, shapes.mesh, shapes.dtype, weights="bf16", mtp=False)
+    return shapes.whole_model(c.model)
 
 
 DRAFT = Draft(

@@ -141,8 +141,6 @@ class Target:
     cache_bytes_per_token(cfg, itemsize) -> bytes one token occupies in the cache, all layers.
     check_mesh(cfg, mesh) -> None, or ValueError when the mesh cannot split this model.
     layer_stacks(cfg) -> names of the parameter groups holding its layer stacks.
-    model_types / parse_config(raw) -> config: the config.json ``model_type`` values this target
-    reads and its parser (the built-in DeepSeek-V3 and Llama 3 are parsed by :mod:`mtp_jax.config`).
     layer_leaves(cfg) -> the declared tensors of one decoder layer (Llama family:
     :class:`mtp_jax.targets.llama3.LayerLeaf`), from which the tools derive its tree; None: the
     tools' own description (DeepSeek-V3).
@@ -157,8 +155,6 @@ class Target:
     check_mesh: Callable[[Any, Any], None]
     layer_stacks: Callable[[Any], tuple[str, ...]] = lambda cfg: ()
     """The parameter groups that are stacked layer trees run by :func:`scan_layers`."""
-    model_types: tuple[str, ...] = ()
-    parse_config: Callable[[Any], Any] | None = None
     layer_leaves: Callable[[Any], tuple] | None = None
     title: str = ""
     """The model family's name for people ("Llama 3", "Qwen2")."""

@@ -295,13 +295,7 @@ def _check_mesh(cfg: Llama3Config, mesh: Mesh) -> None:
     check_tensor_split(cfg.num_attention_heads, cfg.num_key_value_heads, mesh.shape["tensor"])
 
 
-def family_target(
-    name: str,
-    config_class: type,
-    model_types: tuple[str, ...] = (),
-    parse_config: Callable[[Any], Any] | None = None,
-    title: str = "",
-) -> Target:
+def family_target(name: str, config_class: type, title: str = "") -> Target:
     """The :class:`Target` of a Llama-family model (Llama 3, Qwen2, Qwen3: this module's forward,
     the family's extras read from the config and the layer tree)."""
     return Target(
@@ -313,8 +307,6 @@ def family_target(
         cache_bytes_per_token=_cache_bytes_per_token,
         check_mesh=_check_mesh,
         layer_stacks=lambda cfg: ("layers",),
-        model_types=model_types,
-        parse_config=parse_config,
         layer_leaves=target_layer_leaves,
         title=title or name,
     )

@@ -222,8 +222,7 @@ def test_the_cli_recognises_a_draft_model(capsys):
 def test_a_published_model_plans_as_another_ones_draft_model():
     """``mtp-jax plan --draft-config`` with a plain causal LM's config: Llama 3.1 8B drafting for
     70B (same vocabulary) passes the plan's checks; for DeepSeek-V3 (another vocabulary) it does not."""
-    from mtp_jax.config import load_config, parse_draft_config, read_json
-    from mtp_jax.drafts.draft_model import DraftModelConfig
+    from mtp_jax.config import DraftModelConfig, load_config, parse_draft_config, read_json
     from mtp_jax.plan import check_plan
 
     raw = read_json(os.path.join(REPO, "configs", "llama-3.1-8b.json"), what="config")
@@ -237,3 +236,23 @@ def test_a_published_model_plans_as_another_ones_draft_model():
         else:
             with pytest.raises(ValueError, match="draft model's vocab_size is 128256, the target's 129280"):
                 check_plan(*args, draft_cfg=draft)
+
+
+@pytest.mark.parametrize("target", [LLAMA, EMBEDDED_MODEL], ids=["llama", "deepseek"])
+def test_the_shipped_draft_model_is_lossless_and_accepted_on_both_targets(target):
+    """checkpoints/tiny-llama3-stdlib-draft (scripts/train_tiny.py --arch llama --preset draft) on
+    the targets' held-out prompts (those their EAGLE-3 cards measured): plain decoding's tokens,
+    and accepted as BENCHMARKS.md reports it (about 2.2 at K = 3)."""
+    from tokenizers import Tokenizer
+
+    draft = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib-draft")
+    with open(f"{target}-eagle3/eval.json", encoding="utf-8") as f:
+        texts = json.load(f)["prompts"][:8]
+    tok = Tokenizer.from_file(os.path.join(target, "tokenizer.json"))
+    prompts = [tok.encode(t).ids for t in texts]
+    model = mtp_jax.load(target, "float32", strict=True, draft_model=draft)
+    plain = model.generate(prompts, max_new_tokens=48, max_batch=8).tokens
+    (k1, k3) = check_lossless(model, "draft_model", prompts, (1, 3), plain, max_new_tokens=48, max_batch=8)
+    assert k3.stats["acceptance_length"] > 2.0, k3.stats
+    rates = k3.stats["acceptance_rate_per_position"]
+    assert 1.0 > rates[0] > rates[1] > rates[2] > 0.0, rates

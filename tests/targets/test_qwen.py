@@ -32,9 +32,8 @@ def fixtures():
 
 
 def test_each_family_is_its_own_target_with_its_own_extras(fixtures):
+    from mtp_jax.config import Qwen2Config, Qwen3Config
     from mtp_jax.targets import target_for
-    from mtp_jax.targets.qwen2 import Qwen2Config
-    from mtp_jax.targets.qwen3 import Qwen3Config
 
     qwen2, _ = fixtures["qwen2_bias_tied"]
     qwen3, _ = fixtures["qwen3_qk_norm"]
