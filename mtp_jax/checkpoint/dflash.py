@@ -17,11 +17,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.llama3 import decoder_layer_tensors
+from mtp_jax.checkpoint.llama3 import layer_from_leaves
 from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DFlashConfig, dflash_capture, parse_dflash_config
 from mtp_jax.errors import ConfigError
+from mtp_jax.targets.llama3 import layer_leaves
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,9 @@ def load_dflash(
     t = HubTensors(reader, cfg, dtype)
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     width = len(capture) * h
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        pre = f"layers.{i}."
-        layer = decoder_layer_tensors(t, pre, h, nh, nkv, hd, cfg.intermediate_size)
-        layer["attn"]["q_norm"] = t.get(f"{pre}self_attn.q_norm.weight", (hd,))
-        layer["attn"]["k_norm"] = t.get(f"{pre}self_attn.k_norm.weight", (hd,))
-        layers.append(layer)
+    # Qwen3-style layers: the Llama family's with per-head q/k norms
+    leaves = layer_leaves(h, nh, nkv, hd, cfg.intermediate_size, qk_norm=True)
+    layers = [layer_from_leaves(t, f"layers.{i}.", leaves) for i in range(cfg.num_hidden_layers)]
     tree = {
         "fc": t.linear("fc.weight", h, width),
         "hidden_norm": t.get("hidden_norm.weight", (h,)),
