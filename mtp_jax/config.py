@@ -193,10 +193,6 @@ class DraftModelConfig:
     model: ModelConfig
     target_vocab_size: int
 
-    @property
-    def vocab_size(self) -> int:
-        return self.target_vocab_size
-
 
 def _refuse_wrapped(raw: Mapping[str, Any]) -> None:
     if "text_config" in raw:

@@ -430,8 +430,9 @@ def check_plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= k <= 16:
         raise ValueError(f"k must be in [0, 16], got {k}")
-    if draft_cfg is not None and draft_for_config(draft_cfg).check_plan is not None:
-        draft_for_config(draft_cfg).check_plan(draft_cfg, cfg, k)  # the draft's own checks
+    check_draft = None if draft_cfg is None else draft_for_config(draft_cfg).check_plan
+    if check_draft is not None:
+        check_draft(draft_cfg, cfg, k)  # the draft's own checks
     if draft_cfg is None and k and not getattr(cfg, "num_nextn_predict_layers", 0):
         raise ValueError(
             "k > 0 drafts with the MTP layer, but the model has none (num_nextn_predict_layers 0, or a "

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from mtp_jax.cache import slots_for
 from mtp_jax.config import MODEL_TYPES, DraftModelConfig, parse_config
 from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
+from mtp_jax.errors import ConfigError
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets import target_for
 from mtp_jax.targets.base import PagedAttention, lm_head
@@ -67,7 +68,6 @@ def load_draft_model(
     whose tokenizer.json differs from the target's (when both have one) is refused: its token ids
     would mean other text."""
     from mtp_jax.checkpoint.formats import checkpoint_format
-    from mtp_jax.errors import ConfigError
 
     path = reader.directory
     cfg = parse_config(raw)
@@ -78,15 +78,12 @@ def load_draft_model(
                 f"{path}: the draft model's tokenizer vocabulary differs from the target's "
                 f"({target_path}); a draft model must share the target's vocabulary"
             )
-    if abs(cfg.vocab_size - target_cfg.vocab_size) > VOCAB_PADDING:
-        raise ConfigError(
-            f"{path}: the draft model's vocab_size is {cfg.vocab_size}, the target's "
-            f"{target_cfg.vocab_size}; a draft model must share the target's vocabulary (up to padding)"
-        )
+    draft_cfg = DraftModelConfig(cfg, target_cfg.vocab_size)
+    _check_plan(draft_cfg, target_cfg, 0)
     tree = checkpoint_format(cfg).load_params(
         reader, cfg, dtype, weights="dense", mtp=False, strict=strict, mesh=mesh
     )
-    return DraftModelConfig(cfg, target_cfg.vocab_size), tree
+    return draft_cfg, tree
 
 
 def recognises(raw: dict, reader: Any) -> bool:
@@ -95,10 +92,11 @@ def recognises(raw: dict, reader: Any) -> bool:
 
 
 def _check_plan(c: DraftModelConfig, target_cfg: Any, k: int) -> None:
+    """The vocabularies must agree up to padding (when loading and when planning)."""
     if abs(c.model.vocab_size - target_cfg.vocab_size) > VOCAB_PADDING:
-        raise ValueError(
+        raise ConfigError(
             f"the draft model's vocab_size is {c.model.vocab_size}, the target's {target_cfg.vocab_size}: "
-            "a draft model must share the target's vocabulary"
+            "a draft model must share the target's vocabulary (up to padding)"
         )
 
 
