@@ -26,6 +26,8 @@ _EXPORTS = {
     "GenerateResult": "mtp_jax.engine",
     "Model": "mtp_jax.model",
     "ScoreResult": "mtp_jax.model",
+    "SamplingParams": "mtp_jax.request",
+    "SpeculativeConfig": "mtp_jax.request",
     "load": "mtp_jax.model",
     "make_mesh": "mtp_jax.sharding",
 }
@@ -44,7 +46,9 @@ __all__ = [
     "Model",
     "MtpJaxError",
     "RequestHandle",
+    "SamplingParams",
     "ScoreResult",
+    "SpeculativeConfig",
     "load",
     "make_mesh",
 ]

@@ -21,7 +21,7 @@ import numpy as np
 
 from mtp_jax.cache import ShardedPageAllocator, page_table_array
 from mtp_jax.grammar import Constraints
-from mtp_jax.sampling import SamplingParams
+from mtp_jax.sampling import RowSampling
 from mtp_jax.sharding import row_shards, state_shardings
 from mtp_jax.step import StepConfig, deactivate, host_orchestrated_step, init_state, prefill, step
 
@@ -82,14 +82,14 @@ def next_power_of_two(n: int, minimum: int = 1) -> int:
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request in a :class:`Scheduler`: its prompt, how many new tokens at most, its sampling
-    row (:class:`SamplingParams` of one row), and where its tokens go: ``on_token(token)`` for each
+    row (:class:`RowSampling` of one row), and where its tokens go: ``on_token(token)`` for each
     (returning True stops the request: finish reason "stop"), ``on_finish(request)`` at the end.
     The scheduler fills in ``tokens``, ``finish`` ("eos", "stop", "grammar", "length" or
     "cancelled") and ``counters``."""
 
     prompt: list[int]
     max_new_tokens: int
-    sampling: SamplingParams
+    sampling: RowSampling
     on_token: Callable[[int], bool | None] | None = None
     on_finish: Callable[[Request], None] | None = None
     id: int = -1
@@ -301,7 +301,7 @@ class Scheduler:
             raise ValueError("warm up before requests run (some are running now)")
         if kind == "prefill":
             r = a * self.shards
-            sampling = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), SamplingParams.build(r))
+            sampling = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), RowSampling.build(r))
             first, self.state = prefill(
                 self.params,
                 self.state,
@@ -482,9 +482,10 @@ def generate(
     sc: StepConfig,
     *,
     prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    sampling: SamplingParams,
+    max_new_tokens: int | Sequence[int],
+    sampling: RowSampling,
     eos_token_ids: Sequence[int],
+    ignore_eos: bool | Sequence[bool] = False,
     cache_dtype: jnp.dtype,
     max_batch: int = 32,
     on_token: TokenCallback | None = None,
@@ -499,17 +500,20 @@ def generate(
     drafts per step, 0 = plain): ``max_batch`` slots at most (a power of two, a multiple of the
     mesh's row devices), pages for the longest request. ``auto_k(batch)`` caps K for the batch size
     (the slots a step computes, whatever their state), e.g. from a table measured by ``mtp-jax
-    bench``. ``stop_checks[i](token)`` True stops request i (finish reason "stop"). The other
-    arguments are the scheduler's."""
+    bench``. ``max_new_tokens`` and ``ignore_eos`` are one value or one per prompt;
+    ``stop_checks[i](token)`` True stops request i (finish reason "stop"). The other arguments are
+    the scheduler's."""
     t_start = time.perf_counter()
     n = len(prompts)
+    lengths = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    past_eos = [ignore_eos] * n if isinstance(ignore_eos, bool) else list(ignore_eos)
     batch = math.lcm(next_power_of_two(min(n, max_batch)), row_shards(sc.mesh))  # whole rows per shard
     host_sampling = jax.tree.map(np.asarray, sampling)
     if auto_k is not None and sc.k > 0:
         sc = dataclasses.replace(sc, k=min(sc.k, auto_k(batch)))
     if sc.k == 0 or not np.minimum(host_sampling.max_drafts, sc.k).any():
         sc = dataclasses.replace(sc, k=0, draft=None)  # plain decoding: no draft state at all
-    width = next_power_of_two(max(pages_needed(len(p), max_new_tokens, sc) for p in prompts))
+    width = next_power_of_two(max(pages_needed(len(p), m, sc) for p, m in zip(prompts, lengths, strict=True)))
     sched = Scheduler(
         params,
         sc,
@@ -526,7 +530,8 @@ def generate(
     for i, prompt in enumerate(prompts):
         row = jax.tree.map(lambda x, i=i: x[i : i + 1], host_sampling)
         hook = _token_hook(i, on_token, None if stop_checks is None else stop_checks[i])
-        requests.append(sched.submit(Request(list(prompt), max_new_tokens, row, on_token=hook, id=i)))
+        request = Request(list(prompt), lengths[i], row, on_token=hook, id=i, ignore_eos=past_eos[i])
+        requests.append(sched.submit(request))
     while sched.advance():
         pass
     t_end = time.perf_counter()

@@ -26,12 +26,20 @@ from mtp_jax.embedded import resolve_model_path
 from mtp_jax.engine import GenerateResult, TokenCallback, generate
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidRequestError
 from mtp_jax.grammar import DELIVERIES, Constraints
-from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
+from mtp_jax.request import (
+    CheckedRequest,
+    SamplingParams,
+    SpeculativeConfig,
+    check_request,
+    row_sampling,
+    split_settings,
+    step_config,
+)
 from mtp_jax.sharding import replicated
-from mtp_jax.step import DRAFT_SAMPLING, StepConfig
+from mtp_jax.step import StepConfig
 from mtp_jax.targets import Hidden, target_for
 from mtp_jax.targets.base import check_capture, unstack_layers
-from mtp_jax.text import TextCodec, TextStream, check_stops
+from mtp_jax.text import TextCodec, TextStream
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -67,7 +75,7 @@ def _teacher_forced(
 def _draft_logits(params: dict, sc: StepConfig, tokens: jax.Array) -> jax.Array:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     hidden, _ = sc.target.forward(params, sc.cfg, tokens, positions, capture=sc.capture, mesh=sc.mesh)
-    return replicated(sc.drafter.teacher_forced(params, sc, tokens, hidden), sc.mesh)
+    return replicated(sc.drafter.teacher_forced(params, sc.draft_context, tokens, hidden), sc.mesh)
 
 
 LAYER_BUFFER_MIN_BYTES = 4 * 2**20
@@ -191,7 +199,7 @@ class Model:
         return TextCodec.from_gguf(self._gguf) if self._gguf is not None else TextCodec.for_path(self.path)
 
     # --- validation -------------------------------------------------------------------------
-    def _check_tokens(self, ids: Sequence[int], where: str) -> list[int]:
+    def check_tokens(self, ids: Sequence[int], where: str) -> list[int]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
             raise InvalidRequestError(f"{where} must be a list of token ids, got {type(ids).__name__}")
         out = []
@@ -249,7 +257,7 @@ class Model:
 
     def score(self, token_ids: Sequence[int]) -> ScoreResult:
         """Per-token log-probabilities of one sequence (at least two tokens)."""
-        ids = self._check_tokens(token_ids, "token_ids")
+        ids = self.check_tokens(token_ids, "token_ids")
         if len(ids) < 2:
             raise InvalidRequestError("scoring needs at least two tokens (the first one is only context)")
         logits = self.logits([ids])[0]
@@ -273,149 +281,99 @@ class Model:
             if not self.drafts:
                 raise InvalidRequestError(f"{self.path or 'this model'} has no draft")
             draft = self.default_draft
-        sc = self._step_config(draft, 1, "argmax")
+        sc = step_config(self, SpeculativeConfig(draft, 1))
         return np.asarray(_draft_logits(self.params, sc, tokens))
 
     # --- generation -------------------------------------------------------------------------
     def generate(
         self,
         prompts: Sequence[Sequence[int] | str],
-        max_new_tokens: int = 32,
-        temperature: float | Sequence[float] = 0.0,
-        top_k: int | Sequence[int] = 0,
-        top_p: float | Sequence[float] = 1.0,
-        min_p: float | Sequence[float] = 0.0,
-        seed: int | Sequence[int] = 0,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        speculative: SpeculativeConfig | None = None,
         *,
-        draft: str | None = None,
-        num_speculative_tokens: int | Sequence[int] | None = None,
-        draft_sampling: str = "argmax",
-        draft_block_size: int | None = None,
-        auto_k: str | os.PathLike[str] | dict | AutoK | None = None,
-        relaxed_topk: int | Sequence[int] = 0,
-        relaxed_delta: float | Sequence[float] = 0.0,
-        think_tokens: tuple[int, int] | None = None,
-        grammar: dict | Sequence[dict | None] | None = None,
-        grammar_masks: str = "host",
-        ignore_eos: bool = False,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] = (),
         max_batch: int = 32,
         on_token: TokenCallback | None = None,
+        grammar_masks: str = "host",
         fused: bool = True,
         pipelined: bool = True,
+        **settings: Any,
     ) -> GenerateResult:
-        """Generate up to ``max_new_tokens`` per prompt (stopping at EOS unless ``ignore_eos``).
+        """Generate for each prompt (a list of token ids, or a string encoded with the model's
+        tokenizer under its own BOS rules), stopping at EOS unless ``ignore_eos``.
 
-        A prompt is a list of token ids or a string (encoded with the model's tokenizer.json, BOS
-        first). ``stop`` strings end a request when its text contains one (finish reason "stop";
-        the text is cut before it), as do ``stop_token_ids``. With string prompts or stop strings
-        the result's ``texts`` hold each request's new text (streamed through a detokeniser that
-        never splits a character).
+        ``sampling``: one :class:`~mtp_jax.SamplingParams` for every prompt or one per prompt
+        (max_new_tokens, temperature, top_k, top_p, min_p, seed, stop strings, stop_token_ids,
+        ignore_eos, grammar, the request's num_speculative_tokens, relaxed acceptance);
+        ``speculative``: a :class:`~mtp_jax.SpeculativeConfig` (the draft, K, draft_sampling,
+        draft_block_size, auto_k, think_tokens). The keyword form names the fields of both
+        directly (``generate(prompts, max_new_tokens=64, temperature=[0.7, 0], draft="mtp")``):
+        numeric sampling settings and ``grammar`` may be one value per prompt, and
+        ``num_speculative_tokens`` given per prompt caps each request (0: that request does not
+        speculate; the call's K is the largest). Given a :class:`SamplingParams` or
+        :class:`SpeculativeConfig`, its fields are not also accepted as keywords.
 
-        Sampling parameters and seeds are scalars or one value per prompt; temperature 0 is greedy.
-        ``draft`` names a draft method the model has (:attr:`drafts`; ``"mtp"``: the checkpoint's MTP
-        layer) that proposes ``num_speculative_tokens`` (default 3) tokens per step;
-        ``draft_sampling`` "argmax" proposes the draft's argmax (each position's token is then drawn
-        exactly as plain decoding draws it), "sampled" draws drafts from the draft distribution and
-        accepts with min(1, p/q). Either way the output distribution is the target's. A DFlash draft
-        proposes from one block of ``draft_block_size`` tokens (default: the block it was trained on;
-        a smaller block is cheaper and proposes at most ``draft_block_size - 1`` drafts).
-        ``num_speculative_tokens`` may be one value per prompt (0: that request does not speculate,
-        its output is plain decoding's); a step verifies as many drafts as its running requests ask
-        for at most (exact either way; with sampled drafts and different K per request, a row's
-        tokens may differ in rare places between runs whose steps ran different K, since each K's
-        program rounds its logits differently). ``auto_k`` (a table written by ``mtp-jax bench
-        --auto-k-table``, or a {batch size: K} mapping) caps K by the batch size, down to plain decoding where
-        speculation does not pay. ``relaxed_topk`` > 0 (per prompt) relaxes acceptance inside a
-        thinking phase (between the ``think_tokens`` (start, end) ids, by default the tokenizer's
-        ``<think>`` and ``</think>``): a draft among the target's ``relaxed_topk`` most probable
-        tokens with probability >= the top one's minus ``relaxed_delta`` is accepted. This is lossy
-        by design (the thinking text is no longer exactly the target's distribution); outside the
-        phase, and for requests that do not ask, acceptance is exact. ``grammar`` constrains the
-        output (one for every prompt, or one per prompt, None for none): {"json_schema": schema},
-        {"regex": pattern}, {"lark": grammar}, or an OpenAI-style response_format; the target's
-        distributions are masked to the grammar at every verified position inside the step (exact
-        with respect to the masked distribution; drafts the grammar forbids are rejected), and a
-        request ends when its grammar admits nothing more (finish reason "grammar") or at EOS.
-        Needs llguidance (``pip install 'mtp-jax[grammar]'``) and the model's tokenizer.json.
-        ``grammar_masks`` chooses how the masks reach the step: "host" (the engine computes them
-        from the previous step's drafts before dispatching the next step) or "callback" (the
-        step asks for them through an ordered host callback; one process only). Up to
-        ``max_batch`` prompts decode at once; the others join as slots free (continuous batching). On
-        a mesh the slots are padded to a multiple of its row devices (data x expert: every device
-        attends for its own rows; padding slots stay idle). ``on_token(prompt_index, token)`` streams.
-        ``fused=False`` selects the host-orchestrated baseline step and ``pipelined=False`` reads
-        each step before dispatching the next (for benchmarks).
+        Speculation is exact: ``draft`` (a method of :attr:`drafts`, or a weightless one such as
+        "ngram") proposes K tokens (default: the draft's, 3 for most) per step; with
+        ``draft_sampling`` "argmax" each position's token is then drawn exactly as plain decoding
+        draws it, with "sampled" drafts are drawn from the draft's distribution and accepted with
+        min(1, p/q). Either way the output distribution is the target's (with sampled drafts and
+        different K per request, a row's tokens may differ in rare places between runs whose steps
+        ran different K, since each K's program rounds its logits differently). A DFlash draft
+        proposes from one block of ``draft_block_size`` tokens (default: the block it was trained
+        on; at most block - 1 drafts). ``auto_k`` caps K by the batch size, down to plain decoding
+        where speculation does not pay. ``relaxed_topk`` > 0 relaxes acceptance inside a thinking
+        phase (between the ``think_tokens`` ids, by default the tokenizer's ``<think>`` and
+        ``</think>``): a draft among the target's ``relaxed_topk`` most probable tokens with
+        probability >= the top one's minus ``relaxed_delta`` is accepted. This is lossy by design;
+        outside the phase, and for requests that do not ask, acceptance is exact.
+
+        ``stop`` strings end a request when its text contains one (finish reason "stop"; the text
+        is cut before it), as do ``stop_token_ids``; with string prompts or stop strings the
+        result's ``texts`` hold each request's new text (never split inside a character).
+        ``grammar`` ({"json_schema": schema}, {"regex": pattern}, {"lark": grammar} or an
+        OpenAI-style response_format) masks the target's distributions to the grammar at every
+        verified position inside the step (exact with respect to the masked distribution; drafts
+        the grammar forbids are rejected); a request ends when its grammar admits nothing more
+        (finish reason "grammar") or at EOS. Needs llguidance (``pip install 'mtp-jax[grammar]'``)
+        and the model's tokenizer. ``grammar_masks``: "host" (the engine computes the masks from
+        the previous step's drafts before dispatching the next step) or "callback" (the step asks
+        for them through an ordered host callback; one process only).
+
+        Up to ``max_batch`` prompts decode at once; the others join as slots free (continuous
+        batching). On a mesh the slots are padded to a multiple of its row devices.
+        ``on_token(prompt_index, token)`` streams. ``fused=False`` selects the host-orchestrated
+        baseline step and ``pipelined=False`` reads each step before dispatching the next (for
+        benchmarks).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of token-id lists or strings")
-        stops = check_stops(stop)
-        textual = stops or any(isinstance(p, str) for p in prompts)
-        codec = self.text if textual else None
-        checked = [
-            self._check_tokens(codec.encode(p) if isinstance(p, str) else p, f"prompt {i}")
-            for i, p in enumerate(prompts)
-        ]
-        stop_ids = (
-            frozenset(self._check_tokens(list(stop_token_ids), "stop_token_ids")) if stop_token_ids else None
-        )
-        streams = [TextStream(codec, stops) for _ in checked] if textual else None
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
-            raise InvalidRequestError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        requests, speculative = split_settings(len(prompts), sampling, speculative, settings)
+        sc = step_config(self, speculative, relaxed=any(r.relaxed_topk for r in requests))
         limit = self.config.max_position_embeddings
-        for i, p in enumerate(checked):
-            if len(p) + max_new_tokens > limit:
-                raise InvalidRequestError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it would reach "
-                    f"{len(p) + max_new_tokens}, beyond the model's maximum length {limit}"
-                )
-        per_request = isinstance(num_speculative_tokens, (list, tuple, np.ndarray))
-        sampling = SamplingParams.build(
-            len(checked),
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            seed,
-            max_drafts=num_speculative_tokens if per_request else MAX_DRAFTS,
-            relaxed_topk=relaxed_topk,
-            relaxed_delta=relaxed_delta,
-        )
-        k = int(np.max(sampling.max_drafts)) if per_request else num_speculative_tokens
-        if per_request and k == 0:
-            draft = None  # no request speculates
-        sc = self._step_config(draft, k, draft_sampling, draft_block_size)
-        if np.any(np.asarray(sampling.relaxed_topk) > 0):
-            if draft is None:
-                raise InvalidRequestError("relaxed_topk relaxes the acceptance of drafts: it needs a draft")
-            sc = dataclasses.replace(sc, think_tokens=self._think_tokens(think_tokens))
-        auto = None
-        if auto_k is not None:
-            if draft is None:
-                raise InvalidRequestError("auto_k chooses how many drafts to verify: it needs a draft")
-            auto = AutoK.coerce(auto_k, draft)
+        name = f"the model's maximum length {limit}"
+        checked = [
+            check_request(self, p, r, sc, context=limit, context_name=name, where=f"prompt {i}")
+            for i, (p, r) in enumerate(zip(prompts, requests, strict=True))
+        ]
+        auto = None if speculative.auto_k is None else AutoK.coerce(speculative.auto_k, speculative.draft)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
         if grammar_masks not in DELIVERIES:
             raise InvalidRequestError(f"grammar_masks must be one of {DELIVERIES}, got {grammar_masks!r}")
+        grammars = [c.params.grammar for c in checked]
         constraints = None
-        if grammar is not None:
-            specs = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(checked)
-            if len(specs) != len(checked):
-                raise InvalidRequestError(f"grammar has {len(specs)} values for {len(checked)} prompts")
-            if any(g is not None for g in specs):
-                vocab = self.config.vocab_size
-                constraints = Constraints(self.tokenizer_path, vocab, self.eos_token_ids, specs)
+        if any(g is not None for g in grammars):
+            vocab = self.config.vocab_size
+            constraints = Constraints(self.tokenizer_path, vocab, self.eos_token_ids, grammars)
+        streams = [TextStream(self.text, c.params.stop) if c.text else None for c in checked]
         result = generate(
             self.params,
             sc,
-            prompts=checked,
-            max_new_tokens=int(max_new_tokens),
-            sampling=sampling,
-            eos_token_ids=() if ignore_eos else self.eos_token_ids,
+            prompts=[c.prompt for c in checked],
+            max_new_tokens=[c.params.max_new_tokens for c in checked],
+            sampling=row_sampling(checked),
+            eos_token_ids=self.eos_token_ids,
+            ignore_eos=[c.params.ignore_eos for c in checked],
             cache_dtype=DTYPES[self.dtype],
             max_batch=max_batch,
             on_token=on_token,
@@ -424,29 +382,11 @@ class Model:
             constraints=constraints,
             pipelined=pipelined,
             grammar_masks=grammar_masks,
-            stop_checks=_stop_checks(len(checked), streams, stop_ids),
+            stop_checks=_stop_checks(checked, streams),
         )
-        if streams is not None:
-            result.texts = [s.text + s.finish() for s in streams]
+        if any(s is not None for s in streams):
+            result.texts = [None if s is None else s.text + s.finish() for s in streams]
         return result
-
-    def _think_tokens(self, given: tuple[int, int] | None) -> tuple[int, int]:
-        """(start, end) ids of a thinking phase: ``given``, else the tokenizer's <think>/</think>."""
-        if given is not None:
-            if not isinstance(given, (tuple, list)) or len(given) != 2:
-                raise InvalidRequestError(f"think_tokens must be (start id, end id), got {given!r}")
-            ids = [self._check_tokens([t], "think_tokens")[0] for t in given]
-            if ids[0] == ids[1]:
-                raise InvalidRequestError(f"think_tokens must be two different ids, got {given!r}")
-            return ids[0], ids[1]
-        if self.tokenizer_path is not None:
-            ids = [self.text.tokenizer.token_to_id(t) for t in ("<think>", "</think>")]
-            if None not in ids:
-                return ids[0], ids[1]
-        raise InvalidRequestError(
-            "relaxed acceptance needs the thinking phase's markers: the tokenizer has no <think> and "
-            "</think> tokens; pass think_tokens=(start id, end id)"
-        )
 
     @property
     def default_draft(self) -> str | None:
@@ -465,50 +405,6 @@ class Model:
         return tuple(
             name for name, d in DRAFTS.items() if d.weights and d.available(self.params, self.config) is None
         )
-
-    def _step_config(
-        self, draft: str | None, k: int | None, draft_sampling: str, block: int | None = None
-    ) -> StepConfig:
-        if block is not None and draft != "dflash":
-            raise InvalidRequestError(
-                f"draft_block_size={block!r} is a DFlash setting; the draft is {draft!r}"
-            )
-        if draft is None:
-            if k not in (None, 0):
-                raise InvalidRequestError(
-                    f"num_speculative_tokens={k} needs a draft (draft=one of {list(DRAFTS)})"
-                )
-            return StepConfig(self.config, self.page_size, mesh=self.mesh, draft_cfg=self.draft_config)
-        if draft not in DRAFTS:
-            raise InvalidRequestError(f"unknown draft {draft!r}; available: {', '.join(DRAFTS)}")
-        why = DRAFTS[draft].available(self.params, self.config)
-        if why is not None:
-            raise InvalidRequestError(f"{why}; {self.path or 'this model'} cannot draft with {draft!r}")
-        draft_cfg = self.draft_config
-        if draft == "dflash":  # a block proposes at most block_size - 1 drafts, by default all of them
-            trained = draft_cfg.block_size
-            if block is not None:
-                if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= trained:
-                    raise InvalidRequestError(
-                        f"draft_block_size must be an integer in [2, {trained}] (the DFlash draft was "
-                        f"trained on blocks of {trained}), got {block!r}"
-                    )
-                draft_cfg = dataclasses.replace(draft_cfg, block_size=block)
-            block = draft_cfg.block_size
-            k = block - 1 if k is None else k
-            if isinstance(k, int) and not isinstance(k, bool) and k > block - 1:
-                raise InvalidRequestError(
-                    f"num_speculative_tokens={k}: a DFlash block of {block} tokens proposes at most "
-                    f"{block - 1} drafts"
-                )
-        k = 3 if k is None else k
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
-            raise InvalidRequestError(f"num_speculative_tokens must be an integer in [1, 16], got {k!r}")
-        if draft_sampling not in DRAFT_SAMPLING:
-            raise InvalidRequestError(
-                f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}"
-            )
-        return StepConfig(self.config, self.page_size, k, draft, draft_sampling, self.mesh, draft_cfg)
 
 
 def read_model_config(path: str) -> dict:
@@ -680,15 +576,15 @@ def load_draft(
     )
 
 
-def _stop_checks(n: int, streams: list[TextStream] | None, stop_ids: frozenset[int] | None):
+def _stop_checks(checked: list[CheckedRequest], streams: list[TextStream | None]):
     """Per request: a function of each emitted token, True when the request must stop there."""
-    if streams is None and stop_ids is None:
+    if all(s is None and not c.params.stop_token_ids for c, s in zip(checked, streams, strict=True)):
         return None
 
     def check(i: int, token: int) -> bool:
-        hit = stop_ids is not None and token in stop_ids
-        if streams is not None:
+        hit = token in checked[i].params.stop_token_ids
+        if streams[i] is not None:
             hit = streams[i].push(token)[1] or hit
         return hit
 
-    return [functools.partial(check, i) for i in range(n)]
+    return [functools.partial(check, i) for i in range(len(checked))]

@@ -523,12 +523,12 @@ def plan(
 
 def _prefill_args(layout: CacheLayout, length: int, rows: int) -> tuple:
     """Abstract (rows, tokens, lengths, page_table, sampling) for ``rows`` prompts of ``length`` tokens."""
-    from mtp_jax.sampling import SamplingParams
+    from mtp_jax.sampling import RowSampling
 
     def i32(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    sampling = jax.eval_shape(lambda: SamplingParams.build(rows))
+    sampling = jax.eval_shape(lambda: RowSampling.build(rows))
     return i32(rows), i32(rows, length), i32(rows), i32(rows, layout.width), sampling
 
 

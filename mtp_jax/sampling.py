@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ MAX_DRAFTS = 16
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class RowSampling:
     """Per-row decoding parameters, each [B]: temperature (0 = greedy), top_k (0 = off),
     top_p (1 = off), min_p (0 = off), seed (uint32); and how drafts are accepted for the row:
     max_drafts (the most drafts a step may accept; a step verifying fewer caps it), relaxed_topk
@@ -52,31 +52,29 @@ class SamplingParams:
         max_drafts: int | Sequence[int] = MAX_DRAFTS,
         relaxed_topk: int | Sequence[int] = 0,
         relaxed_delta: float | Sequence[float] = 0.0,
-    ) -> SamplingParams:
+    ) -> RowSampling:
         """Validate scalar-or-per-row values and broadcast them to [batch]."""
-        temperature = _per_row("temperature", temperature, batch, float)
-        top_k = _per_row("top_k", top_k, batch, int)
-        top_p = _per_row("top_p", top_p, batch, float)
-        min_p = _per_row("min_p", min_p, batch, float)
-        seed = _per_row("seed", seed, batch, int)
-        max_drafts = _per_row("num_speculative_tokens", max_drafts, batch, int)
-        relaxed_topk = _per_row("relaxed_topk", relaxed_topk, batch, int)
-        relaxed_delta = _per_row("relaxed_delta", relaxed_delta, batch, float)
-        checks = [
-            ("temperature", temperature, lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"),
-            ("top_k", top_k, lambda k: k >= 0, ">= 0 (0 disables it)"),
-            ("top_p", top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1]"),
-            ("min_p", min_p, lambda m: 0.0 <= m < 1.0, "in [0, 1)"),
-            ("seed", seed, lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
-            ("num_speculative_tokens", max_drafts, lambda k: 0 <= k <= MAX_DRAFTS, f"in [0, {MAX_DRAFTS}]"),
-            ("relaxed_topk", relaxed_topk, lambda k: 0 <= k < 2**31, ">= 0 (0 disables it)"),
-            ("relaxed_delta", relaxed_delta, lambda d: 0.0 <= d <= 1.0, "in [0, 1]"),
-        ]
-        for name, (values, per_row), ok, want in checks:
+        temperature = per_row("temperature", temperature, batch, float)
+        top_k = per_row("top_k", top_k, batch, int)
+        top_p = per_row("top_p", top_p, batch, float)
+        min_p = per_row("min_p", min_p, batch, float)
+        seed = per_row("seed", seed, batch, int)
+        max_drafts = per_row("num_speculative_tokens", max_drafts, batch, int)
+        relaxed_topk = per_row("relaxed_topk", relaxed_topk, batch, int)
+        relaxed_delta = per_row("relaxed_delta", relaxed_delta, batch, float)
+        named = {
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "min_p": min_p,
+            "seed": seed,
+            "num_speculative_tokens": max_drafts,
+            "relaxed_topk": relaxed_topk,
+            "relaxed_delta": relaxed_delta,
+        }
+        for name, (values, given) in named.items():
             for i, v in enumerate(values):
-                if not ok(v):
-                    where = f" (row {i})" if per_row else ""
-                    raise InvalidRequestError(f"{name} must be {want}, got {v}{where}")
+                check_value(name, v, f" (row {i})" if given else "")
         temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta = (
             x[0] for x in (temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta)
         )
@@ -93,30 +91,51 @@ class SamplingParams:
             relaxed_delta=jnp.asarray(relaxed_delta, jnp.float32),
         )
 
-    def pad(self, batch: int) -> SamplingParams:
+    def pad(self, batch: int) -> RowSampling:
         """Extend to ``batch`` rows by repeating the last row (padding rows are discarded)."""
         extra = batch - self.temperature.shape[0]
         return jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], extra)]), self)
 
 
-def _per_row(name: str, value: object, batch: int, kind: type) -> tuple[list, bool]:
+CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "temperature": (lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"),
+    "top_k": (lambda k: k >= 0, ">= 0 (0 disables it)"),
+    "top_p": (lambda p: 0.0 < p <= 1.0, "in (0, 1]"),
+    "min_p": (lambda m: 0.0 <= m < 1.0, "in [0, 1)"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "num_speculative_tokens": (lambda k: 0 <= k <= MAX_DRAFTS, f"in [0, {MAX_DRAFTS}]"),
+    "relaxed_topk": (lambda k: 0 <= k < 2**31, ">= 0 (0 disables it)"),
+    "relaxed_delta": (lambda d: 0.0 <= d <= 1.0, "in [0, 1]"),
+}
+"""The range of each per-row sampling value, by the name requests give it."""
+
+
+def check_value(name: str, value: float, where: str = "") -> None:
+    """InvalidRequestError unless ``value`` is in ``name``'s range (:data:`CHECKS`); ``where``
+    ends the message (e.g. " (row 2)")."""
+    ok, want = CHECKS[name]
+    if not ok(value):
+        raise InvalidRequestError(f"{name} must be {want}, got {value}{where}")
+
+
+def per_row(name: str, value: object, batch: int, kind: type) -> tuple[list, bool]:
     """(values broadcast to [batch], whether they were given per row)."""
-    per_row = isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0)
-    values = list(value) if per_row else [value.item() if isinstance(value, np.ndarray) else value] * batch
+    given = isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0)
+    values = list(value) if given else [value.item() if isinstance(value, np.ndarray) else value] * batch
     if len(values) != batch:
         raise InvalidRequestError(f"{name} has {len(values)} values for {batch} prompts")
     out = []
     for i, v in enumerate(values):
-        where = f" (row {i})" if per_row else ""
+        where = f" (row {i})" if given else ""
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise InvalidRequestError(f"{name} must be a number, got {v!r}{where}")
         if kind is int and (not math.isfinite(v) or float(v) != int(v)):
             raise InvalidRequestError(f"{name} must be an integer, got {v!r}{where}")
         out.append(kind(v))
-    return out, per_row
+    return out, given
 
 
-def processed_logprobs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+def processed_logprobs(logits: jax.Array, params: RowSampling) -> jax.Array:
     """Log-probabilities [B, V] (float32) of the processed distribution; removed tokens are -inf.
 
     Rows with temperature 0 are processed as temperature 1 (callers take the argmax for them).
@@ -160,9 +179,7 @@ def row_keys(seed: jax.Array, positions: jax.Array, stream: int = TARGET) -> jax
     return jax.vmap(one)(seed, positions)
 
 
-def sample(
-    logits: jax.Array, params: SamplingParams, positions: jax.Array, stream: int = TARGET
-) -> jax.Array:
+def sample(logits: jax.Array, params: RowSampling, positions: jax.Array, stream: int = TARGET) -> jax.Array:
     """Next tokens [B] (int32) for logits [B, V]; ``positions`` [B] are the new tokens' positions."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -175,13 +192,13 @@ def sample(
     return jax.lax.cond(jnp.any(params.temperature > 0), drawn, lambda: greedy).astype(jnp.int32)
 
 
-def repeat_rows(params: SamplingParams, n: int) -> SamplingParams:
+def repeat_rows(params: RowSampling, n: int) -> RowSampling:
     """Each row's parameters repeated n times ([B] -> [B·n], row-major), for [B, n, V] logits."""
     return jax.tree.map(lambda x: jnp.repeat(x, n), params)
 
 
 def sample_positions(
-    logits: jax.Array, params: SamplingParams, first: jax.Array, stream: int = TARGET
+    logits: jax.Array, params: RowSampling, first: jax.Array, stream: int = TARGET
 ) -> jax.Array:
     """Tokens [B, n] for logits [B, n, V] at positions first[b] + j, keyed like :func:`sample`."""
     b, n, v = logits.shape
@@ -189,7 +206,7 @@ def sample_positions(
     return sample(logits.reshape(b * n, v), repeat_rows(params, n), positions, stream).reshape(b, n)
 
 
-def draft_probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
+def draft_probs(logits: jax.Array, params: RowSampling) -> jax.Array:
     """Processed draft distribution q [B, V] (float32); one-hot argmax for greedy rows."""
     q = jnp.exp(processed_logprobs(logits, params))
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
@@ -209,7 +226,7 @@ def _below(cap: jax.Array | None, k: int, b: int) -> jax.Array:
 
 
 def relaxed_ok(
-    target_logits: jax.Array, drafts: jax.Array, params: SamplingParams, thinking: jax.Array
+    target_logits: jax.Array, drafts: jax.Array, params: RowSampling, thinking: jax.Array
 ) -> jax.Array:
     """Relaxed acceptance [B, K] (lossy, for thinking phases): draft j passes when its row asks for
     it (relaxed_topk > 0), position j is inside a thinking phase (``thinking`` [B, K]) and, under
@@ -230,7 +247,7 @@ def relaxed_ok(
 def accept_argmax_drafts(
     target_logits: jax.Array,
     drafts: jax.Array,
-    params: SamplingParams,
+    params: RowSampling,
     first: jax.Array,
     cap: jax.Array | None = None,
     relaxed: jax.Array | None = None,
@@ -260,7 +277,7 @@ def accept_sampled_drafts(
     target_logits: jax.Array,
     drafts: jax.Array,
     q: jax.Array,
-    params: SamplingParams,
+    params: RowSampling,
     first: jax.Array,
     cap: jax.Array | None = None,
     relaxed: jax.Array | None = None,

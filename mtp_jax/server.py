@@ -19,6 +19,7 @@ disconnects cancels its requests (their pages are freed at once).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 
 from mtp_jax.errors import InvalidRequestError
+from mtp_jax.request import SamplingParams
 from mtp_jax.serving import Engine, EngineClosedError, EngineFullError, RequestHandle
 
 log = logging.getLogger(__name__)
@@ -147,18 +149,23 @@ class Server:
             raise BadRequest(f"n must be in [1, 16], got {n}", param="n")
         if body.get("stream") not in (None, True, False):
             raise BadRequest("stream must be a boolean", param="stream")
-        return {"kw": kw, "n": n, "stream": bool(body.get("stream")), "seed_given": seed is not None}
+        return {
+            "params": SamplingParams(**kw),
+            "n": n,
+            "stream": bool(body.get("stream")),
+            "seed_given": seed is not None,
+        }
 
     def _submit(self, prompt, parsed: dict) -> list[RequestHandle]:
         handles = []
         try:
             for j in range(parsed["n"]):
-                kw = dict(parsed["kw"])
+                params = parsed["params"]
                 if j and parsed["seed_given"]:
-                    kw["seed"] = (kw["seed"] + j) % 2**32
+                    params = dataclasses.replace(params, seed=(params.seed + j) % 2**32)
                 elif j:
-                    kw["seed"] = secrets.randbelow(2**32)
-                handles.append(self.engine.submit(prompt, detokenize=True, **kw))
+                    params = dataclasses.replace(params, seed=secrets.randbelow(2**32))
+                handles.append(self.engine.submit(prompt, params, detokenize=True))
         except BaseException:
             for h in handles:
                 h.cancel()

@@ -33,6 +33,7 @@ import queue
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -40,9 +41,17 @@ import numpy as np
 from mtp_jax.distributed import Broadcast
 from mtp_jax.engine import Request, Scheduler, next_power_of_two, pages_needed
 from mtp_jax.errors import InvalidRequestError
-from mtp_jax.sampling import MAX_DRAFTS, SamplingParams
+from mtp_jax.request import (
+    CheckedRequest,
+    SamplingParams,
+    SpeculativeConfig,
+    check_request,
+    row_sampling,
+    split_settings,
+    step_config,
+)
 from mtp_jax.sharding import row_shards
-from mtp_jax.text import TextStream, check_stops
+from mtp_jax.text import TextStream
 
 log = logging.getLogger(__name__)
 _ENGINES = itertools.count()  # engines made by this process: each multi-process run's message stream
@@ -88,7 +97,7 @@ class RequestHandle:
         self._tail = ""  # the text released at the end
         self._finish: str | None = None
         self._error: BaseException | None = None
-        self._spec: dict = {}  # what the engine was asked (see Engine.submit)
+        self._checked: CheckedRequest | None = None  # what the engine was asked (see Engine.submit)
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     # called on the engine's thread
@@ -219,9 +228,10 @@ class Engine:
         *,
         slots: int = 8,
         max_len: int | None = None,
+        speculative: SpeculativeConfig | None = None,
         draft: str | None = None,
         num_speculative_tokens: int | None = None,
-        draft_sampling: str = "argmax",
+        draft_sampling: str | None = None,
         draft_block_size: int | None = None,
         think_tokens: tuple[int, int] | None = None,
         max_queue: int = 256,
@@ -248,15 +258,22 @@ class Engine:
                 "the tiny model); load the model with dtype='float32' to serve on a CPU",
                 stacklevel=2,
             )
-        sc = model._step_config(draft, num_speculative_tokens, draft_sampling, draft_block_size)
-        if draft is None:
-            sc = dataclasses.replace(sc, k=0, draft=None)
-        if think_tokens is not None:
-            if draft is None:
-                raise InvalidRequestError(
-                    "think_tokens enables relaxed acceptance of drafts: it needs a draft"
-                )
-            sc = dataclasses.replace(sc, think_tokens=model._think_tokens(think_tokens))
+        given = {
+            "draft": draft,
+            "num_speculative_tokens": num_speculative_tokens,
+            "draft_sampling": draft_sampling,
+            "draft_block_size": draft_block_size,
+            "think_tokens": think_tokens,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        _, speculative = split_settings(0, None, speculative, given)
+        if speculative.auto_k is not None:
+            raise InvalidRequestError(
+                "auto_k is a setting of Model.generate (one batch of known size); an engine verifies up "
+                "to its K for whatever runs"
+            )
+        sc = step_config(model, speculative)
+        self.speculative = speculative
         self.sc = sc
         self.max_len = max_len
         self.max_queue = max_queue
@@ -300,29 +317,20 @@ class Engine:
 
     def submit(
         self,
-        prompt: Sequence[int],
+        prompt: Sequence[int] | str,
+        sampling: SamplingParams | None = None,
         *,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        seed: int = 0,
-        num_speculative_tokens: int | None = None,
-        relaxed_topk: int = 0,
-        relaxed_delta: float = 0.0,
-        grammar: dict | None = None,
-        ignore_eos: bool = False,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] = (),
         stop_check: StopCheck | None = None,
         detokenize: bool = False,
+        **settings: Any,
     ) -> RequestHandle:
-        """Validate a request and queue it; returns its handle at once. ``prompt``: token ids or
-        text (encoded with the model's tokenizer, BOS first). ``num_speculative_tokens`` caps its
-        drafts per step (0 = plain decoding; default: the engine's K). ``stop`` strings and
-        ``stop_token_ids`` end it with finish reason "stop". Text prompts, stop strings or
-        ``detokenize`` give the handle the request's text as it comes."""
+        """Check a request and queue it; returns its handle at once. ``prompt``: token ids or text
+        (encoded with the model's tokenizer under its own BOS rules). ``sampling``: the request's
+        :class:`~mtp_jax.SamplingParams`, or its fields as keywords (``max_new_tokens=64,
+        temperature=0.7``); its ``num_speculative_tokens`` caps its drafts per step (0 = plain
+        decoding; default: the engine's K). ``stop`` strings and ``stop_token_ids`` end it with
+        finish reason "stop"; ``stop_check(token)`` True too (one process only). Text prompts, stop
+        strings or ``detokenize`` give the handle the request's text as it comes."""
         if self._channel is not None and not self.leader:
             raise InvalidRequestError(
                 f"this is process {self._channel.me} of a multi-process run: requests go to process 0's "
@@ -333,40 +341,20 @@ class Engine:
                 "stop_check cannot be replayed on the other processes of a multi-process run: use stop "
                 "strings or stop_token_ids"
             )
-        model, sc = self.model, self.sc
-        stops = check_stops(stop)
-        ids = model._check_tokens(model.text.encode(prompt) if isinstance(prompt, str) else prompt, "prompt")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)):
-            raise InvalidRequestError(f"max_new_tokens must be an integer, got {max_new_tokens!r}")
-        if max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(ids) + max_new_tokens > self.max_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it would reach "
-                f"{len(ids) + max_new_tokens}, beyond the engine's context of {self.max_len} tokens"
-            )
-        k = sc.k if num_speculative_tokens is None else num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= sc.k:
-            raise InvalidRequestError(
-                f"num_speculative_tokens must be an integer in [0, {sc.k}] (the engine's K), got {k!r}"
-            )
-        if relaxed_topk and sc.think_tokens is None:
-            raise InvalidRequestError("relaxed_topk needs an engine created with think_tokens and a draft")
-        # everything a process needs to build the same request (what followers of a multi-process
-        # run are sent): plain JSON values
-        spec = {
-            "prompt": [int(t) for t in ids],
-            "max_new_tokens": int(max_new_tokens),
-            "sampling": [temperature, top_k, top_p, min_p, seed, k, relaxed_topk, relaxed_delta],
-            "grammar": grammar,
-            "ignore_eos": bool(ignore_eos),
-            "stop": list(stops),
-            "stop_token_ids": [int(t) for t in model._check_tokens(list(stop_token_ids), "stop_token_ids")]
-            if stop_token_ids
-            else [],
-            "text": bool(detokenize or isinstance(prompt, str)),
-        }
-        sampling = self._sampling(spec)  # validates the sampling parameters
+        if sampling is None:
+            sampling = SamplingParams.per_prompt(1, **settings)[0]
+        elif settings:
+            raise TypeError(f"pass {sorted(settings)} inside sampling=SamplingParams(...), not beside it")
+        checked = check_request(
+            self.model,
+            prompt,
+            sampling,
+            self.sc,
+            context=self.max_len,
+            context_name=f"the engine's context of {self.max_len} tokens",
+            text=detokenize,
+        )
+        spec = checked.to_json()  # everything a process needs to build the same request
         if self._channel is not None:
             try:
                 json.dumps(spec)
@@ -379,41 +367,23 @@ class Engine:
                 raise EngineFullError(f"the engine's queue is full ({self.max_queue} requests waiting)")
             rid = self._next_id
             self._next_id += 1
-            handle = self._build(rid, spec, sampling, stop_check)
+            handle = self._build(rid, checked, stop_check)
             self._handles[rid] = handle
             self._waiting += 1
         self._inbox.put(("submit", handle))
         return handle
 
-    @staticmethod
-    def _sampling(spec: dict) -> SamplingParams:
-        temperature, top_k, top_p, min_p, seed, k, relaxed_topk, relaxed_delta = spec["sampling"]
-        return SamplingParams.build(
-            1,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            seed,
-            max_drafts=min(k, MAX_DRAFTS),
-            relaxed_topk=relaxed_topk,
-            relaxed_delta=relaxed_delta,
-        )
-
-    def _build(
-        self, rid: int, spec: dict, sampling: SamplingParams, stop_check: StopCheck | None
-    ) -> RequestHandle:
-        """The request ``spec`` describes, as request ``rid``, and its handle (its grammar added)."""
-        stops = spec["stop"]
-        text = TextStream(self.model.text, stops) if stops or spec["text"] else None
-        if spec["grammar"] is not None:
-            self._grammar_for(rid, spec["grammar"])
-        request = Request(
-            spec["prompt"], spec["max_new_tokens"], sampling, id=rid, ignore_eos=spec["ignore_eos"]
-        )
+    def _build(self, rid: int, checked: CheckedRequest, stop_check: StopCheck | None) -> RequestHandle:
+        """The request ``checked`` describes, as request ``rid``, and its handle (its grammar added)."""
+        params = checked.params
+        text = TextStream(self.model.text, params.stop) if checked.text else None
+        if params.grammar is not None:
+            self._grammar_for(rid, params.grammar)
+        sampling, past_eos = row_sampling([checked]), params.ignore_eos
+        request = Request(checked.prompt, params.max_new_tokens, sampling, id=rid, ignore_eos=past_eos)
         handle = RequestHandle(self, request, text)
-        handle._spec = spec
-        stop_ids = frozenset(spec["stop_token_ids"]) or None
+        handle._checked = checked
+        stop_ids = frozenset(params.stop_token_ids) or None
         request.on_token = _token_hook(handle, stop_ids, stop_check)
         request.on_finish = lambda req, handle=handle: self._finished(handle, req.finish)
         return handle
@@ -460,7 +430,7 @@ class Engine:
                     self._waiting -= 1
                 return True
             self._schedule(value)
-            self._events.append(["submit", value.id, value._spec])
+            self._events.append(["submit", value.id, value._checked.to_json()])
         elif kind == "cancel":
             request = value.request
             if request.counters is None:  # not in the scheduler yet: its "submit" item follows
@@ -535,7 +505,7 @@ class Engine:
         return done[1]
 
     def _schedule(self, handle: RequestHandle) -> None:
-        if handle._spec["grammar"] is not None and self.scheduler.constraints is None:
+        if handle._checked.params.grammar is not None and self.scheduler.constraints is None:
             self.scheduler.constraints = self._constraints
         self.scheduler.submit(handle.request)
 
@@ -612,7 +582,7 @@ class Engine:
                 for kind, *args in events:
                     if kind == "submit":
                         rid, spec = args
-                        handle = self._build(rid, spec, self._sampling(spec), None)
+                        handle = self._build(rid, CheckedRequest.from_json(spec), None)
                         with self._lock:
                             self._handles[rid] = handle
                         self._schedule(handle)

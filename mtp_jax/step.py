@@ -33,9 +33,9 @@ from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.drafts import Draft, Rows, draft_for
-from mtp_jax.drafts.base import at_rows
+from mtp_jax.drafts.base import DraftContext, at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
-from mtp_jax.sampling import SamplingParams, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
+from mtp_jax.sampling import RowSampling, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
 
@@ -90,9 +90,14 @@ class StepConfig:
         return None if self.draft_idle else self.draft_method
 
     @property
+    def draft_context(self) -> DraftContext:
+        """What the draft's functions are given of this configuration."""
+        return DraftContext(self.cfg, self.draft_cfg, self.k, self.sampled, self.page_size, self.mesh)
+
+    @property
     def capture(self) -> tuple[int, ...]:
         """The target layers the draft reads (static)."""
-        return () if self.drafter is None else tuple(self.drafter.capture(self))
+        return () if self.drafter is None else tuple(self.drafter.capture(self.draft_context))
 
     @property
     def sampled(self) -> bool:
@@ -123,15 +128,16 @@ class DecodeState:
     num_drafts: jax.Array
     thinking: jax.Array
     active: jax.Array
-    sampling: SamplingParams
+    sampling: RowSampling
 
 
 def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) -> DecodeState:
     """A zeroed decode state of ``batch`` slots over ``num_pages`` cache pages, ``width`` per row."""
     q_shape = (batch, sc.k, sc.cfg.vocab_size) if sc.sampled else (batch, 0, 0)
+    method = sc.draft_method
     return DecodeState(
         target_pages=sc.target.init_cache(sc.cfg, num_pages, sc.page_size, dtype),
-        draft_state={} if sc.draft_method is None else sc.draft_method.init_state(sc, num_pages, dtype),
+        draft_state={} if method is None else method.init_state(sc.draft_context, num_pages, dtype),
         page_table=jnp.zeros((batch, width), jnp.int32),
         seq_len=jnp.zeros((batch,), jnp.int32),  # every leaf its own buffer: the state is donated
         next_token=jnp.zeros((batch,), jnp.int32),
@@ -140,7 +146,7 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
         num_drafts=jnp.zeros((batch,), jnp.int32),
         thinking=jnp.zeros((batch,), bool),
         active=jnp.zeros((batch,), bool),
-        sampling=SamplingParams.build(batch),
+        sampling=RowSampling.build(batch),
     )
 
 
@@ -185,7 +191,7 @@ def prefill(
     tokens: jax.Array,
     lengths: jax.Array,
     page_table: jax.Array,
-    sampling: SamplingParams,
+    sampling: RowSampling,
     bitmask: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeState]:
     """Admit requests into slots ``rows`` [R] (an index >= B is a padding row, ignored): right-padded
@@ -226,7 +232,7 @@ def prefill(
         next_tokens = jnp.where(positions == last[:, None], first[:, None], shifted)
         prompt = Rows(tokens, next_tokens, positions, valid, hidden, last)
         new_drafts, q_new, draft_state = sc.drafter.extend_and_propose(
-            params, sc, draft_state, page_table, prompt, real, sampling, lengths + 1
+            params, sc.draft_context, draft_state, page_table, prompt, real, sampling, lengths + 1
         )
         new_drafts, count = _proposed(sc, new_drafts, sampling.max_drafts, first)
         drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
@@ -360,7 +366,14 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k
         valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
         committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
         new_drafts, new_q, draft_state = sc.drafter.extend_and_propose(
-            params, sc, draft_state, state.page_table, committed, state.active, state.sampling, new_seq + 1
+            params,
+            sc.draft_context,
+            draft_state,
+            state.page_table,
+            committed,
+            state.active,
+            state.sampling,
+            new_seq + 1,
         )
         new_drafts, count = _proposed(sc, new_drafts, state.sampling.max_drafts, new_next)
         drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)

@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mtp_jax.bench import held_out_prompts, machine_info, measure, model_path, write_json  # noqa: E402
+from mtp_jax.request import thinking_markers  # noqa: E402
 
 SETTINGS = [(0, 0.0), (2, 0.1), (2, 0.3), (4, 0.3), (8, 0.5), (8, 1.0)]
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         start, end = args.think_tokens
     else:
         try:
-            start, end = model._think_tokens(None)
+            start, end = thinking_markers(model, None)
         except ValueError:
             start, end = v - 2, v - 1
     prompts, note = held_out_prompts(model, path, args)

@@ -33,7 +33,7 @@ import mtp_jax
 from mtp_jax import sampling
 from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, eagle3_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DFlashConfig, Eagle3Config
-from mtp_jax.sampling import SamplingParams
+from mtp_jax.sampling import RowSampling
 from tests.conftest import TINY_CONFIG, oracle_tensors
 
 accept_argmax = jax.jit(sampling.accept_argmax_drafts)
@@ -208,12 +208,12 @@ P_B = np.array([0.1, 0.15, 0.3, 0.05, 0.4])
 P_C = np.array([0.2, 0.35, 0.05, 0.3, 0.1])
 
 
-def _params(n: int, randomness: str, **kw) -> tuple[SamplingParams, jax.Array]:
+def _params(n: int, randomness: str, **kw) -> tuple[RowSampling, jax.Array]:
     """(params, first) for n independent rows: distinct seeds at one position, or one seed at
     positions far enough apart that no two rows share a (seed, position) key."""
     if randomness == "seeds":
-        return SamplingParams.build(n, seed=list(range(n)), **kw), jnp.full((n,), 11, jnp.int32)
-    return SamplingParams.build(n, seed=12345, **kw), jnp.arange(n, dtype=jnp.int32) * 8
+        return RowSampling.build(n, seed=list(range(n)), **kw), jnp.full((n,), 11, jnp.int32)
+    return RowSampling.build(n, seed=12345, **kw), jnp.arange(n, dtype=jnp.int32) * 8
 
 
 def _logits(per_position: list[np.ndarray], n: int) -> jax.Array:
@@ -222,7 +222,7 @@ def _logits(per_position: list[np.ndarray], n: int) -> jax.Array:
     return jnp.asarray(np.broadcast_to(rows, (n,) + rows.shape).astype(np.float32))
 
 
-def _target_probs(logits: jax.Array, params: SamplingParams) -> np.ndarray:
+def _target_probs(logits: jax.Array, params: RowSampling) -> np.ndarray:
     """The package's own processed p [K+1, V] of row 0 (float64): for q == p exactly."""
     k1 = logits.shape[1]
     lp = processed_logprobs(logits[0], jax.tree.map(lambda x: jnp.repeat(x[:1], k1), params))
@@ -400,7 +400,7 @@ def test_relaxed_rule_on_hand_built_logits():
     probs = np.array([0.5, 0.3, 0.12, 0.08])
     logits = jnp.asarray(np.log(np.stack([probs, probs]))[None].repeat(6, 0).astype(np.float32))
     drafts = jnp.asarray([[1], [1], [2], [1], [1], [0]], jnp.int32)
-    params = SamplingParams.build(
+    params = RowSampling.build(
         6, relaxed_topk=[2, 2, 3, 2, 0, 1], relaxed_delta=[0.25, 0.1, 0.5, 0.25, 0.25, 0.0]
     )
     thinking = jnp.asarray([[True], [True], [True], [False], [True], [True]])
@@ -417,7 +417,7 @@ def test_relaxed_acceptance_emits_the_draft_and_leaves_other_rows_alone():
     p0, p1, p2 = np.array([0.5, 0.4, 0.1]), np.array([0.1, 0.2, 0.7]), np.array([0.6, 0.3, 0.1])
     logits = jnp.asarray(np.log(np.stack([p0, p1, p2]))[None].repeat(2, 0).astype(np.float32))
     drafts = jnp.asarray([[1, 0], [1, 0]], jnp.int32)  # 1 is near the top at 0; 0 is far below at 1
-    params = SamplingParams.build(2, relaxed_topk=[2, 0], relaxed_delta=0.2)
+    params = RowSampling.build(2, relaxed_topk=[2, 0], relaxed_delta=0.2)
     first = jnp.asarray([5, 5], jnp.int32)
     thinking = jnp.ones((2, 2), bool)
     relaxed = sampling.relaxed_ok(logits, drafts, params, thinking)
@@ -453,7 +453,7 @@ def test_processed_target_distribution_is_reproduced(draft_sampling):
         key: [c.get(key, d) for c in cases for _ in range(n_case)]
         for key, d in [("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)]
     }
-    params = SamplingParams.build(n, seed=list(range(n)), **cols)
+    params = RowSampling.build(n, seed=list(range(n)), **cols)
     first = jnp.full((n,), 3, jnp.int32)
     logits = jnp.asarray(np.broadcast_to(np.stack(PROCESSED_LOGITS), (n, 3, 6)).astype(np.float32))
     rng = np.random.default_rng(11)
@@ -498,9 +498,7 @@ def test_greedy_rows_accept_exactly_while_draft_is_argmax():
     drafts = np.where(agree, top[:, :k], (top[:, :k] + rng.integers(1, v, size=(n, k))) % v).astype(np.int32)
     greedy = np.arange(n) % 2 == 0
     temperature = np.where(greedy, 0.0, 1.0).tolist()
-    params = SamplingParams.build(
-        n, temperature=temperature, top_k=2, top_p=0.5, min_p=0.2, seed=list(range(n))
-    )
+    params = RowSampling.build(n, temperature=temperature, top_k=2, top_p=0.5, min_p=0.2, seed=list(range(n)))
     first = jnp.asarray(rng.integers(0, 1000, size=n), jnp.int32)
     q = rng.dirichlet(np.ones(v), size=(n, k)).astype(np.float32)
     want_n = np.sum(np.cumprod(drafts == top[:, :k], axis=1), axis=1)

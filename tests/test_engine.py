@@ -11,7 +11,7 @@ import pytest
 import mtp_jax
 from mtp_jax.cache import PageAllocator, page_table_array
 from mtp_jax.model import Model
-from mtp_jax.sampling import SamplingParams
+from mtp_jax.sampling import RowSampling
 from mtp_jax.step import StepConfig, forward_paged_jit, init_state, prefill, step
 from mtp_jax.targets.deepseek_v3 import init_cache
 
@@ -107,7 +107,7 @@ def test_decode_state_is_donated(tiny_model):
         np.ones((2, 16), np.int32),
         jnp.array([3, 5]),
         jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]]),
-        SamplingParams.build(2),
+        RowSampling.build(2),
     )
     assert all(x.is_deleted() for x in jax.tree.leaves(state))
     _, _, state3 = step(tiny_model.params, state2, sc)

@@ -132,9 +132,10 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
     # the step itself on mesh (2, 4): 8 rows and their pages split over data x expert (DP attention),
     # one compilation; no collective moves a cache page
     import re
-    from mtp_jax.sampling import SamplingParams
+    from mtp_jax.request import SpeculativeConfig, step_config
+    from mtp_jax.sampling import RowSampling
     from mtp_jax.sharding import state_shardings
-    sc = model._step_config("mtp", 3, "argmax")
+    sc = step_config(model, SpeculativeConfig("mtp", 3))
     def spec(x):
         s = tuple(x.sharding.spec)
         return s + (None,) * (x.ndim - len(s))
@@ -144,7 +145,7 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
         table = np.arange(4 * rows, dtype=np.int32).reshape(rows, 4)
         first, state = step_mod.prefill(
             model.params, state, sc, jnp.arange(rows), np.asarray(ids * (rows // 2), np.int32),
-            jnp.full(rows, 16), jnp.asarray(table), SamplingParams.build(rows),
+            jnp.full(rows, 16), jnp.asarray(table), RowSampling.build(rows),
         )
         compiled = step_mod.step._cache_size()
         for _ in range(3):

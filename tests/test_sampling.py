@@ -19,7 +19,7 @@ import pytest
 
 from mtp_jax import sampling
 from mtp_jax.errors import InvalidRequestError
-from mtp_jax.sampling import SamplingParams, processed_logprobs
+from mtp_jax.sampling import RowSampling, processed_logprobs
 
 # Jitted (once per shape): much cheaper than op-by-op dispatch, which compiles every primitive.
 sample = jax.jit(sampling.sample)
@@ -84,9 +84,9 @@ def reference_probs(
     return out, margin
 
 
-def _params(rows: list[tuple[float, int, float, float]], seeds: list[int] | None = None) -> SamplingParams:
+def _params(rows: list[tuple[float, int, float, float]], seeds: list[int] | None = None) -> RowSampling:
     t, k, p, m = (list(c) for c in zip(*rows, strict=True))
-    return SamplingParams.build(len(rows), t, k, p, m, seeds if seeds is not None else 0)
+    return RowSampling.build(len(rows), t, k, p, m, seeds if seeds is not None else 0)
 
 
 def _random_row_params(rng: np.random.Generator, vocab: int) -> tuple[float, int, float, float]:
@@ -188,7 +188,7 @@ def test_all_filters_off_is_softmax_of_scaled_logits():
     # A distribution whose smallest probability is far above float32 resolution.
     logits = jnp.asarray([[0.3, -1.2, 2.0, 0.0, -0.4]], jnp.float32)
     for t in (0.5, 1.0, 2.0):
-        got = np.asarray(processed_logprobs(logits, SamplingParams.build(1, temperature=t)))
+        got = np.asarray(processed_logprobs(logits, RowSampling.build(1, temperature=t)))
         x = np.asarray(logits[0], np.float64) / t
         np.testing.assert_allclose(got[0], x - np.log(np.exp(x).sum()), atol=1e-5)
 
@@ -197,7 +197,7 @@ def test_top_p_one_is_really_off():
     # Default parameters: every filter off. The processed distribution must be log_softmax(logits);
     # tokens with tiny but nonzero probability stay in the support.
     logits = jnp.asarray([[0.0, -30.0, -40.0, -5.0]], jnp.float32)
-    got = np.asarray(processed_logprobs(logits, SamplingParams.build(1, temperature=1.0)))
+    got = np.asarray(processed_logprobs(logits, RowSampling.build(1, temperature=1.0)))
     assert np.isfinite(got).all(), got
     x = np.asarray(logits[0], np.float64)
     np.testing.assert_allclose(got[0], x - np.log(np.exp(x).sum()), rtol=1e-5)
@@ -343,26 +343,26 @@ def test_same_seed_and_position_same_token_regardless_of_row_and_neighbours():
 def test_different_positions_and_seeds_give_different_draws():
     vocab, n = 6, 3000
     logits = jnp.zeros((n, vocab), jnp.float32)  # uniform
-    params = SamplingParams.build(n, temperature=1.0, seed=5)
+    params = RowSampling.build(n, temperature=1.0, seed=5)
     base = np.asarray(sample(logits, params, jnp.arange(n, dtype=jnp.int32)))
     shifted = np.asarray(sample(logits, params, jnp.arange(1, n + 1, dtype=jnp.int32)))
     np.testing.assert_array_equal(base[1:], shifted[:-1])  # the draw belongs to (seed, position)
     # Consecutive positions agree about 1/6 of the time, like independent uniform draws.
     assert 0.12 < np.mean(base[1:] == base[:-1]) < 0.22
     other_seed = np.asarray(
-        sample(logits, SamplingParams.build(n, temperature=1.0, seed=6), jnp.arange(n, dtype=jnp.int32))
+        sample(logits, RowSampling.build(n, temperature=1.0, seed=6), jnp.arange(n, dtype=jnp.int32))
     )
     assert 0.12 < np.mean(base == other_seed) < 0.22
     # Many seeds at one position also cover the vocabulary.
     seeds = list(range(n))
     by_seed = np.asarray(
-        sample(logits, SamplingParams.build(n, temperature=1.0, seed=seeds), jnp.full((n,), 9, jnp.int32))
+        sample(logits, RowSampling.build(n, temperature=1.0, seed=seeds), jnp.full((n,), 9, jnp.int32))
     )
     counts = np.bincount(by_seed, minlength=vocab)
     assert counts.min() > n / vocab * 0.8
 
 
-# --- SamplingParams.build validation ----------------------------------------------------------
+# --- RowSampling.build validation ----------------------------------------------------------
 
 INVALID = [
     # (batch, kwargs, words the message must contain)
@@ -408,7 +408,7 @@ INVALID = [
 )
 def test_build_rejects_invalid(batch, kwargs, words):
     with pytest.raises(ValueError) as info:
-        SamplingParams.build(batch, **kwargs)
+        RowSampling.build(batch, **kwargs)
     assert isinstance(info.value, InvalidRequestError)
     msg = str(info.value)
     assert "\n" not in msg
@@ -421,7 +421,7 @@ def test_build_rejects_invalid(batch, kwargs, words):
 )
 def test_build_type_errors_in_lists_name_the_row(kwargs):
     with pytest.raises(InvalidRequestError, match="row 1"):
-        SamplingParams.build(2, **kwargs)
+        RowSampling.build(2, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -432,21 +432,21 @@ def test_build_type_errors_in_lists_name_the_row(kwargs):
 def test_build_rejects_non_finite_integers_cleanly(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(InvalidRequestError, match=name):
-        SamplingParams.build(1, **kwargs)
+        RowSampling.build(1, **kwargs)
 
 
 def test_build_huge_top_k_is_off():
     """A top_k past the vocabulary (even past int32) keeps every token, as top_k = 0 does."""
     logits = jnp.asarray([[0.5, -0.1, 1.2, 0.3]], jnp.float32)
-    sp = SamplingParams.build(1, temperature=1.0, top_k=2**40)
+    sp = RowSampling.build(1, temperature=1.0, top_k=2**40)
     np.testing.assert_allclose(
         np.asarray(processed_logprobs(logits, sp)),
-        np.asarray(processed_logprobs(logits, SamplingParams.build(1, temperature=1.0))),
+        np.asarray(processed_logprobs(logits, RowSampling.build(1, temperature=1.0))),
     )
 
 
 def test_build_accepts_valid_edges_and_broadcasts():
-    sp = SamplingParams.build(
+    sp = RowSampling.build(
         3,
         temperature=[0.0, 0.5, 7],
         top_k=[0, 1, 10**6],
@@ -456,7 +456,7 @@ def test_build_accepts_valid_edges_and_broadcasts():
     )
     np.testing.assert_array_equal(np.asarray(sp.seed), np.array([0, 2**32 - 1, 7], np.uint32))
     np.testing.assert_array_equal(np.asarray(sp.top_k), [0, 1, 10**6])
-    sp = SamplingParams.build(4, temperature=0.25, top_k=3, top_p=0.5, min_p=0.1, seed=9)
+    sp = RowSampling.build(4, temperature=0.25, top_k=3, top_p=0.5, min_p=0.1, seed=9)
     for field, value in [("temperature", 0.25), ("top_k", 3), ("top_p", 0.5), ("min_p", 0.1), ("seed", 9)]:
         arr = np.asarray(getattr(sp, field))
         assert arr.shape == (4,)

@@ -8,7 +8,7 @@ way before it is used.
 
 from __future__ import annotations
 
-from mtp_jax.drafts.base import Draft, Rows
+from mtp_jax.drafts.base import Draft, DraftContext, Rows
 
 DRAFTS: dict[str, Draft] = {}
 """The registered draft methods by name (read it live: plug-ins add to it)."""
@@ -63,6 +63,7 @@ register_draft(draft_model.DRAFT)  # last: it recognises any target checkpoint
 __all__ = [
     "DRAFTS",
     "Draft",
+    "DraftContext",
     "Rows",
     "draft_for",
     "draft_for_config",

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.sampling import DRAFT, SamplingParams, draft_probs, sample
+from mtp_jax.sampling import DRAFT, RowSampling, draft_probs, sample
 from mtp_jax.targets.base import Hidden
 
 
@@ -45,21 +45,41 @@ class Rows(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class DraftContext:
+    """What a draft's functions may read of the step's configuration (static: part of the jit key).
+    The step hands every draft this, not its whole :class:`~mtp_jax.step.StepConfig`."""
+
+    cfg: Any
+    """The target's parsed config."""
+    draft_cfg: Any
+    """A separately loaded draft's parsed config (None for drafts in the target's checkpoint)."""
+    k: int
+    """Drafts to propose per row (0: only consume the rows)."""
+    sampled: bool
+    """Propose samples of the draft distribution (and return it), else its argmax."""
+    page_size: int
+    """Tokens per cache page (a draft's own caches use the target's page table)."""
+    mesh: Any = None
+    """The step's mesh (None on one device)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Draft:
     """A draft method's functions.
 
     available(params, cfg) -> None when the loaded model can draft this way, else the reason.
-    capture(sc) -> the target layers whose outputs the draft reads (static; () for none; numbered
-        as :class:`mtp_jax.targets.base.CapturePlan` numbers them), for a :class:`StepConfig` ``sc``.
-    init_state(sc, num_pages, dtype) -> the draft's zeroed device state (a pytree; its caches use
+    Each function receives ``ctx``, a :class:`DraftContext`.
+    capture(ctx) -> the target layers whose outputs the draft reads (static; () for none; numbered
+        as :class:`mtp_jax.targets.base.CapturePlan` numbers them).
+    init_state(ctx, num_pages, dtype) -> the draft's zeroed device state (a pytree; its caches use
         the target's page table and page ids).
     state_logical(path_names, rank) -> logical axes of one leaf of that state, for sharding.
-    extend_and_propose(params, sc, state, page_table, rows, active [b], sampling, first_position [b])
+    extend_and_propose(params, ctx, state, page_table, rows, active [b], sampling, first_position [b])
         -> (drafts [b, K] int32 target ids, q [b, K, V] float32 draft distributions in sampled mode
         else [b, K, 0], new state): see the module docstring. ``first_position`` is the absolute
-        position of the first draft. With ``sc.k`` = 0 it only consumes the rows (a step that
+        position of the first draft. With ``ctx.k`` = 0 it only consumes the rows (a step that
         speculates no further keeps the draft's state current).
-    teacher_forced(params, sc, tokens [b, T], hidden) -> float32 logits over whole sequences for
+    teacher_forced(params, ctx, tokens [b, T], hidden) -> float32 logits over whole sequences for
         scoring a draft offline: for a chained draft [b, T-1, V], its first step, row i from the
         target's hidden states at i (``hidden``, with the captured layers) and token i+1, predicting
         token i+2 (-inf at ids it cannot propose); for a block draft (DFlash) [b, T, B-1, V], the
@@ -108,6 +128,13 @@ class Draft:
     load: Callable[..., tuple[Any, dict]] | None = None
     """``load(reader, raw, target_cfg, target_params, dtype, *, layer_ids, strict, mesh,
     target_path) -> (draft config, params[params_group])``: read a recognised draft for the target."""
+    default_k: int = 3
+    """K when a request or engine names the draft without one."""
+    configure: Callable[[Any, int | None, int | None], tuple[Any, int | None]] | None = None
+    """``configure(draft_cfg, k, block_size) -> (draft_cfg, k)``: a draft with a setting of its own
+    (DFlash's block) applies ``block_size`` (None: its default) to its config and resolves K (None:
+    its default), raising InvalidRequestError for values it cannot take. None: K defaults to
+    :attr:`default_k` and a ``draft_block_size`` is refused."""
     weights: bool = True
     """Whether the draft is a model with weights of its own. A weightless one (n-gram lookup) works
     with any target, so it is asked for by name only: not listed in ``Model.drafts`` nor picked by
@@ -138,7 +165,7 @@ def chained_passes(k: int, batch: int) -> list[int]:
     return [batch * (k + 1)] + [batch] * (k - 1) if k else []
 
 
-def choose(logits: jax.Array, sampled: bool, sampling: SamplingParams, position: jax.Array):
+def choose(logits: jax.Array, sampled: bool, sampling: RowSampling, position: jax.Array):
     """One draft token per row from draft logits [b, V] for absolute ``position`` [b]: the argmax
     (q empty, [b, 0]) or, with ``sampled``, a sample from the processed distribution q [b, V]
     (the row's own sampling parameters, the draft's random stream)."""
@@ -147,26 +174,24 @@ def choose(logits: jax.Array, sampled: bool, sampling: SamplingParams, position:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
 
 
-def chain_drafts(
-    sc, sampling: SamplingParams, first_pos: jax.Array, logits: jax.Array, state, cache, advance
-):
+def chain_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.Array, state, cache, advance):
     """K drafts per row, chained: the first chosen from ``logits`` [b, V] (for position first_pos
     [b]); each next one from ``advance(draft [b], state, cache, row_position [b]) -> (logits, state,
     cache)``, which feeds the previous draft and the recycled ``state`` back through the draft at
     the row before it (position first_pos - 2 + j for draft j, 0-based). Returns (drafts [b, K],
     q [b, K, V] or [b, K, 0], cache). With K = 0 nothing is proposed (the draft only kept its cache
     current, and the unused logits compile away)."""
-    if sc.k == 0:
+    if ctx.k == 0:
         return no_drafts(logits.shape[0]) + (cache,)
-    d, q = choose(logits, sc.sampled, sampling, first_pos)
+    d, q = choose(logits, ctx.sampled, sampling, first_pos)
 
     def link(carry, j):
         d, state, cache = carry
         logits, state, cache = advance(d, state, cache, first_pos - 2 + j)
-        d_new, q_new = choose(logits, sc.sampled, sampling, first_pos + j)
+        d_new, q_new = choose(logits, ctx.sampled, sampling, first_pos + j)
         return (d_new, state, cache), (d_new, q_new)
 
-    (_, _, cache), (more_d, more_q) = jax.lax.scan(link, (d, state, cache), jnp.arange(1, sc.k))
+    (_, _, cache), (more_d, more_q) = jax.lax.scan(link, (d, state, cache), jnp.arange(1, ctx.k))
     drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
     qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
     return drafts, qs, cache

@@ -26,6 +26,8 @@ Parameters (``params["dflash"]``; weights [in, out], head axes split out, layers
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,7 @@ import numpy as np
 from mtp_jax.cache import slots_for, write_rows
 from mtp_jax.config import DFlashConfig
 from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, choose, no_drafts
+from mtp_jax.errors import InvalidRequestError
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
 from mtp_jax.param_bytes import nbytes
@@ -185,11 +188,11 @@ def _available(params: dict, cfg: object) -> str | None:
     return None
 
 
-def _init_state(sc, num_pages: int, dtype) -> dict:
+def _init_state(ctx, num_pages: int, dtype) -> dict:
     """Each draft layer's context keys and values, paged on the target's page ids:
     {"k", "v"} [n_layers, P, page, nkv, hd]."""
-    c = sc.draft_cfg
-    shape = (c.num_hidden_layers, num_pages, sc.page_size, c.num_key_value_heads, c.head_dim)
+    c = ctx.draft_cfg
+    shape = (c.num_hidden_layers, num_pages, ctx.page_size, c.num_key_value_heads, c.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -197,20 +200,20 @@ def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     return (None, "pages", None, "kv_heads", None)
 
 
-def _extend_and_propose(params, sc, state, page_table, rows: Rows, active, sampling, first_pos):
+def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
     """Write the committed rows' context keys and values (every layer), then one block forward
     anchored at the last emitted token (position first_pos - 1) over each row's paged context;
     its rows 1..K are the K drafts, each chosen independently given the context."""
-    cfg = sc.draft_cfg
+    cfg = ctx.draft_cfg
     b = page_table.shape[0]
-    context = context_rows(params, cfg, dflash_features(cfg, sc.cfg.num_hidden_layers, rows.hidden))
-    slots = slots_for(page_table, rows.positions, rows.valid, sc.page_size)
+    context = context_rows(params, cfg, dflash_features(cfg, ctx.cfg.num_hidden_layers, rows.hidden))
+    slots = slots_for(page_table, rows.positions, rows.valid, ctx.page_size)
     cos_c, sin_c = rope_tables(cfg, rows.positions)
     anchor_pos = first_pos - 1
     anchors = at_rows(rows.next_tokens, rows.last)
     blocks, positions = anchored_blocks(cfg, anchors[:, None])
     positions = positions + anchor_pos[:, None, None]
-    width = page_table.shape[1] * sc.page_size
+    width = page_table.shape[1] * ctx.page_size
     ctx_positions = jnp.arange(width, dtype=jnp.int32)
     visible = (ctx_positions[None, :] < anchor_pos[:, None])[:, None, :]  # [b, 1, S]
     table = jnp.clip(page_table, 0, state["k"].shape[1] - 1)
@@ -227,17 +230,17 @@ def _extend_and_propose(params, sc, state, page_table, rows: Rows, active, sampl
         return k_ctx, v_ctx, pages
 
     normed, state = _block_layers(params, cfg, blocks, positions, visible, context_kv, state)
-    if sc.k == 0:  # the context is written; the block's outputs are unused and compile away
+    if ctx.k == 0:  # the context is written; the block's outputs are unused and compile away
         return no_drafts(b) + (state,)
-    logits = lm_head(params, normed[:, 0, 1 : sc.k + 1])  # [b, K, V]
-    picks = [choose(logits[:, j], sc.sampled, sampling, first_pos + j) for j in range(sc.k)]
+    logits = lm_head(params, normed[:, 0, 1 : ctx.k + 1])  # [b, K, V]
+    picks = [choose(logits[:, j], ctx.sampled, sampling, first_pos + j) for j in range(ctx.k)]
     drafts = jnp.stack([d for d, _ in picks], axis=1)
     return drafts, jnp.stack([q for _, q in picks], axis=1), state
 
 
-def _teacher_forced(params, sc, tokens, hidden):
-    features = dflash_features(sc.draft_cfg, sc.cfg.num_hidden_layers, hidden)
-    return teacher_forced_block_logits(params, sc.draft_cfg, tokens, features)
+def _teacher_forced(params, ctx, tokens, hidden):
+    features = dflash_features(ctx.draft_cfg, ctx.cfg.num_hidden_layers, hidden)
+    return teacher_forced_block_logits(params, ctx.draft_cfg, tokens, features)
 
 
 def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
@@ -300,10 +303,32 @@ def _load(reader, raw, target_cfg, target_params, dtype, *, strict=False, mesh=N
     return load_dflash(reader, raw, target_cfg, dtype, strict=strict, mesh=mesh)
 
 
+def _configure(draft_cfg: DFlashConfig, k: int | None, block: int | None) -> tuple[DFlashConfig, int | None]:
+    """A smaller block than the trained one (cheaper; at most block - 1 drafts); K defaults to all
+    the block proposes."""
+    trained = draft_cfg.block_size
+    if block is not None:
+        if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= trained:
+            raise InvalidRequestError(
+                f"draft_block_size must be an integer in [2, {trained}] (the DFlash draft was "
+                f"trained on blocks of {trained}), got {block!r}"
+            )
+        draft_cfg = dataclasses.replace(draft_cfg, block_size=block)
+    block = draft_cfg.block_size
+    if k is None:
+        return draft_cfg, block - 1
+    if isinstance(k, int) and not isinstance(k, bool) and k > block - 1:
+        raise InvalidRequestError(
+            f"num_speculative_tokens={k}: a DFlash block of {block} tokens proposes at most "
+            f"{block - 1} drafts"
+        )
+    return draft_cfg, k
+
+
 DRAFT = Draft(
     name="dflash",
     available=_available,
-    capture=lambda sc: tuple(sc.draft_cfg.capture),
+    capture=lambda ctx: tuple(ctx.draft_cfg.capture),
     init_state=_init_state,
     state_logical=_state_logical,
     extend_and_propose=_extend_and_propose,
@@ -317,4 +342,5 @@ DRAFT = Draft(
     check_plan=_check_plan,
     recognises=_recognises,
     load=_load,
+    configure=_configure,
 )

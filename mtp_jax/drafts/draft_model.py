@@ -106,10 +106,10 @@ def _available(params: dict, cfg: Any) -> str | None:
     return None
 
 
-def _init_state(sc, num_pages: int, dtype) -> dict:
+def _init_state(ctx, num_pages: int, dtype) -> dict:
     """The draft model's own paged cache (its family's layout) on the target's page ids."""
-    c = sc.draft_cfg.model
-    return target_for(c).init_cache(c, num_pages, sc.page_size, dtype)
+    c = ctx.draft_cfg.model
+    return target_for(c).init_cache(c, num_pages, ctx.page_size, dtype)
 
 
 def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
@@ -127,37 +127,37 @@ def _logits(tree: dict, h: jax.Array, target_vocab: int) -> jax.Array:
     return jnp.concatenate([logits, pad], axis=-1)
 
 
-def _forward(tree, sc, pages, page_table, tokens, positions, valid):
-    c = sc.draft_cfg.model
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
-    hidden, pages = target_for(c).forward(tree, c, tokens, positions, paged=paged, mesh=sc.mesh)
+def _forward(tree, ctx, pages, page_table, tokens, positions, valid):
+    c = ctx.draft_cfg.model
+    paged = PagedAttention(pages, slots_for(page_table, positions, valid, ctx.page_size), page_table)
+    hidden, pages = target_for(c).forward(tree, c, tokens, positions, paged=paged, mesh=ctx.mesh)
     return hidden.post_norm, pages
 
 
-def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampling, first_pos):
+def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, sampling, first_pos):
     """Read the committed rows and the token after the last one, then chain K drafts."""
-    tree, vocab = params[GROUP], sc.draft_cfg.target_vocab_size
+    tree, vocab = params[GROUP], ctx.draft_cfg.target_vocab_size
     after = at_rows(rows.next_tokens, rows.last)[:, None]
     tokens = jnp.concatenate([rows.tokens, after], axis=1)
     positions = jnp.concatenate([rows.positions, at_rows(rows.positions, rows.last)[:, None] + 1], axis=1)
     valid = jnp.concatenate([rows.valid, at_rows(rows.valid, rows.last)[:, None]], axis=1)
-    h, pages = _forward(tree, sc, pages, page_table, tokens, positions, valid)
+    h, pages = _forward(tree, ctx, pages, page_table, tokens, positions, valid)
 
     def advance(d, state, pages, position):  # draft d sits one after the row ``position``
-        h, pages = _forward(tree, sc, pages, page_table, d[:, None], position[:, None] + 1, active[:, None])
+        h, pages = _forward(tree, ctx, pages, page_table, d[:, None], position[:, None] + 1, active[:, None])
         return _logits(tree, h[:, 0], vocab), state, pages
 
     return chain_drafts(
-        sc, sampling, first_pos, _logits(tree, h[:, -1], vocab), jnp.zeros(()), pages, advance
+        ctx, sampling, first_pos, _logits(tree, h[:, -1], vocab), jnp.zeros(()), pages, advance
     )
 
 
-def _teacher_forced(params, sc, tokens: jax.Array, hidden) -> jax.Array:
+def _teacher_forced(params, ctx, tokens: jax.Array, hidden) -> jax.Array:
     """[b, T-1, V]: the draft model over whole sequences; row i (token i+1 read) predicts i+2."""
-    c = sc.draft_cfg.model
+    c = ctx.draft_cfg.model
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     h, _ = target_for(c).forward(params[GROUP], c, tokens, positions)
-    return _logits(params[GROUP], h.post_norm[:, 1:], sc.draft_cfg.target_vocab_size)
+    return _logits(params[GROUP], h.post_norm[:, 1:], ctx.draft_cfg.target_vocab_size)
 
 
 def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
@@ -193,7 +193,7 @@ def _abstract_params(c: DraftModelConfig, shapes) -> dict:
 DRAFT = Draft(
     name="draft_model",
     available=_available,
-    capture=lambda sc: (),
+    capture=lambda ctx: (),
     init_state=_init_state,
     state_logical=_state_logical,
     extend_and_propose=_extend_and_propose,

@@ -210,13 +210,13 @@ def _available(params: dict, cfg: object) -> str | None:
     return None
 
 
-def _init_state(sc, num_pages: int, dtype) -> dict | jax.Array:
+def _init_state(ctx, num_pages: int, dtype) -> dict | jax.Array:
     """The draft layer's paged cache on the target's page ids: K and V [P, page, nkv, hd] (GQA) or
     latent rows [P, page, kv_lora + rope] (MLA)."""
-    c = sc.draft_cfg
+    c = ctx.draft_cfg
     if c.mla is not None:
-        return jnp.zeros((num_pages, sc.page_size, latent_width(c.mla)), dtype)
-    shape = (num_pages, sc.page_size, c.num_key_value_heads, c.head_dim)
+        return jnp.zeros((num_pages, ctx.page_size, latent_width(c.mla)), dtype)
+    shape = (num_pages, ctx.page_size, c.num_key_value_heads, c.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -226,27 +226,27 @@ def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     return ("pages",) + (None,) * (rank - 1)  # MLA latent rows
 
 
-def _rows(params, sc, pages, page_table, next_tokens, state, positions, valid, features):
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
+def _rows(params, ctx, pages, page_table, next_tokens, state, positions, valid, features):
+    paged = PagedAttention(pages, slots_for(page_table, positions, valid, ctx.page_size), page_table)
     return eagle3_layer(
-        params, sc.draft_cfg, next_tokens, state, positions, features=features, paged=paged, mesh=sc.mesh
+        params, ctx.draft_cfg, next_tokens, state, positions, features=features, paged=paged, mesh=ctx.mesh
     )
 
 
-def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampling, first_pos):
+def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, sampling, first_pos):
     """Write the committed rows (target features with the token after each) to the draft cache,
     then chain K drafts from the last one's output."""
-    cfg = sc.draft_cfg
+    cfg = ctx.draft_cfg
     feats = fused_features(rows.hidden.layers)
     h2, normed, pages = _rows(
-        params, sc, pages, page_table, rows.next_tokens, feats, rows.positions, rows.valid, True
+        params, ctx, pages, page_table, rows.next_tokens, feats, rows.positions, rows.valid, True
     )
     last_h2, last_normed = at_rows(h2, rows.last), at_rows(normed, rows.last)
 
     def advance(d, state, pages, position):
         h2, normed, pages = _rows(
             params,
-            sc,
+            ctx,
             pages,
             page_table,
             d[:, None],
@@ -258,7 +258,7 @@ def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampl
         return eagle3_logits(params, cfg, normed[:, 0]), recycled(cfg, h2[:, 0], normed[:, 0]), pages
 
     first = eagle3_logits(params, cfg, last_normed)
-    return chain_drafts(sc, sampling, first_pos, first, recycled(cfg, last_h2, last_normed), pages, advance)
+    return chain_drafts(ctx, sampling, first_pos, first, recycled(cfg, last_h2, last_normed), pages, advance)
 
 
 def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
@@ -338,12 +338,12 @@ def _load(reader, raw, target_cfg, target_params, dtype, *, layer_ids="inputs", 
 DRAFT = Draft(
     name="eagle3",
     available=_available,
-    capture=lambda sc: tuple(sc.draft_cfg.capture),
+    capture=lambda ctx: tuple(ctx.draft_cfg.capture),
     init_state=_init_state,
     state_logical=_state_logical,
     extend_and_propose=_extend_and_propose,
-    teacher_forced=lambda params, sc, tokens, hidden: teacher_forced_logits(
-        params, sc.draft_cfg, tokens, hidden
+    teacher_forced=lambda params, ctx, tokens, hidden: teacher_forced_logits(
+        params, ctx.draft_cfg, tokens, hidden
     ),
     step_reads=_step_reads,
     abstract_params=_abstract_params,

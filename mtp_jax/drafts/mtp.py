@@ -154,39 +154,39 @@ def _available(params: dict, cfg: object) -> str | None:
     return None
 
 
-def _init_state(sc, num_pages: int, dtype) -> jax.Array:
+def _init_state(ctx, num_pages: int, dtype) -> jax.Array:
     """The MTP layer's own paged latent cache [P, page, c], on the target's page ids."""
-    return jnp.zeros((num_pages, sc.page_size, latent_width(sc.cfg)), dtype)
+    return jnp.zeros((num_pages, ctx.page_size, latent_width(ctx.cfg)), dtype)
 
 
 def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     return ("pages",) + (None,) * (rank - 1)
 
 
-def _layer_rows(params, sc, pages, page_table, next_tokens, hidden, positions, valid):
+def _layer_rows(params, ctx, pages, page_table, next_tokens, hidden, positions, valid):
     """The MTP layer over rows written to its paged cache: (states g [b, t, d], pages). No head:
     drafts read it at one state per row (:func:`_propose`)."""
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, sc.page_size), page_table)
-    out = mtp_forward(params, sc.cfg, next_tokens, hidden, positions, paged, mesh=sc.mesh, logits=False)
+    paged = PagedAttention(pages, slots_for(page_table, positions, valid, ctx.page_size), page_table)
+    out = mtp_forward(params, ctx.cfg, next_tokens, hidden, positions, paged, mesh=ctx.mesh, logits=False)
     return out.state, out.pages
 
 
-def _extend_and_propose(params, sc, pages, page_table, rows: Rows, active, sampling, first_pos):
+def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, sampling, first_pos):
     """MTP row i pairs the target's post-norm h_i with token i+1 (``rows.next_tokens``): write the
     committed rows to the MTP cache, then chain K drafts from the last one's state (the head runs
     there alone)."""
     g, pages = _layer_rows(
-        params, sc, pages, page_table, rows.next_tokens, rows.hidden.post_norm, rows.positions, rows.valid
+        params, ctx, pages, page_table, rows.next_tokens, rows.hidden.post_norm, rows.positions, rows.valid
     )
     g = at_rows(g, rows.last)
 
     def advance(d, g, pages, position):
         g, pages = _layer_rows(
-            params, sc, pages, page_table, d[:, None], g[:, None], position[:, None], active[:, None]
+            params, ctx, pages, page_table, d[:, None], g[:, None], position[:, None], active[:, None]
         )
         return mtp_logits(params, g[:, 0]), g[:, 0], pages
 
-    return chain_drafts(sc, sampling, first_pos, mtp_logits(params, g), g, pages, advance)
+    return chain_drafts(ctx, sampling, first_pos, mtp_logits(params, g), g, pages, advance)
 
 
 def teacher_forced_logits(params: dict, cfg: DeepseekV3Config, tokens: jax.Array, hidden) -> jax.Array:
@@ -222,11 +222,11 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 DRAFT = Draft(
     name="mtp",
     available=_available,
-    capture=lambda sc: (),
+    capture=lambda ctx: (),
     init_state=_init_state,
     state_logical=_state_logical,
     extend_and_propose=_extend_and_propose,
-    teacher_forced=lambda params, sc, tokens, hidden: teacher_forced_logits(params, sc.cfg, tokens, hidden),
+    teacher_forced=lambda params, ctx, tokens, hidden: teacher_forced_logits(params, ctx.cfg, tokens, hidden),
     step_reads=_step_reads,
     params_group="mtp",
 )

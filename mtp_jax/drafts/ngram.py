@@ -65,9 +65,9 @@ def lookup(
     return drafts if none is None else jnp.where((best >= 0)[:, None], drafts, none)
 
 
-def _init_state(sc, num_pages: int, dtype) -> jax.Array:
+def _init_state(ctx, num_pages: int, dtype) -> jax.Array:
     """The rows' tokens, paged on the target's page ids: [P, page] int32."""
-    return jnp.zeros((num_pages, sc.page_size), jnp.int32)
+    return jnp.zeros((num_pages, ctx.page_size), jnp.int32)
 
 
 def _history(tokens: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -98,9 +98,9 @@ def _write_and_look_up(
     return drafts, tokens
 
 
-def _extend_and_propose(params, sc, tokens, page_table, rows: Rows, active, sampling, first_pos):
+def _extend_and_propose(params, ctx, tokens, page_table, rows: Rows, active, sampling, first_pos):
     """Write the committed rows' tokens and the committed next token, then look the drafts up."""
-    page, b = sc.page_size, page_table.shape[0]
+    page, b = ctx.page_size, page_table.shape[0]
     slots = slots_for(page_table, rows.positions, rows.valid, page)
     last_pos = at_rows(rows.positions, rows.last) + 1
     next_slots = slots_for(page_table, last_pos[:, None], at_rows(rows.valid, rows.last)[:, None], page)[:, 0]
@@ -113,34 +113,34 @@ def _extend_and_propose(params, sc, tokens, page_table, rows: Rows, active, samp
         at_rows(rows.next_tokens, rows.last),
         first_pos,
     )
-    split = () if sc.mesh is None else split_axes(sc.mesh, ROW_AXES, b, tokens.shape[0])
+    split = () if ctx.mesh is None else split_axes(ctx.mesh, ROW_AXES, b, tokens.shape[0])
     if not split:
-        drafts, tokens = _write_and_look_up(*args, sc.k, page, None, ())
+        drafts, tokens = _write_and_look_up(*args, ctx.k, page, None, ())
     else:
         r = spec_entry(split)
         by_row, one = PartitionSpec(r, None), PartitionSpec(r)
         drafts, tokens = jax.shard_map(
-            lambda *a: _write_and_look_up(*a, sc.k, page, sc.mesh, split),
-            mesh=sc.mesh,
+            lambda *a: _write_and_look_up(*a, ctx.k, page, ctx.mesh, split),
+            mesh=ctx.mesh,
             in_specs=(by_row, by_row, by_row, one, by_row, one, one),
             out_specs=(by_row, by_row),
         )(*args)
-    if sc.k == 0:
+    if ctx.k == 0:
         return no_drafts(b) + (tokens,)
-    if sc.sampled:  # deterministic drafts: q is one-hot (acceptance min(1, p(d)), exact residual)
-        q = jax.nn.one_hot(drafts, sc.cfg.vocab_size, dtype=jnp.float32)  # unproposed rows: capped at 0
+    if ctx.sampled:  # deterministic drafts: q is one-hot (acceptance min(1, p(d)), exact residual)
+        q = jax.nn.one_hot(drafts, ctx.cfg.vocab_size, dtype=jnp.float32)  # unproposed rows: capped at 0
     else:
-        q = jnp.zeros((b, sc.k, 0), jnp.float32)
+        q = jnp.zeros((b, ctx.k, 0), jnp.float32)
     return drafts, q, tokens
 
 
-def _teacher_forced(params, sc, tokens: jax.Array, hidden) -> jax.Array:
+def _teacher_forced(params, ctx, tokens: jax.Array, hidden) -> jax.Array:
     """[b, T-1, V]: row i proposes token i+2 from tokens 0..i+1 (0 at the draft, -inf elsewhere)."""
     t = tokens.shape[1]
     drafts = jax.vmap(lambda n: lookup(tokens, jnp.full((tokens.shape[0],), n, jnp.int32), 1)[:, 0])(
         jnp.arange(2, t + 1, dtype=jnp.int32)
     )  # [T-1, b]
-    onehot = jax.nn.one_hot(drafts.T, sc.cfg.vocab_size, dtype=jnp.float32)
+    onehot = jax.nn.one_hot(drafts.T, ctx.cfg.vocab_size, dtype=jnp.float32)
     return jnp.where(onehot > 0, 0.0, -jnp.inf)
 
 
@@ -152,7 +152,7 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 DRAFT = Draft(
     name="ngram",
     available=lambda params, cfg: None,
-    capture=lambda sc: (),
+    capture=lambda ctx: (),
     init_state=_init_state,
     state_logical=lambda names, rank: ("pages",) + (None,) * (rank - 1),
     extend_and_propose=_extend_and_propose,

@@ -179,7 +179,7 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
     from mtp_jax.cache import page_table_array
     from mtp_jax.drafts.base import Rows
     from mtp_jax.drafts.dflash import DRAFT
-    from mtp_jax.sampling import SamplingParams, draft_probs
+    from mtp_jax.sampling import RowSampling, draft_probs
     from mtp_jax.step import StepConfig
 
     model = models["a"]
@@ -205,7 +205,7 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
         last=jnp.full((b,), t - 2),
     )
     first_pos = jnp.full((b,), t)  # anchor (the last token) at t - 1, drafts from t on
-    sampling = SamplingParams.build(b, temperature=[0.8] * b)
+    sampling = RowSampling.build(b, temperature=[0.8] * b)
     # the trained block of 4, and a block of 2 chosen at run time (generate's draft_block_size)
     full_sc = StepConfig(model.config, page, 3, "dflash", draft_cfg=cfg)
     full = DRAFT.teacher_forced(model.params, full_sc, ids, hidden)

@@ -19,6 +19,7 @@ import pytest
 import mtp_jax
 from mtp_jax.checkpoint.synthetic import llama_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import Llama3Config
+from mtp_jax.request import SpeculativeConfig, step_config
 from tests.conftest import EMBEDDED_MODEL, REPO, check_lossless, check_per_request_k
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
@@ -81,7 +82,7 @@ def test_teacher_forced_logits_are_the_draft_models_own(oracle):
     from mtp_jax.drafts import draft_for
 
     ids = np.asarray([PROMPTS[1]], np.int32)
-    sc = oracle._step_config("draft_model", 2, "argmax")
+    sc = step_config(oracle, SpeculativeConfig("draft_model", 2))
     got = draft_for("draft_model").teacher_forced(oracle.params, sc, jnp.asarray(ids), None)
     np.testing.assert_allclose(np.asarray(got), oracle.logits(ids)[:, 1:], rtol=1e-5, atol=1e-5)
 
@@ -105,7 +106,7 @@ def test_a_smaller_draft_vocabulary_is_never_proposed_past_its_end(tmp_path):
     raw = {**SMALL, "vocab_size": 2000}
     write_hub_checkpoint(tmp_path / "d", raw, llama_hub_tensors(Llama3Config.from_dict(raw), seed=4))
     model = mtp_jax.load(LLAMA, "float32", draft_model=str(tmp_path / "d"))
-    sc = model._step_config("draft_model", 2, "argmax")
+    sc = step_config(model, SpeculativeConfig("draft_model", 2))
     logits = np.asarray(
         draft_for("draft_model").teacher_forced(model.params, sc, jnp.asarray([PROMPTS[1]]), None)
     )

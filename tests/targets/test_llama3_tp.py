@@ -27,8 +27,9 @@ TP_CHILD = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     assert len(jax.devices()) == 8
     import mtp_jax
+    from mtp_jax.request import SpeculativeConfig, step_config
     from mtp_jax import step as step_mod
-    from mtp_jax.sampling import SamplingParams
+    from mtp_jax.sampling import RowSampling
 
     root = sys.argv[1]
     gen = dict(max_new_tokens=12, ignore_eos=True)
@@ -68,7 +69,7 @@ TP_CHILD = textwrap.dedent(
             assert model.generate(prompts, **sampled).tokens == want_sampled, (name, data_n, tensor_n)
 
             # the state: rows and pages over data, KV heads over tensor when they divide it
-            sc = model._step_config(None, None, "argmax")
+            sc = step_config(model, SpeculativeConfig())
             rows = 2 * data_n
             state = step_mod.init_state(sc, rows, 4 * rows, 4, jnp.float32)
             state = jax.device_put(state, mtp_jax.sharding.state_shardings(sc, state))
@@ -80,7 +81,7 @@ TP_CHILD = textwrap.dedent(
             toks = np.asarray([prompts[0][:6]] * rows, np.int32)
             _, state = step_mod.prefill(
                 model.params, state, sc, jnp.arange(rows), toks, jnp.full(rows, 6), jnp.asarray(table),
-                SamplingParams.build(rows),
+                RowSampling.build(rows),
             )
             hlo = step_mod.step.lower(model.params, state, sc).compile().as_text()
             page_elems = 4 * rows * sc.page_size * cfg.head_dim // data_n  # one layer's K, one shard
