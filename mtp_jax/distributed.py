@@ -316,6 +316,27 @@ def _kill(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
             p.wait()
 
 
+class _StreamNames:
+    """Names for this process's broadcast streams: ``kind/n``, n counting the streams of that kind
+    opened so far. Every process opens its streams in the same order (each makes the same
+    engines), so the names agree across processes without a message. The one piece of process-wide
+    state serving keeps: a numbering, under a lock (engines in several threads stay distinct)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._opened: dict[str, int] = {}
+
+    def __call__(self, kind: str) -> str:
+        with self._lock:
+            n = self._opened.get(kind, 0)
+            self._opened[kind] = n + 1
+        return f"{kind}/{n}"
+
+
+stream_name = _StreamNames()
+"""``stream_name(kind) -> "kind/n"``: the next broadcast stream name of that kind."""
+
+
 class Broadcast:
     """An ordered stream of small messages from process 0 to every other process of a run, over
     the coordinator's key-value store (no device collective: a follower may wait for hours while

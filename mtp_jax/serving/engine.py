@@ -1,44 +1,21 @@
-"""A persistent engine: caches allocated once, requests submitted at any time from any thread.
-
-    engine = mtp_jax.Engine(model, slots=8, max_len=2048, draft="mtp", num_speculative_tokens=3)
-    handle = engine.submit([0, 17, 42], max_new_tokens=64, temperature=0.7, seed=1)
-    for token in handle:            # or: async for token in handle (inside an event loop)
-        ...
-    handle.result()                 # Completion(tokens, finish_reason, stats)
-    handle.cancel()                 # stop it now: its slot and pages are freed
-    engine.close()
-
-One background thread owns the :class:`~mtp_jax.engine.Scheduler` (the device state, the page
-allocator and the compiled steps) and runs it whenever a request is waiting or running; other
-threads only validate requests and pass them in, so a request never sees another's tokens. The
-waiting queue is bounded (:class:`EngineFullError` past ``max_queue``); a request that cannot fit a
-slot's cache is refused at submission.
-
-In a multi-process run (``jax.distributed``, a mesh over every process's devices) every process
-makes the same engine; process 0 takes the requests and, before each step, sends the others what
-it did (requests admitted, with everything needed to rebuild them, and cancellations) over the
-coordinator's key-value store; they replay it and run the same step, so the collectives match.
-``scripts/launch.py --serve`` runs the server that way.
-"""
+"""The engine: one background thread that owns the scheduler (device state, page allocator,
+compiled steps) and runs it whenever a request waits or runs; other threads only check requests
+and pass them in through its inbox."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
-import itertools
+import functools
 import json
 import logging
 import queue
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from mtp_jax.distributed import Broadcast
 from mtp_jax.engine import Request, Scheduler, next_power_of_two, pages_needed
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.request import (
@@ -50,162 +27,14 @@ from mtp_jax.request import (
     split_settings,
     step_config,
 )
+from mtp_jax.serving.errors import EngineClosedError, EngineFullError
+from mtp_jax.serving.handle import RequestHandle, StopCheck, token_hook
+from mtp_jax.serving.replay import Replay
+from mtp_jax.serving.warmup import Warmup
 from mtp_jax.sharding import row_shards
 from mtp_jax.text import TextStream
 
 log = logging.getLogger(__name__)
-_ENGINES = itertools.count()  # engines made by this process: each multi-process run's message stream
-
-StopCheck = Callable[[int], bool]
-"""Called with every emitted token of a request (after it is recorded); True stops the request
-with finish reason "stop" (stop strings are checked this way)."""
-
-
-class EngineFullError(InvalidRequestError):
-    """The engine's waiting queue is full: try again later."""
-
-
-class EngineClosedError(InvalidRequestError):
-    """The engine was closed (or its loop failed): it takes no more requests."""
-
-
-@dataclasses.dataclass
-class Completion:
-    """A finished request: its new tokens, why it stopped ("eos", "length", "stop", "grammar",
-    "cancelled", or "error"), its speculation counters (:class:`~mtp_jax.engine.SpecCounters`),
-    and its text (with a text prompt or stop strings)."""
-
-    tokens: list[int]
-    finish_reason: str
-    stats: dict
-    text: str | None = None
-
-
-class RequestHandle:
-    """A submitted request. Iterate it (``for`` in a thread, ``async for`` in an event loop) for
-    its tokens as they are emitted, or :meth:`stream` / :meth:`astream` for (tokens, text) pieces;
-    :meth:`result` waits for the end; :meth:`cancel` stops it. With a text prompt or stop strings
-    the text is detokenised as it comes (never inside a character), stop strings cut out."""
-
-    def __init__(self, engine: Engine, request: Request, text: TextStream | None = None) -> None:
-        self._engine = engine
-        self.request = request
-        self._text = text
-        self._cond = threading.Condition()
-        self._tokens: list[int] = []
-        self._pieces: list[str] = []  # the text each token released
-        self._tail = ""  # the text released at the end
-        self._finish: str | None = None
-        self._error: BaseException | None = None
-        self._checked: CheckedRequest | None = None  # what the engine was asked (see Engine.submit)
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    # called on the engine's thread
-    def _push(self, token: int) -> bool:
-        piece, stop = self._text.push(token) if self._text is not None else ("", False)
-        with self._cond:
-            self._tokens.append(token)
-            self._pieces.append(piece)
-        self._engine._fresh.add(self)  # consumers are woken once per step, not once per token
-        return stop
-
-    def _announce(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        _wake(waiters)
-
-    def _close(self, reason: str, error: BaseException | None = None) -> None:
-        tail = self._text.finish() if self._text is not None and error is None else ""
-        with self._cond:
-            if self._finish is not None:
-                return
-            self._finish, self._error, self._tail = reason, error, tail
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        _wake(waiters)
-
-    @property
-    def id(self) -> int:
-        return self.request.id
-
-    @property
-    def done(self) -> bool:
-        return self._finish is not None
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._finish
-
-    def cancel(self) -> None:
-        """Stop the request now (a no-op once it has finished); its pages are freed at once."""
-        if not self.done:
-            self._engine._cancel(self)
-
-    def _since(self, i: int) -> tuple[list[int], str, bool]:
-        """(tokens from i on, their text, finished); the end's text once all tokens are out."""
-        tokens, pieces, finished = self._tokens[i:], self._pieces[i:], self._finish is not None
-        return tokens, "".join(pieces) + (self._tail if finished else ""), finished
-
-    def stream(self) -> Iterator[tuple[list[int], str]]:
-        """(new tokens, new text) as they come, until the request ends."""
-        i = 0
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda i=i: len(self._tokens) > i or self._finish is not None)
-                tokens, text, finished = self._since(i)
-            i += len(tokens)
-            if tokens or text:
-                yield tokens, text
-            if finished:
-                self._raise_error()
-                return
-
-    async def astream(self) -> AsyncIterator[tuple[list[int], str]]:
-        """:meth:`stream` in an event loop (woken from the engine's thread; no thread per request)."""
-        event = asyncio.Event()
-        entry = (asyncio.get_running_loop(), event)
-        with self._cond:
-            self._waiters.append(entry)
-        try:
-            i = 0
-            while True:
-                event.clear()
-                with self._cond:
-                    tokens, text, finished = self._since(i)
-                i += len(tokens)
-                if tokens or text:
-                    yield tokens, text
-                if finished:
-                    break
-                if not tokens:
-                    await event.wait()
-        finally:
-            with self._cond:
-                self._waiters.remove(entry)
-        self._raise_error()
-
-    def __iter__(self) -> Iterator[int]:
-        for tokens, _ in self.stream():
-            yield from tokens
-
-    async def __aiter__(self) -> AsyncIterator[int]:
-        async for tokens, _ in self.astream():
-            for token in tokens:
-                yield token
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"request {self.id} failed: {self._error}") from self._error
-
-    def result(self, timeout: float | None = None) -> Completion:
-        """Wait for the request to finish (TimeoutError after ``timeout`` seconds)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._finish is not None, timeout):
-                raise TimeoutError(f"request {self.id} still running after {timeout} s")
-            text = "".join(self._pieces) + self._tail if self._text is not None else None
-        self._raise_error()
-        return Completion(list(self._tokens), self._finish, self.request.counters.as_dict(), text)
 
 
 class Engine:
@@ -300,16 +129,11 @@ class Engine:
         self._prompt_tokens = self._generation_tokens = 0  # of finished requests
         self._closed = False
         self._failure: BaseException | None = None
-        self._events: list[list] = []  # what the loop did since the last step (for the followers)
         self._fresh: set[RequestHandle] = set()  # handles with tokens their consumers have not seen
-        self._warm_jobs: list[tuple[str, int, int]] = []  # a background warm-up's programs left
-        self._warm_progress: Callable[[int, int], None] | None = None
-        self._warm_total = self._warm_done = 0
-        self._channel = None
-        self.leader = jax.process_index() == 0
-        if jax.process_count() > 1:
-            self._channel = Broadcast(f"mtp_jax/engine/{next(_ENGINES)}")
-        loop = self._loop if self.leader else self._follow
+        self.warming = Warmup(self.scheduler, max_len - 1, range(sc.k + 1))
+        self.replay = Replay()
+        self.leader = self.replay.leader
+        loop = self._loop if self.leader else functools.partial(self.replay.follow, self)
         self._thread = threading.Thread(target=loop, name="mtp-jax-engine", daemon=True)
         self._thread.start()
 
@@ -331,12 +155,12 @@ class Engine:
         decoding; default: the engine's K). ``stop`` strings and ``stop_token_ids`` end it with
         finish reason "stop"; ``stop_check(token)`` True too (one process only). Text prompts, stop
         strings or ``detokenize`` give the handle the request's text as it comes."""
-        if self._channel is not None and not self.leader:
+        if not self.leader:
             raise InvalidRequestError(
-                f"this is process {self._channel.me} of a multi-process run: requests go to process 0's "
-                "engine (the others follow it)"
+                f"this is process {self.replay.channel.me} of a multi-process run: requests go to "
+                "process 0's engine (the others follow it)"
             )
-        if stop_check is not None and self._channel is not None:
+        if stop_check is not None and self.replay.multi_process:
             raise InvalidRequestError(
                 "stop_check cannot be replayed on the other processes of a multi-process run: use stop "
                 "strings or stop_token_ids"
@@ -355,7 +179,7 @@ class Engine:
             text=detokenize,
         )
         spec = checked.to_json()  # everything a process needs to build the same request
-        if self._channel is not None:
+        if self.replay.multi_process:
             try:
                 json.dumps(spec)
             except (TypeError, ValueError) as e:
@@ -384,7 +208,7 @@ class Engine:
         handle = RequestHandle(self, request, text)
         handle._checked = checked
         stop_ids = frozenset(params.stop_token_ids) or None
-        request.on_token = _token_hook(handle, stop_ids, stop_check)
+        request.on_token = token_hook(handle, stop_ids, stop_check)
         request.on_finish = lambda req, handle=handle: self._finished(handle, req.finish)
         return handle
 
@@ -430,7 +254,7 @@ class Engine:
                     self._waiting -= 1
                 return True
             self._schedule(value)
-            self._events.append(["submit", value.id, value._checked.to_json()])
+            self.replay.record("submit", value.id, value._checked.to_json())
         elif kind == "cancel":
             request = value.request
             if request.counters is None:  # not in the scheduler yet: its "submit" item follows
@@ -438,7 +262,7 @@ class Engine:
                 return True
             waiting = request in self.scheduler.queue
             self.scheduler.cancel(request)
-            self._events.append(["cancel", value.id])
+            self.replay.record("cancel", value.id)
             if waiting:
                 with self._lock:
                     self._waiting -= 1
@@ -449,9 +273,9 @@ class Engine:
                     raise InvalidRequestError("warm the engine up before requests run (some are running)")
                 # the followers compile the same programs in the same order (and, this message
                 # ending with "warmup", do not step after it: neither does this loop)
-                self._events.append(["warmup"])
-                self._publish()
-                done.append(self._warmup(progress))
+                self.replay.record("warmup")
+                self.replay.publish()
+                done.append(self.warming.run(progress))
             except InvalidRequestError as e:
                 done.append(e)
             except BaseException as e:
@@ -461,20 +285,11 @@ class Engine:
                 with done[0]:
                     done[0].notify_all()
         elif kind == "warmup_background":
-            self._warm_jobs, self._warm_progress = list(value[0]), value[1]
+            self.warming.start(*value)
         elif kind == "close":
-            self._events.append(["close"])
+            self.replay.record("close")
             return False
         return True
-
-    def _warmup_scope(self) -> tuple[int, range]:
-        """The longest prompt and the Ks a request can bring: what a warm-up covers."""
-        return self.max_len - 1, range(self.sc.k + 1)
-
-    def _warmup(self, progress: Callable[[int, int], None] | None) -> int:
-        self._warm_jobs = []  # a background warm-up still under way has nothing left to do
-        self._warm_total = self._warm_done = 0
-        return self.scheduler.warmup(*self._warmup_scope(), progress)
 
     def warmup(self, progress: Callable[[int, int], None] | None = None, background: bool = False) -> int:
         """Compile every prefill and step program a request without a grammar can need (each
@@ -488,9 +303,7 @@ class Engine:
         if not self.leader:
             raise InvalidRequestError("only process 0's engine warms up: the others follow it")
         if background:
-            jobs = self.scheduler.warmup_jobs(*self._warmup_scope())
-            # counted here, so that stats() shows the programs left as soon as this returns
-            self._warm_total, self._warm_done = len(jobs), 0
+            jobs = self.warming.plan()
             self._inbox.put(("warmup_background", (jobs, progress)))
             return len(jobs)
         done: list = [threading.Condition()]
@@ -509,16 +322,10 @@ class Engine:
             self.scheduler.constraints = self._constraints
         self.scheduler.submit(handle.request)
 
-    def _publish(self) -> None:
-        """(Process 0 of a multi-process run.) Tell the followers what happened before this step."""
-        events, self._events = self._events, []
-        if self._channel is not None:
-            self._channel.send(json.dumps(events))
-
     def _loop(self) -> None:
         running = True
         while running:
-            block = not self.scheduler.busy and not self._warm_jobs
+            block = not self.scheduler.busy and not self.warming.jobs
             try:
                 item = self._inbox.get(block=block)
                 running = self._take(item)
@@ -527,12 +334,13 @@ class Engine:
             except queue.Empty:
                 pass
             job = None
-            if running and self._warm_jobs and not self.scheduler.busy:
+            if running and not self.scheduler.busy:
                 # idle: one program of a background warm-up instead of a step (the followers too)
-                job = self._warm_jobs.pop(0)
-                self._events.append(["warmjob", *job])
+                job = self.warming.next_job()
+                if job is not None:
+                    self.replay.record("warmjob", *job)
             try:
-                self._publish()
+                self.replay.publish()
             except BaseException as e:
                 log.exception("the engine could not reach the other processes")
                 self._fail(e)
@@ -541,10 +349,7 @@ class Engine:
                 break
             if job is not None:
                 try:
-                    self.scheduler.warmup_job(*job)
-                    self._warm_done += 1
-                    if self._warm_progress is not None:
-                        self._warm_progress(self._warm_done, self._warm_total)
+                    self.warming.compile(job)
                 except BaseException as e:
                     log.exception("the engine's warm-up failed")
                     self._fail(e)
@@ -557,9 +362,7 @@ class Engine:
             except BaseException as e:  # the device state is unknown now: fail everything, stop
                 log.exception("the engine's loop failed")
                 self._fail(e)
-                if self._channel is not None:  # let the followers stop too (best effort)
-                    with contextlib.suppress(BaseException):
-                        self._channel.send(json.dumps([["close"]]))
+                self.replay.abort()
                 return
             admitted = queued - len(self.scheduler.queue)
             if admitted > 0:
@@ -572,37 +375,20 @@ class Engine:
         for handle in fresh:
             handle._announce()
 
-    def _follow(self) -> None:
-        """(Processes other than 0.) Apply what process 0's engine did before each of its steps, then
-        run the same step: the same requests in the same slots, so every collective matches. A
-        message ending with "warmup" is followed by the warm-up instead of a step, as on process 0."""
-        try:
-            while True:
-                events = json.loads(self._channel.receive())
-                for kind, *args in events:
-                    if kind == "submit":
-                        rid, spec = args
-                        handle = self._build(rid, CheckedRequest.from_json(spec), None)
-                        with self._lock:
-                            self._handles[rid] = handle
-                        self._schedule(handle)
-                    elif kind == "cancel":
-                        handle = self._handles.get(args[0])
-                        if handle is not None:
-                            self.scheduler.cancel(handle.request)
-                    elif kind == "close":
-                        self._fail(EngineClosedError("process 0 closed the engine"))
-                        return
-                if events and events[-1] == ["warmup"]:
-                    self._warmup(None)
-                elif events and events[-1][0] == "warmjob":
-                    self.scheduler.warmup_job(*events[-1][1:])
-                else:
-                    self.scheduler.advance()
-                    self._announce()
-        except BaseException as e:
-            log.exception("the engine's follower loop failed")
-            self._fail(e)
+    # -- a follower's replay (mtp_jax.serving.replay) ---------------------------------------------
+
+    def _adopt(self, rid: int, checked: CheckedRequest) -> None:
+        """(Other processes.) Schedule the request process 0 admitted as ``rid``."""
+        handle = self._build(rid, checked, None)
+        with self._lock:
+            self._handles[rid] = handle
+        self._schedule(handle)
+
+    def _drop(self, rid: int) -> None:
+        """(Other processes.) Cancel request ``rid`` as process 0 did."""
+        handle = self._handles.get(rid)
+        if handle is not None:
+            self.scheduler.cancel(handle.request)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -649,22 +435,8 @@ class Engine:
             "num_pages": self.scheduler.allocator.num_pages,
             "step_programs": len(self.scheduler.programs),
             "step_shapes": sorted(self.scheduler.programs),  # (K, rows) of each step program run
-            "warmup_left": self._warm_total - self._warm_done,  # programs a background warm-up has left
+            "warmup_left": self.warming.left,  # programs a background warm-up has left
             "finished": dict(self._finished_by),
             "prompt_tokens": self._prompt_tokens,
             "generation_tokens": self._generation_tokens,
         }
-
-
-def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
-    for loop, event in waiters:
-        with contextlib.suppress(RuntimeError):  # that event loop is closed
-            loop.call_soon_threadsafe(event.set)
-
-
-def _token_hook(handle: RequestHandle, stops: frozenset[int] | None, stop: StopCheck | None) -> Callable:
-    def on_token(token: int) -> bool:
-        hit = handle._push(token)
-        return hit or (stops is not None and token in stops) or (stop is not None and bool(stop(token)))
-
-    return on_token

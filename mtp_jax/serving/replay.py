@@ -1,0 +1,80 @@
+"""Multi-process serving: process 0's engine loop records what it does before each step (requests
+admitted, with everything needed to rebuild them, cancellations, warm-ups) and sends it over the
+coordinator's key-value store; every other process replays it and runs the same step, so the
+requests sit in the same slots and every collective matches."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import jax
+
+from mtp_jax.distributed import Broadcast, stream_name
+from mtp_jax.request import CheckedRequest
+from mtp_jax.serving.errors import EngineClosedError
+
+if TYPE_CHECKING:
+    from mtp_jax.serving.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+class Replay:
+    """One engine's stream of events to the other processes (a no-op in a one-process run).
+
+    Events are JSON lists: ``["submit", id, request]``, ``["cancel", id]``, ``["warmup"]`` (the
+    followers warm up instead of stepping), ``["warmjob", kind, ...]`` (one program of a background
+    warm-up instead of a step) and ``["close"]``."""
+
+    def __init__(self) -> None:
+        self.leader = jax.process_index() == 0
+        self.channel = Broadcast(stream_name("mtp_jax/engine")) if jax.process_count() > 1 else None
+        self.events: list[list] = []  # what the loop did since the last step
+
+    @property
+    def multi_process(self) -> bool:
+        return self.channel is not None
+
+    def record(self, *event) -> None:
+        self.events.append(list(event))
+
+    def publish(self) -> None:
+        """(Process 0.) Tell the followers what happened before this step."""
+        events, self.events = self.events, []
+        if self.channel is not None:
+            self.channel.send(json.dumps(events))
+
+    def abort(self) -> None:
+        """(Process 0, its loop failed.) Let the followers stop too, best effort."""
+        if self.channel is not None:
+            with contextlib.suppress(BaseException):
+                self.channel.send(json.dumps([["close"]]))
+
+    def follow(self, engine: Engine) -> None:
+        """(Processes other than 0: the engine thread's loop.) Apply what process 0's engine did
+        before each of its steps, then run the same step, warm-up or warm-up program."""
+        try:
+            while True:
+                events = json.loads(self.channel.receive())
+                for kind, *args in events:
+                    if kind == "submit":
+                        rid, spec = args
+                        engine._adopt(rid, CheckedRequest.from_json(spec))
+                    elif kind == "cancel":
+                        engine._drop(args[0])
+                    elif kind == "close":
+                        engine._fail(EngineClosedError("process 0 closed the engine"))
+                        return
+                if events and events[-1] == ["warmup"]:
+                    engine.warming.run(None)
+                elif events and events[-1][0] == "warmjob":
+                    engine.scheduler.warmup_job(*events[-1][1:])
+                else:
+                    engine.scheduler.advance()
+                    engine._announce()
+        except BaseException as e:
+            log.exception("the engine's follower loop failed")
+            engine._fail(e)
