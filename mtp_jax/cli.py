@@ -267,6 +267,12 @@ def _add_plan_parser(sub) -> None:
         help="how the draft config's eagle_aux_hidden_state_layer_ids are read (as load() reads them)",
     )
     p.add_argument(
+        "--draft",
+        default=None,
+        help="a registered draft by name (e.g. ngram, or a plug-in); default: the MTP layer, or the "
+        "--draft-config's draft",
+    )
+    p.add_argument(
         "--weights",
         default=None,
         choices=["fp8", "bf16"],
@@ -595,13 +601,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
     import subprocess
 
-    from mtp_jax.config import (
-        DFlashConfig,
-        Llama3Config,
-        parse_config,
-        parse_draft_config,
-        read_json,
-    )
+    from mtp_jax.config import Llama3Config, parse_config, parse_draft_config, read_json
+    from mtp_jax.drafts import DRAFTS, draft_for_config
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
 
     if (args.model is None) == (args.config is None):
@@ -614,9 +615,10 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         draft_cfg = parse_draft_config(raw, cfg.num_hidden_layers, args.draft_layer_ids, cfg.vocab_size)
     k = args.k
     if k is None:
-        k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) or draft_cfg is not None else 0
-        if isinstance(draft_cfg, DFlashConfig):
-            k = draft_cfg.block_size - 1  # a whole block, as generate() defaults
+        k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) else 0
+        method = draft_for_config(draft_cfg) if draft_cfg is not None else DRAFTS.get(args.draft)
+        if method is not None:  # the draft's own default, as generate() takes it
+            k = method.default_k if method.configure is None else method.configure(draft_cfg, None, None)[1]
     options = {
         "batch": args.batch,
         "max_len": args.max_len,
@@ -625,6 +627,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         "weights": args.weights or ("fp8" if cfg.quantization_config is not None else "bf16"),
         "prefill_len": args.prefill_len,
         "draft_cfg": draft_cfg,
+        "draft": args.draft,
     }
     mesh = args.mesh or ("data=1,tensor=8" if isinstance(cfg, Llama3Config) else "data=1,expert=8")
     try:  # before any device exists: a bad request never waits for a re-run or a compile

@@ -36,7 +36,7 @@ from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
-from mtp_jax.drafts import draft_for_config
+from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 from mtp_jax.targets.llama3 import leaves_tree, target_layer_leaves
 
@@ -421,6 +421,7 @@ def check_plan(
     weights: str,
     prefill_len: int,
     draft_cfg: Eagle3Config | DFlashConfig | None = None,
+    draft: str | None = None,
 ) -> dict[str, int]:
     """Validate :func:`plan`'s arguments before anything is compiled (ValueError with the reason);
     returns the mesh axes with missing ones set to 1."""
@@ -430,10 +431,19 @@ def check_plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if not 0 <= k <= 16:
         raise ValueError(f"k must be in [0, 16], got {k}")
+    if draft is not None:
+        if draft not in DRAFTS:
+            raise ValueError(f"unknown draft {draft!r}; registered: {', '.join(DRAFTS)}")
+        if DRAFTS[draft].config_class is not None and draft_cfg is None:
+            raise ValueError(
+                f"draft {draft!r} is a separately loaded draft: give its config (--draft-config)"
+            )
+        if draft_cfg is not None and (kind := draft_for_config(draft_cfg).name) != draft:
+            raise ValueError(f"the draft config is a {kind!r} draft, not {draft!r}")
     check_draft = None if draft_cfg is None else draft_for_config(draft_cfg).check_plan
     if check_draft is not None:
         check_draft(draft_cfg, cfg, k)  # the draft's own checks
-    if draft_cfg is None and k and not getattr(cfg, "num_nextn_predict_layers", 0):
+    if draft in (None, "mtp") and draft_cfg is None and k and not getattr(cfg, "num_nextn_predict_layers", 0):
         raise ValueError(
             "k > 0 drafts with the MTP layer, but the model has none (num_nextn_predict_layers 0, or a "
             "Llama model): use k 0, or plan a separately trained draft (--draft-config)"
@@ -467,13 +477,15 @@ def plan(
     log: TextIO | None = None,
     cpu_as_is: bool = False,
     draft_cfg: Eagle3Config | DFlashConfig | None = None,
+    draft: str | None = None,
 ) -> PlanReport:
     """Lower and compile the unified step for ``cfg`` on a mesh of ``mesh_axes`` (data, expert,
     tensor; missing axes 1) from abstract shapes, and measure it per device.
 
     ``batch`` rows of ``max_len`` tokens (KV cache, see :class:`CacheLayout`), ``k`` drafts per
-    step (0: plain decoding, no draft) from the MTP layer or, with ``draft_cfg``, an EAGLE-3 draft
-    (its layers captured by the target, its own paged cache), weights as in :func:`abstract_params`,
+    step (0: plain decoding, no draft) from the MTP layer, a separately loaded draft of config
+    ``draft_cfg`` (EAGLE-3, DFlash, a draft model: its own weights and paged cache), or the
+    registered draft named ``draft`` (e.g. "ngram", or a plug-in), weights as in :func:`abstract_params`,
     ``dtype`` for the dense parameters, activations and caches. ``prefill_len`` > 0 also compiles
     prefill of prompts of that many tokens, one per row shard (data x expert rows: admitting one
     request, the engine pads its prefill batch so). The process needs the mesh's devices
@@ -482,12 +494,15 @@ def plan(
     """
     from mtp_jax.step import StepConfig, prefill, step
 
-    axes = check_plan(cfg, mesh_axes, batch, max_len, page_size, k, weights, prefill_len, draft_cfg)
+    axes = check_plan(cfg, mesh_axes, batch, max_len, page_size, k, weights, prefill_len, draft_cfg, draft)
     jdtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[dtype]
     mesh = make_mesh(**axes, devices=plan_devices(math.prod(axes.values())))
     layout = CacheLayout(batch, max_len, page_size, k)
     draft_cfg = draft_cfg if k else None
-    draft = None if not k else "mtp" if draft_cfg is None else draft_for_config(draft_cfg).name
+    if not k:
+        draft = None
+    elif draft is None:
+        draft = "mtp" if draft_cfg is None else draft_for_config(draft_cfg).name
     sc = StepConfig(cfg, page_size, k, draft, "argmax", mesh, draft_cfg=draft_cfg)
     params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=draft == "mtp", draft_cfg=draft_cfg)
     state = abstract_state(sc, layout, jdtype)
@@ -537,7 +552,8 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
     function, and with ``device_memory_gb`` (10^9 bytes) whether the peak fits and by how much."""
     lay = report.layout
     mesh = " ".join(f"{k}={v}" for k, v in report.mesh.items())
-    name = {"mtp": "MTP", "eagle3": "EAGLE-3", "dflash": "DFlash"}.get(report.draft or "mtp", report.draft)
+    method = draft_for(report.draft or "mtp")
+    name = method.title or method.name
     draft = f"{name} K={lay.k}" if lay.k else "plain (K=0)"
     cache_label = f"KV cache (target + {name})" if lay.k else "KV cache"
     lines = [
@@ -551,7 +567,7 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
         f"  {report.split_label:<26}{format_bytes(report.expert_bytes):>12}",
         f"  {'weights total':<26}{format_bytes(report.weight_bytes):>12}"
         f"  (analytic estimate {format_bytes(report.estimate_weight_bytes)}"
-        + (", the target alone)" if report.draft in ("eagle3", "dflash") else ")"),
+        + (", the target alone)" if method.config_class is not None and lay.k else ")"),
         f"  {cache_label:<26}{format_bytes(report.cache_bytes):>12}",
         f"  {'other decode state':<26}{format_bytes(report.state_bytes):>12}",
     ]

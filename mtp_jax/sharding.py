@@ -240,13 +240,28 @@ def param_logical(group: str, names: Sequence[str], rank: int) -> tuple[str | No
         names.pop()
     if group in EXPERT_STACKS and "mlp" in names and names and names[-1] in ROUTED_EXPERT_LEAVES:
         return ("experts",) + (None,) * (rank - 1)
-    if group in ("layers", "eagle3") and tuple(names[-2:]) in _LLAMA_LAYER:
-        return _LLAMA_LAYER[tuple(names[-2:])]
-    if group == "dflash" and names[:1] == ["layers"]:  # the draft's own stack [n, ...]: never split
-        return (None,) + _LLAMA_LAYER.get(tuple(names[-2:]), (None,) * (rank - 1))
-    if rank == 2 and (group == "lm_head" or (group == "eagle3" and names == ["lm_head"])):
+    if group in _GROUP_LAYOUTS:
+        return tuple(_GROUP_LAYOUTS[group](names, rank))
+    if group == "layers":
+        return llama_layer_logical(names, rank)
+    if rank == 2 and group == "lm_head":
         return (None, "vocab")  # [d, V]: vocabulary-parallel head
     return (None,) * rank
+
+
+def llama_layer_logical(names: Sequence[str], rank: int) -> tuple[str | None, ...]:
+    """Logical axes of a leaf of one Llama-family decoder layer (attention heads and MLP columns
+    over ``tensor``); anything else (norms) replicated."""
+    return _LLAMA_LAYER.get(tuple(names[-2:]), (None,) * rank)
+
+
+_GROUP_LAYOUTS: dict[str, Any] = {}
+
+
+def register_group_layout(group: str, layout: Any) -> None:
+    """Make ``layout(names, rank) -> logical axes`` decide the leaves of parameter group ``group``
+    (a draft's own weights, registered by its module: :func:`param_logical` names no draft)."""
+    _GROUP_LAYOUTS[group] = layout
 
 
 def group_shardings(mesh: Mesh, group: str, tree: Any, stacked: bool = False) -> Any:

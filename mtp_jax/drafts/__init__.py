@@ -9,6 +9,7 @@ way before it is used.
 from __future__ import annotations
 
 from mtp_jax.drafts.base import Draft, DraftContext, Rows
+from mtp_jax.sharding import register_group_layout
 
 DRAFTS: dict[str, Draft] = {}
 """The registered draft methods by name (read it live: plug-ins add to it)."""
@@ -24,6 +25,8 @@ def register_draft(draft: Draft, *, replace: bool = False) -> Draft:
     if draft.name in DRAFTS and not replace and DRAFTS[draft.name] is not draft:
         raise ValueError(f"a draft named {draft.name!r} is already registered (pass replace=True)")
     DRAFTS[draft.name] = draft
+    if draft.params_group is not None and draft.param_logical is not None:
+        register_group_layout(draft.params_group, draft.param_logical)
     return draft
 
 

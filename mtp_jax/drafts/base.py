@@ -128,6 +128,10 @@ class Draft:
     load: Callable[..., tuple[Any, dict]] | None = None
     """``load(reader, raw, target_cfg, target_params, dtype, *, layer_ids, strict, mesh,
     target_path) -> (draft config, params[params_group])``: read a recognised draft for the target."""
+    param_logical: Callable[[list[str], int], tuple[str | None, ...]] | None = None
+    """``param_logical(names, rank)``: logical axes (:mod:`mtp_jax.sharding`) of the leaf at dict
+    path ``names`` inside the draft's ``params_group`` (one layer: ``rank`` without a stacking
+    axis). None: replicated."""
     default_k: int = 3
     """K when a request or engine names the draft without one."""
     configure: Callable[[Any, int | None, int | None], tuple[Any, int | None]] | None = None

@@ -39,6 +39,7 @@ from mtp_jax.errors import InvalidRequestError
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
 from mtp_jax.param_bytes import nbytes
+from mtp_jax.sharding import llama_layer_logical
 from mtp_jax.targets.base import Hidden, lm_head, scan_layers
 from mtp_jax.targets.llama3 import rope_tables
 from pallas_kernels.chunks import gather_pages
@@ -325,6 +326,14 @@ def _configure(draft_cfg: DFlashConfig, k: int | None, block: int | None) -> tup
     return draft_cfg, k
 
 
+def _param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+    """Its decoder layers sit in one stack [n, ...] (never split) inside the group; the rest
+    (fc, norms) replicated."""
+    if names[:1] == ["layers"]:
+        return (None,) + llama_layer_logical(names, rank - 1)
+    return (None,) * rank
+
+
 DRAFT = Draft(
     name="dflash",
     available=_available,
@@ -338,6 +347,7 @@ DRAFT = Draft(
     abstract_params=_abstract_params,
     title="DFlash",
     params_group="dflash",
+    param_logical=_param_logical,
     config_class=DFlashConfig,
     check_plan=_check_plan,
     recognises=_recognises,

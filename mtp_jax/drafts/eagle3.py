@@ -49,6 +49,7 @@ from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import nbytes, path_names
+from mtp_jax.sharding import llama_layer_logical
 from mtp_jax.targets.base import Hidden, PagedAttention
 from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
 from mtp_jax.targets.llama3 import attention, qkv, rope_tables
@@ -335,6 +336,13 @@ def _load(reader, raw, target_cfg, target_params, dtype, *, layer_ids="inputs", 
     )
 
 
+def _param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+    """Its decoder layer split as a target layer; its own head vocabulary-parallel."""
+    if rank == 2 and names == ["lm_head"]:
+        return (None, "vocab")
+    return llama_layer_logical(names, rank)
+
+
 DRAFT = Draft(
     name="eagle3",
     available=_available,
@@ -349,6 +357,7 @@ DRAFT = Draft(
     abstract_params=_abstract_params,
     title="EAGLE-3",
     params_group="eagle3",
+    param_logical=_param_logical,
     config_class=Eagle3Config,
     check_plan=_check_plan,
     recognises=_recognises,

@@ -221,6 +221,7 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 
 DRAFT = Draft(
     name="mtp",
+    title="MTP",
     available=_available,
     capture=lambda ctx: (),
     init_state=_init_state,

@@ -1,6 +1,6 @@
 """A draft defined outside the package (here, in this file) and registered with
-``register_draft`` runs everywhere a shipped one does: ``generate``, the engine, the CLI and
-``mtp-jax bench``, with no edit to the package."""
+``register_draft`` runs everywhere a shipped one does: ``generate``, the engine, the CLI,
+``mtp-jax bench``, ``mtp-jax plan`` and the roofline, with no edit to the package."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def echo():
 PROMPTS = [[8, 8, 8, 8, 8], [5, 9, 17, 3], [40, 2, 2, 7]]
 
 
-def test_a_registered_draft_runs_through_generate_the_engine_the_cli_and_bench(echo, tmp_path, capsys):
+def test_a_registered_draft_runs_everywhere_a_shipped_one_does(echo, tmp_path, capsys):
     model = mtp_jax.load(LLAMA, "float32", page_size=4)
     assert "echo" in model.drafts  # it has no weights to miss: available to every model
     plain = model.generate(PROMPTS, max_new_tokens=10, ignore_eos=True).tokens
@@ -72,6 +72,10 @@ def test_a_registered_draft_runs_through_generate_the_engine_the_cli_and_bench(e
     assert main([*bench, "--new-tokens", "4", "--repeats", "1", "--no-baseline", "--json", str(out)]) == 0
     assert [r["draft"] for r in json.loads(out.read_text())["results"]] == [None, "echo"]
     capsys.readouterr()
+    # plan compiles the step with it (abstract shapes, one device)
+    planned = ["--draft", "echo", "-k", "2", "--mesh", "data=1", "--batch", "2", "--max-len", "32"]
+    assert main(["plan", LLAMA, *planned]) == 0
+    assert "echo K=2" in capsys.readouterr().out
     # the roofline asks the draft what it reads (no step_reads hook: nothing of its own)
     got = step_bytes(model.params, model.config, k=2, batch=1, context=4, cache_itemsize=4, draft="echo")
     assert got.draft_weights == got.draft_heads == got.draft_experts == 0 and got.target_weights > 0
@@ -88,5 +92,12 @@ def test_registration_is_checked(echo):
             register_draft(Draft(**{**ECHO.__dict__, "name": name}))
     with pytest.raises(TypeError, match="takes a mtp_jax.drafts.Draft"):
         register_draft("echo")
+    # a draft with weights of its own tells the loader's shardings how to split them
+    from mtp_jax.sharding import param_logical
+
+    layout = {"params_group": "echo_w", "param_logical": lambda names, rank: ("vocab",) * rank}
+    weighted = Draft(**{**ECHO.__dict__, **layout})
+    register_draft(weighted, replace=True)
+    assert param_logical("echo_w", ["head"], 2) == ("vocab", "vocab")
     with pytest.raises(mtp_jax.InvalidRequestError, match="unknown draft 'nope'"):
         mtp_jax.load(LLAMA, "float32").generate([[1, 2]], draft="nope")

@@ -129,6 +129,13 @@ def test_parameter_logical_axes():
     assert param_logical("embed", [], 2) == (None, None)
     assert param_logical("moe", ["mlp", "gate", "fp8"], 3) == ("experts", None, None)
     assert param_logical("dense", ["mlp", "gate"], 2) == (None, None)  # DeepSeek: replicated
+    import mtp_jax.drafts  # noqa: F401  (the drafts register their groups' layouts)
+
+    assert param_logical("eagle3", ["attn", "q"], 3) == (None, "heads", None)
+    assert param_logical("eagle3", ["lm_head"], 2) == (None, "vocab")
+    assert param_logical("eagle3", ["fc"], 2) == (None, None)
+    assert param_logical("dflash", ["layers", "mlp", "up"], 3) == (None, None, "ffn")
+    assert param_logical("dflash", ["fc"], 2) == (None, None)
 
 
 def test_tensor_split_rules():
