@@ -604,6 +604,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     from mtp_jax.config import Llama3Config, parse_config, parse_draft_config, read_json
     from mtp_jax.drafts import DRAFTS, draft_for_config
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
+    from mtp_jax.targets import target_for
 
     if (args.model is None) == (args.config is None):
         raise CliError("give either a checkpoint directory or --config FILE")
@@ -615,8 +616,9 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         draft_cfg = parse_draft_config(raw, cfg.num_hidden_layers, args.draft_layer_ids, cfg.vocab_size)
     k = args.k
     if k is None:
-        k = 3 if getattr(cfg, "num_nextn_predict_layers", 0) else 0
-        method = draft_for_config(draft_cfg) if draft_cfg is not None else DRAFTS.get(args.draft)
+        k = 0
+        named = args.draft or target_for(cfg).own_draft(cfg)
+        method = draft_for_config(draft_cfg) if draft_cfg is not None else DRAFTS.get(named)
         if method is not None:  # the draft's own default, as generate() takes it
             k = method.default_k if method.configure is None else method.configure(draft_cfg, None, None)[1]
     options = {

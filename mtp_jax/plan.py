@@ -38,6 +38,7 @@ from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
 from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
+from mtp_jax.targets import target_for
 from mtp_jax.targets.llama3 import leaves_tree, target_layer_leaves
 
 PLAN_WEIGHTS = ("fp8", "bf16")
@@ -443,10 +444,12 @@ def check_plan(
     check_draft = None if draft_cfg is None else draft_for_config(draft_cfg).check_plan
     if check_draft is not None:
         check_draft(draft_cfg, cfg, k)  # the draft's own checks
-    if draft in (None, "mtp") and draft_cfg is None and k and not getattr(cfg, "num_nextn_predict_layers", 0):
+    own = target_for(cfg).own_draft(cfg)
+    if draft is None and draft_cfg is None and k and own is None:
         raise ValueError(
-            "k > 0 drafts with the MTP layer, but the model has none (num_nextn_predict_layers 0, or a "
-            "Llama model): use k 0, or plan a separately trained draft (--draft-config)"
+            f"k > 0 needs a draft, but a {target_for(cfg).title} checkpoint of this config has none of its "
+            "own (e.g. an MTP layer): use k 0, plan a separately trained draft (--draft-config), or "
+            "name a registered one (--draft, e.g. ngram)"
         )
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
@@ -502,9 +505,12 @@ def plan(
     if not k:
         draft = None
     elif draft is None:
-        draft = "mtp" if draft_cfg is None else draft_for_config(draft_cfg).name
+        draft = target_for(cfg).own_draft(cfg) if draft_cfg is None else draft_for_config(draft_cfg).name
     sc = StepConfig(cfg, page_size, k, draft, "argmax", mesh, draft_cfg=draft_cfg)
     params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=draft == "mtp", draft_cfg=draft_cfg)
+    why = None if draft is None else DRAFTS[draft].available(params, cfg)
+    if why is not None:
+        raise ValueError(why)
     state = abstract_state(sc, layout, jdtype)
     replicated, experts = split_param_bytes(params)
     cache = shard_bytes((state.target_pages, state.draft_state))

@@ -152,20 +152,20 @@ def step_bytes(
     from mtp_jax.drafts import DRAFTS
     from mtp_jax.targets import target_for
 
-    draft = DRAFTS[draft or draft_method(draft_cfg)]
-    if k and draft.params_group is not None and draft.params_group not in params:
-        raise ValueError(
-            "k > 0 needs the MTP layer in params (load with mtp=True)"
-            if draft.name == "mtp"
-            else f"k > 0 needs the {draft.title or draft.name} draft in params (load with draft_model=)"
-        )
+    name = draft or draft_method(cfg, draft_cfg)
+    if k and name is None:
+        raise ValueError("k > 0 needs a draft: this model has none of its own; name one (draft=)")
+    draft = DRAFTS[name] if k else None  # plain decoding: nothing drafts
+    why = None if draft is None else draft.available(params, cfg)
+    if why is not None:
+        raise ValueError(f"k > 0: {why}")
     moe = hasattr(cfg, "n_routed_experts")
     e, top_k = (cfg.n_routed_experts, cfg.num_experts_per_tok) if moe else (1, 1)
     tied = "lm_head" not in params  # the head reads the whole embedding
     verified = batch * (k + 1)
     positions = batch * (context + k + 1)
     reads = StepReads()
-    if k and draft.step_reads is not None:
+    if draft is not None and draft.step_reads is not None:
         reads = draft.step_reads(params, cfg, draft_cfg, k, batch, positions, cache_itemsize)
     draft_groups = {d.params_group for d in DRAFTS.values() if d.params_group is not None}
     target_weights = target_experts = 0.0
@@ -197,12 +197,14 @@ def step_bytes(
     )
 
 
-def draft_method(draft_cfg: Any) -> str:
-    """The draft method of a separately loaded draft's config (``None``: the target's MTP layer):
-    the registered draft whose ``config_class`` it is."""
+def draft_method(cfg: Any, draft_cfg: Any) -> str | None:
+    """The draft that speculates for target ``cfg`` when none is named: the registered draft whose
+    ``config_class`` the separately loaded draft's config is, else the one the target's checkpoint
+    carries (``Target.own_draft``: DeepSeek-V3's MTP layer), else None."""
     from mtp_jax.drafts import draft_for_config
+    from mtp_jax.targets import target_for
 
-    return "mtp" if draft_cfg is None else draft_for_config(draft_cfg).name
+    return target_for(cfg).own_draft(cfg) if draft_cfg is None else draft_for_config(draft_cfg).name
 
 
 def random_params(cfg: Any, dtype: Any, weights: str, *, seed: int = 0, draft_cfg: Any = None) -> dict:
@@ -274,7 +276,7 @@ def time_step(
     afterwards, trace :data:`PROFILED_STEPS` more steps there with :mod:`jax.profiler`."""
     from mtp_jax.step import StepConfig, init_state, step
 
-    draft = None if not k else (draft or draft_method(draft_cfg))
+    draft = None if not k else (draft or draft_method(cfg, draft_cfg))
     sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None)
     width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
     state = init_state(sc, batch, batch * width, width, dtype)
@@ -490,17 +492,19 @@ def run(args: argparse.Namespace) -> dict:
         if args.draft_model:
             draft_cfg = model.draft_config
             name += f" + {os.path.basename(os.path.abspath(args.draft_model))}"
-    if args.draft is not None:
-        from mtp_jax.drafts import DRAFTS
+    from mtp_jax.drafts import DRAFTS
 
+    if args.draft is not None:
         if args.draft not in DRAFTS:
             raise ValueError(
                 f"--draft {args.draft!r} is not a draft method; choose one of {', '.join(DRAFTS)}"
             )
         if DRAFTS[args.draft].config_class is not None and draft_cfg is None:
             raise ValueError(f"--draft {args.draft} needs its weights: --draft-model or --draft-config")
-    if max(args.k) and "mtp" not in params and draft_cfg is None and args.draft in (None, "mtp"):
-        raise ValueError(f"{name} has no MTP layer: only --k 0 can run (or give --draft-model)")
+    method = args.draft or draft_method(cfg, draft_cfg)
+    if max(args.k) and (method is None or DRAFTS[method].available(params, cfg) is not None):
+        why = "it has no draft of its own" if method is None else DRAFTS[method].available(params, cfg)
+        raise ValueError(f"{name}: {why}; only --k 0 can run (or give --draft-model, or --draft ngram)")
     if args.context + 2 * (max(args.k) + 1) > cfg.max_position_embeddings:
         raise ValueError(
             f"--context {args.context} plus the step's rows exceeds max_position_embeddings "
@@ -556,7 +560,7 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(
             {
                 "k": k,
-                "draft": None if not k else (args.draft or draft_method(draft_cfg)),
+                "draft": None if not k else (args.draft or draft_method(cfg, draft_cfg)),
                 "step_ms": seconds * 1e3,
                 "bytes": need.total,
                 "bytes_by_part": dataclasses.asdict(need),

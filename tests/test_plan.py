@@ -139,6 +139,23 @@ def test_an_eagle3_draft_that_does_not_fit_is_refused_before_compiling(tmp_path,
     assert "re-running" not in err
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["-k", "2"], "k > 0 needs a draft, but a Llama 3 checkpoint of this config has none of its own"),
+        (["--draft", "mtp"], "the MTP draft is DeepSeek-V3's NextN layer; this model is Llama3Config"),
+        (["--draft", "eagle3"], "draft 'eagle3' is a separately loaded draft: give its config"),
+        (["--draft", "nope"], "unknown draft 'nope'"),
+    ],
+)
+def test_the_planned_draft_is_asked_of_the_registry(capsys, extra, message):
+    """No draft named: the target's own (DeepSeek-V3's MTP layer; a Llama has none); a named one
+    is asked whether it can draft for this model (its own reason when not)."""
+    llama = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+    assert cli.main(["plan", llama, "--mesh", "data=1", "--batch", "2", "--max-len", "32", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_plan_needs_one_config(tmp_path, capsys):
     assert cli.main(["plan"]) == 2
     assert "give either a checkpoint directory or --config FILE" in capsys.readouterr().err

@@ -158,6 +158,10 @@ class Target:
     layer_leaves: Callable[[Any], tuple] | None = None
     title: str = ""
     """The model family's name for people ("Llama 3", "Qwen2")."""
+    own_draft: Callable[[Any], str | None] = lambda cfg: None
+    """``own_draft(cfg)``: the registered draft whose weights come in the target's own checkpoint
+    (DeepSeek-V3's MTP layer: "mtp"), what the tools plan and time when no other draft is named;
+    None when the checkpoint has none."""
 
     def lm_head(self, params: dict, h: jax.Array) -> jax.Array:
         return lm_head(params, h)

@@ -223,4 +223,5 @@ TARGET = Target(
     cache_bytes_per_token=_cache_bytes_per_token,
     check_mesh=_check_mesh,
     layer_stacks=lambda cfg: tuple(stack_sizes(cfg)),
+    own_draft=lambda cfg: "mtp" if cfg.num_nextn_predict_layers else None,
 )
