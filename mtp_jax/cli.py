@@ -601,7 +601,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
     import subprocess
 
-    from mtp_jax.config import Llama3Config, parse_config, parse_draft_config, read_json
+    from mtp_jax.config import parse_config, parse_draft_config, read_json
     from mtp_jax.drafts import DRAFTS, draft_for_config
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
     from mtp_jax.targets import target_for
@@ -631,7 +631,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         "draft_cfg": draft_cfg,
         "draft": args.draft,
     }
-    mesh = args.mesh or ("data=1,tensor=8" if isinstance(cfg, Llama3Config) else "data=1,expert=8")
+    mesh = args.mesh or f"data=1,{target_for(cfg).split_axis}=8"
     try:  # before any device exists: a bad request never waits for a re-run or a compile
         axes = check_plan(cfg, _parse_mesh(mesh), **options)
     except ValueError as e:

@@ -236,8 +236,8 @@ def abstract_params(
     declares (``Draft.abstract_params``)."""
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
-    if weights == "fp8" and isinstance(cfg, Llama3Config):
-        raise ValueError("weights 'fp8': Llama checkpoints are dense (use bf16)")
+    if weights == "fp8" and not target_for(cfg).fp8_weights:
+        raise ValueError(f"weights 'fp8': {target_for(cfg).title} checkpoints are dense (use bf16)")
     build = _AbstractParams(cfg, dtype, weights == "fp8", mesh)
     sizes = checkpoint_format(cfg).group_sizes(cfg, mtp)
     params = {}
@@ -453,8 +453,8 @@ def check_plan(
         )
     if weights not in PLAN_WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(PLAN_WEIGHTS)}, got {weights!r}")
-    if weights == "fp8" and isinstance(cfg, Llama3Config):
-        raise ValueError("weights 'fp8': Llama checkpoints are dense (use bf16)")
+    if weights == "fp8" and not target_for(cfg).fp8_weights:
+        raise ValueError(f"weights 'fp8': {target_for(cfg).title} checkpoints are dense (use bf16)")
     if batch % (axes["data"] * axes["expert"]):
         raise ValueError(
             f"batch {batch} must be a multiple of data x expert = {axes['data'] * axes['expert']}: rows "
@@ -537,7 +537,7 @@ def plan(
         estimate_weight_bytes=estimate.weight_bytes,
         compiled=tuple(compiled),
         disabled_passes=disabled,
-        split_label="tensor-split params" if isinstance(cfg, Llama3Config) else "routed experts",
+        split_label="routed experts" if target_for(cfg).split_axis == "expert" else "tensor-split params",
         draft=draft,
     )
 

@@ -158,6 +158,11 @@ class Target:
     layer_leaves: Callable[[Any], tuple] | None = None
     title: str = ""
     """The model family's name for people ("Llama 3", "Qwen2")."""
+    split_axis: str = "tensor"
+    """The mesh axis its weights are split over when one device cannot hold them ("tensor": heads,
+    MLP columns and the vocabulary; "expert": routed experts), the tools' default mesh."""
+    fp8_weights: bool = False
+    """Whether its checkpoints come with FP8 projections (kept FP8 with block scales)."""
     own_draft: Callable[[Any], str | None] = lambda cfg: None
     """``own_draft(cfg)``: the registered draft whose weights come in the target's own checkpoint
     (DeepSeek-V3's MTP layer: "mtp"), what the tools plan and time when no other draft is named;

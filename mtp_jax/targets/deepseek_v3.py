@@ -224,4 +224,6 @@ TARGET = Target(
     check_mesh=_check_mesh,
     layer_stacks=lambda cfg: tuple(stack_sizes(cfg)),
     own_draft=lambda cfg: "mtp" if cfg.num_nextn_predict_layers else None,
+    split_axis="expert",
+    fp8_weights=True,
 )
