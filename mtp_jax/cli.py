@@ -58,6 +58,13 @@ def _tokenizer(model_path: str):
     return TextCodec.for_path(model_path)
 
 
+def _draft_metavar() -> str:
+    """``{auto,<every registered draft>,none}``: the --draft values, read from the registry."""
+    from mtp_jax.drafts import draft_methods
+
+    return "{" + ",".join(("auto", *draft_methods(), "none")) + "}"
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -93,7 +100,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     g.add_argument(
         "--draft",
-        metavar="{auto,mtp,eagle3,dflash,ngram,none}",
+        metavar=_draft_metavar(),
         default="auto",
         help="speculative decoding draft (any registered draft method): auto = the --draft-model when "
         "given, else the checkpoint's MTP layer when it has one; ngram = prompt lookup (no weights, any "
@@ -178,12 +185,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--draft",
-        metavar="{auto,mtp,eagle3,dflash,ngram,none}",
+        metavar=_draft_metavar(),
         default="auto",
         help="auto = the --draft-model when given, else the checkpoint's MTP layer; ngram = prompt "
         "lookup (no weights); none = plain",
     )
-    sv.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
+    sv.add_argument(
+        "--draft-model", help="a separately trained draft's directory (EAGLE-3, DFlash, or a draft model)"
+    )
     sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     sv.add_argument("--draft-sampling", choices=["argmax", "sampled"], default="argmax")
     sv.add_argument("--grammar-masks", choices=["host", "callback"], default="host")

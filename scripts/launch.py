@@ -66,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument(
         "--draft",
-        metavar="{auto,mtp,eagle3,dflash,ngram,none}",
+        metavar="NAME",
         default="auto",
         help="auto = the --draft-model when given, else the model's own draft (the MTP layer) when it "
-        "has one, else plain decoding",
+        "has one, else plain decoding; none = plain decoding; else any registered draft, as "
+        "mtp-jax generate --draft takes it (see its --help)",
     )
     g.add_argument(
         "--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash), loaded on the mesh"
