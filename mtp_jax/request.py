@@ -136,19 +136,7 @@ def split_settings(
     k = spec_kw.get("num_speculative_tokens")
     if isinstance(k, (list, tuple)) or (hasattr(k, "ndim") and k.ndim > 0):
         settings["num_speculative_tokens"] = spec_kw.pop("num_speculative_tokens")
-    if speculative is not None:
-        if not isinstance(speculative, SpeculativeConfig):
-            raise InvalidRequestError(
-                f"speculative must be a mtp_jax.SpeculativeConfig, got {type(speculative).__name__}"
-            )
-        if spec_kw:
-            raise TypeError(
-                f"pass {sorted(spec_kw)} inside speculative=SpeculativeConfig(...), not beside it"
-            )
-    else:
-        unknown = sorted(set(spec_kw) - set(SPECULATIVE_FIELDS))
-        assert not unknown
-        speculative = SpeculativeConfig(**spec_kw)
+    speculative = speculative_config(speculative, **spec_kw)
     if sampling is None:
         requests = SamplingParams.per_prompt(n, **settings)
     else:
@@ -172,6 +160,19 @@ def split_settings(
             speculative, num_speculative_tokens=k or None, draft=speculative.draft if k else None
         )
     return requests, speculative
+
+
+def speculative_config(speculative: SpeculativeConfig | None, **fields: Any) -> SpeculativeConfig:
+    """``speculative``, or one made of its ``fields`` given as keywords (not both)."""
+    if speculative is None:
+        return SpeculativeConfig(**fields)
+    if not isinstance(speculative, SpeculativeConfig):
+        raise InvalidRequestError(
+            f"speculative must be a mtp_jax.SpeculativeConfig, got {type(speculative).__name__}"
+        )
+    if fields:
+        raise TypeError(f"pass {sorted(fields)} inside speculative=SpeculativeConfig(...), not beside it")
+    return speculative
 
 
 def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False) -> StepConfig:

@@ -24,7 +24,7 @@ from mtp_jax.request import (
     SpeculativeConfig,
     check_request,
     row_sampling,
-    split_settings,
+    speculative_config,
     step_config,
 )
 from mtp_jax.serving.errors import EngineClosedError, EngineFullError
@@ -94,8 +94,7 @@ class Engine:
             "draft_block_size": draft_block_size,
             "think_tokens": think_tokens,
         }
-        given = {k: v for k, v in given.items() if v is not None}
-        _, speculative = split_settings(0, None, speculative, given)
+        speculative = speculative_config(speculative, **{k: v for k, v in given.items() if v is not None})
         if speculative.auto_k is not None:
             raise InvalidRequestError(
                 "auto_k is a setting of Model.generate (one batch of known size); an engine verifies up "
