@@ -146,6 +146,7 @@ def test_an_eagle3_draft_that_does_not_fit_is_refused_before_compiling(tmp_path,
         (["--draft", "mtp"], "the MTP draft is DeepSeek-V3's NextN layer; this model is Llama3Config"),
         (["--draft", "eagle3"], "draft 'eagle3' is a separately loaded draft: give its config"),
         (["--draft", "nope"], "unknown draft 'nope'"),
+        (["--weights", "fp8"], "weights 'fp8': Llama 3 checkpoints are dense"),
     ],
 )
 def test_the_planned_draft_is_asked_of_the_registry(capsys, extra, message):
