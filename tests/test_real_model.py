@@ -58,3 +58,69 @@ def test_logits_greedy_text_and_chat_equal_transformers_on_the_same_gguf(smollm2
     chat = smollm2.generate([c["ids"] for c in cases], max_new_tokens=new)  # the first one ends its turn
     assert chat.finish_reasons[0] == "eos" and chat.tokens[0][-1] == 2
     assert smollm2.text.decode(chat.tokens[0]) == "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def smollm2_eagle3():
+    """SmolLM2 with the EAGLE-3 draft trained here (checkpoints/smollm2-135m-instruct-eagle3)."""
+    require_extra("gguf")
+    draft = os.path.join(REPO, "checkpoints", "smollm2-135m-instruct-eagle3")
+    return mtp_jax.load(real_model("smollm2-135m-instruct"), "float32", draft_model=draft)
+
+
+def test_the_shipped_eagle3_draft_speculates_losslessly(smollm2_eagle3, reference):
+    """Speculative greedy text equals `transformers`' plain greedy text on the same GGUF, with
+    drafts accepted (the draft's held-out acceptance is in its eval.json)."""
+    model = smollm2_eagle3
+    assert model.drafts == ("eagle3",) and model.default_draft == "eagle3"
+    cases = reference["cases"]
+    new = len(cases[0]["greedy"])
+    ids = [c["ids"] for c in cases]
+    out = model.generate(ids, max_new_tokens=new, ignore_eos=True, draft="eagle3", num_speculative_tokens=3)
+    assert out.tokens == [c["greedy"] for c in cases]
+    assert out.stats["acceptance_length"] > 1.5, out.stats
+
+
+def _top_k_probs(logits: np.ndarray, k: int) -> dict[int, float]:
+    """Temperature 1, top-k: the kept ids and their renormalised probabilities (float64)."""
+    x = np.asarray(logits, np.float64)
+    kept = np.argsort(-x)[:k]
+    p = np.exp(x[kept] - x[kept].max())
+    return dict(zip(kept.tolist(), (p / p.sum()).tolist(), strict=True))
+
+
+@pytest.mark.slow
+def test_the_shipped_eagle3_draft_samples_exactly(smollm2_eagle3):
+    """Sampled drafts (accepted with min(1, p/q)): over many seeds the first two tokens (the first
+    from prefill, the second from the first speculative step) follow the target's own joint law,
+    computed exactly from its logits; and argmax drafts emit exactly what plain decoding samples."""
+    from tests.test_acceptance import assert_distribution
+
+    model, k, n = smollm2_eagle3, 4, 192
+    prompt = model.text.encode("The capital of France is")
+    kw = dict(temperature=1.0, top_k=k, seed=list(range(n)), ignore_eos=True, max_batch=n)
+    out = model.generate(
+        [prompt] * n,
+        max_new_tokens=2,
+        draft="eagle3",
+        num_speculative_tokens=2,
+        draft_sampling="sampled",
+        **kw,
+    )
+    accepted = out.stats["acceptance_rate_per_position"][0]
+    assert 0.05 < accepted < 0.98, accepted  # drafts are accepted, and rejected: both paths run
+    first = _top_k_probs(model.logits([prompt])[0, -1], k)
+    after = model.logits([prompt + [a] for a in first])[:, -1]
+    cells = {}
+    for (a, pa), row in zip(first.items(), after, strict=True):
+        for b, pb in _top_k_probs(row, k).items():
+            cells[(a, b)] = pa * pb
+    index = {cell: i for i, cell in enumerate(cells)}
+    outside = [tuple(t) for t in out.tokens if tuple(t) not in index]
+    assert not outside, f"token pairs the target's top-{k} law cannot produce: {outside[:5]}"
+    samples = np.asarray([index[tuple(t)] for t in out.tokens])
+    assert_distribution(samples, np.asarray(list(cells.values())), "first two tokens, sampled EAGLE-3 drafts")
+    few = dict(temperature=0.8, top_p=0.9, seed=[1, 2, 3, 4], ignore_eos=True, max_new_tokens=12)
+    plain = model.generate([prompt] * 4, **few)
+    argmax = model.generate([prompt] * 4, draft="eagle3", num_speculative_tokens=3, **few)
+    assert argmax.tokens == plain.tokens
