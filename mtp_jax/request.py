@@ -153,8 +153,8 @@ def split_settings(
     caps = [r.num_speculative_tokens for r in requests]
     if speculative.num_speculative_tokens is None and caps and None not in caps:
         for i, cap in enumerate(caps):  # the call's K comes from them: check them first
-            per_row("num_speculative_tokens", cap, 1, int)
-            check_value("num_speculative_tokens", cap, f" (row {i})" if n > 1 else "")
+            (caps[i],), _ = per_row("num_speculative_tokens", cap, 1, int)
+            check_value("num_speculative_tokens", caps[i], f" (row {i})" if n > 1 else "")
         k = max(caps)
         speculative = dataclasses.replace(
             speculative, num_speculative_tokens=k or None, draft=speculative.draft if k else None

@@ -158,7 +158,7 @@ def step_bytes(
     draft = DRAFTS[name] if k else None  # plain decoding: nothing drafts
     why = None if draft is None else draft.available(params, cfg)
     if why is not None:
-        raise ValueError(f"k > 0: {why}")
+        raise ValueError(f"k > 0 needs the {draft.title or draft.name} draft in params: {why}")
     moe = hasattr(cfg, "n_routed_experts")
     e, top_k = (cfg.n_routed_experts, cfg.num_experts_per_tok) if moe else (1, 1)
     tied = "lm_head" not in params  # the head reads the whole embedding

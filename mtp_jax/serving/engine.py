@@ -43,9 +43,11 @@ class Engine:
     ``slots`` rows decode at once (continuous batching; rounded up to a power of two and to a
     multiple of the mesh's row devices); each slot holds ``max_len`` tokens (prompt + new tokens;
     default: the model's maximum length, at most 4096); ``max_queue`` requests may wait for a slot.
-    ``draft`` / ``num_speculative_tokens`` / ``draft_sampling`` / ``draft_block_size`` are the
-    engine's speculation (a request may ask for fewer drafts, or none); ``think_tokens`` enables
-    per-request relaxed acceptance between those markers (see :meth:`mtp_jax.Model.generate`);
+    ``speculative`` (a :class:`~mtp_jax.SpeculativeConfig`), or its fields ``draft`` /
+    ``num_speculative_tokens`` / ``draft_sampling`` / ``draft_block_size`` / ``think_tokens`` as
+    keywords, is the engine's speculation (a request may ask for fewer drafts, or none; ``auto_k``
+    is ``generate``'s alone); ``think_tokens`` enables per-request relaxed acceptance between those
+    markers (see :meth:`mtp_jax.Model.generate`);
     ``grammar_masks`` how grammar masks reach the step. With ``row_buckets`` (the default, unless
     rows are split over a data axis) a step covers only the slots up to the last occupied one,
     rounded up to a power of two: a few requests in many slots cost what they would alone, for a
