@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_value, per_row
@@ -288,11 +290,9 @@ def check_request(
     stops = check_stops(params.stop)
     ids = model.check_tokens(model.text.encode(prompt) if isinstance(prompt, str) else prompt, where)
     n = params.max_new_tokens
-    if isinstance(n, bool) or not isinstance(n, int):
-        if type(n).__name__.startswith(("int", "uint")) and hasattr(n, "item"):  # numpy integers
-            n = int(n)
-        else:
-            raise InvalidRequestError(f"max_new_tokens must be an integer, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise InvalidRequestError(f"max_new_tokens must be an integer, got {n!r}")
+    n = int(n)
     if n < 1:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {n}")
     if len(ids) + n > context:
