@@ -145,21 +145,31 @@ def processed_logprobs(logits: jax.Array, params: RowSampling) -> jax.Array:
     temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
     x = logits / temp[:, None]
     vocab = x.shape[-1]
-    ordered = -jnp.sort(-x, axis=-1)  # descending
-    # top-k: keep values >= the k-th largest
-    k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-    ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
-    # top-p on the top-k survivors: keep the shortest prefix whose mass reaches p
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    n_keep = jnp.maximum(jnp.sum(before < params.top_p[:, None], axis=-1), 1)
-    # the float32 running sum can reach 1 before the tail; top_p == 1 must keep the tail anyway
-    n_keep = jnp.where(params.top_p >= 1.0, vocab, n_keep)
-    pth = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)
+
+    def sorted_thresholds(x: jax.Array) -> jax.Array:
+        ordered = -jnp.sort(-x, axis=-1)  # descending
+        # top-k: keep values >= the k-th largest
+        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+        ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
+        # top-p on the top-k survivors: keep the shortest prefix whose mass reaches p
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        n_keep = jnp.maximum(jnp.sum(before < params.top_p[:, None], axis=-1), 1)
+        # the float32 running sum can reach 1 before the tail; top_p == 1 must keep the tail anyway
+        n_keep = jnp.where(params.top_p >= 1.0, vocab, n_keep)
+        pth = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)
+        return jnp.maximum(kth, pth)
+
+    # the sort over the whole vocabulary (tens of ms a row at 49k ids on a CPU) only runs when some
+    # row truncates by rank or mass; otherwise nothing is cut but by min-p
+    truncates = jnp.any((params.top_k > 0) & (params.top_k < vocab)) | jnp.any(params.top_p < 1.0)
+    no_cut = lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype)  # noqa: E731
+    threshold = jax.lax.cond(truncates, sorted_thresholds, no_cut, x)
     # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p)
-    mth = jnp.where(params.min_p > 0, ordered[:, 0] + jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)
-    threshold = jnp.maximum(jnp.maximum(kth, pth), mth[:, None])
+    top = jnp.max(x, axis=-1)
+    mth = jnp.where(params.min_p > 0, top + jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)
+    threshold = jnp.maximum(threshold, mth[:, None])
     x = jnp.where(x >= threshold, x, -jnp.inf)
     return jax.nn.log_softmax(x, axis=-1)
 
