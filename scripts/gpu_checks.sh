@@ -3,8 +3,10 @@
 # kernel sweep and the unified step against its roofline (with a jax.profiler trace), for every
 # target x draft at real sizes with random weights. Logs and JSON go to OUT_DIR (default ./gpu-out).
 # Stages: env tests kernels step step_eagle3 step_dflash llama llama_eagle3 llama_dflash llama_ngram step_dsf
-# (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's dynamic-slice
-# fusion on. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
+# smollm2 (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's
+# dynamic-slice fusion on; smollm2 times SmolLM2-135M's shape (random weights) plain and with its shipped EAGLE-3 draft's
+# shape at batch 1, 8 and 32 (SMOL_BATCH, SMOL_K). PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
+# every stage, so a run cut short still returns what it finished. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
 # hang in one leaves the others their time; a timed-out pytest is interrupted (SIGINT) so that it
 # still prints its summary.
 set -uo pipefail
@@ -58,6 +60,17 @@ for stage in $stages; do
         --json "$OUT_DIR/step_dsf.json" >"$OUT_DIR/step_dsf.md" 2>"$OUT_DIR/step_dsf.log"
       echo "step_dsf rc=$?"; cat "$OUT_DIR/step_dsf.md"; tail -5 "$OUT_DIR/step_dsf.log"
       ;;
+    smollm2)  # item 5: the real model's shapes; tokens/s = rows x tokens per step (acceptance measured on the CPU) / step
+      for b in ${SMOL_BATCH:-1 8 32}; do
+        prof=""; [ "$b" = 1 ] && prof="--profile $OUT_DIR/prof_smollm2"
+        timeout "${STEP_S:-300}" $PY scripts/bench_step.py --config configs/smollm2-135m.json \
+          --draft-config checkpoints/smollm2-135m-instruct-eagle3/config.json --k ${SMOL_K:-0 2 3} --batch "$b" \
+          ${STEP_ARGS:---context 512 --iters 20} $prof --json "$OUT_DIR/smollm2-b$b.json" \
+          >"$OUT_DIR/smollm2-b$b.md" 2>"$OUT_DIR/smollm2-b$b.log"
+        echo "smollm2 batch $b rc=$?"; cat "$OUT_DIR/smollm2-b$b.md"; grep -vE "^\s+[0-9.]+ us" "$OUT_DIR/smollm2-b$b.log" | tail -3
+      done
+      ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
+  [ -n "${PACK:-}" ] && tar czf "$PACK" --exclude='prof_*' -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"
 done
