@@ -123,12 +123,13 @@ def resolve_layer_buffers(
     return largest >= LAYER_BUFFER_MIN_BYTES
 
 
-def with_layer_buffers(params: dict, config: ModelConfig) -> dict:
+def with_layer_buffers(params: dict, config: ModelConfig, consume: bool = False) -> dict:
     """``params`` with every stacked layer tree (:func:`layer_stack_paths`) replaced by a tuple of
     per-layer trees (:func:`mtp_jax.targets.base.unstack_layers`). The dict and the groups on the
     paths are new; the other groups are shared. While the caller still holds ``params``, the layers
     are on the device twice: converting needs room for a second copy of them (load() drops its
-    copy on return)."""
+    copy on return). ``consume=True`` deletes each stacked leaf once split (``params``' stacks are
+    unusable afterwards): the conversion then needs room for one more leaf, not a second model."""
     out = dict(params)
     for path in layer_stack_paths(params, config):
         parent = out
@@ -136,7 +137,7 @@ def with_layer_buffers(params: dict, config: ModelConfig) -> dict:
             parent[key] = dict(parent[key])
             parent = parent[key]
         if not isinstance(parent[path[-1]], tuple):
-            parent[path[-1]] = unstack_layers(parent[path[-1]])
+            parent[path[-1]] = unstack_layers(parent[path[-1]], consume=consume)
     return out
 
 

@@ -269,11 +269,14 @@ def time_step(
     draft_cfg: Any = None,
     profile_dir: str | None = None,
     draft: str | None = None,
+    memory: dict | None = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
     from the MTP layer, or from the EAGLE-3 or DFlash draft of ``draft_cfg``. ``profile_dir``:
-    afterwards, trace :data:`PROFILED_STEPS` more steps there with :mod:`jax.profiler`."""
+    afterwards, trace :data:`PROFILED_STEPS` more steps there with :mod:`jax.profiler`. ``memory``:
+    filled with the compiled step's memory analysis (bytes of temporaries, arguments, outputs), read
+    before the first call, so it is there even when running the step runs out of memory."""
     from mtp_jax.step import StepConfig, init_state, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
@@ -293,11 +296,20 @@ def time_step(
     calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
     lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(calls)]
     holder = [state]
+    compiled = step.lower(params, state, sc).compile()  # compiled once, called below
+    if memory is not None:
+        analysis = compiled.memory_analysis()
+        if analysis is not None:  # None where the backend does not say
+            memory.update(
+                temp_bytes=int(analysis.temp_size_in_bytes),
+                argument_bytes=int(analysis.argument_size_in_bytes),
+                output_bytes=int(analysis.output_size_in_bytes),
+            )
 
     def one() -> jax.Array:
         # feed back the new state, with the committed length reset
         s = dataclasses.replace(holder[0], seq_len=lengths.pop())
-        emitted, n_emit, holder[0] = step(params, s, sc)
+        emitted, n_emit, holder[0] = compiled(params, s)
         return n_emit
 
     # Dispatched back to back, as the engine does (it reads a step's tokens one step late).
@@ -477,7 +489,7 @@ def run(args: argparse.Namespace) -> dict:
         params = random_params(cfg, DTYPES[dtype_name], args.weights, draft_cfg=draft_cfg)
         buffered = resolve_layer_buffers(params, cfg, None, layer_buffers)
         if buffered:
-            params = with_layer_buffers(params, cfg)
+            params = with_layer_buffers(params, cfg, consume=True)  # ours alone: no second copy
     else:
         import mtp_jax
         from mtp_jax.bench import model_path
@@ -532,8 +544,10 @@ def run(args: argparse.Namespace) -> dict:
             draft_cfg=draft_cfg,
             draft=args.draft,
         )
-        seconds = time_step(
-            params,
+        memory: dict = {}
+        try:
+            seconds = time_step(
+                params,
             cfg,
             k=k,
             batch=args.batch,
@@ -542,9 +556,17 @@ def run(args: argparse.Namespace) -> dict:
             dtype=dtype,
             iters=args.iters,
             draft_cfg=draft_cfg,
-            profile_dir=None if args.profile is None else os.path.join(args.profile, f"k{k}"),
-            draft=args.draft,
-        )
+                profile_dir=None if args.profile is None else os.path.join(args.profile, f"k{k}"),
+                draft=args.draft,
+                memory=memory,
+            )
+        except jax.errors.JaxRuntimeError as e:  # out of memory: report it, go on with the next K
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            first = str(e).strip().splitlines()[0][:300]
+            print(f"K = {k}: {first}", file=sys.stderr, flush=True)
+            rows.append({"k": k, "error": first, "bytes": need.total, **memory})
+            continue
         roofline = need.total / bandwidth
         ops = []
         if args.profile is not None:
@@ -567,6 +589,7 @@ def run(args: argparse.Namespace) -> dict:
                 "roofline_ms": roofline * 1e3,
                 "over_roofline": seconds / roofline,
                 "achieved_gb_s": need.total / seconds / 1e9,
+                **memory,
                 **({"profile_top": ops} if ops else {}),
             }
         )
@@ -588,10 +611,15 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(report: dict) -> str:
     lines = [
-        "| K | step ms | MB read | of which weights / experts / heads / KV | roofline ms | step / roofline |",
-        "|---|---|---|---|---|---|",
+        "| K | step ms | MB read | of which weights / experts / heads / KV | roofline ms | step / roofline "
+        "| temporaries MB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
+        temp = f"{r['temp_bytes'] / 1e6:.1f}" if "temp_bytes" in r else "-"
+        if "error" in r:
+            lines.append(f"| {r['k']} | {r['error'][:120]} | {r['bytes'] / 1e6:.1f} | | | | {temp} |")
+            continue
         p = r["bytes_by_part"]
         split = " / ".join(
             f"{x / 1e6:.1f}"
@@ -604,7 +632,7 @@ def table(report: dict) -> str:
         )
         lines.append(
             f"| {r['k']} | {r['step_ms']:.3f} | {r['bytes'] / 1e6:.1f} | {split} | "
-            f"{r['roofline_ms']:.3f} | {r['over_roofline']:.1f}x |"
+            f"{r['roofline_ms']:.3f} | {r['over_roofline']:.1f}x | {temp} |"
         )
     return "\n".join(lines)
 

@@ -51,11 +51,19 @@ def scan_layers(
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
-def unstack_layers(stack: Any) -> tuple:
+def unstack_layers(stack: Any, consume: bool = False) -> tuple:
     """A stacked layer tree (leaves [n, ...]) as a tuple of n per-layer trees, each leaf its own
-    buffer (FP8 weights stay FP8 with their scales); see :func:`scan_layers`."""
-    n = jax.tree.leaves(stack)[0].shape[0]
-    return tuple(jax.tree.map(lambda x, i=i: x[i], stack) for i in range(n))
+    buffer (FP8 weights stay FP8 with their scales); see :func:`scan_layers`. ``consume``: delete
+    each stacked leaf once it is split (the caller must hold no other use of ``stack``), so the
+    conversion needs room for one more leaf instead of a second copy of every layer."""
+    leaves, tree = jax.tree.flatten(stack)
+    n = leaves[0].shape[0]
+    split = []
+    for x in leaves:
+        split.append([x[i] for i in range(n)])
+        if consume and isinstance(x, jax.Array):
+            x.delete()
+    return tuple(jax.tree.unflatten(tree, [parts[i] for parts in split]) for i in range(n))
 
 
 class Hidden(NamedTuple):

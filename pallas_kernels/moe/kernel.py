@@ -112,10 +112,24 @@ def group_metadata(group_sizes: jax.Array, m: int, block_m: int) -> tuple[jax.Ar
 
 
 def _gmm_kernel(
-    first_ref, next_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, block_k, num_k, fp8_block
+    first_ref,
+    next_ref,
+    starts_ref,
+    ends_ref,
+    lhs_ref,
+    rhs_ref,
+    *refs,
+    block_k,
+    num_k,
+    fp8_block,
+    kdim_blocks,
+    ndim_blocks,
 ):
     """One [block_m, block_n] output tile. lhs_ref [block_m, kdim_pad], rhs_ref [E, kdim_pad, block_n],
-    scale_ref (FP8 only) [E, kdim_blocks, ndim_blocks], out_ref [block_m, block_n]."""
+    scale_ref (FP8 only) [E * kdim_blocks * ndim_blocks] (the [E, kdim_blocks, ndim_blocks] scales
+    flattened: on an H100 a scalar load from the 3-d whole-array block, whose middle dimension (56 for
+    7168 / 128) is not a power of two, hit an illegal address; 1-d indexing needs no block strides),
+    out_ref [block_m, block_n]."""
     scale_ref, out_ref = refs if fp8_block else (None, refs[0])
     j, i = pl.program_id(0), pl.program_id(1)
     block_m, block_n = out_ref.shape
@@ -127,9 +141,9 @@ def _gmm_kernel(
             x = lhs_ref[:, pl.ds(kk * block_k, block_k)]
             w = rhs_ref[g, pl.ds(kk * block_k, block_k), :].astype(x.dtype)
             part = jnp.dot(x, w, preferred_element_type=jnp.float32)
-            if fp8_block:
+            if fp8_block:  # scales flattened: [E * kdim_blocks * ndim_blocks], one scalar load
                 b_in, b_out = fp8_block
-                part = part * scale_ref[g, kk * block_k // b_in, j * block_n // b_out]
+                part = part * scale_ref[(g * kdim_blocks + kk * block_k // b_in) * ndim_blocks + j * block_n // b_out]
             return acc + part
 
         return jax.lax.fori_loop(0, num_k, k_step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -199,11 +213,20 @@ def gmm(
         pl.BlockSpec((block_m, k_pad), lambda j, i: (i, 0)),
         pl.BlockSpec((num_experts, k_pad, block_n), lambda j, i: (0, 0, j)),
     ]
+    scale_blocks = (0, 0)
     if fp8_block:
-        operands.append(rhs.scale_inv.astype(jnp.float32))
+        scale_blocks = rhs.scale_inv.shape[1:]
+        operands.append(rhs.scale_inv.astype(jnp.float32).reshape(-1))
         in_specs.append(whole(operands[-1]))
 
-    kernel = functools.partial(_gmm_kernel, block_k=block_k, num_k=k_pad // block_k, fp8_block=fp8_block)
+    kernel = functools.partial(
+        _gmm_kernel,
+        block_k=block_k,
+        num_k=k_pad // block_k,
+        fp8_block=fp8_block,
+        kdim_blocks=scale_blocks[0],
+        ndim_blocks=scale_blocks[1],
+    )
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m_pad, n_pad), lhs.dtype),

@@ -68,3 +68,17 @@ def test_layer_buffers_policy(monkeypatch):
     assert not model_module.resolve_layer_buffers(model.params, model.config, mesh, None)
     with pytest.raises(ValueError, match="not supported with a mesh"):
         model_module.resolve_layer_buffers(model.params, model.config, mesh, True)
+
+
+def test_consuming_conversion_deletes_the_stacks_and_keeps_the_values():
+    """``with_layer_buffers(..., consume=True)`` (bench_step's random weights): each stacked leaf is
+    deleted once split, FP8 weights and their scales included, and the layers hold the same values."""
+    stacked = mtp_jax.load(EMBEDDED_MODEL, dtype="float32", layer_buffers=False)
+    params = jax.tree.map(lambda x: x.copy(), stacked.params)
+    moe_leaves = jax.tree.leaves(params["moe"])
+    out = model_module.with_layer_buffers(params, stacked.config, consume=True)
+    assert all(x.is_deleted() for x in moe_leaves)
+    assert params["embed"] is out["embed"] and not out["embed"].is_deleted()  # not a stack: untouched
+    for i, layer in enumerate(out["moe"]):
+        for got, want in zip(jax.tree.leaves(layer), jax.tree.leaves(stacked.params["moe"]), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want[i]))
