@@ -143,7 +143,8 @@ def _gmm_kernel(
             part = jnp.dot(x, w, preferred_element_type=jnp.float32)
             if fp8_block:  # scales flattened: [E * kdim_blocks * ndim_blocks], one scalar load
                 b_in, b_out = fp8_block
-                part = part * scale_ref[(g * kdim_blocks + kk * block_k // b_in) * ndim_blocks + j * block_n // b_out]
+                row = g * kdim_blocks + kk * block_k // b_in
+                part = part * scale_ref[row * ndim_blocks + j * block_n // b_out]
             return acc + part
 
         return jax.lax.fori_loop(0, num_k, k_step, jnp.zeros((block_m, block_n), jnp.float32))
