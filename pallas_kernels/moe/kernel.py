@@ -38,13 +38,11 @@ backend is deprecated from JAX 0.11 (and may not lower at all there), so the Mos
 available as ``impl="triton"`` (what ``"auto"`` picks on non-Hopper GPUs of compute capability
 >= 8.0) and ``impl="triton_interpret"``, for those GPUs and for comparison.
 
-Verified on CPU only: results in interpret mode, and that the kernel lowers to Triton IR for CUDA
-(cross-platform lowering, in the tests). A GPU session must check that Triton compiles that IR
-(power-of-two tiles >= 16, scalar loads of the metadata refs inside the ``while_loop``, the
-float8_e4m3fn -> bf16 cast, which Triton allows from sm_89), that results match the reference on
-the GPU, and the speed against ``jax.lax.ragged_dot`` and the Mosaic GPU kernel for decode-sized
-(tiny groups) and prefill-sized m, tuning block sizes (smaller block_m for decode), ``num_warps``
-and ``num_stages``.
+Run on an H100 (JAX 0.11.2, BENCHMARKS.md): bf16 correct at DeepSeek-V3's sizes (256 experts,
+7.5 GB) and 0.7-1.4x the Mosaic GPU kernel's time; FP8 correct up to 128 experts x 7168 x 2048
+(1.88 GB) and wrong beyond 2^31 bytes in one call, hence the split over experts in :func:`gmm`
+(:data:`FP8_MAX_RHS_BYTES`), whose own GPU run is still to come. Not yet tuned (block sizes,
+``num_warps``, ``num_stages``).
 """
 
 from __future__ import annotations
@@ -127,8 +125,7 @@ def _gmm_kernel(
 ):
     """One [block_m, block_n] output tile. lhs_ref [block_m, kdim_pad], rhs_ref [E, kdim_pad, block_n],
     scale_ref (FP8 only) [E * kdim_blocks * ndim_blocks] (the [E, kdim_blocks, ndim_blocks] scales
-    flattened: on an H100 a scalar load from the 3-d whole-array block, whose middle dimension (56 for
-    7168 / 128) is not a power of two, hit an illegal address; 1-d indexing needs no block strides),
+    flattened: one scalar load with no block strides; run correct on an H100 this way),
     out_ref [block_m, block_n]."""
     scale_ref, out_ref = refs if fp8_block else (None, refs[0])
     j, i = pl.program_id(0), pl.program_id(1)
@@ -167,9 +164,24 @@ def _gmm_kernel(
     out_ref[...] = out.astype(out_ref.dtype)
 
 
+FP8_MAX_RHS_BYTES = 2**31 - 1
+"""The largest FP8 expert stack one kernel call reads. Measured on an H100 (JAX 0.11.2, Triton 3.6):
+FP8 stacks of 128 experts x 7168 x 2048 (1.88 GB) gave correct results, 160 and 256 experts (2.35
+and 3.76 GB) wrong values or an illegal address; bf16 stacks of 256 such experts (7.5 GB) were
+correct. Larger FP8 stacks are split over the expert axis (see :func:`gmm`)."""
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("block_m", "block_n", "block_k", "interpret", "num_warps", "num_stages"),
+    static_argnames=(
+        "block_m",
+        "block_n",
+        "block_k",
+        "interpret",
+        "num_warps",
+        "num_stages",
+        "max_rhs_bytes",
+    ),
 )
 def gmm(
     lhs: jax.Array,
@@ -182,6 +194,7 @@ def gmm(
     interpret: bool = False,
     num_warps: int = 4,
     num_stages: int = 3,
+    max_rhs_bytes: int = FP8_MAX_RHS_BYTES,
 ) -> jax.Array:
     """Grouped matmul kernel: out [m, ndim] in lhs.dtype, float32 accumulation.
 
@@ -190,7 +203,33 @@ def gmm(
     ceil(ndim/b_out)]); group_sizes [E] int, non-negative, sum <= m. Tiles: see :func:`tile_sizes`.
     ``interpret=True`` runs the kernel through the Pallas interpreter (any backend, CPU included).
     Shapes and dtypes are checked by the dispatcher :func:`pallas_kernels.moe.gmm`, not here.
+
+    An FP8 stack over ``max_rhs_bytes`` (:data:`FP8_MAX_RHS_BYTES`) runs as one call per slice of
+    experts that fits: each call sees its experts' rows moved to row 0 (a roll of lhs), and its
+    output, zero outside those rows, is rolled back and summed. The slices of w are copies, so this
+    is a correctness path, not a fast one (it only arises for stacks of 2 GB or more on one device).
     """
+    if isinstance(rhs, Fp8Weight) and rhs.w.nbytes > max_rhs_bytes:
+        num_experts = rhs.w.shape[0]
+        per_call = max(1, max_rhs_bytes // (rhs.w.nbytes // num_experts))
+        options = dict(
+            block_m=block_m,
+            block_n=block_n,
+            block_k=block_k,
+            interpret=interpret,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        sizes = group_sizes.astype(jnp.int32)
+        offsets = jnp.cumsum(sizes) - sizes  # first row of each expert's rows
+        out = jnp.zeros((lhs.shape[0], rhs.w.shape[2]), jnp.float32)
+        for a in range(0, num_experts, per_call):
+            b = min(a + per_call, num_experts)
+            part = Fp8Weight(rhs.w[a:b], rhs.scale_inv[a:b], rhs.shape, rhs.block)
+            shifted = jnp.roll(lhs, -offsets[a], axis=0)
+            got = gmm(shifted, part, sizes[a:b], **options)  # zero past the slice's rows
+            out = out + jnp.roll(got, offsets[a], axis=0).astype(jnp.float32)
+        return out.astype(lhs.dtype)
     block_m, block_n, block_k = tile_sizes(rhs, block_m, block_n, block_k, native=not interpret)
     m = lhs.shape[0]
     fp8_block = rhs.block if isinstance(rhs, Fp8Weight) else None
