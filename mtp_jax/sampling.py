@@ -135,6 +135,63 @@ def per_row(name: str, value: object, batch: int, kind: type) -> tuple[list, boo
     return out, given
 
 
+TRUNCATION_CANDIDATES = (256, 4096)
+"""How many of a row's largest values top-k / top-p thresholds are looked for in, in turn
+(:func:`processed_logprobs`): a batch moves to the next count only when some row's top-k or
+nucleus reaches past the last, and sorts its whole rows after the last. On SmolLM2's logits at
+temperature 0.7 the top-p 0.9 / 0.95 nucleus has a median of 3 / 4 tokens and passes 256 in 0.4% /
+1.3% of rows; 24 rows on a 2-core CPU: a selection of 256 about 4 ms, of 4096 about 32, the sort
+about 216."""
+
+
+def _top_k_sizes(params: RowSampling, vocab: int) -> jax.Array:
+    return jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
+
+
+def sorted_thresholds(x: jax.Array, params: RowSampling) -> jax.Array:
+    """Per row [B, 1], the smallest value top-k and top-p keep, from the whole row sorted: values
+    >= the k-th largest, and of those the shortest prefix whose renormalised mass reaches p."""
+    vocab = x.shape[-1]
+    ordered = -jnp.sort(-x, axis=-1)  # descending
+    k = _top_k_sizes(params, vocab)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    n_keep = jnp.maximum(jnp.sum(before < params.top_p[:, None], axis=-1), 1)
+    # the float32 running sum can reach 1 before the tail; top_p == 1 must keep the tail anyway
+    n_keep = jnp.where(params.top_p >= 1.0, vocab, n_keep)
+    pth = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)
+    return jnp.maximum(kth, pth)
+
+
+def candidate_thresholds(
+    x: jax.Array, params: RowSampling, candidates: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`sorted_thresholds` from the ``candidates`` (default the first of
+    :data:`TRUNCATION_CANDIDATES`) largest values of each row alone (a partial selection, no sort
+    of the row), and per row [B] whether that is exact: its top-k fits the candidates, or it has
+    no top-k and its nucleus ends inside them (its mass then taken against the whole row's
+    normaliser)."""
+    vocab = x.shape[-1]
+    c = min(vocab, TRUNCATION_CANDIDATES[0] if candidates is None else candidates)
+    top = jax.lax.top_k(x, c)[0]  # descending
+    k = _top_k_sizes(params, vocab)
+    kth = jnp.take_along_axis(top, (jnp.minimum(k, c) - 1)[:, None], axis=-1)
+    kth = jnp.where((k <= c)[:, None], kth, -jnp.inf)  # past the candidates only k == V is exact: no cut
+    ordered = jnp.where(jnp.arange(c)[None, :] < k[:, None], top, -jnp.inf)
+    # top-p over the top-k survivors: normalised over them when all are candidates, else (no top-k)
+    # over the whole row
+    norm = jnp.where(k <= c, jax.nn.logsumexp(ordered, axis=-1), jax.nn.logsumexp(x, axis=-1))
+    probs = jnp.exp(ordered - norm[:, None])
+    before = jnp.cumsum(probs, axis=-1) - probs
+    count = jnp.sum(before < params.top_p[:, None], axis=-1)
+    pth = jnp.take_along_axis(ordered, (jnp.maximum(count, 1) - 1)[:, None], axis=-1)
+    pth = jnp.where((params.top_p >= 1.0)[:, None], -jnp.inf, pth)
+    exact = (k <= c) | ((k == vocab) & ((params.top_p >= 1.0) | (count < c)))
+    return jnp.maximum(kth, pth), exact
+
+
 def processed_logprobs(logits: jax.Array, params: RowSampling) -> jax.Array:
     """Log-probabilities [B, V] (float32) of the processed distribution; removed tokens are -inf.
 
@@ -146,26 +203,21 @@ def processed_logprobs(logits: jax.Array, params: RowSampling) -> jax.Array:
     x = logits / temp[:, None]
     vocab = x.shape[-1]
 
-    def sorted_thresholds(x: jax.Array) -> jax.Array:
-        ordered = -jnp.sort(-x, axis=-1)  # descending
-        # top-k: keep values >= the k-th largest
-        k = jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
-        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-        ordered = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], ordered, -jnp.inf)
-        # top-p on the top-k survivors: keep the shortest prefix whose mass reaches p
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        n_keep = jnp.maximum(jnp.sum(before < params.top_p[:, None], axis=-1), 1)
-        # the float32 running sum can reach 1 before the tail; top_p == 1 must keep the tail anyway
-        n_keep = jnp.where(params.top_p >= 1.0, vocab, n_keep)
-        pth = jnp.take_along_axis(ordered, (n_keep - 1)[:, None], axis=-1)
-        return jnp.maximum(kth, pth)
-
-    # the sort over the whole vocabulary (tens of ms a row at 49k ids on a CPU) only runs when some
-    # row truncates by rank or mass; otherwise nothing is cut but by min-p
+    # Truncation by rank or mass needs the largest values in order. Most rows keep few tokens: their
+    # thresholds come from a row's largest values (partial selections of TRUNCATION_CANDIDATES
+    # sizes, in turn); the sort over the whole vocabulary (about 9 ms a row at 49k ids on a CPU)
+    # runs only when some row's top-k or nucleus reaches past the last of them, and nothing runs
+    # when no row truncates (min-p needs only the maximum).
     truncates = jnp.any((params.top_k > 0) & (params.top_k < vocab)) | jnp.any(params.top_p < 1.0)
+
+    def truncated(x: jax.Array, tier: int = 0) -> jax.Array:
+        if tier == len(TRUNCATION_CANDIDATES) or (tier and TRUNCATION_CANDIDATES[tier - 1] >= vocab):
+            return sorted_thresholds(x, params)
+        threshold, exact = candidate_thresholds(x, params, TRUNCATION_CANDIDATES[tier])
+        return jax.lax.cond(jnp.all(exact), lambda x: threshold, lambda x: truncated(x, tier + 1), x)
+
     no_cut = lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype)  # noqa: E731
-    threshold = jax.lax.cond(truncates, sorted_thresholds, no_cut, x)
+    threshold = jax.lax.cond(truncates, truncated, no_cut, x)
     # min-p: keep tokens with prob >= min_p * max prob, i.e. logit >= max + log(min_p)
     top = jnp.max(x, axis=-1)
     mth = jnp.where(params.min_p > 0, top + jnp.log(jnp.maximum(params.min_p, 1e-30)), -jnp.inf)

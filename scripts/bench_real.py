@@ -86,7 +86,7 @@ def peer_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> lis
     rows = []
     for temperature in args.temperature:
         sampling = (
-            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": args.top_p}
             if temperature
             else {"do_sample": False}
         )
@@ -120,6 +120,7 @@ def peer_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> lis
                         "weights": "float32",
                         "batch": batch,
                         "temperature": temperature,
+                        "top_p": args.top_p if temperature else 1.0,
                         "tok_s": len(prompts) * args.new_tokens / seconds,
                     }
                 )
@@ -151,7 +152,7 @@ def peer_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> list[d
                     for p in prompts:
                         llm.reset()
                         tokens = llm.generate(
-                            p, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0
+                            p, temp=temperature, top_k=0, top_p=args.top_p, min_p=0.0, repeat_penalty=1.0
                         )
                         for n, _ in enumerate(tokens, start=1):
                             if n >= args.new_tokens:
@@ -165,6 +166,7 @@ def peer_llama_cpp(args: argparse.Namespace, prompts: list[list[int]]) -> list[d
                         "weights": weights,
                         "batch": 1,
                         "temperature": temperature,
+                        "top_p": args.top_p if temperature else 1.0,
                         "tok_s": len(prompts) * args.new_tokens / seconds,
                     }
                 )
@@ -212,6 +214,7 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
                         ignore_eos=True,
                         max_batch=batch,
                         temperature=temperature,
+                        top_p=args.top_p if temperature else 1.0,
                         seed=0,
                         draft=method,
                         **kwargs,
@@ -226,6 +229,7 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
                         "weights": "float32",
                         "batch": batch,
                         "temperature": temperature,
+                        "top_p": args.top_p if temperature else 1.0,
                         "tok_s": len(prompts) * args.new_tokens / seconds,
                         "acceptance_length": stats.get("acceptance_length"),
                     }
@@ -277,6 +281,9 @@ def main() -> int:
     parser.add_argument("--auto-k", help="an auto-K table (mtp-jax bench --auto-k-table) for batch > 1")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling at temperature > 0 (1: off), every engine"
+    )
     parser.add_argument("--prompts", type=int, default=4, help="held-out prompts per kind")
     parser.add_argument(
         "--kinds",

@@ -108,9 +108,10 @@ def _distinct_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndar
 # --- processed_logprobs vs the reference ------------------------------------------------------
 
 
-def test_processed_logprobs_matches_reference_on_mixed_batch():
+def _mixed_batch(rows: int = 384, vocab: int = 50) -> tuple[np.ndarray, list, np.ndarray]:
+    """Logits, row parameters and the reference probabilities of a batch mixing every regime, with
+    rows too close to a float32-sensitive decision redrawn."""
     rng = np.random.default_rng(1234)
-    rows, vocab = 384, 50
     logits = _distinct_logits(rng, rows, vocab)
     # The first rows pin the corner cases; the rest are random mixes.
     pinned = [
@@ -141,8 +142,17 @@ def test_processed_logprobs_matches_reference_on_mixed_batch():
         params.append(row)
         refs.append(ref)
     assert redraws < rows // 2
-    refs = np.stack(refs)
+    return logits, params, np.stack(refs)
 
+
+@pytest.mark.parametrize("candidates", [(256, 4096), (8,), (4, 8), (4, 80)])
+def test_processed_logprobs_matches_reference_on_mixed_batch(monkeypatch, candidates):
+    """With the default candidate counts every row of this 50-token vocabulary is a candidate; with
+    8, or 4 then 8, many rows' top-k or nucleus reach past them and the batch takes the full sort;
+    4 then 80 (all 50 values) never sorts."""
+    monkeypatch.setattr(sampling, "TRUNCATION_CANDIDATES", candidates)
+    logits, params, refs = _mixed_batch()
+    rows, vocab = logits.shape
     got = np.asarray(processed_logprobs(jnp.asarray(logits), _params(params)))
     assert got.shape == (rows, vocab) and got.dtype == np.float32
     assert not np.isnan(got).any()
@@ -159,6 +169,34 @@ def test_processed_logprobs_matches_reference_on_mixed_batch():
     assert (sizes == vocab).sum() >= 3
     assert ((sizes > 1) & (sizes < vocab)).sum() >= 100
     assert sizes[0] == vocab and sizes[2] == sizes[3] == sizes[4] == sizes[5] == sizes[6] == 1
+
+
+def test_candidate_thresholds_are_exact_where_they_say_so(monkeypatch):
+    """The partial selection (8 of 50 values) against the sort: every row it calls exact keeps the
+    same tokens as the sort; rows past it (top-k > 8, or no top-k and a nucleus of 8 or more) are
+    the ones it calls inexact; and a batch of only exact rows, which never sorts, matches the
+    float64 reference."""
+    logits, params, refs = _mixed_batch()
+    rp = _params(params)
+    x = jnp.asarray(logits) / jnp.where(rp.temperature > 0, rp.temperature, 1.0)[:, None]
+    cand, exact = sampling.candidate_thresholds(x, rp, candidates=8)
+    full = sampling.sorted_thresholds(x, rp)
+    exact = np.asarray(exact)
+    assert 50 < exact.sum() < len(exact) - 50  # both kinds, plenty of each
+    keep_cand, keep_full = np.asarray(x >= cand), np.asarray(x >= full)
+    np.testing.assert_array_equal(keep_cand[exact], keep_full[exact])
+    k = np.array([t[1] for t in params])
+    p = np.array([t[2] for t in params])
+    sizes = keep_full.sum(-1)
+    # a nucleus of exactly 8 is inexact too: whether a 9th value would join is past the candidates
+    past = ((k > 8) & (k < 50)) | ((k == 0) | (k >= 50)) & (p < 1.0) & (sizes >= 8)
+    np.testing.assert_array_equal(~exact, past)
+
+    monkeypatch.setattr(sampling, "TRUNCATION_CANDIDATES", (8,))
+    only = [i for i in range(len(params)) if exact[i]]
+    got = np.asarray(processed_logprobs(jnp.asarray(logits[only]), _params([params[i] for i in only])))
+    np.testing.assert_allclose(np.exp(got), refs[only], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(np.isfinite(got), refs[only] > 0)
 
 
 def test_processed_logprobs_hand_computed_cases():
