@@ -39,6 +39,7 @@ from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
 from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 from mtp_jax.targets import target_for
+from mtp_jax.targets.deepseek_v3 import MlaLeaf, attention_leaves, layer_leaves, layer_tree
 from mtp_jax.targets.llama3 import leaves_tree, target_layer_leaves
 
 PLAN_WEIGHTS = ("fp8", "bf16")
@@ -124,50 +125,26 @@ class _AbstractParams:
             block=(b_in, b_out),
         )
 
-    def attention(self, d_in: int | None = None) -> dict:
-        c = self.cfg
-        d, h, qk = c.hidden_size, c.num_attention_heads, c.qk_head_dim
-        d_in = d if d_in is None else d_in
-        p: dict = {}
-        if c.q_lora_rank is None:
-            p["q"] = self.linear(h * qk, d_in, (d_in, h, qk))
-        else:
-            p["q_a"] = self.linear(c.q_lora_rank, d_in)
-            p["q_a_norm"] = self.plain(c.q_lora_rank)
-            p["q_b"] = self.linear(h * qk, c.q_lora_rank, (c.q_lora_rank, h, qk))
-        p["kv_a"] = self.linear(c.kv_lora_rank + c.qk_rope_head_dim, d_in)
-        p["kv_a_norm"] = self.plain(c.kv_lora_rank)
-        p["k_b"] = self.plain(c.kv_lora_rank, h, c.qk_nope_head_dim)
-        p["v_b"] = self.plain(c.kv_lora_rank, h, c.v_head_dim)
-        p["o"] = self.linear(d, h * c.v_head_dim, (h, c.v_head_dim, d))
-        return p
+    def leaf(self, leaf: MlaLeaf) -> Any:
+        """A declared DeepSeek-V3 tensor as the loader keeps it (routers and biases float32, FP8
+        projections FP8 in FP8 mode, ``kv_b`` dense, routed experts stacked)."""
+        if leaf.kind in ("router", "bias"):
+            return self.plain(*leaf.shape, dtype=jnp.float32)
+        if leaf.kind != "linear" or leaf.dense:
+            return self.plain(*leaf.shape)
+        x = self.linear(*leaf.hub_shape, leaf.shape)
+        return jax.tree.map(lambda s: _stacked(s, leaf.experts), x) if leaf.experts else x
 
-    def swiglu(self, f: int, experts: int | None = None) -> dict:
-        d = self.cfg.hidden_size
-        mlp = {"gate": self.linear(f, d), "up": self.linear(f, d), "down": self.linear(d, f)}
-        return mlp if experts is None else jax.tree.map(lambda s: _stacked(s, experts), mlp)
+    def _kv_b_parts(self, leaf: MlaLeaf, kv_b: Any) -> tuple[Any, Any]:
+        c = self.cfg
+        r, h = leaf.shape[:2]
+        return self.plain(r, h, c.qk_nope_head_dim), self.plain(r, h, c.v_head_dim)
+
+    def attention(self, d_in: int | None = None) -> dict:
+        return layer_tree(attention_leaves(self.cfg, d_in), self.leaf, self._kv_b_parts)["attn"]
 
     def layer(self, moe: bool) -> dict:
-        c = self.cfg
-        if moe:
-            e = c.n_routed_experts
-            mlp = {
-                "router": self.plain(c.hidden_size, e, dtype=jnp.float32),
-                "bias": self.plain(e, dtype=jnp.float32),
-                **self.swiglu(c.moe_intermediate_size, experts=e),
-            }
-            if c.n_shared_experts:
-                shared = self.swiglu(c.moe_intermediate_size * c.n_shared_experts)
-                mlp.update({f"shared_{k}": v for k, v in shared.items()})
-        else:
-            mlp = self.swiglu(c.intermediate_size)
-        d = c.hidden_size
-        return {
-            "input_norm": self.plain(d),
-            "post_attn_norm": self.plain(d),
-            "attn": self.attention(),
-            "mlp": mlp,
-        }
+        return layer_tree(layer_leaves(self.cfg, moe), self.leaf, self._kv_b_parts)
 
     def llama_groups(self) -> dict[str, Any]:
         c = self.cfg

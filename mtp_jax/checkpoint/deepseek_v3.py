@@ -49,6 +49,13 @@ from mtp_jax.checkpoint.loader import (
 )
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3 import (
+    MlaLeaf,
+    attention_leaves,
+    layer_leaves,
+    layer_tree,
+    split_expert_leaves,
+)
 
 __all__ = [
     "FLOAT32_LEAVES",
@@ -67,30 +74,49 @@ log = logging.getLogger(__name__)
 STACKED_GROUPS = ("dense", "moe", "mtp")
 
 
-def attention_tensors(t: HubTensors, pre: str, d_in: int | None = None) -> dict:
-    """One MLA attention's tensors under ``pre`` (``...self_attn.``); the first projections
-    (q_a / q, kv_a) read inputs of width ``d_in`` (default hidden_size; an EAGLE-3 draft's read 2H)."""
-    c = t.cfg
-    d, h, qk = c.hidden_size, c.num_attention_heads, c.qk_head_dim
-    d_in = d if d_in is None else d_in
-    p: dict = {}
-    if c.q_lora_rank is None:
-        p["q"] = t.linear(f"{pre}q_proj.weight", h * qk, d_in, (d_in, h, qk))
-    else:
-        r = c.q_lora_rank
-        p["q_a"] = t.linear(f"{pre}q_a_proj.weight", r, d_in)
-        p["q_a_norm"] = t.get(f"{pre}q_a_layernorm.weight", (r,))
-        p["q_b"] = t.linear(f"{pre}q_b_proj.weight", h * qk, r, (r, h, qk))
-    p["kv_a"] = t.linear(f"{pre}kv_a_proj_with_mqa.weight", c.kv_lora_rank + c.qk_rope_head_dim, d_in)
-    p["kv_a_norm"] = t.get(f"{pre}kv_a_layernorm.weight", (c.kv_lora_rank,))
-    nope_v = c.qk_nope_head_dim + c.v_head_dim
-    kv_b = t.linear(
-        f"{pre}kv_b_proj.weight", h * nope_v, c.kv_lora_rank, (c.kv_lora_rank, h, nope_v), dense=True
+def _read(t: HubTensors, pre: str, leaf: MlaLeaf, expert: int | None = None) -> Any:
+    """One declared tensor under ``pre`` (routed experts: expert ``expert``) in our layout."""
+    key = pre + leaf.hub.format(e=expert)
+    if leaf.kind == "linear":
+        return t.linear(key, *leaf.hub_shape, leaf.shape, dense=leaf.dense)
+    if leaf.kind == "router":
+        return np.ascontiguousarray(t.get(key, leaf.hub_shape, np.float32).T)
+    return t.get(key, leaf.shape, np.float32 if leaf.kind == "bias" else None)
+
+
+def _kv_b_parts(t: HubTensors) -> Any:
+    nope = t.cfg.qk_nope_head_dim
+    return lambda leaf, kv_b: (
+        np.ascontiguousarray(kv_b[..., :nope]),
+        np.ascontiguousarray(kv_b[..., nope:]),
     )
-    p["k_b"] = np.ascontiguousarray(kv_b[..., : c.qk_nope_head_dim])
-    p["v_b"] = np.ascontiguousarray(kv_b[..., c.qk_nope_head_dim :])
-    p["o"] = t.linear(f"{pre}o_proj.weight", d, h * c.v_head_dim, (h, c.v_head_dim, d))
-    return p
+
+
+def read_layer(t: HubTensors, pre: str, leaves: tuple[MlaLeaf, ...]) -> dict:
+    """The declared ``leaves`` of one layer under ``pre`` (``model.layers.{i}.``) as our tree: routed
+    experts stacked (only this process's experts when ``t.experts`` is set: :class:`ExpertRows`),
+    ``kv_b_proj`` split into ``k_b`` and ``v_b``."""
+    _, routed, _ = split_expert_leaves(leaves)
+    stacked = {}
+    if routed:
+
+        def expert(j: int) -> dict:
+            return {leaf.path[-1]: _read(t, pre, leaf, j) for leaf in routed}
+
+        e = routed[0].experts
+        stacked = stack_leaves(expert, e) if t.experts is None else stack_rows(expert, t.experts, e)
+    return layer_tree(
+        leaves,
+        lambda leaf: stacked[leaf.path[-1]] if leaf.experts else _read(t, pre, leaf),
+        _kv_b_parts(t),
+    )
+
+
+def attention_tensors(t: HubTensors, pre: str, d_in: int | None = None) -> dict:
+    """One MLA attention's tensors of the layer under ``pre`` (``...layers.{i}.``, its ``self_attn.``
+    keys); the first projections (q_a / q, kv_a) read inputs of width ``d_in`` (default
+    hidden_size; an EAGLE-3 draft's read 2H)."""
+    return read_layer(t, pre, attention_leaves(t.cfg, d_in))["attn"]
 
 
 def swiglu_tensors(t: HubTensors, pre: str, d: int, f: int) -> dict:
@@ -101,37 +127,9 @@ def swiglu_tensors(t: HubTensors, pre: str, d: int, f: int) -> dict:
     }
 
 
-def _moe(t: HubTensors, pre: str) -> dict:
-    c = t.cfg
-    d, f, e = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts
-
-    def expert(i: int) -> dict:
-        return swiglu_tensors(t, f"{pre}experts.{i}.", d, f)
-
-    experts = stack_leaves(expert, e) if t.experts is None else stack_rows(expert, t.experts, e)
-    p = {
-        "router": np.ascontiguousarray(t.get(f"{pre}gate.weight", (e, d), np.float32).T),
-        "bias": t.get(f"{pre}gate.e_score_correction_bias", (e,), np.float32),
-        **experts,
-    }
-    if c.n_shared_experts:
-        shared = swiglu_tensors(t, f"{pre}shared_experts.", d, f * c.n_shared_experts)
-        p.update({f"shared_{k}": v for k, v in shared.items()})
-    return p
-
-
 def _layer(t: HubTensors, i: int) -> dict:
-    pre = f"model.layers.{i}."
-    d = t.cfg.hidden_size
-    is_moe = i >= t.cfg.first_k_dense_replace
-    return {
-        "input_norm": t.get(f"{pre}input_layernorm.weight", (d,)),
-        "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (d,)),
-        "attn": attention_tensors(t, f"{pre}self_attn."),
-        "mlp": _moe(t, f"{pre}mlp.")
-        if is_moe
-        else swiglu_tensors(t, f"{pre}mlp.", d, t.cfg.intermediate_size),
-    }
+    moe = i >= t.cfg.first_k_dense_replace
+    return read_layer(t, f"model.layers.{i}.", layer_leaves(t.cfg, moe))
 
 
 def _mtp_layer(t: HubTensors, k: int) -> dict:

@@ -85,7 +85,7 @@ def _layer(t: HubTensors, keys: _Keys, c: Eagle3Config) -> dict:
         layer = {
             "input_norm": t.get(f"{pre}input_layernorm.weight", (h,)),
             "post_attn_norm": t.get(f"{pre}post_attention_layernorm.weight", (h,)),
-            "attn": attention_tensors(mla, f"{pre}self_attn.", d_in=2 * h),
+            "attn": attention_tensors(mla, pre, d_in=2 * h),
             "mlp": swiglu_tensors(t, f"{pre}mlp.", h, f),
         }
         t.used += mla.used

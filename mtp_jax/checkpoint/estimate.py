@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 
 from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig
 from mtp_jax.targets import target_for
+from mtp_jax.targets.deepseek_v3 import layer_leaves
 from mtp_jax.targets.llama3 import target_layer_leaves
 
 WEIGHT_FORMATS = ("bf16", "fp32", "fp8")
@@ -77,44 +78,21 @@ class _Spec:
         return math.prod(self.shape) * self.count
 
 
+_KINDS = {"linear": _LINEAR, "norm": _PLAIN, "router": _ROUTER, "bias": _FP32}
+
+
 def _layer_specs(cfg: DeepseekV3Config, *, dense: bool, count: int, mtp: bool) -> Iterator[_Spec]:
-    """The tensors of ``count`` identical decoder layers (dense MLP or MoE)."""
-    d, h = cfg.hidden_size, cfg.num_attention_heads
-
-    def comp(name: str) -> str:
-        return "mtp" if mtp else name
-
-    yield _Spec(comp("norms"), (d,), 2 * count, _PLAIN)  # input / post_attention layernorms
-    if cfg.q_lora_rank is None:
-        yield _Spec(comp("attention"), (h * cfg.qk_head_dim, d), count, _LINEAR)
-    else:
-        yield _Spec(comp("attention"), (cfg.q_lora_rank, d), count, _LINEAR)
-        yield _Spec(comp("norms"), (cfg.q_lora_rank,), count, _PLAIN)
-        yield _Spec(comp("attention"), (h * cfg.qk_head_dim, cfg.q_lora_rank), count, _LINEAR)
-    yield _Spec(comp("attention"), (cfg.kv_lora_rank + cfg.qk_rope_head_dim, d), count, _LINEAR)
-    yield _Spec(comp("norms"), (cfg.kv_lora_rank,), count, _PLAIN)
-    yield _Spec(
-        comp("attention"),
-        (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        count,
-        _LINEAR,
-        absorbed=True,
-    )
-    yield _Spec(comp("attention"), (d, h * cfg.v_head_dim), count, _LINEAR)
-    if dense:
-        f = cfg.intermediate_size
-        yield _Spec(comp("dense_mlp"), (f, d), 2 * count, _LINEAR)  # gate_proj, up_proj
-        yield _Spec(comp("dense_mlp"), (d, f), count, _LINEAR)  # down_proj
-        return
-    f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
-    yield _Spec(comp("routers"), (e, d), count, _ROUTER)
-    yield _Spec(comp("routers"), (e,), count, _FP32)
-    yield _Spec(comp("routed_experts"), (f, d), 2 * e * count, _LINEAR, split="expert")
-    yield _Spec(comp("routed_experts"), (d, f), e * count, _LINEAR, split="expert")
-    if cfg.n_shared_experts:
-        fs = f * cfg.n_shared_experts
-        yield _Spec(comp("shared_experts"), (fs, d), 2 * count, _LINEAR)
-        yield _Spec(comp("shared_experts"), (d, fs), count, _LINEAR)
+    """The tensors of ``count`` identical decoder layers (dense MLP or MoE), as
+    :func:`mtp_jax.targets.deepseek_v3.layer_leaves` declares them."""
+    for leaf in layer_leaves(cfg, moe=not dense):
+        yield _Spec(
+            "mtp" if mtp else leaf.component,
+            leaf.hub_shape,
+            count * (leaf.experts or 1),
+            _KINDS[leaf.kind],
+            split="expert" if leaf.experts else None,
+            absorbed=leaf.dense,
+        )
 
 
 def _llama_specs(cfg: Llama3Config) -> Iterator[_Spec]:

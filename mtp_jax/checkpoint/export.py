@@ -16,6 +16,8 @@ import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
+from mtp_jax.targets.deepseek_v3 import KV_B, iter_hub
+from mtp_jax.targets.deepseek_v3 import layer_leaves as deepseek_layer_leaves
 from mtp_jax.targets.llama3 import layer_leaves
 
 
@@ -31,37 +33,29 @@ def _linear(w: Any, dtype: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
 
 
-def _layer(p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dtype) -> dict[str, np.ndarray]:
-    t = {
-        f"{pre}input_layernorm.weight": _np(p["input_norm"], dtype),
-        f"{pre}post_attention_layernorm.weight": _np(p["post_attn_norm"], dtype),
-    }
-    a, attn = f"{pre}self_attn.", p["attn"]
-    if cfg.q_lora_rank is None:
-        t[f"{a}q_proj.weight"] = _linear(attn["q"], dtype)
-    else:
-        t[f"{a}q_a_proj.weight"] = _linear(attn["q_a"], dtype)
-        t[f"{a}q_a_layernorm.weight"] = _np(attn["q_a_norm"], dtype)
-        t[f"{a}q_b_proj.weight"] = _linear(attn["q_b"], dtype)
-    t[f"{a}kv_a_proj_with_mqa.weight"] = _linear(attn["kv_a"], dtype)
-    t[f"{a}kv_a_layernorm.weight"] = _np(attn["kv_a_norm"], dtype)
-    kv_b = np.concatenate([_np(attn["k_b"], dtype), _np(attn["v_b"], dtype)], axis=-1)  # [r, h, nope + v]
-    t[f"{a}kv_b_proj.weight"] = _linear(kv_b, dtype)
-    o = _np(attn["o"], dtype)  # [h, v, d]
-    t[f"{a}o_proj.weight"] = np.ascontiguousarray(o.reshape(-1, o.shape[-1]).T)
-    m, mlp = f"{pre}mlp.", p["mlp"]
-    if not is_moe:
-        for name in ("gate", "up", "down"):
-            t[f"{m}{name}_proj.weight"] = _linear(mlp[name], dtype)
-        return t
-    t[f"{m}gate.weight"] = np.ascontiguousarray(np.asarray(mlp["router"], np.float32).T)
-    t[f"{m}gate.e_score_correction_bias"] = np.asarray(mlp["bias"], np.float32)
-    for j in range(cfg.n_routed_experts):
-        for name in ("gate", "up", "down"):
-            t[f"{m}experts.{j}.{name}_proj.weight"] = _linear(mlp[name][j], dtype)
-    if cfg.n_shared_experts:
-        for name in ("gate", "up", "down"):
-            t[f"{m}shared_experts.{name}_proj.weight"] = _linear(mlp[f"shared_{name}"], dtype)
+def _layer(
+    p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dtype, d_in: int | None = None
+) -> dict[str, np.ndarray]:
+    """One decoder layer's hub tensors, as :func:`mtp_jax.targets.deepseek_v3.layer_leaves`
+    declares them (``d_in``: its attention's input width): a projection's ours [in..., out...] back
+    to [out, in], ``k_b`` and ``v_b`` joined into ``kv_b_proj``, routers transposed, routers and
+    biases float32."""
+    t = {}
+    for leaf, j in iter_hub(deepseek_layer_leaves(cfg, is_moe, d_in)):
+        node = p
+        for name in leaf.path[:-1]:
+            node = node[name]
+        if leaf.path == KV_B:
+            x = np.concatenate([_np(node["k_b"], dtype), _np(node["v_b"], dtype)], axis=-1)
+        else:
+            x = node[leaf.path[-1]] if j is None else node[leaf.path[-1]][j]
+        if leaf.kind == "linear":
+            x = _np(x, dtype).reshape(leaf.hub_shape[1], leaf.hub_shape[0]).T
+        elif leaf.kind == "router":
+            x = np.asarray(x, np.float32).T
+        else:
+            x = np.asarray(x, np.float32) if leaf.kind == "bias" else _np(x, dtype)
+        t[pre + leaf.hub.format(e=j)] = np.ascontiguousarray(x)
     return t
 
 
@@ -145,7 +139,10 @@ def eagle3_hub_tensors_from_params(
     dtype = np.dtype(dtype)
     tree = jax.device_get(tree)
     pre = layer_prefix
-    t = _llama_layer(tree, pre, dtype) if cfg.mla is None else _layer(tree, cfg.mla, pre, False, dtype)
+    if cfg.mla is None:
+        t = _llama_layer(tree, pre, dtype)
+    else:
+        t = _layer(tree, cfg.mla, pre, False, dtype, d_in=2 * cfg.hidden_size)
     t[f"{pre}hidden_norm.weight"] = _np(tree["hidden_norm"], dtype)
     t["fc.weight"] = _linear(tree["fc"], dtype)
     t["norm.weight"] = _np(tree["norm"], dtype)

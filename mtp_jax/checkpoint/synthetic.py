@@ -19,57 +19,26 @@ import numpy as np
 
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config
+from mtp_jax.targets.deepseek_v3 import iter_hub, layer_leaves
 from mtp_jax.targets.llama3 import target_layer_leaves
 
 
 def layer_tensors(
     cfg: DeepseekV3Config, i: int, rng: np.random.Generator, std: float
 ) -> dict[str, np.ndarray]:
-    d, h = cfg.hidden_size, cfg.num_attention_heads
+    """Decoder layer ``i``'s hub tensors (as :func:`mtp_jax.targets.deepseek_v3.layer_leaves`
+    declares them), drawn in hub order: projections and routers N(0, std), norms 1 + N(0, 0.1),
+    correction biases N(0, 0.1)."""
     pre = f"model.layers.{i}."
-
-    def w(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * std).astype(np.float32)
-
-    def norm(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    t = {f"{pre}input_layernorm.weight": norm(d), f"{pre}post_attention_layernorm.weight": norm(d)}
-    a = f"{pre}self_attn."
-    if cfg.q_lora_rank is None:
-        t[f"{a}q_proj.weight"] = w(h * cfg.qk_head_dim, d)
-    else:
-        t[f"{a}q_a_proj.weight"] = w(cfg.q_lora_rank, d)
-        t[f"{a}q_a_layernorm.weight"] = norm(cfg.q_lora_rank)
-        t[f"{a}q_b_proj.weight"] = w(h * cfg.qk_head_dim, cfg.q_lora_rank)
-    t[f"{a}kv_a_proj_with_mqa.weight"] = w(cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)
-    t[f"{a}kv_a_layernorm.weight"] = norm(cfg.kv_lora_rank)
-    t[f"{a}kv_b_proj.weight"] = w(h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-    t[f"{a}o_proj.weight"] = w(d, h * cfg.v_head_dim)
-    m = f"{pre}mlp."
-    if i < cfg.first_k_dense_replace:
-        f = cfg.intermediate_size
-        t.update(
-            {f"{m}gate_proj.weight": w(f, d), f"{m}up_proj.weight": w(f, d), f"{m}down_proj.weight": w(d, f)}
-        )
-        return t
-    f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
-    t[f"{m}gate.weight"] = w(e, d)
-    t[f"{m}gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(e)).astype(np.float32)
-    for j in range(e):
-        x = f"{m}experts.{j}."
-        t.update(
-            {f"{x}gate_proj.weight": w(f, d), f"{x}up_proj.weight": w(f, d), f"{x}down_proj.weight": w(d, f)}
-        )
-    if cfg.n_shared_experts:
-        fs, x = f * cfg.n_shared_experts, f"{m}shared_experts."
-        t.update(
-            {
-                f"{x}gate_proj.weight": w(fs, d),
-                f"{x}up_proj.weight": w(fs, d),
-                f"{x}down_proj.weight": w(d, fs),
-            }
-        )
+    t = {}
+    for leaf, j in iter_hub(layer_leaves(cfg, moe=i >= cfg.first_k_dense_replace)):
+        if leaf.kind == "norm":
+            x = 1.0 + 0.1 * rng.standard_normal(leaf.hub_shape)
+        elif leaf.kind == "bias":
+            x = 0.1 * rng.standard_normal(leaf.hub_shape)
+        else:
+            x = rng.standard_normal(leaf.hub_shape) * std
+        t[pre + leaf.hub.format(e=j)] = x.astype(np.float32)
     return t
 
 

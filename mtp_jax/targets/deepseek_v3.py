@@ -18,7 +18,9 @@ i.e. ``transformers``' ``hidden_states[i + 1]`` (its entry 0 is the embedding ou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +35,157 @@ from mtp_jax.moe import DISPATCH, resolve_dispatch, route
 from mtp_jax.sharding import ACTIVATION, constrain
 from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, lm_head, scan_layers
 
-__all__ = ["TARGET", "Hidden", "PagedAttention", "decoder_layer", "forward", "init_cache", "lm_head"]
+__all__ = [
+    "KV_B",
+    "TARGET",
+    "Hidden",
+    "MlaLeaf",
+    "PagedAttention",
+    "attention_leaves",
+    "decoder_layer",
+    "forward",
+    "init_cache",
+    "iter_hub",
+    "layer_leaves",
+    "layer_tree",
+    "lm_head",
+    "split_expert_leaves",
+]
 
 STACKS = ("dense", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaLeaf:
+    """One tensor of a DeepSeek-V3 decoder layer, declared once: the loader, the exporter, the
+    synthetic checkpoints, ``plan``'s abstract parameters and the size estimate all read
+    :func:`layer_leaves` (as the Llama family's :class:`mtp_jax.targets.llama3.LayerLeaf`).
+
+    ``path``: where it sits in our layer tree (:data:`KV_B` stands for ``k_b`` and ``v_b``, our two
+    halves of the hub's ``kv_b_proj``, split on the last axis); ``hub``: its key under the layer's
+    prefix (``model.layers.{i}.``), with ``{e}`` for a routed expert's index; ``shape``: ours, one
+    layer (one expert); ``hub_shape``: as stored ([out, in] for a projection, whose ours is its
+    transpose reshaped); ``kind``: ``linear`` (FP8 in FP8 checkpoints), ``norm`` (a norm's weight,
+    near 1), ``router`` (float32 [e, d], ours its transpose) or ``bias`` (float32, the router's
+    correction bias); ``component``: its part of the model in the size estimate; ``experts``: the
+    number of routed experts (one hub tensor each, ours stacked on a leading axis), 0 otherwise;
+    ``dense``: kept dense even in FP8 mode (``kv_b_proj``: used in absorbed form every step)."""
+
+    path: tuple[str, ...]
+    hub: str
+    shape: tuple[int, ...]
+    hub_shape: tuple[int, ...]
+    kind: str
+    component: str
+    experts: int = 0
+    dense: bool = False
+
+
+KV_B = ("attn", "kv_b")
+
+
+def _linear(
+    path: tuple[str, ...], hub: str, shape: tuple[int, ...], out: int, inp: int, component: str, **kw: Any
+) -> MlaLeaf:
+    return MlaLeaf(path, hub, shape, (out, inp), "linear", component, **kw)
+
+
+def attention_leaves(cfg: DeepseekV3Config, d_in: int | None = None) -> tuple[MlaLeaf, ...]:
+    """An MLA attention's tensors (under ``self_attn.``); the first projections (q_a / q, kv_a) read
+    inputs of width ``d_in`` (default hidden_size; an EAGLE-3 draft's read 2H)."""
+    d, h, qk = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
+    d_in = d if d_in is None else d_in
+    r, kvr, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope_v = cfg.qk_nope_head_dim + cfg.v_head_dim
+    a, at = "self_attn.", "attention"
+    if r is None:
+        q = (_linear(("attn", "q"), f"{a}q_proj.weight", (d_in, h, qk), h * qk, d_in, at),)
+    else:
+        q = (
+            _linear(("attn", "q_a"), f"{a}q_a_proj.weight", (d_in, r), r, d_in, at),
+            MlaLeaf(("attn", "q_a_norm"), f"{a}q_a_layernorm.weight", (r,), (r,), "norm", "norms"),
+            _linear(("attn", "q_b"), f"{a}q_b_proj.weight", (r, h, qk), h * qk, r, at),
+        )
+    return q + (
+        _linear(("attn", "kv_a"), f"{a}kv_a_proj_with_mqa.weight", (d_in, kvr + rope), kvr + rope, d_in, at),
+        MlaLeaf(("attn", "kv_a_norm"), f"{a}kv_a_layernorm.weight", (kvr,), (kvr,), "norm", "norms"),
+        _linear(KV_B, f"{a}kv_b_proj.weight", (kvr, h, nope_v), h * nope_v, kvr, at, dense=True),
+        _linear(("attn", "o"), f"{a}o_proj.weight", (h, cfg.v_head_dim, d), d, h * cfg.v_head_dim, at),
+    )
+
+
+def _swiglu_leaves(path: str, hub: str, d: int, f: int, component: str, experts: int = 0) -> tuple:
+    return (
+        _linear(("mlp", f"{path}gate"), f"{hub}gate_proj.weight", (d, f), f, d, component, experts=experts),
+        _linear(("mlp", f"{path}up"), f"{hub}up_proj.weight", (d, f), f, d, component, experts=experts),
+        _linear(("mlp", f"{path}down"), f"{hub}down_proj.weight", (f, d), d, f, component, experts=experts),
+    )
+
+
+def layer_leaves(cfg: DeepseekV3Config, moe: bool, d_in: int | None = None) -> tuple[MlaLeaf, ...]:
+    """The tensors of one decoder layer (dense MLP, or ``moe``: router, routed and shared experts),
+    in the order the hub lists them (routed experts once each: see :func:`split_expert_leaves`);
+    ``d_in``: the attention's input width (:func:`attention_leaves`)."""
+    d = cfg.hidden_size
+    leaves = (
+        MlaLeaf(("input_norm",), "input_layernorm.weight", (d,), (d,), "norm", "norms"),
+        MlaLeaf(("post_attn_norm",), "post_attention_layernorm.weight", (d,), (d,), "norm", "norms"),
+        *attention_leaves(cfg, d_in),
+    )
+    if not moe:
+        return leaves + _swiglu_leaves("", "mlp.", d, cfg.intermediate_size, "dense_mlp")
+    f, e = cfg.moe_intermediate_size, cfg.n_routed_experts
+    leaves += (
+        MlaLeaf(("mlp", "router"), "mlp.gate.weight", (d, e), (e, d), "router", "routers"),
+        MlaLeaf(("mlp", "bias"), "mlp.gate.e_score_correction_bias", (e,), (e,), "bias", "routers"),
+        *_swiglu_leaves("", "mlp.experts.{e}.", d, f, "routed_experts", experts=e),
+    )
+    if cfg.n_shared_experts:
+        leaves += _swiglu_leaves(
+            "shared_", "mlp.shared_experts.", d, f * cfg.n_shared_experts, "shared_experts"
+        )
+    return leaves
+
+
+def split_expert_leaves(leaves: tuple[MlaLeaf, ...]) -> tuple[tuple, tuple, tuple]:
+    """(the leaves before the routed experts, the routed experts' leaves, the leaves after): the hub
+    lists each expert's tensors together (expert 0's gate, up, down, then expert 1's ...)."""
+    idx = [i for i, leaf in enumerate(leaves) if leaf.experts]
+    if not idx:
+        return leaves, (), ()
+    return leaves[: idx[0]], leaves[idx[0] : idx[-1] + 1], leaves[idx[-1] + 1 :]
+
+
+def layer_tree(
+    leaves: tuple[MlaLeaf, ...],
+    value: Callable[[MlaLeaf], Any],
+    kv_b_parts: Callable[[MlaLeaf, Any], tuple[Any, Any]],
+) -> dict:
+    """Our layer tree with ``value(leaf)`` at each declared leaf's path; :data:`KV_B`'s value is
+    split by ``kv_b_parts(leaf, value)`` into ``attn.k_b`` and ``attn.v_b``."""
+    out: dict = {}
+    for leaf in leaves:
+        node = out
+        for name in leaf.path[:-1]:
+            node = node.setdefault(name, {})
+        if leaf.path == KV_B:
+            node["k_b"], node["v_b"] = kv_b_parts(leaf, value(leaf))
+        else:
+            node[leaf.path[-1]] = value(leaf)
+    return out
+
+
+def iter_hub(leaves: tuple[MlaLeaf, ...]) -> Iterator[tuple[MlaLeaf, int | None]]:
+    """Each (leaf, expert index or None) in hub order: the routed experts' leaves expert by expert."""
+    before, experts, after = split_expert_leaves(leaves)
+    for leaf in before:
+        yield leaf, None
+    if experts:
+        for j in range(experts[0].experts):
+            for leaf in experts:
+                yield leaf, j
+    for leaf in after:
+        yield leaf, None
 
 
 def stack_sizes(cfg: DeepseekV3Config) -> dict[str, int]:
