@@ -227,17 +227,18 @@ def run(args: argparse.Namespace) -> dict:
         if max(args.k) and not drafts:
             raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
         prompts, prompt_note = held_out_prompts(model, None if args.synthetic else path, args)
-        # (draft, K, DFlash block) triples: plain decoding once, every draft at every K > 0 (DFlash at
-        # every block size that holds K drafts)
+        # (draft, K, block) triples: plain decoding once, every draft at every K > 0 (a draft that
+        # proposes blocks, as DFlash, at every block size that holds K drafts)
         triples = [(None, 0, None)] * (0 in args.k)
         for d in drafts:
             blocks = [None]
-            if d == "dflash":
-                trained = owners[d].draft_config.block_size
+            if DRAFTS[d].block_size is not None:
+                trained = DRAFTS[d].block_size(owners[d].draft_config)
                 blocks = args.block_size or [trained]
                 if max(blocks) > trained:
                     raise ValueError(
-                        f"--block-size {max(blocks)}: the DFlash draft was trained on blocks of {trained}"
+                        f"--block-size {max(blocks)}: the {DRAFTS[d].title} draft was trained on blocks "
+                        f"of {trained}"
                     )
             triples += [(d, k, b) for b in blocks for k in args.k if k and (b is None or k < b)]
         if args.auto_k:  # K "auto": the table picks it, up to the largest K asked for

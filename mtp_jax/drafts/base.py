@@ -139,6 +139,10 @@ class Draft:
     (DFlash's block) applies ``block_size`` (None: its default) to its config and resolves K (None:
     its default), raising InvalidRequestError for values it cannot take. None: K defaults to
     :attr:`default_k` and a ``draft_block_size`` is refused."""
+    block_size: Callable[[Any], int] | None = None
+    """``block_size(draft_cfg)``: for a draft that proposes a block at a time (DFlash), the block it
+    was trained on, the largest a request's ``draft_block_size`` may ask for (``mtp-jax bench
+    --block-size`` runs each block size it is given up to that one). None: no blocks."""
     weights: bool = True
     """Whether the draft is a model with weights of its own. A weightless one (n-gram lookup) works
     with any target, so it is asked for by name only: not listed in ``Model.drafts`` nor picked by

@@ -353,4 +353,5 @@ DRAFT = Draft(
     recognises=_recognises,
     load=_load,
     configure=_configure,
+    block_size=lambda draft_cfg: draft_cfg.block_size,
 )
