@@ -39,7 +39,7 @@ from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
 from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 from mtp_jax.targets import target_for
-from mtp_jax.targets.deepseek_v3 import MlaLeaf, attention_leaves, layer_leaves, layer_tree
+from mtp_jax.targets.deepseek_v3 import MlaLeaf, attention_leaves, layer_leaves, layer_tree, mtp_leaves
 from mtp_jax.targets.llama3 import leaves_tree, target_layer_leaves
 
 PLAN_WEIGHTS = ("fp8", "bf16")
@@ -130,7 +130,7 @@ class _AbstractParams:
         projections FP8 in FP8 mode, ``kv_b`` dense, routed experts stacked)."""
         if leaf.kind in ("router", "bias"):
             return self.plain(*leaf.shape, dtype=jnp.float32)
-        if leaf.kind != "linear" or leaf.dense:
+        if leaf.kind != "linear" or leaf.dense:  # norms, kv_b, eh_proj
             return self.plain(*leaf.shape)
         x = self.linear(*leaf.hub_shape, leaf.shape)
         return jax.tree.map(lambda s: _stacked(s, leaf.experts), x) if leaf.experts else x
@@ -179,12 +179,8 @@ class _AbstractParams:
         if c.num_moe_layers:
             out["moe"] = self.layer(moe=True)
         if mtp and c.num_nextn_predict_layers:
-            norm = self.plain(d)
             out["mtp"] = {
-                "enorm": norm,
-                "hnorm": norm,
-                "eh_proj": self.plain(2 * d, d),
-                "head_norm": norm,
+                **layer_tree(mtp_leaves(c), self.leaf, self._kv_b_parts),
                 "layer": self.layer(moe=True),
             }
         return out

@@ -54,6 +54,7 @@ from mtp_jax.targets.deepseek_v3 import (
     attention_leaves,
     layer_leaves,
     layer_tree,
+    mtp_leaves,
     split_expert_leaves,
 )
 
@@ -77,7 +78,7 @@ STACKED_GROUPS = ("dense", "moe", "mtp")
 def _read(t: HubTensors, pre: str, leaf: MlaLeaf, expert: int | None = None) -> Any:
     """One declared tensor under ``pre`` (routed experts: expert ``expert``) in our layout."""
     key = pre + leaf.hub.format(e=expert)
-    if leaf.kind == "linear":
+    if leaf.kind in ("linear", "projection"):
         return t.linear(key, *leaf.hub_shape, leaf.shape, dense=leaf.dense)
     if leaf.kind == "router":
         return np.ascontiguousarray(t.get(key, leaf.hub_shape, np.float32).T)
@@ -137,13 +138,7 @@ def _mtp_layer(t: HubTensors, k: int) -> dict:
     n = cfg.num_hidden_layers + k
     pre = f"model.layers.{n}."
     d, v = cfg.hidden_size, cfg.vocab_size
-    p = {
-        "enorm": t.get(f"{pre}enorm.weight", (d,)),
-        "hnorm": t.get(f"{pre}hnorm.weight", (d,)),
-        "eh_proj": t.linear(f"{pre}eh_proj.weight", d, 2 * d),
-        "head_norm": t.get(f"{pre}shared_head.norm.weight", (d,)),
-        "layer": _layer(t, n),
-    }
+    p = {**read_layer(t, pre, mtp_leaves(cfg)), "layer": _layer(t, n)}
     main_head = "lm_head.weight" if "lm_head.weight" in t.reader else "model.embed_tokens.weight"
     for name, key, main in (
         ("embed", f"{pre}embed_tokens.weight", "model.embed_tokens.weight"),

@@ -31,10 +31,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig
 from mtp_jax.targets import target_for
-from mtp_jax.targets.deepseek_v3 import layer_leaves
+from mtp_jax.targets.deepseek_v3 import layer_leaves, mtp_leaves
 from mtp_jax.targets.llama3 import target_layer_leaves
 
 WEIGHT_FORMATS = ("bf16", "fp32", "fp8")
@@ -78,21 +79,25 @@ class _Spec:
         return math.prod(self.shape) * self.count
 
 
-_KINDS = {"linear": _LINEAR, "norm": _PLAIN, "router": _ROUTER, "bias": _FP32}
+_KINDS = {"linear": _LINEAR, "projection": _PLAIN, "norm": _PLAIN, "router": _ROUTER, "bias": _FP32}
+
+
+def _leaf_spec(leaf: Any, count: int, component: str | None = None) -> _Spec:
+    return _Spec(
+        component or leaf.component,
+        leaf.hub_shape,
+        count * (leaf.experts or 1),
+        _KINDS[leaf.kind],
+        split="expert" if leaf.experts else None,
+        absorbed=leaf.dense and leaf.kind == "linear",
+    )
 
 
 def _layer_specs(cfg: DeepseekV3Config, *, dense: bool, count: int, mtp: bool) -> Iterator[_Spec]:
     """The tensors of ``count`` identical decoder layers (dense MLP or MoE), as
     :func:`mtp_jax.targets.deepseek_v3.layer_leaves` declares them."""
     for leaf in layer_leaves(cfg, moe=not dense):
-        yield _Spec(
-            "mtp" if mtp else leaf.component,
-            leaf.hub_shape,
-            count * (leaf.experts or 1),
-            _KINDS[leaf.kind],
-            split="expert" if leaf.experts else None,
-            absorbed=leaf.dense,
-        )
+        yield _leaf_spec(leaf, count, "mtp" if mtp else None)
 
 
 def _llama_specs(cfg: Llama3Config) -> Iterator[_Spec]:
@@ -130,8 +135,7 @@ def _specs(cfg: ModelConfig) -> Iterator[_Spec]:
         yield _Spec("lm_head", (v, d), 1, _PLAIN)
     if n_mtp:
         yield from _layer_specs(cfg, dense=False, count=n_mtp, mtp=True)
-        yield _Spec("mtp", (d,), 3 * n_mtp, _PLAIN)  # enorm, hnorm, shared_head.norm
-        yield _Spec("mtp", (d, 2 * d), n_mtp, _PLAIN)  # eh_proj
+        yield from (_leaf_spec(leaf, n_mtp) for leaf in mtp_leaves(cfg))  # norms, eh_proj
         yield _Spec("mtp_duplicates", (v, d), 2 * n_mtp, _PLAIN)  # embed_tokens, shared_head.head
 
 

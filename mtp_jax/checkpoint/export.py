@@ -16,7 +16,7 @@ import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
-from mtp_jax.targets.deepseek_v3 import KV_B, iter_hub
+from mtp_jax.targets.deepseek_v3 import KV_B, iter_hub, mtp_leaves
 from mtp_jax.targets.deepseek_v3 import layer_leaves as deepseek_layer_leaves
 from mtp_jax.targets.llama3 import layer_leaves
 
@@ -40,8 +40,12 @@ def _layer(
     declares them (``d_in``: its attention's input width): a projection's ours [in..., out...] back
     to [out, in], ``k_b`` and ``v_b`` joined into ``kv_b_proj``, routers transposed, routers and
     biases float32."""
+    return _hub(p, f"{pre}", deepseek_layer_leaves(cfg, is_moe, d_in), dtype)
+
+
+def _hub(p: dict, pre: str, leaves: tuple, dtype: np.dtype) -> dict[str, np.ndarray]:
     t = {}
-    for leaf, j in iter_hub(deepseek_layer_leaves(cfg, is_moe, d_in)):
+    for leaf, j in iter_hub(leaves):
         node = p
         for name in leaf.path[:-1]:
             node = node[name]
@@ -49,7 +53,7 @@ def _layer(
             x = np.concatenate([_np(node["k_b"], dtype), _np(node["v_b"], dtype)], axis=-1)
         else:
             x = node[leaf.path[-1]] if j is None else node[leaf.path[-1]][j]
-        if leaf.kind == "linear":
+        if leaf.kind in ("linear", "projection"):
             x = _np(x, dtype).reshape(leaf.hub_shape[1], leaf.hub_shape[0]).T
         elif leaf.kind == "router":
             x = np.asarray(x, np.float32).T
@@ -115,10 +119,7 @@ def hub_tensors_from_params(params: dict, cfg: ModelConfig, dtype: Any = np.floa
             mp = jax.tree.map(lambda x, k=k: x[k], params["mtp"])
             pre = f"model.layers.{cfg.num_hidden_layers + k}."
             t.update(_layer(mp["layer"], cfg, pre, True, dtype))
-            t[f"{pre}enorm.weight"] = _np(mp["enorm"], dtype)
-            t[f"{pre}hnorm.weight"] = _np(mp["hnorm"], dtype)
-            t[f"{pre}eh_proj.weight"] = _linear(mp["eh_proj"], dtype)
-            t[f"{pre}shared_head.norm.weight"] = _np(mp["head_norm"], dtype)
+            t.update(_hub(mp, pre, mtp_leaves(cfg), dtype))
             t[f"{pre}embed_tokens.weight"] = (
                 _np(mp["embed"], dtype) if "embed" in mp else t["model.embed_tokens.weight"]
             )

@@ -19,7 +19,7 @@ import numpy as np
 
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config
-from mtp_jax.targets.deepseek_v3 import iter_hub, layer_leaves
+from mtp_jax.targets.deepseek_v3 import iter_hub, layer_leaves, mtp_leaves
 from mtp_jax.targets.llama3 import target_layer_leaves
 
 
@@ -29,9 +29,12 @@ def layer_tensors(
     """Decoder layer ``i``'s hub tensors (as :func:`mtp_jax.targets.deepseek_v3.layer_leaves`
     declares them), drawn in hub order: projections and routers N(0, std), norms 1 + N(0, 0.1),
     correction biases N(0, 0.1)."""
-    pre = f"model.layers.{i}."
+    return _draw(f"model.layers.{i}.", layer_leaves(cfg, moe=i >= cfg.first_k_dense_replace), rng, std)
+
+
+def _draw(pre: str, leaves: tuple, rng: np.random.Generator, std: float) -> dict[str, np.ndarray]:
     t = {}
-    for leaf, j in iter_hub(layer_leaves(cfg, moe=i >= cfg.first_k_dense_replace)):
+    for leaf, j in iter_hub(leaves):
         if leaf.kind == "norm":
             x = 1.0 + 0.1 * rng.standard_normal(leaf.hub_shape)
         elif leaf.kind == "bias":
@@ -62,10 +65,7 @@ def hub_tensors(cfg: DeepseekV3Config, seed: int = 0, std: float = 0.1) -> dict[
                 for k2, x in mtp.items()
             }
         )
-        tensors[f"{pre}enorm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
-        tensors[f"{pre}hnorm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
-        tensors[f"{pre}eh_proj.weight"] = (rng.standard_normal((d, 2 * d)) * std).astype(np.float32)
-        tensors[f"{pre}shared_head.norm.weight"] = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        tensors.update(_draw(pre, mtp_leaves(cfg), rng, std))
         tensors[f"{pre}shared_head.head.weight"] = tensors.get(
             "lm_head.weight", tensors["model.embed_tokens.weight"]
         )

@@ -49,6 +49,7 @@ __all__ = [
     "layer_leaves",
     "layer_tree",
     "lm_head",
+    "mtp_leaves",
     "split_expert_leaves",
 ]
 
@@ -65,7 +66,8 @@ class MlaLeaf:
     halves of the hub's ``kv_b_proj``, split on the last axis); ``hub``: its key under the layer's
     prefix (``model.layers.{i}.``), with ``{e}`` for a routed expert's index; ``shape``: ours, one
     layer (one expert); ``hub_shape``: as stored ([out, in] for a projection, whose ours is its
-    transpose reshaped); ``kind``: ``linear`` (FP8 in FP8 checkpoints), ``norm`` (a norm's weight,
+    transpose reshaped); ``kind``: ``linear`` (FP8 in FP8 checkpoints), ``projection`` (a
+    projection the hub never quantises: the MTP layer's ``eh_proj``), ``norm`` (a norm's weight,
     near 1), ``router`` (float32 [e, d], ours its transpose) or ``bias`` (float32, the router's
     correction bias); ``component``: its part of the model in the size estimate; ``experts``: the
     number of routed experts (one hub tensor each, ours stacked on a leading axis), 0 otherwise;
@@ -145,6 +147,20 @@ def layer_leaves(cfg: DeepseekV3Config, moe: bool, d_in: int | None = None) -> t
             "shared_", "mlp.shared_experts.", d, f * cfg.n_shared_experts, "shared_experts"
         )
     return leaves
+
+
+def mtp_leaves(cfg: DeepseekV3Config) -> tuple[MlaLeaf, ...]:
+    """The tensors an MTP (NextN) layer adds to its MoE decoder layer (``model.layers.{N + k}.``),
+    in hub order: the two input norms, ``eh_proj`` (our [2d, d]: embedding first, then hidden; a
+    ``projection``, never FP8 in the hub) and the shared head's norm. Its copies of the embedding
+    and head are the main model's (kept apart only when they differ)."""
+    d = cfg.hidden_size
+    return (
+        MlaLeaf(("enorm",), "enorm.weight", (d,), (d,), "norm", "mtp"),
+        MlaLeaf(("hnorm",), "hnorm.weight", (d,), (d,), "norm", "mtp"),
+        MlaLeaf(("eh_proj",), "eh_proj.weight", (2 * d, d), (d, 2 * d), "projection", "mtp", dense=True),
+        MlaLeaf(("head_norm",), "shared_head.norm.weight", (d,), (d,), "norm", "mtp"),
+    )
 
 
 def split_expert_leaves(leaves: tuple[MlaLeaf, ...]) -> tuple[tuple, tuple, tuple]:
