@@ -9,9 +9,11 @@ Randomness: the key of row b sampling the token at absolute position p is
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +146,22 @@ temperature 0.7 the top-p 0.9 / 0.95 nucleus has a median of 3 / 4 tokens and pa
 about 216."""
 
 
+_SORT_ONLY = contextvars.ContextVar("mtp_jax_sampling_sort_only", default=False)
+
+
+@contextlib.contextmanager
+def sort_only(on: bool = True) -> Iterator[None]:
+    """While tracing inside this context (``on``), :func:`processed_logprobs` takes its top-k /
+    top-p thresholds from the full sort, not the partial selection: XLA's SPMD partitioner does not
+    split ``lax.top_k`` over rows, so on a mesh the selection would gather every row's logits onto
+    every device. The step sets it for programs with a mesh; it is read at trace time only."""
+    token = _SORT_ONLY.set(on)
+    try:
+        yield
+    finally:
+        _SORT_ONLY.reset(token)
+
+
 def _top_k_sizes(params: RowSampling, vocab: int) -> jax.Array:
     return jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
 
@@ -211,7 +229,11 @@ def processed_logprobs(logits: jax.Array, params: RowSampling) -> jax.Array:
     truncates = jnp.any((params.top_k > 0) & (params.top_k < vocab)) | jnp.any(params.top_p < 1.0)
 
     def truncated(x: jax.Array, tier: int = 0) -> jax.Array:
-        if tier == len(TRUNCATION_CANDIDATES) or (tier and TRUNCATION_CANDIDATES[tier - 1] >= vocab):
+        if (
+            _SORT_ONLY.get()
+            or tier == len(TRUNCATION_CANDIDATES)
+            or (tier and TRUNCATION_CANDIDATES[tier - 1] >= vocab)
+        ):
             return sorted_thresholds(x, params)
         threshold, exact = candidate_thresholds(x, params, TRUNCATION_CANDIDATES[tier])
         return jax.lax.cond(jnp.all(exact), lambda x: threshold, lambda x: truncated(x, tier + 1), x)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,7 +36,14 @@ from mtp_jax.cache import slots_for
 from mtp_jax.drafts import Draft, Rows, draft_for
 from mtp_jax.drafts.base import DraftContext, at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
-from mtp_jax.sampling import RowSampling, accept_argmax_drafts, accept_sampled_drafts, relaxed_ok, sample
+from mtp_jax.sampling import (
+    RowSampling,
+    accept_argmax_drafts,
+    accept_sampled_drafts,
+    relaxed_ok,
+    sample,
+    sort_only,
+)
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
 
@@ -182,7 +190,20 @@ forward_paged_jit = jax.jit(
 )
 
 
+def _mesh_sampling(fn: Callable) -> Callable:
+    """``fn`` (taking a ``sc``) traced with :func:`mtp_jax.sampling.sort_only` when ``sc`` has a mesh."""
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        sc = kwargs.get("sc") or next(a for a in args if isinstance(a, StepConfig))
+        with sort_only(sc.mesh is not None):
+            return fn(*args, **kwargs)
+
+    return inner
+
+
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
+@_mesh_sampling
 def prefill(
     params: dict,
     state: DecodeState,
@@ -416,6 +437,7 @@ def _merge_rows(state: DecodeState, part: DecodeState, rows: int) -> DecodeState
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "rows"), donate_argnames=("state",))
+@_mesh_sampling
 def step(
     params: dict,
     state: DecodeState,
@@ -475,10 +497,13 @@ def step(
 # the acceptance result in between, as engines without a fused step do. Benchmarks only: it is
 # how the benefit of fusion is measured rather than assumed.
 _verify_jit = jax.jit(_verify, static_argnames=("sc",))
-_commit_and_draft_jit = jax.jit(_commit_and_draft, static_argnames=("sc",), donate_argnames=("state",))
+_commit_and_draft_jit = jax.jit(
+    _mesh_sampling(_commit_and_draft), static_argnames=("sc",), donate_argnames=("state",)
+)
 
 
 @functools.partial(jax.jit, static_argnames=("sc",))
+@_mesh_sampling
 def _accept_jit(
     logits: jax.Array, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
