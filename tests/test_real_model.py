@@ -60,25 +60,33 @@ def test_logits_greedy_text_and_chat_equal_transformers_on_the_same_gguf(smollm2
     assert smollm2.text.decode(chat.tokens[0]) == "The capital of France is Paris."
 
 
-@pytest.fixture(scope="module")
-def smollm2_eagle3():
-    """SmolLM2 with the EAGLE-3 draft trained here (checkpoints/smollm2-135m-instruct-eagle3)."""
+SHIPPED_DRAFTS = {
+    # draft method: (checkpoint directory, K of the greedy check, least acceptance length there)
+    "eagle3": ("smollm2-135m-instruct-eagle3", 3, 1.5),
+    # the DFlash draft joins here once shipped: ("smollm2-135m-instruct-dflash", 7, its least)
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SHIPPED_DRAFTS))
+def smollm2_draft(request):
+    """(SmolLM2 with one of the drafts trained here, its method): checkpoints/smollm2-135m-instruct-*."""
     require_extra("gguf")
-    draft = os.path.join(REPO, "checkpoints", "smollm2-135m-instruct-eagle3")
-    return mtp_jax.load(real_model("smollm2-135m-instruct"), "float32", draft_model=draft)
+    draft = os.path.join(REPO, "checkpoints", SHIPPED_DRAFTS[request.param][0])
+    return mtp_jax.load(real_model("smollm2-135m-instruct"), "float32", draft_model=draft), request.param
 
 
-def test_the_shipped_eagle3_draft_speculates_losslessly(smollm2_eagle3, reference):
+def test_the_shipped_drafts_speculate_losslessly(smollm2_draft, reference):
     """Speculative greedy text equals `transformers`' plain greedy text on the same GGUF, with
-    drafts accepted (the draft's held-out acceptance is in its eval.json)."""
-    model = smollm2_eagle3
-    assert model.drafts == ("eagle3",) and model.default_draft == "eagle3"
+    drafts accepted (each draft's held-out acceptance is in its eval.json)."""
+    model, method = smollm2_draft
+    _, k, least = SHIPPED_DRAFTS[method]
+    assert model.drafts == (method,) and model.default_draft == method
     cases = reference["cases"]
     new = len(cases[0]["greedy"])
     ids = [c["ids"] for c in cases]
-    out = model.generate(ids, max_new_tokens=new, ignore_eos=True, draft="eagle3", num_speculative_tokens=3)
+    out = model.generate(ids, max_new_tokens=new, ignore_eos=True, draft=method, num_speculative_tokens=k)
     assert out.tokens == [c["greedy"] for c in cases]
-    assert out.stats["acceptance_length"] > 1.5, out.stats
+    assert out.stats["acceptance_length"] > least, out.stats
 
 
 def _top_k_probs(logits: np.ndarray, k: int) -> dict[int, float]:
@@ -90,19 +98,19 @@ def _top_k_probs(logits: np.ndarray, k: int) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_the_shipped_eagle3_draft_samples_exactly(smollm2_eagle3):
+def test_the_shipped_drafts_sample_exactly(smollm2_draft):
     """Sampled drafts (accepted with min(1, p/q)): over many seeds the first two tokens (the first
     from prefill, the second from the first speculative step) follow the target's own joint law,
     computed exactly from its logits; and argmax drafts emit exactly what plain decoding samples."""
     from tests.test_acceptance import assert_distribution
 
-    model, k, n = smollm2_eagle3, 4, 192
+    (model, method), k, n = smollm2_draft, 4, 192
     prompt = model.text.encode("The capital of France is")
     kw = dict(temperature=1.0, top_k=k, seed=list(range(n)), ignore_eos=True, max_batch=n)
     out = model.generate(
         [prompt] * n,
         max_new_tokens=2,
-        draft="eagle3",
+        draft=method,
         num_speculative_tokens=2,
         draft_sampling="sampled",
         **kw,
@@ -119,8 +127,10 @@ def test_the_shipped_eagle3_draft_samples_exactly(smollm2_eagle3):
     outside = [tuple(t) for t in out.tokens if tuple(t) not in index]
     assert not outside, f"token pairs the target's top-{k} law cannot produce: {outside[:5]}"
     samples = np.asarray([index[tuple(t)] for t in out.tokens])
-    assert_distribution(samples, np.asarray(list(cells.values())), "first two tokens, sampled EAGLE-3 drafts")
+    assert_distribution(
+        samples, np.asarray(list(cells.values())), f"first two tokens, sampled {method} drafts"
+    )
     few = dict(temperature=0.8, top_p=0.9, seed=[1, 2, 3, 4], ignore_eos=True, max_new_tokens=12)
     plain = model.generate([prompt] * 4, **few)
-    argmax = model.generate([prompt] * 4, draft="eagle3", num_speculative_tokens=3, **few)
+    argmax = model.generate([prompt] * 4, draft=method, num_speculative_tokens=3, **few)
     assert argmax.tokens == plain.tokens
