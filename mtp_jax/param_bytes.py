@@ -3,17 +3,22 @@ drafts' ``step_reads`` hooks (:class:`mtp_jax.drafts.base.StepReads`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax.numpy as jnp
 
-from mtp_jax.sharding import ROUTED_EXPERT_LEAVES
+from mtp_jax.checkpoint.fp8 import Fp8Weight
+from mtp_jax.sharding import param_logical
 
 
 def nbytes(x: Any) -> int:
     """Bytes of an array or ShapeDtypeStruct."""
     return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
+_FP8_FIELDS = tuple(f.name for f in dataclasses.fields(Fp8Weight))
 
 
 def path_names(path: tuple) -> list[str]:
@@ -33,9 +38,9 @@ def expected_experts(n_tokens: int, n_experts: int, top_k: int) -> float:
 
 
 def is_routed_expert(names: list[str]) -> bool:
-    """A routed expert's projection (MoE layers and the MTP layer; not the dense layers' MLP)."""
-    return (
-        names[0] in ("moe", "mtp")
-        and "mlp" in names
-        and names[names.index("mlp") + 1] in ROUTED_EXPERT_LEAVES
-    )
+    """Whether the parameter at path ``names`` (group first) is a routed expert's projection (its
+    group's layout splits it over ``experts``: DeepSeek-V3's MoE and MTP layers)."""
+    names = list(names)
+    while names and names[-1] in _FP8_FIELDS:  # an Fp8Weight's w / scale_inv
+        names.pop()
+    return param_logical(names[0], names[1:], 1) == ("experts",)

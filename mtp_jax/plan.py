@@ -35,12 +35,11 @@ from jax.sharding import Mesh
 from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
+from mtp_jax.config import DFlashConfig, Eagle3Config, ModelConfig
 from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 from mtp_jax.targets import target_for
-from mtp_jax.targets.deepseek_v3 import MlaLeaf, attention_leaves, layer_leaves, layer_tree, mtp_leaves
-from mtp_jax.targets.llama3 import leaves_tree, target_layer_leaves
+from mtp_jax.targets.deepseek_v3 import abstract_tree, attention_leaves
 
 PLAN_WEIGHTS = ("fp8", "bf16")
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -88,11 +87,11 @@ def plan_devices(n: int) -> list[jax.Device]:
 
 # --- abstract parameters ------------------------------------------------------------------------
 class _AbstractParams:
-    """Builds the parameter pytree the loader produces (:mod:`mtp_jax.checkpoint.deepseek_v3`,
-    :mod:`mtp_jax.checkpoint.llama3`) as ShapeDtypeStructs: weights [in, out] with per-head axes
-    split out; for DeepSeek-V3 ``kv_b`` as dense ``k_b``/``v_b``, routers float32, and with ``fp8``
-    every projection the hub stores in FP8 kept as an :class:`Fp8Weight` (``eh_proj``, embeddings
-    and heads are bfloat16 in the hub and stay dense); for Llama no head when it is tied."""
+    """The builder a target's :attr:`~mtp_jax.targets.base.Target.abstract_groups` and a draft's
+    ``abstract_params`` make the loader's parameter pytree with, as ShapeDtypeStructs: ``plain``
+    tensors in the planned dtype, ``linear`` projections (with ``fp8``, a hub-FP8 projection kept
+    as an :class:`Fp8Weight` with its block scales), ``stacked`` trees, an ``mla_attention`` block
+    and a ``whole_model`` (a draft that is a model of its own)."""
 
     def __init__(self, cfg: ModelConfig, dtype: Any, fp8: bool, mesh: Mesh | None = None) -> None:
         self.cfg = cfg
@@ -125,65 +124,25 @@ class _AbstractParams:
             block=(b_in, b_out),
         )
 
-    def leaf(self, leaf: MlaLeaf) -> Any:
-        """A declared DeepSeek-V3 tensor as the loader keeps it (routers and biases float32, FP8
-        projections FP8 in FP8 mode, ``kv_b`` dense, routed experts stacked)."""
-        if leaf.kind in ("router", "bias"):
-            return self.plain(*leaf.shape, dtype=jnp.float32)
-        if leaf.kind != "linear" or leaf.dense:  # norms, kv_b, eh_proj
-            return self.plain(*leaf.shape)
-        x = self.linear(*leaf.hub_shape, leaf.shape)
-        return jax.tree.map(lambda s: _stacked(s, leaf.experts), x) if leaf.experts else x
-
-    def _kv_b_parts(self, leaf: MlaLeaf, kv_b: Any) -> tuple[Any, Any]:
-        c = self.cfg
-        r, h = leaf.shape[:2]
-        return self.plain(r, h, c.qk_nope_head_dim), self.plain(r, h, c.v_head_dim)
-
-    def attention(self, d_in: int | None = None) -> dict:
-        return layer_tree(attention_leaves(self.cfg, d_in), self.leaf, self._kv_b_parts)["attn"]
-
-    def layer(self, moe: bool) -> dict:
-        return layer_tree(layer_leaves(self.cfg, moe), self.leaf, self._kv_b_parts)
-
-    def llama_groups(self) -> dict[str, Any]:
-        c = self.cfg
-        d = c.hidden_size
-        out = {
-            "embed": self.plain(c.vocab_size, d),
-            "layers": leaves_tree(target_layer_leaves(c), lambda leaf: self.plain(*leaf.shape)),
-            "final_norm": self.plain(d),
-        }
-        if not c.tie_word_embeddings:
-            out["lm_head"] = self.plain(d, c.vocab_size)
-        return out
-
     def mla_attention(self, mla: Any, d_in: int) -> dict:
         """An MLA attention block of ``mla`` (a DeepSeek-V3-shaped config) over inputs of width
         ``d_in``, dense (drafts are published in bf16)."""
-        return _AbstractParams(mla, self.dtype, False).attention(d_in=d_in)
+        dense = _AbstractParams(mla, self.dtype, False)
+        return abstract_tree(mla, attention_leaves(mla, d_in), dense)["attn"]
 
     def stacked(self, tree: Any, n: int) -> Any:
         """``tree``'s leaves with a leading layer axis of ``n``."""
         return jax.tree.map(lambda s: _stacked(s, n), tree)
 
-    def groups(self, mtp: bool) -> dict[str, Any]:
-        """Group name -> the tree of one group (one layer for the stacked groups)."""
-        c = self.cfg
-        if isinstance(c, Llama3Config):
-            return self.llama_groups()
-        d, v = c.hidden_size, c.vocab_size
-        out = {"embed": self.plain(v, d), "final_norm": self.plain(d), "lm_head": self.plain(d, v)}
-        if c.num_dense_layers:
-            out["dense"] = self.layer(moe=False)
-        if c.num_moe_layers:
-            out["moe"] = self.layer(moe=True)
-        if mtp and c.num_nextn_predict_layers:
-            out["mtp"] = {
-                **layer_tree(mtp_leaves(c), self.leaf, self._kv_b_parts),
-                "layer": self.layer(moe=True),
-            }
-        return out
+    def groups(self, own_draft: bool) -> dict[str, Any]:
+        """Group name -> the tree of one group (one layer for the stacked groups), as the target
+        declares them (:attr:`mtp_jax.targets.base.Target.abstract_groups`)."""
+        target = target_for(self.cfg)
+        if target.abstract_groups is None:
+            raise ValueError(
+                f"{target.title or target.name} declares no abstract parameters: it cannot be planned"
+            )
+        return target.abstract_groups(self.cfg, self, own_draft)
 
 
 def _stacked(s: jax.ShapeDtypeStruct, n: int, sharding: Any = None) -> jax.ShapeDtypeStruct:
@@ -480,7 +439,8 @@ def plan(
     elif draft is None:
         draft = target_for(cfg).own_draft(cfg) if draft_cfg is None else draft_for_config(draft_cfg).name
     sc = StepConfig(cfg, page_size, k, draft, "argmax", mesh, draft_cfg=draft_cfg)
-    params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=draft == "mtp", draft_cfg=draft_cfg)
+    own = draft is not None and draft == target_for(cfg).own_draft(cfg)  # its weights in the checkpoint
+    params = abstract_params(cfg, mesh, jdtype, weights=weights, mtp=own, draft_cfg=draft_cfg)
     why = None if draft is None else DRAFTS[draft].available(params, cfg)
     if why is not None:
         raise ValueError(why)
@@ -494,8 +454,8 @@ def plan(
         args = (params, state, sc, *_prefill_args(layout, prefill_len, row_shards(mesh)))
         compiled.append(_compile("prefill", prefill, args, log, disabled))
     estimate = per_device_memory(
-        cfg, "fp8" if weights == "fp8" else "bf16", axes, 0, include_mtp=draft == "mtp"
-    )  # the target (and its MTP layer): a separate draft's weights are not in the analytic estimate
+        cfg, "fp8" if weights == "fp8" else "bf16", axes, 0, include_mtp=own
+    )  # the target (and its own draft): a separate draft's weights are not in the analytic estimate
     return PlanReport(
         model=model,
         mesh=axes,
@@ -531,8 +491,8 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
     function, and with ``device_memory_gb`` (10^9 bytes) whether the peak fits and by how much."""
     lay = report.layout
     mesh = " ".join(f"{k}={v}" for k, v in report.mesh.items())
-    method = draft_for(report.draft or "mtp")
-    name = method.title or method.name
+    method = draft_for(report.draft) if report.draft else None
+    name = (method.title or method.name) if method else ""
     draft = f"{name} K={lay.k}" if lay.k else "plain (K=0)"
     cache_label = f"KV cache (target + {name})" if lay.k else "KV cache"
     lines = [

@@ -30,7 +30,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "expert", "tensor")
-EXPERT_STACKS = ("moe", "mtp")
 ROUTED_EXPERT_LEAVES = ("gate", "up", "down")
 _STORAGE_KEYS = ("fp8", "scale_inv")
 ROUTED_EXPERT_SPEC = PartitionSpec("expert")
@@ -215,44 +214,31 @@ def _names(path: tuple) -> list[str]:
     return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
 
 
-# Logical axes of the parameters, by group and leaf name (a leaf of one layer, no stacking axis).
-_LLAMA_LAYER = {
-    ("attn", "q"): (None, "heads", None),  # [d, H, hd]: column split
-    ("attn", "k"): (None, "kv_heads", None),
-    ("attn", "v"): (None, "kv_heads", None),
-    ("attn", "o"): ("heads", None, None),  # [H, hd, d]: row split, XLA reduces over "tensor"
-    ("mlp", "gate"): (None, "ffn"),
-    ("mlp", "up"): (None, "ffn"),
-    ("mlp", "down"): ("ffn", None),
-    ("attn", "q_bias"): ("heads", None),  # [H, hd] (Qwen2)
-    ("attn", "k_bias"): ("kv_heads", None),
-    ("attn", "v_bias"): ("kv_heads", None),
-}
-"""As :func:`mtp_jax.targets.llama3.layer_leaves` declares them (a test keeps the two equal; the
-targets import this module, so it cannot read them)."""
-
-
 def param_logical(group: str, names: Sequence[str], rank: int) -> tuple[str | None, ...]:
     """Logical axes of one parameter leaf of ``group`` (e.g. "moe", "layers", "lm_head") at dict
-    path ``names`` inside it, of ``rank`` dimensions (one layer, no stacking axis)."""
+    path ``names`` inside it, of ``rank`` dimensions (one layer, no stacking axis): as the module
+    that owns the group registered them (:func:`register_group_layout`: each target its layer
+    stacks, each draft its own weights); the head [d, V] vocabulary-parallel, anything else
+    replicated."""
+    import mtp_jax.targets  # noqa: F401  (the targets register their groups' layouts)
+
     names = list(names)
     while names and names[-1] in _STORAGE_KEYS:
         names.pop()
-    if group in EXPERT_STACKS and "mlp" in names and names and names[-1] in ROUTED_EXPERT_LEAVES:
-        return ("experts",) + (None,) * (rank - 1)
     if group in _GROUP_LAYOUTS:
         return tuple(_GROUP_LAYOUTS[group](names, rank))
-    if group == "layers":
-        return llama_layer_logical(names, rank)
     if rank == 2 and group == "lm_head":
         return (None, "vocab")  # [d, V]: vocabulary-parallel head
     return (None,) * rank
 
 
-def llama_layer_logical(names: Sequence[str], rank: int) -> tuple[str | None, ...]:
-    """Logical axes of a leaf of one Llama-family decoder layer (attention heads and MLP columns
-    over ``tensor``); anything else (norms) replicated."""
-    return _LLAMA_LAYER.get(tuple(names[-2:]), (None,) * rank)
+def expert_logical(names: Sequence[str], rank: int) -> tuple[str | None, ...]:
+    """A layer of a mixture of experts: its routed experts' projections (``mlp.gate`` / ``up`` /
+    ``down`` [E, ...]) split over ``experts``, everything else replicated (data-parallel
+    attention)."""
+    if len(names) >= 2 and names[-2] == "mlp" and names[-1] in ROUTED_EXPERT_LEAVES:
+        return ("experts",) + (None,) * (rank - 1)
+    return (None,) * rank
 
 
 _GROUP_LAYOUTS: dict[str, Any] = {}
@@ -260,7 +246,8 @@ _GROUP_LAYOUTS: dict[str, Any] = {}
 
 def register_group_layout(group: str, layout: Any) -> None:
     """Make ``layout(names, rank) -> logical axes`` decide the leaves of parameter group ``group``
-    (a draft's own weights, registered by its module: :func:`param_logical` names no draft)."""
+    (a target's layer stacks, a draft's own weights, registered by their modules:
+    :func:`param_logical` names no model)."""
     _GROUP_LAYOUTS[group] = layout
 
 

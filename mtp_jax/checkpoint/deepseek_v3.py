@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mtp_jax.checkpoint.export import as_numpy, leaf_tensors, mla_layer_tensors
 from mtp_jax.checkpoint.loader import (
     FLOAT32_LEAVES,
     WEIGHT_MODES,
@@ -245,3 +246,34 @@ def assemble(
     """Device parameters from groups (:func:`mtp_jax.checkpoint.loader.assemble_groups`); a tied
     head is stored as ``lm_head`` = the embedding's transpose."""
     return assemble_groups(groups, group_sizes(cfg, mtp), mesh=mesh, copy_tied_head=True)
+
+
+def export_tensors(params: dict, cfg: DeepseekV3Config, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The inverse of :func:`param_groups`: ``params`` (host arrays) as hub tensors in ``dtype``, the
+    MTP layers as ``model.layers.{N + k}`` with their own copies of the embedding and head, as
+    published checkpoints have them."""
+    t = {"model.embed_tokens.weight": as_numpy(params["embed"], dtype)}
+    layer = 0
+    for name, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
+        for i in range(n):
+            p = jax.tree.map(lambda x, i=i: x[i], params[name])
+            t.update(mla_layer_tensors(p, cfg, f"model.layers.{layer}.", name == "moe", dtype))
+            layer += 1
+    t["model.norm.weight"] = as_numpy(params["final_norm"], dtype)
+    head = np.ascontiguousarray(as_numpy(params["lm_head"], dtype).T)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = head
+    if "mtp" in params:
+        count = jax.tree.leaves(params["mtp"])[0].shape[0]
+        for k in range(count):
+            mp = jax.tree.map(lambda x, k=k: x[k], params["mtp"])
+            pre = f"model.layers.{cfg.num_hidden_layers + k}."
+            t.update(mla_layer_tensors(mp["layer"], cfg, pre, True, dtype))
+            t.update(leaf_tensors(mp, pre, mtp_leaves(cfg), dtype))
+            t[f"{pre}embed_tokens.weight"] = (
+                as_numpy(mp["embed"], dtype) if "embed" in mp else t["model.embed_tokens.weight"]
+            )
+            t[f"{pre}shared_head.head.weight"] = (
+                np.ascontiguousarray(as_numpy(mp["head"], dtype).T) if "head" in mp else head
+            )
+    return t

@@ -1,10 +1,12 @@
 """Parameter, weight-byte and memory estimates from ``config.json`` alone (no weights are read).
 
-These back ``mtp-jax inspect`` and ``mtp-jax convert --dry-run``. Everything is derived from one
-enumeration of the hub tensors (:func:`_specs`), grouped by shape with a multiplicity, so the
-numbers for DeepSeek-V3 come out in microseconds and stay consistent with each other. Llama 3
-models enumerate their own tensors (attention, MLPs, norms, embedding, head: no routers, experts or
-MTP) and split over the mesh's ``tensor`` axis as :mod:`mtp_jax.sharding` does.
+These back ``mtp-jax inspect``, ``mtp-jax convert --dry-run`` and ``mtp-jax plan``'s comparison.
+Everything is derived from one enumeration of the hub tensors that each target declares
+(:attr:`mtp_jax.targets.base.Target.hub_tensors`: :class:`~mtp_jax.targets.base.HubTensor`,
+grouped by shape with a multiplicity, each with the mesh axis that splits it), so the numbers for
+DeepSeek-V3 come out in microseconds and stay consistent with each other; no model is named here.
+Llama-family models have no routers, experts or MTP and split over the mesh's ``tensor`` axis as
+:mod:`mtp_jax.sharding` does.
 
 Conventions (all counts are numbers of scalar parameters, all sizes are bytes; ``GB`` is 10^9 bytes):
 
@@ -31,23 +33,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator, Mapping
-from typing import Any
 
-from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig
+from mtp_jax.config import ModelConfig
 from mtp_jax.targets import target_for
-from mtp_jax.targets.deepseek_v3 import layer_leaves, mtp_leaves
-from mtp_jax.targets.llama3 import target_layer_leaves
+from mtp_jax.targets.base import HubTensor
 
 WEIGHT_FORMATS = ("bf16", "fp32", "fp8")
 MESH_AXES = ("data", "expert", "tensor")
 DEFAULT_FP8_BLOCK = (128, 128)
 GB = 10**9
-
-# Spec kinds: how a tensor is stored.
-_LINEAR = "linear"  # a projection matrix; FP8-quantised (with block scales) in the hub FP8 layout
-_PLAIN = "plain"  # never quantised: embeddings, lm_head, norms, eh_proj, shared_head
-_FP32 = "fp32"  # kept float32 in every format: the router's e_score_correction_bias
-_ROUTER = "router"  # the router gate: bfloat16 in the hub, float32 as our loader holds it
 
 COMPONENTS = (
     "embedding",
@@ -63,80 +57,10 @@ COMPONENTS = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    """``count`` hub tensors of one shape; ``shape`` is (out, in) for matrices, (n,) for vectors."""
-
-    component: str
-    shape: tuple[int, ...]
-    count: int
-    kind: str
-    split: str | None = None  # how the mesh splits it: "expert" (routed experts), "tensor", "kv_heads"
-    absorbed: bool = False  # kv_b_proj: our loader dequantises it to bf16 even in FP8 mode
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape) * self.count
-
-
-_KINDS = {"linear": _LINEAR, "projection": _PLAIN, "norm": _PLAIN, "router": _ROUTER, "bias": _FP32}
-
-
-def _leaf_spec(leaf: Any, count: int, component: str | None = None) -> _Spec:
-    return _Spec(
-        component or leaf.component,
-        leaf.hub_shape,
-        count * (leaf.experts or 1),
-        _KINDS[leaf.kind],
-        split="expert" if leaf.experts else None,
-        absorbed=leaf.dense and leaf.kind == "linear",
-    )
-
-
-def _layer_specs(cfg: DeepseekV3Config, *, dense: bool, count: int, mtp: bool) -> Iterator[_Spec]:
-    """The tensors of ``count`` identical decoder layers (dense MLP or MoE), as
-    :func:`mtp_jax.targets.deepseek_v3.layer_leaves` declares them."""
-    for leaf in layer_leaves(cfg, moe=not dense):
-        yield _leaf_spec(leaf, count, "mtp" if mtp else None)
-
-
-def _llama_specs(cfg: Llama3Config) -> Iterator[_Spec]:
-    """Every tensor of a Llama-family hub checkpoint (its layers as
-    :func:`mtp_jax.targets.llama3.layer_leaves` declares them), with the tensor-parallel split of
-    each."""
-    d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
-    yield _Spec("embedding", (v, d), 1, _PLAIN)
-    yield _Spec("norms", (d,), 1, _PLAIN)  # model.norm
-    for leaf in target_layer_leaves(cfg):
-        split = next(
-            ({"heads": "tensor", "ffn": "tensor", "kv_heads": "kv_heads"}[a] for a in leaf.logical if a),
-            None,
-        )
-        yield _Spec(
-            leaf.component, leaf.hub_shape, n, _LINEAR if leaf.kind == "linear" else _PLAIN, split=split
-        )
-    if not cfg.tie_word_embeddings:
-        yield _Spec("lm_head", (v, d), 1, _PLAIN, split="tensor")  # vocabulary-parallel head
-
-
-def _specs(cfg: ModelConfig) -> Iterator[_Spec]:
-    """Every tensor of the hub checkpoint (MTP duplicates under ``mtp_duplicates``)."""
-    if isinstance(cfg, Llama3Config):
-        yield from _llama_specs(cfg)
-        return
-    d, v, n_mtp = cfg.hidden_size, cfg.vocab_size, cfg.num_nextn_predict_layers
-    yield _Spec("embedding", (v, d), 1, _PLAIN)
-    if cfg.num_dense_layers:
-        yield from _layer_specs(cfg, dense=True, count=cfg.num_dense_layers, mtp=False)
-    if cfg.num_moe_layers:
-        yield from _layer_specs(cfg, dense=False, count=cfg.num_moe_layers, mtp=False)
-    yield _Spec("norms", (d,), 1, _PLAIN)  # model.norm
-    if not cfg.tie_word_embeddings:
-        yield _Spec("lm_head", (v, d), 1, _PLAIN)
-    if n_mtp:
-        yield from _layer_specs(cfg, dense=False, count=n_mtp, mtp=True)
-        yield from (_leaf_spec(leaf, n_mtp) for leaf in mtp_leaves(cfg))  # norms, eh_proj
-        yield _Spec("mtp_duplicates", (v, d), 2 * n_mtp, _PLAIN)  # embed_tokens, shared_head.head
+def _specs(cfg: ModelConfig) -> Iterator[HubTensor]:
+    """Every tensor of the hub checkpoint (MTP duplicates under ``mtp_duplicates``), as the
+    config's target declares them (:attr:`mtp_jax.targets.base.Target.hub_tensors`)."""
+    yield from target_for(cfg).hub_tensors(cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,20 +120,19 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
     for s in _specs(cfg):
         counts[s.component] += s.numel
     main = sum(counts[c] for c in COMPONENTS[:8])
-    if isinstance(cfg, Llama3Config) or not cfg.num_moe_layers:
-        return ParamCount(**counts, active_per_token=main)
-    routed_per_expert = counts["routed_experts"] // (cfg.n_routed_experts * cfg.num_moe_layers)
-    active = (
-        main - counts["routed_experts"] + routed_per_expert * cfg.num_experts_per_tok * cfg.num_moe_layers
-    )
+    routed = counts["routed_experts"]
+    active = main - routed + target_for(cfg).routed_active(cfg, routed)
     return ParamCount(**counts, active_per_token=active)
 
 
 def _check_weights(weights: str, cfg: ModelConfig | None = None) -> None:
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    if weights == "fp8" and isinstance(cfg, Llama3Config):
-        raise ValueError("weights 'fp8': Llama checkpoints are dense (bf16 or fp32)")
+    if weights == "fp8" and cfg is not None and not target_for(cfg).fp8_weights:
+        raise ValueError(
+            f"weights 'fp8': {target_for(cfg).title} checkpoints are dense (bf16 or fp32); FP8 weights are "
+            "for models whose checkpoints ship block-FP8 projections (DeepSeek-V3)"
+        )
 
 
 def stored_format(cfg: ModelConfig, raw: Mapping | None = None) -> str:
@@ -229,16 +152,16 @@ def fp8_block(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def _spec_bytes(
-    s: _Spec, weights: str, block: tuple[int, int], hub_layout: bool, out: dict[str, int]
+    s: HubTensor, weights: str, block: tuple[int, int], hub_layout: bool, out: dict[str, int]
 ) -> None:
     """Add the bytes of ``s`` stored as ``weights`` to ``out`` (dtype name -> bytes)."""
 
     def add(dtype: str, n: int) -> None:
         out[dtype] = out.get(dtype, 0) + n
 
-    if weights == "fp32" or s.kind == _FP32 or (s.kind == _ROUTER and not hub_layout):
+    if weights == "fp32" or s.kind == "fp32" or (s.kind == "router" and not hub_layout):
         add("float32", 4 * s.numel)
-    elif weights == "bf16" or s.kind in (_PLAIN, _ROUTER) or (s.absorbed and not hub_layout):
+    elif weights == "bf16" or s.kind in ("plain", "router") or (s.absorbed and not hub_layout):
         add("bfloat16", 2 * s.numel)
     else:  # an FP8-quantised projection: 1 byte per weight + a float32 scale per block
         rows, cols = s.shape
@@ -283,11 +206,11 @@ def weight_bytes(cfg: ModelConfig, weights: str, *, hub_layout: bool = False) ->
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2, include_mtp: bool = True) -> int:
     """Bytes of paged cache one token takes over all layers: DeepSeek-V3's latent row
     (kv_lora_rank + qk_rope_head_dim values per layer, the MTP layers included when
-    ``include_mtp``), or Llama's K and V (2 · KV heads · head_dim values per layer)."""
-    if isinstance(cfg, Llama3Config):
-        return 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers * dtype_bytes
-    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if include_mtp else 0)
-    return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * layers * dtype_bytes
+    ``include_mtp``), or Llama's K and V (2 · KV heads · head_dim values per layer): the target's
+    :attr:`~mtp_jax.targets.base.Target.cache_bytes_per_token`, plus its own draft's."""
+    target = target_for(cfg)
+    own = target.own_draft_cache_bytes_per_token(cfg, dtype_bytes) if include_mtp else 0
+    return target.cache_bytes_per_token(cfg, dtype_bytes) + own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,26 +264,7 @@ def _check_mesh(cfg: ModelConfig, mesh: Mapping[str, int]) -> dict[str, int]:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"mesh axis '{name}' must be a positive integer, got {size!r}")
         axes[name] = size
-    if isinstance(cfg, Llama3Config):
-        from mtp_jax.gqa import check_tensor_split
-
-        if axes["expert"] != 1:
-            raise ValueError(
-                f"Llama has no experts: use the 'data' and 'tensor' axes (got expert={axes['expert']})"
-            )
-        check_tensor_split(cfg.num_attention_heads, cfg.num_key_value_heads, axes["tensor"])
-        return axes
-    if axes["tensor"] != 1:
-        raise ValueError(
-            f"mesh axis 'tensor'={axes['tensor']} is not supported yet: the sharding plan replicates "
-            "attention and dense weights (data-parallel attention) and splits only the routed experts "
-            "over 'expert'; use tensor=1"
-        )
-    if cfg.n_routed_experts % axes["expert"]:
-        raise ValueError(
-            f"mesh axis 'expert'={axes['expert']} does not divide n_routed_experts={cfg.n_routed_experts}; "
-            "every device must hold the same number of routed experts"
-        )
+    target_for(cfg).check_axes(cfg, axes)
     return axes
 
 
@@ -394,28 +298,21 @@ def per_device_memory(
         raise ValueError(f"kv_tokens must be >= 0, got {kv_tokens}")
     devices = axes["data"] * axes["expert"] * axes["tensor"]
     block = fp8_block(cfg)
-    llama = isinstance(cfg, Llama3Config)
-    kv_split = llama and cfg.num_key_value_heads % axes["tensor"] == 0
-    ways = {
-        "expert": axes["expert"],
-        "tensor": axes["tensor"],
-        "kv_heads": axes["tensor"] if kv_split else 1,
-    }
+    kv_ways = target_for(cfg).cache_split(cfg, axes)
+    ways = {"expert": axes["expert"], "tensor": axes["tensor"], "kv_heads": kv_ways}
     replicated: dict[str, int] = {}
     split = {way: {} for way in ways}
     for s in _specs(cfg):
         if s.component == "mtp_duplicates" or (s.component == "mtp" and not include_mtp):
             continue
         _spec_bytes(s, weights, block, False, replicated if s.split is None else split[s.split])
-    per_token = kv_cache_bytes_per_token(cfg, kv_dtype_bytes, include_mtp)
-    if kv_split:
-        per_token //= axes["tensor"]
+    per_token = kv_cache_bytes_per_token(cfg, kv_dtype_bytes, include_mtp) // kv_ways
     # rows (and their cache) split over data x expert; the tensor axis holds the same rows
     tokens = math.ceil(kv_tokens / (axes["data"] * axes["expert"]))
     return DeviceMemory(
         mesh=tuple(axes.items()),
         devices=devices,
-        experts_per_device=0 if llama else cfg.n_routed_experts // axes["expert"],
+        experts_per_device=getattr(cfg, "n_routed_experts", 0) // axes["expert"],
         param_bytes=sum(replicated.values()),
         expert_bytes=sum(sum(nbytes.values()) // ways[way] for way, nbytes in split.items()),
         kv_tokens_per_device=tokens,
@@ -441,36 +338,10 @@ def format_bytes(n: int) -> str:
 
 
 def _summary(cfg: ModelConfig) -> list[str]:
-    if isinstance(cfg, Llama3Config):
-        rope = "no rope scaling"
-        if cfg.rope_scaling is not None:
-            r = cfg.rope_scaling
-            rope = (
-                f"llama3 rope scaling x{r.factor:g} (original {r.original_max_position_embeddings}, "
-                f"low/high freq factors {r.low_freq_factor:g}/{r.high_freq_factor:g})"
-            )
-        return [
-            f"Model: {cfg.model_type} ({target_for(cfg).title})",
-            f"  layers      {cfg.num_hidden_layers}",
-            f"  attention   {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads (GQA), "
-            f"head_dim {cfg.head_dim}, rope_theta {cfg.rope_theta:g}, {rope}",
-            f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
-            + (", tied embeddings" if cfg.tie_word_embeddings else ""),
-        ]
-    n_mtp = cfg.num_nextn_predict_layers
-    q = f"q_lora {cfg.q_lora_rank}" if cfg.q_lora_rank is not None else "q_proj (no q_lora)"
-    return [
-        f"Model: {cfg.model_type}",
-        f"  layers      {cfg.num_hidden_layers} ({cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE)"
-        f" + {n_mtp} MTP",
-        f"  experts     {cfg.n_routed_experts} routed ({cfg.num_experts_per_tok} per token, "
-        f"{cfg.n_group} groups, top {cfg.topk_group}) + {cfg.n_shared_experts} shared, "
-        f"moe_intermediate {cfg.moe_intermediate_size}",
-        f"  attention   {cfg.num_attention_heads} heads MLA, {q}, kv_lora {cfg.kv_lora_rank}, "
-        f"head dims nope/rope/v {cfg.qk_nope_head_dim}/{cfg.qk_rope_head_dim}/{cfg.v_head_dim}",
-        f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
-        + (", tied embeddings" if cfg.tie_word_embeddings else ""),
-    ]
+    target = target_for(cfg)
+    if target.describe is not None:
+        return target.describe(cfg)
+    return [f"Model: {cfg.model_type} ({target.title})"]
 
 
 def format_report(
@@ -489,12 +360,13 @@ def format_report(
     _check_weights(weights, cfg)
     pc = count_parameters(cfg)
     mem = per_device_memory(cfg, weights, mesh, kv_tokens, kv_dtype_bytes=kv_dtype_bytes)
-    llama = isinstance(cfg, Llama3Config)
+    by_expert = target_for(cfg).split_axis == "expert"  # else heads, MLP columns and vocabulary
+    split_label = "routed experts" if by_expert else "tensor-split params"
     lines = [*_summary(cfg), "", "Parameters"]
     labels = {
         "embedding": "embedding",
         "attention": "attention",
-        "dense_mlp": "MLPs" if llama else "dense MLPs",
+        "dense_mlp": "dense MLPs" if pc.routed_experts else "MLPs",
         "routers": "routers",
         "routed_experts": "routed experts",
         "shared_experts": "shared experts",
@@ -503,7 +375,7 @@ def format_report(
         "mtp": "MTP layers",
         "mtp_duplicates": "MTP embed/head copies",
     }
-    if llama:
+    if not (pc.routed_experts or pc.mtp):  # a dense model without a draft of its own
         shown = ("embedding", "attention", "dense_mlp", "norms", "lm_head")
         rows = [(labels[k], v) for k, v in pc.components().items() if k in shown]
         rows.append(("total", pc.total))
@@ -538,11 +410,11 @@ def format_report(
         f"Per-device memory (mesh {mesh_txt}: {mem.devices} devices, "
         + (
             "heads, MLP columns and head vocabulary split over tensor)"
-            if llama
+            if not by_expert
             else f"{mem.experts_per_device} routed experts per device per layer)"
         ),
         f"  {'replicated params':<24}{format_bytes(mem.param_bytes):>14}",
-        f"  {'tensor-split params' if llama else 'routed experts':<24}{format_bytes(mem.expert_bytes):>14}",
+        f"  {split_label:<24}{format_bytes(mem.expert_bytes):>14}",
         f"  {'KV cache':<24}{format_bytes(mem.kv_bytes):>14}  ({mem.kv_tokens_per_device} tokens x "
         f"{mem.kv_bytes_per_token} B; {kv_tokens} tokens in total)",
         f"  {'total':<24}{format_bytes(mem.total_bytes):>14}",

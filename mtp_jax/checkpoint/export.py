@@ -1,10 +1,11 @@
-"""The parameter pytree -> hub-layout tensors: the inverse of :mod:`.deepseek_v3` and :mod:`.llama3`.
+"""The parameter pytree -> hub-layout tensors: the inverse of the loaders.
 
-Used to save trained models (``scripts/train_tiny.py``) in the exact layout ``transformers`` and
-every other engine read: [out, in] projections; for DeepSeek-V3 one tensor per expert and the MTP
-layer as ``model.layers.{N}`` with its own copies of the embedding and head (``embed_tokens``,
-``shared_head.head``) as published checkpoints have them; for Llama no ``lm_head.weight`` when the
-embedding is tied.
+Used to save trained models (``scripts/train_tiny.py``, the draft trainers) in the exact layout
+``transformers`` and every other engine read: [out, in] projections; a target's tensors come from
+its checkpoint format's ``export_tensors`` (:mod:`mtp_jax.checkpoint.formats`: DeepSeek-V3 one
+tensor per expert and the MTP layer as ``model.layers.{N}`` with its own copies of the embedding
+and head, as published checkpoints have them; Llama no ``lm_head.weight`` when the embedding is
+tied), written with the layer helpers here, which read each model's declared layer leaves.
 """
 
 from __future__ import annotations
@@ -15,55 +16,58 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.fp8 import Fp8Weight
-from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config, ModelConfig
-from mtp_jax.targets.deepseek_v3 import KV_B, iter_hub, mtp_leaves
+from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, ModelConfig
+from mtp_jax.targets.deepseek_v3 import KV_B, iter_hub
 from mtp_jax.targets.deepseek_v3 import layer_leaves as deepseek_layer_leaves
 from mtp_jax.targets.llama3 import layer_leaves
 
 
-def _np(x: Any, dtype: np.dtype) -> np.ndarray:
+def as_numpy(x: Any, dtype: np.dtype) -> np.ndarray:
+    """A dense weight as a numpy array of ``dtype`` (FP8 weights are refused)."""
     if isinstance(x, Fp8Weight):
         raise ValueError("exporting FP8 weights is not supported; load the model with weights='dense'")
     return np.asarray(x, dtype=np.float32).astype(dtype)
 
 
-def _linear(w: Any, dtype: np.dtype) -> np.ndarray:
+def linear_to_hub(w: Any, dtype: np.dtype) -> np.ndarray:
     """Ours [in, ...out axes] (or [in..., out] for o_proj) flattened to hub [out, in]."""
-    w = _np(w, dtype)
+    w = as_numpy(w, dtype)
     return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
 
 
-def _layer(
+def mla_layer_tensors(
     p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dtype, d_in: int | None = None
 ) -> dict[str, np.ndarray]:
     """One decoder layer's hub tensors, as :func:`mtp_jax.targets.deepseek_v3.layer_leaves`
     declares them (``d_in``: its attention's input width): a projection's ours [in..., out...] back
     to [out, in], ``k_b`` and ``v_b`` joined into ``kv_b_proj``, routers transposed, routers and
     biases float32."""
-    return _hub(p, f"{pre}", deepseek_layer_leaves(cfg, is_moe, d_in), dtype)
+    return leaf_tensors(p, f"{pre}", deepseek_layer_leaves(cfg, is_moe, d_in), dtype)
 
 
-def _hub(p: dict, pre: str, leaves: tuple, dtype: np.dtype) -> dict[str, np.ndarray]:
+def leaf_tensors(p: dict, pre: str, leaves: tuple, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The hub tensors of one DeepSeek-V3-style layer tree ``p`` under key prefix ``pre``, as
+    ``leaves`` (:class:`mtp_jax.targets.deepseek_v3.MlaLeaf`) declare them."""
     t = {}
     for leaf, j in iter_hub(leaves):
         node = p
         for name in leaf.path[:-1]:
             node = node[name]
         if leaf.path == KV_B:
-            x = np.concatenate([_np(node["k_b"], dtype), _np(node["v_b"], dtype)], axis=-1)
+            x = np.concatenate([as_numpy(node["k_b"], dtype), as_numpy(node["v_b"], dtype)], axis=-1)
         else:
             x = node[leaf.path[-1]] if j is None else node[leaf.path[-1]][j]
         if leaf.kind in ("linear", "projection"):
-            x = _np(x, dtype).reshape(leaf.hub_shape[1], leaf.hub_shape[0]).T
+            x = as_numpy(x, dtype).reshape(leaf.hub_shape[1], leaf.hub_shape[0]).T
         elif leaf.kind == "router":
             x = np.asarray(x, np.float32).T
         else:
-            x = np.asarray(x, np.float32) if leaf.kind == "bias" else _np(x, dtype)
+            x = np.asarray(x, np.float32) if leaf.kind == "bias" else as_numpy(x, dtype)
         t[pre + leaf.hub.format(e=j)] = np.ascontiguousarray(x)
     return t
 
 
-def _llama_layer(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndarray]:
+def llama_layer_tensors(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndarray]:
     """One Llama-family layer's hub tensors, as :func:`mtp_jax.targets.llama3.layer_leaves`
     declares them for the layer's own shapes and extras (biases, q/k norms)."""
     a = p["attn"]
@@ -77,56 +81,21 @@ def _llama_layer(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndarray]:
         x = p
         for name in leaf.path:
             x = x[name]
-        x = _np(x, dtype)
+        x = as_numpy(x, dtype)
         if leaf.kind == "linear":  # ours is the hub's [out, in] transposed, reshaped
             x = x.reshape(leaf.hub_shape[::-1]).T
         t[pre + leaf.hub] = np.ascontiguousarray(x.reshape(leaf.hub_shape))
     return t
 
 
-def _llama_tensors(params: dict, cfg: Llama3Config, dtype: np.dtype) -> dict[str, np.ndarray]:
-    t = {"model.embed_tokens.weight": _np(params["embed"], dtype)}
-    for i in range(cfg.num_hidden_layers):
-        layer = jax.tree.map(lambda x, i=i: x[i], params["layers"])
-        t.update(_llama_layer(layer, f"model.layers.{i}.", dtype))
-    t["model.norm.weight"] = _np(params["final_norm"], dtype)
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = np.ascontiguousarray(_np(params["lm_head"], dtype).T)
-    return t
-
-
 def hub_tensors_from_params(params: dict, cfg: ModelConfig, dtype: Any = np.float32) -> dict[str, np.ndarray]:
-    """Every hub tensor of ``params`` (as built by the loader) in ``dtype``; DeepSeek-V3's routers
-    and correction biases stay float32 as in the published checkpoints."""
-    dtype = np.dtype(dtype)
-    params = jax.device_get(params)
-    if isinstance(cfg, Llama3Config):
-        return _llama_tensors(params, cfg, dtype)
-    t = {"model.embed_tokens.weight": _np(params["embed"], dtype)}
-    layer = 0
-    for name, n in (("dense", cfg.num_dense_layers), ("moe", cfg.num_moe_layers)):
-        for i in range(n):
-            p = jax.tree.map(lambda x, i=i: x[i], params[name])
-            t.update(_layer(p, cfg, f"model.layers.{layer}.", name == "moe", dtype))
-            layer += 1
-    t["model.norm.weight"] = _np(params["final_norm"], dtype)
-    head = np.ascontiguousarray(_np(params["lm_head"], dtype).T)
-    if not cfg.tie_word_embeddings:
-        t["lm_head.weight"] = head
-    if "mtp" in params:
-        count = jax.tree.leaves(params["mtp"])[0].shape[0]
-        for k in range(count):
-            mp = jax.tree.map(lambda x, k=k: x[k], params["mtp"])
-            pre = f"model.layers.{cfg.num_hidden_layers + k}."
-            t.update(_layer(mp["layer"], cfg, pre, True, dtype))
-            t.update(_hub(mp, pre, mtp_leaves(cfg), dtype))
-            t[f"{pre}embed_tokens.weight"] = (
-                _np(mp["embed"], dtype) if "embed" in mp else t["model.embed_tokens.weight"]
-            )
-            t[f"{pre}shared_head.head.weight"] = (
-                np.ascontiguousarray(_np(mp["head"], dtype).T) if "head" in mp else head
-            )
-    return t
+    """Every hub tensor of ``params`` (as built by the loader) in ``dtype``, written by the
+    checkpoint format of ``cfg``'s family (its ``export_tensors``, the inverse of its
+    ``param_groups``); DeepSeek-V3's routers and correction biases stay float32 as in the published
+    checkpoints."""
+    from mtp_jax.checkpoint.formats import checkpoint_format
+
+    return checkpoint_format(cfg).export_tensors(jax.device_get(params), cfg, np.dtype(dtype))
 
 
 def eagle3_hub_tensors_from_params(
@@ -141,13 +110,13 @@ def eagle3_hub_tensors_from_params(
     tree = jax.device_get(tree)
     pre = layer_prefix
     if cfg.mla is None:
-        t = _llama_layer(tree, pre, dtype)
+        t = llama_layer_tensors(tree, pre, dtype)
     else:
-        t = _layer(tree, cfg.mla, pre, False, dtype, d_in=2 * cfg.hidden_size)
-    t[f"{pre}hidden_norm.weight"] = _np(tree["hidden_norm"], dtype)
-    t["fc.weight"] = _linear(tree["fc"], dtype)
-    t["norm.weight"] = _np(tree["norm"], dtype)
-    t["lm_head.weight"] = _linear(tree["lm_head"], dtype)
+        t = mla_layer_tensors(tree, cfg.mla, pre, False, dtype, d_in=2 * cfg.hidden_size)
+    t[f"{pre}hidden_norm.weight"] = as_numpy(tree["hidden_norm"], dtype)
+    t["fc.weight"] = linear_to_hub(tree["fc"], dtype)
+    t["norm.weight"] = as_numpy(tree["norm"], dtype)
+    t["lm_head.weight"] = linear_to_hub(tree["lm_head"], dtype)
     if "draft_to_target" in tree:
         ids = np.asarray(tree["draft_to_target"], np.int64)
         t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)  # OFFSETS: target id = i + d2t[i]
@@ -155,7 +124,7 @@ def eagle3_hub_tensors_from_params(
         t2d[ids] = True
         t["t2d"] = t2d
     if "embed" in tree:
-        t["embed_tokens.weight"] = _np(tree["embed"], dtype)
+        t["embed_tokens.weight"] = as_numpy(tree["embed"], dtype)
     return t
 
 
@@ -168,12 +137,12 @@ def dflash_hub_tensors_from_params(
     dtype = np.dtype(dtype)
     tree = jax.device_get(tree)
     t = {
-        "fc.weight": _linear(tree["fc"], dtype),
-        "hidden_norm.weight": _np(tree["hidden_norm"], dtype),
-        "norm.weight": _np(tree["norm"], dtype),
+        "fc.weight": linear_to_hub(tree["fc"], dtype),
+        "hidden_norm.weight": as_numpy(tree["hidden_norm"], dtype),
+        "norm.weight": as_numpy(tree["norm"], dtype),
     }
     for i in range(cfg.num_hidden_layers):
         layer = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
         pre = f"layers.{i}."
-        t.update(_llama_layer(layer, pre, dtype))  # with its q/k norms
+        t.update(llama_layer_tensors(layer, pre, dtype))  # with its q/k norms
     return t

@@ -1,6 +1,7 @@
 """Which key map reads a checkpoint: one module per model family, chosen by the parsed config.
 
 Each module provides ``param_groups(reader, cfg, dtype, *, weights, mtp, strict, skip, experts)``,
+``export_tensors(params, cfg, dtype)`` (its inverse, for :mod:`mtp_jax.checkpoint.export`),
 ``group_sizes(cfg, mtp)``, ``assemble(groups, cfg, dtype, *, mtp, mesh)``, ``load_params(reader,
 cfg, dtype, *, weights, mtp, strict, mesh)`` and ``STACKED_GROUPS``.
 """

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mtp_jax.checkpoint.export import as_numpy, llama_layer_tensors
 from mtp_jax.checkpoint.loader import Group, GroupEmitter, HubTensors, assemble_groups, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import Llama3Config
@@ -126,3 +127,16 @@ def load_params(
     sharding as it is read)."""
     groups = (g for g, _ in param_groups(reader, cfg, dtype, weights=weights, strict=strict))
     return assemble(groups, cfg, dtype, mesh=mesh)
+
+
+def export_tensors(params: dict, cfg: Llama3Config, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The inverse of :func:`param_groups`: ``params`` (host arrays) as hub tensors in ``dtype``
+    (no ``lm_head.weight`` when the embedding is tied)."""
+    t = {"model.embed_tokens.weight": as_numpy(params["embed"], dtype)}
+    for i in range(cfg.num_hidden_layers):
+        layer = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+        t.update(llama_layer_tensors(layer, f"model.layers.{i}.", dtype))
+    t["model.norm.weight"] = as_numpy(params["final_norm"], dtype)
+    if not cfg.tie_word_embeddings:
+        t["lm_head.weight"] = np.ascontiguousarray(as_numpy(params["lm_head"], dtype).T)
+    return t

@@ -39,9 +39,8 @@ from mtp_jax.errors import InvalidRequestError
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
 from mtp_jax.param_bytes import nbytes
-from mtp_jax.sharding import llama_layer_logical
 from mtp_jax.targets.base import Hidden, lm_head, scan_layers
-from mtp_jax.targets.llama3 import rope_tables
+from mtp_jax.targets.llama3 import layer_logical, rope_tables
 from pallas_kernels.chunks import gather_pages
 
 
@@ -330,7 +329,7 @@ def _param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     """Its decoder layers sit in one stack [n, ...] (never split) inside the group; the rest
     (fc, norms) replicated."""
     if names[:1] == ["layers"]:
-        return (None,) + llama_layer_logical(names, rank - 1)
+        return (None,) + layer_logical(names, rank - 1)
     return (None,) * rank
 
 

@@ -49,10 +49,9 @@ from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import nbytes, path_names
-from mtp_jax.sharding import llama_layer_logical
 from mtp_jax.targets.base import Hidden, PagedAttention
 from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
-from mtp_jax.targets.llama3 import attention, qkv, rope_tables
+from mtp_jax.targets.llama3 import attention, layer_logical, qkv, rope_tables
 
 NEG_INF = float("-inf")
 
@@ -340,7 +339,7 @@ def _param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     """Its decoder layer split as a target layer; its own head vocabulary-parallel."""
     if rank == 2 and names == ["lm_head"]:
         return (None, "vocab")
-    return llama_layer_logical(names, rank)
+    return layer_logical(names, rank)
 
 
 DRAFT = Draft(

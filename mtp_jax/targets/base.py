@@ -25,7 +25,8 @@ Conventions every target follows:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -138,6 +139,36 @@ class CapturePlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class HubTensor:
+    """``count`` tensors of one shape in a model's hub checkpoint, as the size estimates
+    (:mod:`mtp_jax.checkpoint.estimate`: ``mtp-jax inspect``, ``convert --dry-run``, ``plan``) count
+    them. ``shape``: (out, in) for a matrix, (n,) for a vector; ``kind``: how it is stored:
+    ``linear`` (a projection, FP8 with block scales in an FP8 checkpoint), ``plain`` (never
+    quantised: embeddings, heads, norms, biases), ``fp32`` (float32 in every format: DeepSeek's
+    router correction bias) or ``router`` (bfloat16 in the hub, float32 as loaded); ``component``:
+    its part of the model (:data:`mtp_jax.checkpoint.estimate.COMPONENTS`); ``split``: the mesh
+    axis that splits it (``expert``, ``tensor``, or ``kv_heads``: over ``tensor`` when that divides
+    the KV heads); ``absorbed``: a projection the loader keeps dense even in FP8 mode."""
+
+    component: str
+    shape: tuple[int, ...]
+    count: int
+    kind: str
+    split: str | None = None
+    absorbed: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) * self.count
+
+
+def _no_tensors(cfg: Any) -> Iterable[HubTensor]:
+    raise NotImplementedError(
+        f"no size estimate for {type(cfg).__name__}: its target declares no hub_tensors"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
     """A target model's functions (each module builds one; see the module docstring).
 
@@ -175,6 +206,32 @@ class Target:
     """``own_draft(cfg)``: the registered draft whose weights come in the target's own checkpoint
     (DeepSeek-V3's MTP layer: "mtp"), what the tools plan and time when no other draft is named;
     None when the checkpoint has none."""
+
+    hub_tensors: Callable[[Any], Iterable[HubTensor]] = _no_tensors
+    """``hub_tensors(cfg)``: every tensor of its hub checkpoint (:class:`HubTensor`; those of the
+    draft in the same checkpoint under the ``mtp`` components), from which the size estimates are
+    derived."""
+    routed_active: Callable[[Any, int], int] = lambda cfg, routed: routed
+    """``routed_active(cfg, routed)``: of the main model's ``routed`` routed-expert parameters, those
+    one token touches (a mixture of experts: the experts it is routed to)."""
+    check_axes: Callable[[Any, Mapping[str, int]], None] = lambda cfg, axes: None
+    """``check_axes(cfg, {"data": n, "expert": n, "tensor": n})``: ValueError naming the axis when
+    mesh axes of those sizes cannot split this model (the estimates' and ``plan``'s check; the
+    step's is :attr:`check_mesh`)."""
+    cache_split: Callable[[Any, Mapping[str, int]], int] = lambda cfg, axes: 1
+    """``cache_split(cfg, axes)``: how many ways each token's cache is split over the mesh's
+    ``tensor`` axis (the KV heads, when it divides them); its rows split over data x expert."""
+    own_draft_cache_bytes_per_token: Callable[[Any, int], int] = lambda cfg, itemsize: 0
+    """Bytes one token takes in the cache of :attr:`own_draft` (DeepSeek-V3's MTP layers)."""
+    abstract_groups: Callable[[Any, Any, bool], dict] | None = None
+    """``abstract_groups(cfg, shapes, own_draft) -> {group: tree}``: its parameter groups (one layer
+    for a layer stack) as the loader builds them, as ShapeDtypeStructs made with ``shapes``
+    (:mod:`mtp_jax.plan`'s builder: ``plain(*shape, dtype=None)``, ``linear(out, in, shape)``,
+    which is FP8 when FP8 weights are planned, ``stacked(tree, n)``); ``own_draft``: with the
+    group of :attr:`own_draft`'s weights. For ``mtp-jax plan`` and random-weight timings."""
+    describe: Callable[[Any], list[str]] | None = None
+    """``describe(cfg)``: lines summing the architecture up for ``mtp-jax inspect`` (None: its
+    model type and title)."""
 
     def lm_head(self, params: dict, h: jax.Array) -> jax.Array:
         return lm_head(params, h)

@@ -19,7 +19,7 @@ i.e. ``transformers``' ``hidden_states[i + 1]`` (its entry 0 is the embedding ou
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -32,8 +32,16 @@ from mtp_jax.ep import moe_sharded
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import mla_dense, mla_paged
 from mtp_jax.moe import DISPATCH, resolve_dispatch, route
-from mtp_jax.sharding import ACTIVATION, constrain
-from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, lm_head, scan_layers
+from mtp_jax.sharding import ACTIVATION, constrain, expert_logical, register_group_layout
+from mtp_jax.targets.base import (
+    CapturePlan,
+    Hidden,
+    HubTensor,
+    PagedAttention,
+    Target,
+    lm_head,
+    scan_layers,
+)
 
 __all__ = [
     "KV_B",
@@ -202,6 +210,42 @@ def iter_hub(leaves: tuple[MlaLeaf, ...]) -> Iterator[tuple[MlaLeaf, int | None]
                 yield leaf, j
     for leaf in after:
         yield leaf, None
+
+
+def abstract_tree(cfg: DeepseekV3Config, leaves: tuple[MlaLeaf, ...], shapes: Any) -> dict:
+    """``leaves`` as the loader keeps them, built with ``shapes`` (:mod:`mtp_jax.plan`'s builder:
+    ``plain``, ``linear``, ``stacked``): routers and biases float32, projections FP8 when the
+    builder plans FP8 weights (``kv_b`` and ``eh_proj`` dense), routed experts stacked."""
+
+    def value(leaf: MlaLeaf) -> Any:
+        if leaf.kind in ("router", "bias"):
+            return shapes.plain(*leaf.shape, dtype=jnp.float32)
+        if leaf.kind != "linear" or leaf.dense:  # norms, kv_b, eh_proj
+            return shapes.plain(*leaf.shape)
+        x = shapes.linear(*leaf.hub_shape, leaf.shape)
+        return shapes.stacked(x, leaf.experts) if leaf.experts else x
+
+    def kv_b_parts(leaf: MlaLeaf, kv_b: Any) -> tuple[Any, Any]:
+        r, h = leaf.shape[:2]
+        return shapes.plain(r, h, cfg.qk_nope_head_dim), shapes.plain(r, h, cfg.v_head_dim)
+
+    return layer_tree(leaves, value, kv_b_parts)
+
+
+def abstract_groups(cfg: DeepseekV3Config, shapes: Any, own_draft: bool) -> dict:
+    """The parameter groups (one layer of each stack) as :func:`abstract_tree` builds them; the MTP
+    layers' group with ``own_draft``."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    out = {"embed": shapes.plain(v, d), "final_norm": shapes.plain(d), "lm_head": shapes.plain(d, v)}
+    for name, moe, n in (("dense", False, cfg.num_dense_layers), ("moe", True, cfg.num_moe_layers)):
+        if n:
+            out[name] = abstract_tree(cfg, layer_leaves(cfg, moe), shapes)
+    if own_draft and cfg.num_nextn_predict_layers:
+        out["mtp"] = {
+            **abstract_tree(cfg, mtp_leaves(cfg), shapes),
+            "layer": abstract_tree(cfg, layer_leaves(cfg, True), shapes),
+        }
+    return out
 
 
 def stack_sizes(cfg: DeepseekV3Config) -> dict[str, int]:
@@ -373,6 +417,75 @@ def _cache_bytes_per_token(cfg: DeepseekV3Config, itemsize: int) -> int:
     return cfg.num_hidden_layers * latent_width(cfg) * itemsize
 
 
+_STORAGE = {"linear": "linear", "projection": "plain", "norm": "plain", "router": "router", "bias": "fp32"}
+
+
+def _hub_tensor(leaf: MlaLeaf, count: int, component: str | None = None) -> HubTensor:
+    return HubTensor(
+        component or leaf.component,
+        leaf.hub_shape,
+        count * (leaf.experts or 1),
+        _STORAGE[leaf.kind],
+        split="expert" if leaf.experts else None,
+        absorbed=leaf.dense and leaf.kind == "linear",
+    )
+
+
+def hub_tensors(cfg: DeepseekV3Config) -> Iterator[HubTensor]:
+    """Every tensor of a DeepSeek-V3 hub checkpoint, as :func:`layer_leaves` and :func:`mtp_leaves`
+    declare them; the MTP layers' copies of the embedding and head under ``mtp_duplicates`` (our
+    loader keeps them once)."""
+    d, v, n_mtp = cfg.hidden_size, cfg.vocab_size, cfg.num_nextn_predict_layers
+    yield HubTensor("embedding", (v, d), 1, "plain")
+    for moe, count in ((False, cfg.num_dense_layers), (True, cfg.num_moe_layers)):
+        if count:
+            yield from (_hub_tensor(leaf, count) for leaf in layer_leaves(cfg, moe=moe))
+    yield HubTensor("norms", (d,), 1, "plain")  # model.norm
+    if not cfg.tie_word_embeddings:
+        yield HubTensor("lm_head", (v, d), 1, "plain")
+    if n_mtp:
+        yield from (_hub_tensor(leaf, n_mtp, "mtp") for leaf in layer_leaves(cfg, moe=True))
+        yield from (_hub_tensor(leaf, n_mtp) for leaf in mtp_leaves(cfg))  # norms, eh_proj
+        yield HubTensor("mtp_duplicates", (v, d), 2 * n_mtp, "plain")  # embed_tokens, shared_head.head
+
+
+def _routed_active(cfg: DeepseekV3Config, routed: int) -> int:
+    """``num_experts_per_tok`` of each MoE layer's routed experts."""
+    if not cfg.num_moe_layers:
+        return routed
+    return routed // cfg.n_routed_experts * cfg.num_experts_per_tok
+
+
+def _check_axes(cfg: DeepseekV3Config, axes: Mapping[str, int]) -> None:
+    if axes["tensor"] != 1:
+        raise ValueError(
+            f"mesh axis 'tensor'={axes['tensor']} is not supported yet: the sharding plan replicates "
+            "attention and dense weights (data-parallel attention) and splits only the routed experts "
+            "over 'expert'; use tensor=1"
+        )
+    if cfg.n_routed_experts % axes["expert"]:
+        raise ValueError(
+            f"mesh axis 'expert'={axes['expert']} does not divide n_routed_experts={cfg.n_routed_experts}; "
+            "every device must hold the same number of routed experts"
+        )
+
+
+def _describe(cfg: DeepseekV3Config) -> list[str]:
+    q = f"q_lora {cfg.q_lora_rank}" if cfg.q_lora_rank is not None else "q_proj (no q_lora)"
+    return [
+        f"Model: {cfg.model_type}",
+        f"  layers      {cfg.num_hidden_layers} ({cfg.num_dense_layers} dense + {cfg.num_moe_layers} MoE)"
+        f" + {cfg.num_nextn_predict_layers} MTP",
+        f"  experts     {cfg.n_routed_experts} routed ({cfg.num_experts_per_tok} per token, "
+        f"{cfg.n_group} groups, top {cfg.topk_group}) + {cfg.n_shared_experts} shared, "
+        f"moe_intermediate {cfg.moe_intermediate_size}",
+        f"  attention   {cfg.num_attention_heads} heads MLA, {q}, kv_lora {cfg.kv_lora_rank}, "
+        f"head dims nope/rope/v {cfg.qk_nope_head_dim}/{cfg.qk_rope_head_dim}/{cfg.v_head_dim}",
+        f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+        + (", tied embeddings" if cfg.tie_word_embeddings else ""),
+    ]
+
+
 def _check_mesh(cfg: DeepseekV3Config, mesh: Mesh) -> None:
     from mtp_jax.sharding import check_mesh
 
@@ -392,4 +505,14 @@ TARGET = Target(
     own_draft=lambda cfg: "mtp" if cfg.num_nextn_predict_layers else None,
     split_axis="expert",
     fp8_weights=True,
+    hub_tensors=hub_tensors,
+    routed_active=_routed_active,
+    check_axes=_check_axes,
+    own_draft_cache_bytes_per_token=lambda cfg, itemsize: (
+        cfg.num_nextn_predict_layers * latent_width(cfg) * itemsize
+    ),
+    describe=_describe,
+    abstract_groups=abstract_groups,
 )
+for _group in ("moe", "mtp"):  # routed experts over the mesh's expert axis, the rest replicated
+    register_group_layout(_group, expert_logical)

@@ -22,7 +22,7 @@ Layer numbering for captured hidden states: layer i means the output of decoder 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -31,10 +31,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.config import Llama3Config
-from mtp_jax.gqa import gqa_dense, gqa_paged
+from mtp_jax.gqa import check_tensor_split, gqa_dense, gqa_paged
 from mtp_jax.layers import apply_rope_half, llama3_frequencies, rms_norm, rope_cos_sin, swiglu
-from mtp_jax.sharding import ACTIVATION, constrain
-from mtp_jax.targets.base import CapturePlan, Hidden, PagedAttention, Target, scan_layers
+from mtp_jax.sharding import ACTIVATION, MESH_AXES, constrain, register_group_layout
+from mtp_jax.targets.base import CapturePlan, Hidden, HubTensor, PagedAttention, Target, scan_layers
 
 __all__ = [
     "TARGET",
@@ -150,6 +150,16 @@ def target_layer_leaves(cfg: Llama3Config) -> tuple[LayerLeaf, ...]:
         qkv_bias=cfg.qkv_bias,
         qk_norm=cfg.qk_norm,
     )
+
+
+_LOGICAL = {leaf.path: leaf.logical for leaf in layer_leaves(1, 1, 1, 1, 1, qkv_bias=True, qk_norm=True)}
+
+
+def layer_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+    """Logical axes of the leaf at path ``names`` of one Llama-family decoder layer, as
+    :func:`layer_leaves` declares them (heads and MLP columns over ``tensor``); replicated when
+    undeclared."""
+    return _LOGICAL.get(tuple(names[-2:]), _LOGICAL.get(tuple(names[-1:]), (None,) * rank))
 
 
 def qkv(
@@ -282,17 +292,68 @@ def _cache_bytes_per_token(cfg: Llama3Config, itemsize: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
 
 
-def _check_mesh(cfg: Llama3Config, mesh: Mesh) -> None:
-    from mtp_jax.gqa import check_tensor_split
-    from mtp_jax.sharding import MESH_AXES
+def _check_axes(cfg: Llama3Config, axes: Mapping[str, int]) -> None:
+    if axes["expert"] != 1:
+        raise ValueError(
+            f"Llama has no experts: use the 'data' and 'tensor' axes (got expert={axes['expert']})"
+        )
+    check_tensor_split(cfg.num_attention_heads, cfg.num_key_value_heads, axes["tensor"])
 
+
+def _check_mesh(cfg: Llama3Config, mesh: Mesh) -> None:
     if tuple(mesh.axis_names) != MESH_AXES:
         raise ValueError(f"mesh axes must be {MESH_AXES} (use mtp_jax.make_mesh), got {mesh.axis_names}")
-    if mesh.shape["expert"] != 1:
-        raise ValueError(
-            f"Llama has no experts: use the 'data' and 'tensor' axes (got expert={mesh.shape['expert']})"
+    _check_axes(cfg, mesh.shape)
+
+
+_SPLITS = {"heads": "tensor", "ffn": "tensor", "kv_heads": "kv_heads"}
+
+
+def hub_tensors(cfg: Llama3Config) -> Iterator[HubTensor]:
+    """Every tensor of a Llama-family hub checkpoint (its layers as :func:`target_layer_leaves`
+    declares them), with the tensor-parallel split of each (:mod:`mtp_jax.sharding`)."""
+    d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    yield HubTensor("embedding", (v, d), 1, "plain")
+    yield HubTensor("norms", (d,), 1, "plain")  # model.norm
+    for leaf in target_layer_leaves(cfg):
+        split = next((_SPLITS[a] for a in leaf.logical if a), None)
+        yield HubTensor(
+            leaf.component, leaf.hub_shape, n, "linear" if leaf.kind == "linear" else "plain", split
         )
-    check_tensor_split(cfg.num_attention_heads, cfg.num_key_value_heads, mesh.shape["tensor"])
+    if not cfg.tie_word_embeddings:
+        yield HubTensor("lm_head", (v, d), 1, "plain", split="tensor")  # vocabulary-parallel head
+
+
+def abstract_groups(cfg: Llama3Config, shapes: Any, own_draft: bool = False) -> dict:
+    """The parameter groups (one layer of the stack) built with ``shapes`` (:mod:`mtp_jax.plan`'s
+    builder): dense, in its dtype; no head when the embedding is tied. No draft of its own."""
+    d = cfg.hidden_size
+    out = {
+        "embed": shapes.plain(cfg.vocab_size, d),
+        "layers": leaves_tree(target_layer_leaves(cfg), lambda leaf: shapes.plain(*leaf.shape)),
+        "final_norm": shapes.plain(d),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = shapes.plain(d, cfg.vocab_size)
+    return out
+
+
+def _describe(cfg: Llama3Config, title: str) -> list[str]:
+    rope = "no rope scaling"
+    if cfg.rope_scaling is not None:
+        r = cfg.rope_scaling
+        rope = (
+            f"llama3 rope scaling x{r.factor:g} (original {r.original_max_position_embeddings}, "
+            f"low/high freq factors {r.low_freq_factor:g}/{r.high_freq_factor:g})"
+        )
+    return [
+        f"Model: {cfg.model_type} ({title})",
+        f"  layers      {cfg.num_hidden_layers}",
+        f"  attention   {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads (GQA), "
+        f"head_dim {cfg.head_dim}, rope_theta {cfg.rope_theta:g}, {rope}",
+        f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+        + (", tied embeddings" if cfg.tie_word_embeddings else ""),
+    ]
 
 
 def family_target(name: str, config_class: type, title: str = "") -> Target:
@@ -309,7 +370,13 @@ def family_target(name: str, config_class: type, title: str = "") -> Target:
         layer_stacks=lambda cfg: ("layers",),
         layer_leaves=target_layer_leaves,
         title=title or name,
+        hub_tensors=hub_tensors,
+        check_axes=_check_axes,
+        cache_split=lambda cfg, axes: axes["tensor"] if cfg.num_key_value_heads % axes["tensor"] == 0 else 1,
+        describe=lambda cfg: _describe(cfg, title or name),
+        abstract_groups=abstract_groups,
     )
 
 
 TARGET = family_target("llama", Llama3Config, title="Llama 3")
+register_group_layout("layers", layer_logical)

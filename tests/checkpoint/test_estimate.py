@@ -263,7 +263,7 @@ def test_llama_counts_and_bytes_match_hub_tensors(tied):
     assert pc.routed_experts == pc.routers == pc.mtp == 0
     assert weight_bytes(cfg, "bf16") == {"bfloat16": 2 * pc.total}
     assert weight_bytes(cfg, "fp32") == {"float32": 4 * pc.total}
-    with pytest.raises(ValueError, match="Llama checkpoints are dense"):
+    with pytest.raises(ValueError, match="Llama 3 checkpoints are dense"):
         weight_bytes(cfg, "fp8")
     assert kv_cache_bytes_per_token(cfg, 2) == 2 * 2 * 6 * 3 * 2  # K and V, 2 KV heads, 3 layers
 
