@@ -39,6 +39,7 @@ from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import ModelConfig, load_config, parse_config
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError
 from mtp_jax.progress import Progress
+from mtp_jax.targets import target_for
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +295,10 @@ def load_converted(
             f"weights='fp8' needs a checkpoint converted with its FP8 weights kept (--weights auto or fp8); "
             f"{path} has {manifest['weights']!r} weights"
         )
-    if mtp and getattr(cfg, "num_nextn_predict_layers", 0) and not manifest["mtp"]:
-        log.warning("%s was converted without its MTP layers", path)
+    own = target_for(cfg).own_draft(cfg)
+    if mtp and own and not manifest["mtp"]:
+        log.warning("%s was converted without its own draft's weights (%s)", path, own)
+    draft_groups = checkpoint_format(cfg).DRAFT_GROUPS
     host = host_dtype(dtype)
     checkpointer = ocp.StandardCheckpointer()
 
@@ -311,7 +314,7 @@ def load_converted(
 
     def groups():
         for g in manifest["groups"]:
-            if g["name"] == "mtp" and not mtp:
+            if g["name"] in draft_groups and not mtp:
                 continue
             gdir = os.path.join(path, "params", g["dir"])
             if not os.path.isdir(gdir):

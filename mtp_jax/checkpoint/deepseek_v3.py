@@ -74,6 +74,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STACKED_GROUPS = ("dense", "moe", "mtp")
+DRAFT_GROUPS = ("mtp",)
+"""The groups holding the weights of the draft in the checkpoint (loaded only with ``mtp``)."""
 
 
 def _read(t: HubTensors, pre: str, leaf: MlaLeaf, expert: int | None = None) -> Any:

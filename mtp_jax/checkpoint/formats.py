@@ -3,7 +3,8 @@
 Each module provides ``param_groups(reader, cfg, dtype, *, weights, mtp, strict, skip, experts)``,
 ``export_tensors(params, cfg, dtype)`` (its inverse, for :mod:`mtp_jax.checkpoint.export`),
 ``group_sizes(cfg, mtp)``, ``assemble(groups, cfg, dtype, *, mtp, mesh)``, ``load_params(reader,
-cfg, dtype, *, weights, mtp, strict, mesh)`` and ``STACKED_GROUPS``.
+cfg, dtype, *, weights, mtp, strict, mesh)``, ``STACKED_GROUPS`` and ``DRAFT_GROUPS`` (those holding the
+weights of a draft in the same checkpoint: DeepSeek-V3's MTP layers).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from mtp_jax.targets.llama3 import LayerLeaf, layer_leaves, leaves_tree, target_
 log = logging.getLogger(__name__)
 
 STACKED_GROUPS = ("layers",)
+DRAFT_GROUPS: tuple[str, ...] = ()
 
 
 def layer_from_leaves(t: HubTensors, pre: str, leaves: tuple[LayerLeaf, ...]) -> dict:
