@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError
@@ -203,16 +203,30 @@ def _refuse_wrapped(raw: Mapping[str, Any]) -> None:
 
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
-    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type``."""
+    """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type`` (the
+    built-in ones, and those a plug-in target registered: :func:`register_model_type`)."""
     _refuse_wrapped(raw)
     model_type = raw.get("model_type")
-    if model_type in DEEPSEEK_V3_MODEL_TYPES:
-        return _parse_deepseek_v3(raw)
-    if model_type in LLAMA_MODEL_TYPES:
-        return _parse_llama3(raw)
-    if model_type in QWEN_MODEL_TYPES:
-        return _parse_qwen(raw)
-    raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    parse = _PARSERS.get(model_type) if isinstance(model_type, str) else None
+    if parse is None:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(model_types())}")
+    return parse(raw)
+
+
+def model_types() -> tuple[str, ...]:
+    """Every ``model_type`` :func:`parse_config` reads."""
+    return tuple(_PARSERS)
+
+
+def register_model_type(model_type: str, parse: Callable[[Mapping[str, Any]], Any]) -> None:
+    """Make :func:`parse_config` read configs of ``model_type`` with ``parse(raw) -> config`` (a
+    plug-in target's, :func:`mtp_jax.targets.register_target`); a built-in type cannot be
+    replaced."""
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"a model_type is a non-empty string, got {model_type!r}")
+    if model_type in MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is built in")
+    _PARSERS[model_type] = parse
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -964,3 +978,10 @@ def parse_draft_config(
         cfg = parse_eagle3_config(raw, mla="kv_lora_rank" in raw)
         capture = eagle3_capture(cfg, num_target_layers, layer_ids)
     return dataclasses.replace(cfg, capture=capture)
+
+
+_PARSERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    **dict.fromkeys(DEEPSEEK_V3_MODEL_TYPES, _parse_deepseek_v3),
+    **dict.fromkeys(LLAMA_MODEL_TYPES, _parse_llama3),
+    **dict.fromkeys(QWEN_MODEL_TYPES, _parse_qwen),
+}

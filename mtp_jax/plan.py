@@ -506,7 +506,7 @@ def format_plan(report: PlanReport, device_memory_gb: float | None = None) -> st
         f"  {report.split_label:<26}{format_bytes(report.expert_bytes):>12}",
         f"  {'weights total':<26}{format_bytes(report.weight_bytes):>12}"
         f"  (analytic estimate {format_bytes(report.estimate_weight_bytes)}"
-        + (", the target alone)" if method.config_class is not None and lay.k else ")"),
+        + (", the target alone)" if method is not None and method.config_class is not None else ")"),
         f"  {cache_label:<26}{format_bytes(report.cache_bytes):>12}",
         f"  {'other decode state':<26}{format_bytes(report.state_bytes):>12}",
     ]

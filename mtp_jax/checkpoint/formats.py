@@ -15,12 +15,23 @@ from typing import Any
 from mtp_jax.checkpoint import deepseek_v3, llama3
 from mtp_jax.config import DeepseekV3Config, Llama3Config
 
-_FORMATS: tuple[tuple[type, ModuleType], ...] = ((DeepseekV3Config, deepseek_v3), (Llama3Config, llama3))
+_FORMATS: list[tuple[type, Any]] = [(DeepseekV3Config, deepseek_v3), (Llama3Config, llama3)]
 
 
 def checkpoint_format(cfg: Any) -> ModuleType:
-    """The key-map module that reads checkpoints of ``cfg``'s model family."""
+    """The key-map module that reads checkpoints of ``cfg``'s model family (the most derived
+    registered config class wins: a plug-in subclass of a family config may bring its own)."""
+    for kind, module in _FORMATS:
+        if type(cfg) is kind:
+            return module
     for kind, module in _FORMATS:
         if isinstance(cfg, kind):
             return module
     raise TypeError(f"no checkpoint format for a config of type {type(cfg).__name__}")
+
+
+def register_checkpoint_format(config_class: type, module: Any) -> None:
+    """Read checkpoints of configs of ``config_class`` with ``module`` (a module or namespace with
+    the functions listed above): a plug-in target's (:func:`mtp_jax.targets.register_target`)."""
+    global _FORMATS
+    _FORMATS = [(kind, m) for kind, m in _FORMATS if kind is not config_class] + [(config_class, module)]

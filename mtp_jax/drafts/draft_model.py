@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.cache import slots_for
-from mtp_jax.config import MODEL_TYPES, DraftModelConfig, parse_config
+from mtp_jax.config import DraftModelConfig, model_types, parse_config
 from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.errors import ConfigError
 from mtp_jax.param_bytes import nbytes
@@ -88,7 +88,7 @@ def load_draft_model(
 
 def recognises(raw: dict, reader: Any) -> bool:
     """Whether a draft directory holds a language model mtp-jax loads as a target."""
-    return raw.get("model_type") in MODEL_TYPES
+    return raw.get("model_type") in model_types()
 
 
 def _check_plan(c: DraftModelConfig, target_cfg: Any, k: int) -> None:
