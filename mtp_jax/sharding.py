@@ -220,8 +220,6 @@ def param_logical(group: str, names: Sequence[str], rank: int) -> tuple[str | No
     that owns the group registered them (:func:`register_group_layout`: each target its layer
     stacks, each draft its own weights); the head [d, V] vocabulary-parallel, anything else
     replicated."""
-    import mtp_jax.targets  # noqa: F401  (the targets register their groups' layouts)
-
     names = list(names)
     while names and names[-1] in _STORAGE_KEYS:
         names.pop()

@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.export import as_numpy, leaf_tensors, mla_layer_tensors
+from mtp_jax.checkpoint.hub_layout import as_numpy, leaf_tensors, mla_layer_tensors
 from mtp_jax.checkpoint.loader import (
     FLOAT32_LEAVES,
     WEIGHT_MODES,

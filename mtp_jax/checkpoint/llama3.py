@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.export import as_numpy, llama_layer_tensors
+from mtp_jax.checkpoint.hub_layout import as_numpy, llama_layer_tensors
 from mtp_jax.checkpoint.loader import Group, GroupEmitter, HubTensors, assemble_groups, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import Llama3Config

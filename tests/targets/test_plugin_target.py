@@ -1,7 +1,8 @@
 """A target defined outside the package (here, in this file) and registered with one
-``register_target`` call runs everywhere a shipped one does: ``load`` (its own ``model_type`` in
-config.json), ``generate`` plain and with drafts, the engine, the CLI (``generate``, ``inspect``,
-``plan``), the size estimate and the roofline, with no edit to the package."""
+``mtp_jax.plugins.register_target`` call runs everywhere a shipped one does: ``load`` (its own
+``model_type`` in config.json), ``generate`` plain and with drafts, the engine, the CLI
+(``generate``, ``inspect``, ``plan``), the size estimate and the roofline, with no edit to the
+package."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from mtp_jax.checkpoint import llama3 as llama3_format
 from mtp_jax.checkpoint.estimate import count_parameters, format_report
 from mtp_jax.cli import main
 from mtp_jax.config import Llama3Config, parse_llama_family
+from mtp_jax.plugins import register_target
 from mtp_jax.roofline import step_bytes
-from mtp_jax.targets import register_target, target_for
+from mtp_jax.targets import target_for
 from mtp_jax.targets.llama3 import family_target
 from tests.conftest import REPO
 
