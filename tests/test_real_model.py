@@ -63,7 +63,7 @@ def test_logits_greedy_text_and_chat_equal_transformers_on_the_same_gguf(smollm2
 SHIPPED_DRAFTS = {
     # draft method: (checkpoint directory, K of the greedy check, least acceptance length there)
     "eagle3": ("smollm2-135m-instruct-eagle3", 3, 1.5),
-    # the DFlash draft joins here once shipped: ("smollm2-135m-instruct-dflash", 7, its least)
+    "dflash": ("smollm2-135m-instruct-dflash", 7, 1.3),
 }
 
 
