@@ -415,16 +415,6 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
 
 
-def _verify_widths(sc: StepConfig) -> tuple[int, ...]:
-    """The draft counts the step compiles a verification for (:attr:`Draft.verify_widths`): ascending,
-    from 0, ending at sc.k."""
-    hook = sc.drafter.verify_widths
-    widths = (0, sc.k) if hook is None else tuple(hook(sc.k))
-    if widths[0] != 0 or widths[-1] != sc.k or list(widths) != sorted(set(widths)):
-        raise ValueError(f"{sc.drafter.name}: verify_widths({sc.k}) = {widths} must rise from 0 to {sc.k}")
-    return widths
-
-
 _POOLS = ("target_pages", "draft_state")  # the state's page pools; every other leaf is per slot
 
 
@@ -490,14 +480,12 @@ def step(
         return _room(jnp.zeros((emitted.shape[0], sc.k + 1), emitted.dtype), emitted), n_emit, state
 
     if sc.k and sc.drafter is not None and sc.drafter.proposes_per_row:
-        # verify as few tokens per row as the rows' drafts need: with no active row drafting, one, as
-        # plain decoding (the rows' tokens are the same either way: a row capped at 0 drafts samples
-        # exactly as plain decoding does); a row's drafts beyond the width are never proposed
-        widths = _verify_widths(sc)
-        most = jnp.max(jnp.where(state.active, jnp.minimum(state.num_drafts, sc.k), 0))
-        branch = jnp.searchsorted(jnp.asarray(widths, jnp.int32), most)
-        branches = [functools.partial(verified, w) for w in widths]
-        emitted, n_emit, state = jax.lax.switch(branch, branches, state)
+        # no active row has a draft: verify one token per row, as plain decoding (the rows' tokens are
+        # the same either way: a row capped at 0 drafts samples exactly as plain decoding does)
+        drafting = jnp.any(state.active & (state.num_drafts > 0))
+        emitted, n_emit, state = jax.lax.cond(
+            drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), state
+        )
     else:
         emitted, n_emit, state = verified(sc.k, state)
     if rows is not None:

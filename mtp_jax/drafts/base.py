@@ -116,10 +116,6 @@ class Draft:
     """The draft marks drafts it has no proposal for with -1 (a row's drafts count up to the first
     such); a step where no active row has a draft verifies one token per row, as plain decoding,
     instead of K + 1 (``lax.cond`` in :func:`mtp_jax.step.step`)."""
-    verify_widths: Callable[[int], tuple[int, ...]] | None = None
-    """``verify_widths(k)``: with :attr:`proposes_per_row`, the draft counts a step may verify,
-    ascending, ending at ``k`` (one program each, chosen on device by the most drafts any active row
-    has: ``lax.switch``). None: (0, k)."""
     title: str = ""
     """How messages name it (e.g. "EAGLE-3"; default: its name)."""
     check_plan: Callable[[Any, Any, int], None] | None = None

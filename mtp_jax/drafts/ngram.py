@@ -16,9 +16,7 @@ Per row, inside the unified step, on device:
   exactly what the text would be if it kept repeating;
 * without any match the row proposes nothing (its drafts are marked -1 and it verifies no draft);
   a step in which no row has a match verifies one token per row, as plain decoding does, instead
-  of K + 1 (:attr:`mtp_jax.drafts.base.Draft.proposes_per_row`); a match of n tokens proposes at
-  most 2n drafts (:data:`DRAFTS_PER_MATCHED_TOKEN`), and a step whose rows propose at most two
-  verifies three tokens per row (:attr:`mtp_jax.drafts.base.Draft.verify_widths`).
+  of K + 1 (:attr:`mtp_jax.drafts.base.Draft.proposes_per_row`).
 
 Drafts are deterministic, so acceptance is lossless in greedy and argmax modes and exact in sampled
 mode (q is one-hot at the draft). The history scan reads the row's whole page list once per step
@@ -39,34 +37,20 @@ MAX_N = 4
 """Longest suffix matched (as ``prompt_lookup_max`` 4 in vLLM's documented n-gram example)."""
 MIN_N = 1
 """Shortest suffix matched."""
-DRAFTS_PER_MATCHED_TOKEN = 2
-"""A match of n tokens proposes at most 2n drafts (and K at most): in text that does not repeat
-itself one-token suffixes match often and their followers are seldom right, so such a row proposes
-two drafts and a step whose rows matched no more than that verifies three tokens per row, not
-K + 1 (:attr:`mtp_jax.drafts.base.Draft.verify_widths`); text that repeats itself soon matches
-MAX_N tokens and proposes all K."""
 
 
 def lookup(
-    history: jax.Array,
-    n: jax.Array,
-    k: int,
-    max_n: int = MAX_N,
-    min_n: int = MIN_N,
-    none: int | None = None,
-    per_match: int | None = None,
+    history: jax.Array, n: jax.Array, k: int, max_n: int = MAX_N, min_n: int = MIN_N, none: int | None = None
 ) -> jax.Array:
     """Drafts [b, k] (token ids) for rows whose first ``n`` [b] tokens of ``history`` [b, L] are
     known: the tokens after the latest earlier occurrence of the longest matching suffix of length
     ``min_n..max_n`` (continued periodically past the present); without a match, ``none`` (None:
-    the newest token repeated). ``per_match`` (with ``none``): a match of m tokens proposes only
-    its first ``per_match * m`` drafts, the rest ``none``."""
+    the newest token repeated)."""
     b, length = history.shape
     idx = jnp.arange(length, dtype=jnp.int32)[None, :]
     last = n - 1
     match = idx <= (n - 2)[:, None]  # an occurrence ends before the newest token
     best = jnp.full((b,), -1, jnp.int32)
-    matched = jnp.zeros((b,), jnp.int32)  # the suffix length of the match
     for r in range(max_n):  # the suffix's r-th token from the end
         want = at_rows(history, jnp.maximum(last - r, 0))
         earlier = jnp.pad(history, ((0, 0), (r, 0)))[:, :length]  # earlier[:, i] = history[:, i - r]
@@ -74,17 +58,11 @@ def lookup(
         if r + 1 >= min_n:  # longer suffixes come later and win
             latest = jnp.max(jnp.where(match, idx, -1), axis=1)
             best = jnp.where(latest >= 0, latest, best)
-            matched = jnp.where(latest >= 0, r + 1, matched)
     period = jnp.maximum(last - best, 1)
     j = jnp.arange(k, dtype=jnp.int32)[None, :]
     pos = jnp.where((best >= 0)[:, None], best[:, None] + 1 + j % period[:, None], last[:, None])
     drafts = jnp.take_along_axis(history, pos, axis=1)
-    if none is None:
-        return drafts
-    proposed = (best >= 0)[:, None]
-    if per_match is not None:
-        proposed = proposed & (j < per_match * matched[:, None])
-    return jnp.where(proposed, drafts, none)
+    return drafts if none is None else jnp.where((best >= 0)[:, None], drafts, none)
 
 
 def _init_state(ctx, num_pages: int, dtype) -> jax.Array:
@@ -113,7 +91,7 @@ def _write_and_look_up(
     flat = flat.at[next_slots].set(next_values, mode="drop")
     tokens = flat.reshape(tokens.shape)
     drafts = (
-        lookup(_history(tokens, table), first_pos, k, none=-1, per_match=DRAFTS_PER_MATCHED_TOKEN)
+        lookup(_history(tokens, table), first_pos, k, none=-1)
         if k
         else jnp.zeros((table.shape[0], 0), jnp.int32)
     )
@@ -181,7 +159,6 @@ DRAFT = Draft(
     teacher_forced=_teacher_forced,
     step_reads=_step_reads,
     proposes_per_row=True,
-    verify_widths=lambda k: tuple(sorted({0, min(k, DRAFTS_PER_MATCHED_TOKEN), k})),
     title="n-gram",
     weights=False,
 )

@@ -251,26 +251,6 @@ def test_unproposed_drafts_cap_their_row_and_become_valid_ids():
     assert np.asarray(lookup_none).tolist() == [[-1, -1]]  # no earlier occurrence of 3
 
 
-def test_a_match_proposes_two_drafts_per_matched_token_and_the_step_verifies_no_more():
-    """A one-token match proposes 2 drafts, a two-token one 4, ... (DRAFTS_PER_MATCHED_TOKEN); the
-    step compiles verifications of 0, 2 and K drafts and picks the least that covers every row."""
-    from mtp_jax.drafts.ngram import DRAFTS_PER_MATCHED_TOKEN
-    from mtp_jax.step import StepConfig, _verify_widths
-
-    histories = jnp.asarray([[3, 8, 6, 3, 0, 0], [1, 2, 3, 1, 2, 0], [5, 5, 5, 5, 5, 5]], jnp.int32)
-    got = lookup(histories, jnp.asarray([4, 5, 6]), 6, none=-1, per_match=DRAFTS_PER_MATCHED_TOKEN)
-    assert np.asarray(got).tolist() == [
-        [8, 6, -1, -1, -1, -1],  # "3" matched: 2 drafts
-        [3, 1, 2, 3, -1, -1],  # "1 2" matched: 4 drafts
-        [5, 5, 5, 5, 5, 5],  # 4 tokens matched: all 6
-    ]
-    assert np.asarray(lookup(histories, jnp.asarray([4, 5, 6]), 6)).tolist()[0] == [8, 6, 3, 8, 6, 3]
-    cfg = mtp_jax.load(LLAMA, "float32").config
-    assert _verify_widths(StepConfig(cfg, 4, 5, "ngram")) == (0, 2, 5)
-    assert _verify_widths(StepConfig(cfg, 4, 2, "ngram")) == (0, 2)
-    assert _verify_widths(StepConfig(cfg, 4, 1, "ngram")) == (0, 1)
-
-
 def test_a_step_without_matches_verifies_one_token_per_row(models):
     """With no row matching, the step runs its plain branch: the same tokens as plain decoding, and
     prompts of distinct tokens generate as plain decoding does while the drafts run dry."""
