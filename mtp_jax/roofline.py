@@ -159,8 +159,8 @@ def step_bytes(
     why = None if draft is None else draft.available(params, cfg)
     if why is not None:
         raise ValueError(f"k > 0 needs the {draft.title or draft.name} draft in params: {why}")
-    moe = hasattr(cfg, "n_routed_experts")
-    e, top_k = (cfg.n_routed_experts, cfg.num_experts_per_tok) if moe else (1, 1)
+    e, top_k = target_for(cfg).routed_experts(cfg)
+    moe = e > 0
     tied = "lm_head" not in params  # the head reads the whole embedding
     verified = batch * (k + 1)
     positions = batch * (context + k + 1)

@@ -312,7 +312,7 @@ def per_device_memory(
     return DeviceMemory(
         mesh=tuple(axes.items()),
         devices=devices,
-        experts_per_device=getattr(cfg, "n_routed_experts", 0) // axes["expert"],
+        experts_per_device=target_for(cfg).routed_experts(cfg)[0] // axes["expert"],
         param_bytes=sum(replicated.values()),
         expert_bytes=sum(sum(nbytes.values()) // ways[way] for way, nbytes in split.items()),
         kv_tokens_per_device=tokens,

@@ -211,6 +211,9 @@ class Target:
     """``hub_tensors(cfg)``: every tensor of its hub checkpoint (:class:`HubTensor`; those of the
     draft in the same checkpoint under the ``mtp`` components), from which the size estimates are
     derived."""
+    routed_experts: Callable[[Any], tuple[int, int]] = lambda cfg: (0, 0)
+    """``routed_experts(cfg) -> (experts per MoE layer, experts each token is routed to)``; (0, 0)
+    for a dense model (the roofline's expected expert reads, the per-device estimate)."""
     routed_active: Callable[[Any, int], int] = lambda cfg, routed: routed
     """``routed_active(cfg, routed)``: of the main model's ``routed`` routed-expert parameters, those
     one token touches (a mixture of experts: the experts it is routed to)."""

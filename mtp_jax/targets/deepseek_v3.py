@@ -507,6 +507,7 @@ TARGET = Target(
     fp8_weights=True,
     hub_tensors=hub_tensors,
     routed_active=_routed_active,
+    routed_experts=lambda cfg: (cfg.n_routed_experts, cfg.num_experts_per_tok),
     check_axes=_check_axes,
     own_draft_cache_bytes_per_token=lambda cfg, itemsize: (
         cfg.num_nextn_predict_layers * latent_width(cfg) * itemsize
