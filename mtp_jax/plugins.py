@@ -28,11 +28,9 @@ def register_target(
     ``target.config_class``); ``checkpoint_format``: the key map that reads and writes its hub
     checkpoints (a module like :mod:`mtp_jax.checkpoint.llama3`; None: the one of a registered base
     class of its config). A target of the same config class is replaced; a built-in one cannot be."""
-    if not isinstance(target, Target):
-        raise TypeError(f"register_target takes a mtp_jax.targets.Target, got {type(target).__name__}")
     if model_types and parse is None:
         raise ValueError("model_types need parse, the function that reads such a config")
-    add_target(target)
+    add_target(target)  # checks the target first
     for model_type in model_types:
         register_model_type(model_type, parse)
     if checkpoint_format is not None:

@@ -121,7 +121,8 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
         counts[s.component] += s.numel
     main = sum(counts[c] for c in COMPONENTS[:8])
     routed = counts["routed_experts"]
-    active = main - routed + target_for(cfg).routed_active(cfg, routed)
+    experts, per_token = target_for(cfg).routed_experts(cfg)  # a token touches per_token of them
+    active = main - routed + (routed // experts * per_token if experts else routed)
     return ParamCount(**counts, active_per_token=active)
 
 

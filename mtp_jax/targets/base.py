@@ -214,9 +214,6 @@ class Target:
     routed_experts: Callable[[Any], tuple[int, int]] = lambda cfg: (0, 0)
     """``routed_experts(cfg) -> (experts per MoE layer, experts each token is routed to)``; (0, 0)
     for a dense model (the roofline's expected expert reads, the per-device estimate)."""
-    routed_active: Callable[[Any, int], int] = lambda cfg, routed: routed
-    """``routed_active(cfg, routed)``: of the main model's ``routed`` routed-expert parameters, those
-    one token touches (a mixture of experts: the experts it is routed to)."""
     check_axes: Callable[[Any, Mapping[str, int]], None] = lambda cfg, axes: None
     """``check_axes(cfg, {"data": n, "expert": n, "tensor": n})``: ValueError naming the axis when
     mesh axes of those sizes cannot split this model (the estimates' and ``plan``'s check; the

@@ -449,13 +449,6 @@ def hub_tensors(cfg: DeepseekV3Config) -> Iterator[HubTensor]:
         yield HubTensor("mtp_duplicates", (v, d), 2 * n_mtp, "plain")  # embed_tokens, shared_head.head
 
 
-def _routed_active(cfg: DeepseekV3Config, routed: int) -> int:
-    """``num_experts_per_tok`` of each MoE layer's routed experts."""
-    if not cfg.num_moe_layers:
-        return routed
-    return routed // cfg.n_routed_experts * cfg.num_experts_per_tok
-
-
 def _check_axes(cfg: DeepseekV3Config, axes: Mapping[str, int]) -> None:
     if axes["tensor"] != 1:
         raise ValueError(
@@ -506,7 +499,6 @@ TARGET = Target(
     split_axis="expert",
     fp8_weights=True,
     hub_tensors=hub_tensors,
-    routed_active=_routed_active,
     routed_experts=lambda cfg: (cfg.n_routed_experts, cfg.num_experts_per_tok),
     check_axes=_check_axes,
     own_draft_cache_bytes_per_token=lambda cfg, itemsize: (
