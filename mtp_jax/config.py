@@ -838,6 +838,9 @@ class DFlashConfig:
 
     ``target_layer_ids``: the captured target layers as written (layer OUTPUTS; None: the default);
     ``capture`` is what they mean for a particular target, resolved at load (:func:`dflash_capture`).
+    ``draft_vocab_size`` (an mtp-jax extension, absent from the published layout): the block's head
+    is the target's head restricted to that many target ids (the checkpoint's ``d2t`` offsets, as
+    EAGLE-3 writes them); None: the target's whole vocabulary.
     """
 
     hidden_size: int
@@ -855,6 +858,7 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...] | None = None
     num_target_layers: int | None = None
     vocab_size: int | None = None
+    draft_vocab_size: int | None = None
     capture: tuple[int, ...] = ()
 
     @property
@@ -913,11 +917,14 @@ def parse_dflash_config(raw: Mapping[str, Any]) -> DFlashConfig:
         target_layer_ids=None if ids is None else tuple(ids),
         num_target_layers=_positive(raw, "num_target_layers", None),
         vocab_size=_positive(raw, "vocab_size", None),
+        draft_vocab_size=_positive(raw, "draft_vocab_size", None),
     )
     if cfg.rms_norm_eps <= 0 or cfg.rope_theta <= 0:
         raise ConfigError(
             f"rms_norm_eps and rope_theta must be positive, got {cfg.rms_norm_eps} and {cfg.rope_theta}"
         )
+    if cfg.vocab_size is not None and (cfg.draft_vocab_size or 0) > cfg.vocab_size:
+        raise ConfigError(f"draft_vocab_size ({cfg.draft_vocab_size}) exceeds vocab_size ({cfg.vocab_size})")
     if cfg.vocab_size is not None and mask >= cfg.vocab_size:
         raise ConfigError(
             f"dflash_config.mask_token_id {mask} is outside the vocabulary (vocab_size {cfg.vocab_size})"

@@ -44,6 +44,8 @@ from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
     attach_target_cache,
     bf16_rounded,
     data_sentence,
+    draft_vocabulary,
+    keep_vocabulary,
     own_text_clause,
     report_for,
     run_training,
@@ -98,12 +100,15 @@ def draft_config(
     }
 
 
-def init_draft(raw: dict, cfg: ModelConfig, seed: int) -> tuple[DFlashConfig, dict]:
+def init_draft(
+    raw: dict, cfg: ModelConfig, seed: int, params: dict | None = None, ids: np.ndarray | None = None
+) -> tuple[DFlashConfig, dict]:
     """N(0, 0.02) projections (output projections / sqrt(2 n)), unit norms, built in the hub layout
-    and read back by the loader."""
+    and read back by the loader (with a draft vocabulary ``ids``: its ``d2t``, the head's columns
+    from the target's ``params``)."""
     dcfg = parse_dflash_config(raw)
     n = len(raw["dflash_config"]["target_layer_ids"])
-    tensors = dflash_hub_tensors(dcfg, n, seed, 0.02)
+    tensors = dflash_hub_tensors(dcfg, n, seed, 0.02, draft_ids=ids)
     for name in tensors:
         if name.endswith("norm.weight"):
             tensors[name] = np.ones_like(tensors[name])
@@ -112,7 +117,11 @@ def init_draft(raw: dict, cfg: ModelConfig, seed: int) -> tuple[DFlashConfig, di
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "init")
         write_hub_checkpoint(path, raw, tensors)
-        return load_dflash(CheckpointReader(path), raw, cfg, jnp.float32, strict=True, verbose=False)
+        reader = CheckpointReader(path)
+        return load_dflash(reader, raw, cfg, jnp.float32, strict=True, verbose=False, target_params=params)
+
+
+FIXED = ("draft_to_target", "lm_head")  # a draft vocabulary's ids and the target head's columns: not trained
 
 
 def anchors_for(seed: int, step: int, batch: int, count: int, length: int, block: int) -> np.ndarray:
@@ -133,12 +142,14 @@ def draft_losses(
 ) -> tuple[jax.Array, dict]:
     """Windows [b, s] with anchors [b, n]: the frozen target's features and distributions, then the
     n blocks per window in one forward (each over the context before its anchor). Block row j's soft
-    cross-entropy is against the target's distribution for the token at anchor + j; ``agreement``:
-    the draft's argmax equals the target's greedy token there.
+    cross-entropy is against the target's distribution for the token at anchor + j (restricted to
+    the draft vocabulary ``tree["draft_to_target"]`` when there is one); ``agreement``: the draft's
+    argmax (as a target id) equals the target's greedy token there.
 
     ``cached``: the target's rows for the window's first s - 1 tokens from a target cache
     (features [b, s-1, F], top_ids / top_logp [b, s-1, k]) instead of running the target."""
     inputs = window[:, :-1]
+    ids = tree.get("draft_to_target")
     b, t = inputs.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if cached is None:
@@ -161,16 +172,26 @@ def draft_losses(
     shape = block_pos[:, :, 1:].shape
     if cached is None:
         picked = jnp.take_along_axis(logits, rows[..., None], axis=1).reshape(*shape, -1)
-        teacher = target_cache.dense_teacher(picked, None)
+        teacher = target_cache.dense_teacher(picked, ids)
     else:
         top = [jnp.take_along_axis(cached[k], rows[..., None], axis=1) for k in ("top_ids", "top_logp")]
-        teacher = target_cache.top_k_teacher(*(x.reshape(*shape, -1) for x in top), None, cfg.vocab_size)
-    logp = jax.nn.log_softmax(lm_head(full, normed[:, :, 1:]), axis=-1)
+        teacher = target_cache.top_k_teacher(*(x.reshape(*shape, -1) for x in top), ids, cfg.vocab_size)
+    if ids is None:
+        logp = jax.nn.log_softmax(lm_head(full, normed[:, :, 1:]), axis=-1)
+        chosen = jnp.argmax(logp, -1)
+    else:  # over the draft vocabulary (draft ids), argmax mapped back to target ids
+        head = tree["lm_head"]
+        logits = jnp.einsum("...d,dv->...v", normed[:, :, 1:], head, preferred_element_type=jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        chosen = ids[jnp.argmax(logp, -1)]
     per_row = -(teacher["probs"] * logp).sum(-1).mean((0, 1))  # [bs - 1]
-    agree = (jnp.argmax(logp, -1) == teacher["greedy"]).mean((0, 1))
+    agree = (chosen == teacher["greedy"]).mean((0, 1))
     weights = np.exp(-np.arange(bs - 1) / gamma)
     total = (per_row * (weights / weights.sum())).sum()
-    return total, {"loss": total, "level_loss": per_row, "level_agreement": agree}
+    aux = {"loss": total, "level_loss": per_row, "level_agreement": agree}
+    if ids is not None:
+        aux["coverage"] = teacher["covered"].mean()
+    return total, aux
 
 
 def evaluate(
@@ -203,6 +224,12 @@ def main() -> int:
     parser.add_argument("--anchors", type=int, default=16, help="anchored blocks per training window")
     parser.add_argument("--gamma", type=float, default=4.0, help="block row j weighted exp(-(j-1)/GAMMA)")
     parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        help="restrict the block's head to the N most frequent training tokens (default: the target's "
+        "whole vocabulary)",
+    )
+    parser.add_argument(
         "--mask-token-id",
         type=int,
         help="the mask token (default: <|pad|> of the embedded tokenizer; 0 for a chat target, whose "
@@ -225,6 +252,10 @@ def main() -> int:
             parser.error(f"--seq {args.seq} is shorter than a block of {args.block_size}")
         if args.mask_token_id is None:
             args.mask_token_id = 0 if data == "chat" else PAD  # chat conversations never contain id 0
+        if args.draft_vocab is not None and not 1 <= args.draft_vocab <= cfg.vocab_size:
+            parser.error(
+                f"--draft-vocab {args.draft_vocab} must be in [1, {cfg.vocab_size}] (the target's vocabulary)"
+            )
         if not 0 <= args.mask_token_id < cfg.vocab_size:
             parser.error(
                 f"--mask-token-id {args.mask_token_id} is not a token id of the target "
@@ -236,7 +267,18 @@ def main() -> int:
     layer_ids = args.layer_ids or list(dflash_default_layers(cfg.num_hidden_layers, args.layers))
     mask = args.mask_token_id
     raw = draft_config(run.target_raw, cfg, args.layers, layer_ids, args.block_size, mask)
-    dcfg, tree = init_draft(raw, cfg, args.seed)
+    ids = None
+    if args.draft_vocab is not None and args.draft_vocab < cfg.vocab_size:
+        # the vocabulary a saved training state was trained with, whatever this run's data would choose
+        vocab_file = os.path.join(run.workdir, "draft_vocabulary.npy")
+        if os.path.isfile(vocab_file):
+            ids = np.load(vocab_file)
+        else:
+            ids = draft_vocabulary([run.train_stream], cfg.vocab_size, args.draft_vocab)
+        keep_vocabulary(vocab_file, ids)
+        raw["draft_vocab_size"] = len(ids)
+    dcfg, tree = init_draft(raw, cfg, args.seed, params, ids)
+    fixed = {name: tree.pop(name) for name in FIXED if name in tree}
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
     attach_target_cache(
@@ -247,8 +289,13 @@ def main() -> int:
     def update(state: dict, batch: dict, anchors: jax.Array, target: dict) -> tuple[dict, dict]:
         tree = state["draft"]  # the frozen target is an argument: a closure would be folded in as constants
         cached = {k: v for k, v in batch.items() if k != "window"} or None
-        grad_fn = jax.value_and_grad(draft_losses, has_aux=True)
-        (_, aux), grads = grad_fn(tree, target, cfg, dcfg, batch["window"], anchors, args.gamma, cached)
+
+        def objective(t: dict) -> tuple[jax.Array, dict]:
+            return draft_losses(
+                {**t, **fixed}, target, cfg, dcfg, batch["window"], anchors, args.gamma, cached
+            )
+
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(tree)
         updates, opt_state = optimizer.update(grads, state["opt_state"], tree)
         return {
             "draft": optax.apply_updates(tree, updates),
@@ -271,7 +318,10 @@ def main() -> int:
     state = {"draft": tree, "opt_state": optimizer.init(tree), "step": jnp.zeros((), jnp.int32)}
 
     def load(reader: CheckpointReader, raw: dict) -> dict:
-        return load_dflash(reader, raw, cfg, jnp.float32, strict=True, verbose=False)[1]
+        """A partial's trained tensors (its vocabulary, if any, is this run's: ``fixed``)."""
+        own = {k: v for k, v in raw.items() if k != "draft_vocab_size"}
+        tree = load_dflash(reader, own, cfg, jnp.float32, strict=False, verbose=False)[1]
+        return {k: v for k, v in tree.items() if k not in FIXED}
 
     done = run_training(
         run,
@@ -279,16 +329,17 @@ def main() -> int:
         train_step,
         "dflash",
         raw=raw,
-        export=lambda st: dflash_hub_tensors_from_params(st["draft"], dcfg, ml_dtypes.bfloat16),
+        export=lambda st: dflash_hub_tensors_from_params({**st["draft"], **fixed}, dcfg, ml_dtypes.bfloat16),
         load=load,
+        may_differ=("draft_vocab_size",),
     )
     if done is None:
         return 0
     state, start, seconds = done
     tree = state["draft"]
-    tensors = dflash_hub_tensors_from_params(tree, dcfg, ml_dtypes.bfloat16)
+    tensors = dflash_hub_tensors_from_params({**tree, **fixed}, dcfg, ml_dtypes.bfloat16)
     held = evaluate(
-        bf16_rounded(tree),
+        {**bf16_rounded(tree), **fixed},
         params,
         cfg,
         dcfg,
@@ -303,6 +354,7 @@ def main() -> int:
         "layer_ids": layer_ids,
         "block_size": args.block_size,
         "parameters": int(n_params),
+        "draft_vocab_size": None if ids is None else len(ids),
     }
     training = {"anchors": args.anchors, "gamma": args.gamma}
     report = report_for(run, draft, training, held, start, seconds)
@@ -317,6 +369,14 @@ def card(raw: dict, r: dict) -> str:
     agree = " / ".join(f"{a:.3f}" for a in h["level_agreement"])
     acc, mtp = r.get("acceptance", {}), r.get("mtp_acceptance", {})
     lines = "\n".join(f"| {k} | {v:.2f} | {f'{mtp[k]:.2f}' if k in mtp else '-'} |" for k, v in acc.items())
+    vocab, coverage = "", ""
+    if dr.get("draft_vocab_size"):
+        vocab = (
+            f" Its block's head is the target's restricted to the {dr['draft_vocab_size']:,} most frequent "
+            "tokens of the training data (`d2t` in the checkpoint; the target head's columns for them "
+            "are copied at load, not stored)."
+        )
+        coverage = f"\n| target probability mass on the draft vocabulary | {h['coverage']:.3f} |"
     return f"""# DFlash draft for `{r["target"]}`
 
 A DFlash block-diffusion draft for the `{r["target"]}` target of mtp-jax, written by
@@ -324,7 +384,7 @@ A DFlash block-diffusion draft for the `{r["target"]}` target of mtp-jax, writte
 {raw["num_key_value_heads"]} KV heads, q/k norms) over the context `hidden_norm(fc(cat(...)))` of
 target layer outputs {dr["layer_ids"]}; {dr["parameters"] / 1e6:.2f}M parameters of its own (the
 target's embedding and head are used). One forward over `[anchor, MASK x {dr["block_size"] - 1}]`
-proposes up to {dr["block_size"] - 1} drafts. Published layout (`DFlashDraftModel`), bf16.
+proposes up to {dr["block_size"] - 1} drafts.{vocab} Published layout (`DFlashDraftModel`), bf16.
 
 {usage_line(r, "dflash")}
 
@@ -342,7 +402,7 @@ The target is frozen.
 ## Held-out results (the shipped bf16 weights)
 | | |
 |---|---|
-| agreement with the target's greedy token, block rows {rows} | {agree} |
+| agreement with the target's greedy token, block rows {rows} | {agree} |{coverage}
 
 Greedy acceptance length (tokens per step; 64 new tokens on the target's held-out prompts):
 

@@ -589,9 +589,13 @@ def run_training(
     raw: dict | None = None,
     export: Callable[[dict], dict] | None = None,
     load: Callable[[CheckpointReader, dict], dict] | None = None,
+    may_differ: tuple[str, ...] = (),
 ) -> tuple[dict, int, float] | None:
     """:func:`train_tiny.train_loop` on the run's data: (state, first step of this run, seconds), or
     None when stopped early.
+
+    ``may_differ``: config.json keys a run may change from its partial's (DFlash's draft
+    vocabulary: its head is the target's, not trained); any other difference is refused.
 
     With ``--export-every N``, every N steps the draft (``export(state)``: its hub tensors, bf16) is
     written to ``OUT.partial`` with the step reached; a run on a machine without the orbax state
@@ -626,7 +630,10 @@ def run_training(
         if load is None or not os.path.isfile(os.path.join(partial, "progress.json")):
             return None
         with open(os.path.join(partial, "config.json"), encoding="utf-8") as f:
-            if json.load(f) != raw:
+            written = json.load(f)
+            if {k: v for k, v in written.items() if k not in may_differ} != {
+                k: v for k, v in raw.items() if k not in may_differ
+            }:
                 raise SystemExit(
                     f"{partial} holds a draft of another configuration; move it away to start afresh"
                 )

@@ -582,26 +582,40 @@ def small_vocab_eagle3(small_vocab_model, tmp_path_factory):
     return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, draft_model=str(path))
 
 
+SMALL_DFLASH = {
+    "architectures": ["DFlashDraftModel"],
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "vocab_size": VOCAB,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 256,
+    "block_size": 4,
+    "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2]},
+}
+
+
 @pytest.fixture(scope="module")
 def small_vocab_dflash(small_vocab_model, tmp_path_factory):
     """The same target (a DeepSeek-V3: MLA, MoE) with a random DFlash draft: a block of 4 proposed
     at once, each position drawn independently given the context, from the target's head."""
-    raw = {
-        "architectures": ["DFlashDraftModel"],
-        "hidden_size": 32,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 16,
-        "vocab_size": VOCAB,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 256,
-        "block_size": 4,
-        "dflash_config": {"mask_token_id": 5, "target_layer_ids": [0, 2]},
-    }
+    raw = SMALL_DFLASH
     path = tmp_path_factory.mktemp("vocab8-dflash") / "draft"
     write_hub_checkpoint(path, raw, dflash_hub_tensors(DFlashConfig.from_dict(raw), 2, 7, 0.3))
+    return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, draft_model=str(path))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dflash_vocab(small_vocab_model, tmp_path_factory):
+    """The same DFlash draft over EAGLE-3's 6-token draft vocabulary: the target head's columns
+    for those ids, so its distributions are exactly zero at target ids 1 and 5."""
+    raw = {**SMALL_DFLASH, "draft_vocab_size": len(EAGLE3_VOCAB_IDS)}
+    tensors = dflash_hub_tensors(DFlashConfig.from_dict(raw), 2, 7, 0.3, draft_ids=np.array(EAGLE3_VOCAB_IDS))
+    path = tmp_path_factory.mktemp("vocab8-dflash-vocab") / "draft"
+    write_hub_checkpoint(path, raw, tensors)
     return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, draft_model=str(path))
 
 
@@ -669,6 +683,8 @@ E2E_CASES = [
     # a block draft: both positions proposed at once, independently given the context
     ("dflash", 2, "argmax", "truncated"),
     ("dflash", 2, "sampled", "truncated"),
+    # ... over a draft vocabulary (the target head's columns for 6 of the 8 ids)
+    ("dflash_vocab", 2, "sampled", "truncated"),
     # deterministic drafts copied from the row's own text (q one-hot in sampled mode)
     ("ngram", 2, "argmax", "truncated"),
     ("ngram", 2, "sampled", "truncated"),
@@ -686,6 +702,7 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     """4096 seeds of one prompt in one generate call: the joint law of the first three tokens (the
     first from prefill, the others from the speculative steps) is the target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
+    draft = draft.split("_vocab")[0]
     params = E2E_PARAMS[which]
     result = model.generate(
         [PROMPT] * N_SEEDS,

@@ -5,6 +5,11 @@ The published layout (docs/formats.md, "DFlash drafts"): no ``model.`` prefix, `
 over C captured target layers, ``hidden_norm``, ``norm``, and ``layers.{i}.*`` Qwen3-style decoder
 layers (``self_attn.q_norm`` / ``k_norm`` [head_dim] before rope). No embedding and no head: the
 target's are used, so the draft's width must be the target's.
+
+mtp-jax's extension: ``draft_vocab_size`` in config.json with a ``d2t`` tensor (EAGLE-3's offsets:
+draft id j is target id j + d2t[j]) restricts the block's head to those target ids. The head itself
+is still not stored: it is the target's head, its columns for those ids copied at load
+(``params["dflash"]["lm_head"]`` [H, Vd] beside ``draft_to_target`` [Vd]).
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.llama3 import layer_from_leaves
-from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
+from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, read_vocab_map, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DFlashConfig, dflash_capture, parse_dflash_config
 from mtp_jax.errors import ConfigError
+from mtp_jax.targets.base import head_columns
 from mtp_jax.targets.llama3 import layer_leaves
 
 log = logging.getLogger(__name__)
@@ -42,9 +48,12 @@ def load_dflash(
     strict: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     verbose: bool = True,
+    target_params: dict | None = None,
 ) -> tuple[DFlashConfig, dict]:
     """Read a DFlash draft for the target ``target_cfg``. Returns (config with its captured layers
-    resolved, ``params["dflash"]``: fc, hidden_norm, norm and the decoder layers stacked [n, ...])."""
+    resolved, ``params["dflash"]``: fc, hidden_norm, norm and the decoder layers stacked [n, ...];
+    with a draft vocabulary also ``draft_to_target`` and ``lm_head``, the target's head columns
+    for it, taken from ``target_params``)."""
     path = reader.directory
     cfg = parse_dflash_config(raw)
     h = cfg.hidden_size
@@ -76,10 +85,24 @@ def load_dflash(
         "norm": t.get("norm.weight", (h,)),
         "layers": jax.tree.map(lambda *xs: np.stack(xs), *layers),
     }
-    report_unused(reader, set(t.used), strict=strict, logger=log)
+    used = set(t.used)
+    vocab = target_cfg.vocab_size
+    draft_vocab = cfg.draft_vocab_size or vocab
+    if draft_vocab > vocab:
+        raise ConfigError(f"{path}: draft_vocab_size {draft_vocab} exceeds the target's {vocab} tokens")
+    d2t = "d2t" if "d2t" in reader else None
+    ids = read_vocab_map(reader, d2t, "t2d" if "t2d" in reader else None, draft_vocab, vocab, used)
+    if ids is not None:
+        if target_params is None:
+            raise ConfigError(f"{path}: a DFlash draft vocabulary needs the target's head (target_params)")
+        tree["draft_to_target"] = ids
+        cols = head_columns(target_params, ids)
+        tree["lm_head"] = cols if t.dtype is None else cols.astype(t.dtype)
+    report_unused(reader, used, strict=strict, logger=log)
     how = "as written in its config" if cfg.target_layer_ids is not None else "by default"
+    head = "" if ids is None else f", a head over {draft_vocab} of the target's {vocab} tokens"
     note = (
-        f"DFlash draft {path}: {cfg.num_hidden_layers} layers, block size {cfg.block_size}, mask id "
+        f"DFlash draft {path}: {cfg.num_hidden_layers} layers, block size {cfg.block_size}{head}, mask id "
         f"{cfg.mask_token_id}; reads target outputs of layers {', '.join(map(str, capture))} (0-based, {how})"
     )
     log.info(note)

@@ -20,7 +20,7 @@ import numpy as np
 
 from mtp_jax.checkpoint.deepseek_v3 import attention_tensors, swiglu_tensors
 from mtp_jax.checkpoint.llama3 import decoder_layer_tensors
-from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
+from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, read_vocab_map, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import Eagle3Config, describe_capture, eagle3_capture, parse_eagle3_config
 from mtp_jax.errors import CheckpointError, ConfigError
@@ -96,47 +96,7 @@ def _vocab_map(reader: CheckpointReader, keys: _Keys, c: Eagle3Config, used: set
     """Target id of each draft id (int32 [Vd]) from ``d2t`` offsets, checked against ``t2d``; None
     when draft ids are target ids."""
     d2t_key, t2d_key = keys.top("d2t", required=False), keys.top("t2d", required=False)
-    if d2t_key is None:
-        if c.draft_vocab_size != c.vocab_size:
-            raise CheckpointError(
-                f"{reader.directory}: draft_vocab_size {c.draft_vocab_size} < vocab_size {c.vocab_size} "
-                "but the checkpoint has no 'd2t' mapping draft ids to target ids"
-            )
-        return None
-    used.add(d2t_key)
-    if reader.shape(d2t_key) != (c.draft_vocab_size,) or not np.issubdtype(reader.dtype(d2t_key), np.integer):
-        raise CheckpointError(
-            f"tensor '{d2t_key}' must be integer offsets [{c.draft_vocab_size}] (draft_vocab_size), got "
-            f"{reader.dtype(d2t_key)} {list(reader.shape(d2t_key))}"
-        )
-    d2t = reader.get(d2t_key).astype(np.int64)
-    ids = np.arange(c.draft_vocab_size) + d2t  # OFFSETS: target id = i + d2t[i]
-    bad = np.flatnonzero((ids < 0) | (ids >= c.vocab_size))
-    if len(bad):
-        i = int(bad[0])
-        raise CheckpointError(
-            f"tensor '{d2t_key}': draft id {i} maps to target id {int(ids[i])} (= {i} + d2t[{i}] = {i} + "
-            f"{int(d2t[i])}), outside [0, {c.vocab_size}); d2t holds offsets, not ids"
-        )
-    uniq, counts = np.unique(ids, return_counts=True)
-    if len(uniq) != len(ids):
-        raise CheckpointError(
-            f"tensor '{d2t_key}' maps several draft ids to target id {int(uniq[counts > 1][0])}"
-        )
-    if t2d_key is not None:
-        used.add(t2d_key)
-        t2d = reader.get(t2d_key)
-        if t2d.shape != (c.vocab_size,):
-            raise CheckpointError(
-                f"tensor '{t2d_key}' has shape {list(t2d.shape)}, expected [{c.vocab_size}]"
-            )
-        if int(t2d.astype(bool).sum()) != c.draft_vocab_size or not t2d.astype(bool)[ids].all():
-            raise CheckpointError(
-                f"tensors '{d2t_key}' and '{t2d_key}' disagree on which target ids the draft vocabulary holds"
-            )
-    if c.draft_vocab_size == c.vocab_size and not d2t.any():
-        return None  # the identity
-    return ids.astype(np.int32)
+    return read_vocab_map(reader, d2t_key, t2d_key, c.draft_vocab_size, c.vocab_size, used)
 
 
 def load_eagle3(

@@ -17,7 +17,13 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.formats import checkpoint_format
-from mtp_jax.checkpoint.hub_layout import as_numpy, linear_to_hub, llama_layer_tensors, mla_layer_tensors
+from mtp_jax.checkpoint.hub_layout import (
+    as_numpy,
+    linear_to_hub,
+    llama_layer_tensors,
+    mla_layer_tensors,
+    vocab_map_tensors,
+)
 from mtp_jax.config import DFlashConfig, Eagle3Config, ModelConfig
 
 
@@ -49,11 +55,7 @@ def eagle3_hub_tensors_from_params(
     t["norm.weight"] = as_numpy(tree["norm"], dtype)
     t["lm_head.weight"] = linear_to_hub(tree["lm_head"], dtype)
     if "draft_to_target" in tree:
-        ids = np.asarray(tree["draft_to_target"], np.int64)
-        t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)  # OFFSETS: target id = i + d2t[i]
-        t2d = np.zeros(cfg.vocab_size, bool)
-        t2d[ids] = True
-        t["t2d"] = t2d
+        t.update(vocab_map_tensors(tree["draft_to_target"], cfg.vocab_size))
     if "embed" in tree:
         t["embed_tokens.weight"] = as_numpy(tree["embed"], dtype)
     return t
@@ -64,7 +66,8 @@ def dflash_hub_tensors_from_params(
 ) -> dict[str, np.ndarray]:
     """A DFlash draft (``params["dflash"]``, as :func:`mtp_jax.checkpoint.dflash.load_dflash` builds
     it) as hub tensors in the published layout: ``fc``, ``hidden_norm``, ``norm`` and
-    ``layers.{i}.*`` with ``self_attn.q_norm`` / ``k_norm``; no embedding, no head."""
+    ``layers.{i}.*`` with ``self_attn.q_norm`` / ``k_norm``; no embedding, no head (a draft
+    vocabulary: its ``d2t`` / ``t2d``, the head being the target's columns for it)."""
     dtype = np.dtype(dtype)
     tree = jax.device_get(tree)
     t = {
@@ -76,4 +79,6 @@ def dflash_hub_tensors_from_params(
         layer = jax.tree.map(lambda x, i=i: x[i], tree["layers"])
         pre = f"layers.{i}."
         t.update(llama_layer_tensors(layer, pre, dtype))  # with its q/k norms
+    if "draft_to_target" in tree:
+        t.update(vocab_map_tensors(tree["draft_to_target"], cfg.vocab_size))
     return t

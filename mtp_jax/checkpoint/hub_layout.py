@@ -79,3 +79,15 @@ def llama_layer_tensors(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndar
             x = x.reshape(leaf.hub_shape[::-1]).T
         t[pre + leaf.hub] = np.ascontiguousarray(x.reshape(leaf.hub_shape))
     return t
+
+
+def vocab_map_tensors(draft_to_target: Any, vocab_size: int | None) -> dict[str, np.ndarray]:
+    """A draft vocabulary as EAGLE-3 checkpoints store it: ``d2t`` int64 OFFSETS (target id = i +
+    d2t[i]) and, when the target's vocabulary size is known, the ``t2d`` mask over target ids."""
+    ids = np.asarray(draft_to_target, np.int64)
+    t = {"d2t": ids - np.arange(len(ids), dtype=np.int64)}
+    if vocab_size is not None:
+        t2d = np.zeros(vocab_size, bool)
+        t2d[ids] = True
+        t["t2d"] = t2d
+    return t

@@ -281,6 +281,57 @@ def _zeros_stack(layer: Any, n: int, shardings: Any) -> Any:
     return make()
 
 
+def read_vocab_map(
+    reader: CheckpointReader,
+    d2t_key: str | None,
+    t2d_key: str | None,
+    draft_vocab_size: int,
+    vocab_size: int,
+    used: set[str],
+) -> np.ndarray | None:
+    """A draft vocabulary's target ids (int32 [Vd], draft id j is target id ``j + d2t[j]``: EAGLE-3's
+    OFFSETS), checked for range and repeats and against the ``t2d`` mask when present; None when
+    draft ids are target ids. The keys read are added to ``used``."""
+    if d2t_key is None:
+        if draft_vocab_size != vocab_size:
+            raise CheckpointError(
+                f"{reader.directory}: draft_vocab_size {draft_vocab_size} < vocab_size {vocab_size} "
+                "but the checkpoint has no 'd2t' mapping draft ids to target ids"
+            )
+        return None
+    used.add(d2t_key)
+    if reader.shape(d2t_key) != (draft_vocab_size,) or not np.issubdtype(reader.dtype(d2t_key), np.integer):
+        raise CheckpointError(
+            f"tensor '{d2t_key}' must be integer offsets [{draft_vocab_size}] (draft_vocab_size), got "
+            f"{reader.dtype(d2t_key)} {list(reader.shape(d2t_key))}"
+        )
+    d2t = reader.get(d2t_key).astype(np.int64)
+    ids = np.arange(draft_vocab_size) + d2t  # OFFSETS: target id = i + d2t[i]
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if len(bad):
+        i = int(bad[0])
+        raise CheckpointError(
+            f"tensor '{d2t_key}': draft id {i} maps to target id {int(ids[i])} (= {i} + d2t[{i}] = {i} + "
+            f"{int(d2t[i])}), outside [0, {vocab_size}); d2t holds offsets, not ids"
+        )
+    uniq, counts = np.unique(ids, return_counts=True)
+    if len(uniq) != len(ids):
+        repeated = int(uniq[counts > 1][0])
+        raise CheckpointError(f"tensor '{d2t_key}' maps several draft ids to target id {repeated}")
+    if t2d_key is not None:
+        used.add(t2d_key)
+        t2d = reader.get(t2d_key)
+        if t2d.shape != (vocab_size,):
+            raise CheckpointError(f"tensor '{t2d_key}' has shape {list(t2d.shape)}, expected [{vocab_size}]")
+        if int(t2d.astype(bool).sum()) != draft_vocab_size or not t2d.astype(bool)[ids].all():
+            raise CheckpointError(
+                f"tensors '{d2t_key}' and '{t2d_key}' disagree on which target ids the draft vocabulary holds"
+            )
+    if draft_vocab_size == vocab_size and not d2t.any():
+        return None  # the identity
+    return ids.astype(np.int32)
+
+
 def report_unused(
     reader: CheckpointReader,
     used: set[str],

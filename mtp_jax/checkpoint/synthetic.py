@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from mtp_jax.checkpoint.hub_layout import vocab_map_tensors
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config
 from mtp_jax.targets.deepseek_v3 import iter_hub, layer_leaves, mtp_leaves
@@ -169,22 +170,23 @@ def eagle3_hub_tensors(
         "lm_head.weight": w(cfg.draft_vocab_size, h),
     }
     if draft_ids is not None:
-        ids = np.asarray(draft_ids, np.int64)
-        tensors["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
-        t2d = np.zeros(cfg.vocab_size, bool)
-        t2d[ids] = True
-        tensors["t2d"] = t2d
+        tensors.update(vocab_map_tensors(draft_ids, cfg.vocab_size))
     if embed is not None:
         tensors[f"{top}embed_tokens.weight"] = np.asarray(embed, np.float32)
     return tensors
 
 
 def dflash_hub_tensors(
-    cfg: DFlashConfig, n_features: int, seed: int = 0, std: float = 0.1
+    cfg: DFlashConfig,
+    n_features: int,
+    seed: int = 0,
+    std: float = 0.1,
+    draft_ids: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Every tensor of a float32 DFlash draft in the published layout (no ``model.`` prefix):
     ``fc`` over ``n_features`` target layers, ``hidden_norm``, ``norm`` and ``layers.{i}.*`` with
-    Qwen3's ``q_norm`` / ``k_norm``; no embedding and no head."""
+    Qwen3's ``q_norm`` / ``k_norm``; no embedding and no head. ``draft_ids``: the target ids of a
+    draft vocabulary (``d2t``, and ``t2d`` when ``cfg.vocab_size`` is set)."""
     rng = np.random.default_rng(seed)
     h, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -214,6 +216,8 @@ def dflash_hub_tensors(
             }
         )
     tensors["norm.weight"] = norm(h)
+    if draft_ids is not None:
+        tensors.update(vocab_map_tensors(draft_ids, cfg.vocab_size))
     return tensors
 
 

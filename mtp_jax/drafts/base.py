@@ -173,6 +173,16 @@ def chained_passes(k: int, batch: int) -> list[int]:
     return [batch * (k + 1)] + [batch] * (k - 1) if k else []
 
 
+def in_target_vocab(logits: jax.Array, draft_to_target: jax.Array | None, vocab_size: int) -> jax.Array:
+    """Logits [..., Vd] over a draft vocabulary placed at their target ids (``draft_to_target``
+    [Vd]) of a [..., vocab_size] float32 row, -inf elsewhere: the draft's distribution is exactly
+    zero outside its vocabulary. ``None``: draft ids are target ids (returned unchanged)."""
+    if draft_to_target is None:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (vocab_size,), float("-inf"), jnp.float32)
+    return full.at[..., draft_to_target].set(logits.astype(jnp.float32), unique_indices=True)
+
+
 def choose(logits: jax.Array, sampled: bool, sampling: RowSampling, position: jax.Array):
     """One draft token per row from draft logits [b, V] for absolute ``position`` [b]: the argmax
     (q empty, [b, 0]) or, with ``sampled``, a sample from the processed distribution q [b, V]

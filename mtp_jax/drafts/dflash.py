@@ -12,16 +12,18 @@ s..s+block_size-1); per layer::
     x += o(attn(q, [context keys ; block keys]))     # no mask inside the block (bidirectional)
     x += mlp(post_attn_norm(x))
 
-and ``target_lm_head(norm(x))`` at block row j (1..block_size-1) predicts the token at s + j. The
-block's keys and values are never stored; only the context's are (in decoding, once per committed
-token).
+and ``target_lm_head(norm(x))`` at block row j (1..block_size-1) predicts the token at s + j (with
+a draft vocabulary: the target head's columns for those ids only, -inf elsewhere). The block's keys
+and values are never stored; only the context's are (in decoding, once per committed token).
 
 Parameters (``params["dflash"]``; weights [in, out], head axes split out, layers stacked [n, ...])::
 
     fc [C·H, H], hidden_norm [H], norm [H],
     layers: {input_norm, post_attn_norm [n, H],
              attn: {q [n, H, nh, hd], k/v [n, H, nkv, hd], o [n, nh, hd, H], q_norm/k_norm [n, hd]},
-             mlp: {gate, up [n, H, f], down [n, f, H]}}
+             mlp: {gate, up [n, H, f], down [n, f, H]}},
+    draft_to_target int32 [Vd], lm_head [H, Vd]   (a draft vocabulary only: the target head's
+                                                   columns for those ids, copied at load)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 
 from mtp_jax.cache import slots_for, write_rows
 from mtp_jax.config import DFlashConfig
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, choose, no_drafts
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, choose, in_target_vocab, no_drafts
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
@@ -154,6 +156,16 @@ def block_forward(
     return _block_layers(params, cfg, blocks, block_positions, ctx_visible, context_kv, None)[0]
 
 
+def block_logits(params: dict, normed: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] over the target vocabulary from the block's norm(x) [..., H]: the
+    target's head, or with a draft vocabulary its columns for those ids (-inf at the others)."""
+    p = params["dflash"]
+    if "draft_to_target" not in p:
+        return lm_head(params, normed)
+    logits = jnp.einsum("...d,dv->...v", normed, p["lm_head"], preferred_element_type=jnp.float32)
+    return in_target_vocab(logits, p["draft_to_target"], params["embed"].shape[0])
+
+
 def anchored_blocks(cfg: DFlashConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One block per position of tokens [b, T]: [x_i, MASK, ...] at positions i..i+B-1.
     Returns (blocks [b, T, B], positions [b, T, B])."""
@@ -178,7 +190,7 @@ def teacher_forced_block_logits(
     normed = block_forward(
         params, cfg, blocks, positions, context, ctx_positions, jnp.broadcast_to(visible, (b, t, t))
     )
-    return lm_head(params, normed[:, :, 1:])
+    return block_logits(params, normed[:, :, 1:])
 
 
 # --- the draft interface (mtp_jax.drafts.base) ---------------------------------------------------
@@ -232,7 +244,7 @@ def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, samp
     normed, state = _block_layers(params, cfg, blocks, positions, visible, context_kv, state)
     if ctx.k == 0:  # the context is written; the block's outputs are unused and compile away
         return no_drafts(b) + (state,)
-    logits = lm_head(params, normed[:, 0, 1 : ctx.k + 1])  # [b, K, V]
+    logits = block_logits(params, normed[:, 0, 1 : ctx.k + 1])  # [b, K, V]
     picks = [choose(logits[:, j], ctx.sampled, sampling, first_pos + j) for j in range(ctx.k)]
     drafts = jnp.stack([d for d, _ in picks], axis=1)
     return drafts, jnp.stack([q for _, q in picks], axis=1), state
@@ -245,11 +257,15 @@ def _teacher_forced(params, ctx, tokens, hidden):
 
 def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
     """ONE block forward: every draft weight (fc included: the new rows' context in the same
-    forward), the target's head once for all K rows, every layer's context K/V once; the embedding
-    rows of the anchors and the mask token."""
-    weights = float(sum(nbytes(leaf) for leaf in jax.tree.leaves(params["dflash"])))
+    forward), the head once for all K rows (the target's, or the draft vocabulary's columns of it),
+    every layer's context K/V once; the embedding rows of the anchors and the mask token."""
+    own = {name: tree for name, tree in params["dflash"].items() if name != "lm_head"}
+    weights = float(sum(nbytes(leaf) for leaf in jax.tree.leaves(own)))
+    head = params["dflash"].get("lm_head")
     c = draft_cfg
     kv = c.num_hidden_layers * positions * 2 * c.num_key_value_heads * c.head_dim * cache_itemsize
+    if head is not None:  # its own (smaller) head; the target's is not read
+        return StepReads(weights, 0.0, float(nbytes(head)), float(kv), (batch + 1,), 0)
     return StepReads(weights, 0.0, 0.0, float(kv), (batch + 1,), 1)
 
 
@@ -271,12 +287,16 @@ def _abstract_params(c: DFlashConfig, shapes) -> dict:
         },
         "mlp": {"gate": plain(h, f), "up": plain(h, f), "down": plain(f, h)},
     }
-    return {
+    tree = {
         "fc": plain(len(c.capture) * h, h),
         "hidden_norm": plain(h),
         "norm": plain(h),
         "layers": shapes.stacked(layer, c.num_hidden_layers),
     }
+    if c.draft_vocab_size is not None and c.draft_vocab_size != c.vocab_size:
+        tree["lm_head"] = plain(h, c.draft_vocab_size)
+        tree["draft_to_target"] = plain(c.draft_vocab_size, dtype=jnp.int32)
+    return tree
 
 
 def _check_plan(c: DFlashConfig, target_cfg, k: int) -> None:
@@ -300,7 +320,7 @@ def _recognises(raw: dict, reader) -> bool:
 def _load(reader, raw, target_cfg, target_params, dtype, *, strict=False, mesh=None, **_):
     from mtp_jax.checkpoint.dflash import load_dflash
 
-    return load_dflash(reader, raw, target_cfg, dtype, strict=strict, mesh=mesh)
+    return load_dflash(reader, raw, target_cfg, dtype, strict=strict, mesh=mesh, target_params=target_params)
 
 
 def _configure(draft_cfg: DFlashConfig, k: int | None, block: int | None) -> tuple[DFlashConfig, int | None]:

@@ -44,7 +44,7 @@ from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import Eagle3Config
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes, in_target_vocab
 from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
@@ -52,8 +52,6 @@ from mtp_jax.param_bytes import nbytes, path_names
 from mtp_jax.targets.base import Hidden, PagedAttention
 from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
 from mtp_jax.targets.llama3 import attention, layer_logical, qkv, rope_tables
-
-NEG_INF = float("-inf")
 
 
 def fused_features(layers: jax.Array) -> jax.Array:
@@ -104,12 +102,8 @@ def eagle3_layer(
 def eagle3_logits(params: dict, cfg: Eagle3Config, normed: jax.Array) -> jax.Array:
     """Float32 logits [..., V] over the TARGET vocabulary from norm(h2) [..., H]: the draft head's
     Vd logits placed at their target ids, -inf at ids the draft cannot propose."""
-    p = params["eagle3"]
-    logits = draft_vocab_logits(params, normed)
-    if "draft_to_target" not in p:
-        return logits
-    full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), NEG_INF, jnp.float32)
-    return full.at[..., p["draft_to_target"]].set(logits, unique_indices=True)
+    ids = params["eagle3"].get("draft_to_target")
+    return in_target_vocab(draft_vocab_logits(params, normed), ids, cfg.vocab_size)
 
 
 def draft_vocab_logits(params: dict, normed: jax.Array) -> jax.Array:

@@ -98,6 +98,26 @@ def lm_head(params: dict, h: jax.Array) -> jax.Array:
     return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
 
 
+def head_columns(params: dict, ids: Any) -> np.ndarray:
+    """The output head's columns for target ids ``ids`` [Vd], as a host array [d, Vd] (``lm_head``
+    [d, V], or rows of a tied embedding [V, d] transposed): a draft head over a draft vocabulary
+    that is exactly the target's there. A head sharded across hosts is gathered replicated first."""
+    tied = "lm_head" not in params
+    head = params["embed"] if tied else params["lm_head"]
+    axis = 0 if tied else 1
+
+    def take(w: jax.Array) -> jax.Array:
+        return jnp.take(w, jnp.asarray(ids), axis=axis)
+
+    if isinstance(head, jax.Array) and not head.is_fully_addressable:
+        replicated = jax.sharding.NamedSharding(head.sharding.mesh, jax.sharding.PartitionSpec())
+        cols = jax.jit(take, out_shardings=replicated)(head)
+    else:
+        cols = take(head)
+    cols = np.asarray(cols)
+    return np.ascontiguousarray(cols.T if tied else cols)
+
+
 def check_capture(num_layers: int, capture: tuple[int, ...]) -> None:
     for i in capture:
         if not -1 <= i < num_layers:

@@ -45,6 +45,9 @@ DRAFT_B = {
     "num_key_value_heads": 4,
     "dflash_config": {"mask_token_id": 3, "block_size": 5},
 }
+# DRAFT_A over a draft vocabulary of 48 of the target's 128 ids (mtp-jax's extension: ``d2t``).
+VOCAB_IDS = np.sort(np.random.default_rng(5).choice(128, 48, replace=False))
+DRAFT_V = {**DRAFT_A, "draft_vocab_size": len(VOCAB_IDS)}
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +55,10 @@ def drafts(tmp_path_factory) -> dict:
     """name -> (draft directory, its tensors, its raw config)."""
     root = tmp_path_factory.mktemp("dflash")
     out = {}
-    for name, raw, n_features in (("a", DRAFT_A, 2), ("b", DRAFT_B, 1)):
-        tensors = dflash_hub_tensors(DFlashConfig.from_dict(raw), n_features, seed=len(name) + 3, std=0.2)
+    for name, raw, n_features in (("a", DRAFT_A, 2), ("b", DRAFT_B, 1), ("v", DRAFT_V, 2)):
+        ids = VOCAB_IDS if name == "v" else None  # "v": a's weights (the same seed) and a vocabulary
+        cfg = DFlashConfig.from_dict(raw)
+        tensors = dflash_hub_tensors(cfg, n_features, seed=len(name) + 3, std=0.2, draft_ids=ids)
         write_hub_checkpoint(root / name, raw, tensors)
         out[name] = (str(root / name), tensors, raw)
     return out
@@ -171,6 +176,37 @@ def test_export_round_trips_bit_exact(drafts, models):
             assert back[key].dtype == value.dtype and np.array_equal(back[key], value), (name, key)
 
 
+def test_a_draft_vocabulary_restricts_the_target_head(drafts, models):
+    """Draft "v" is draft "a" with a 48-id draft vocabulary: its block logits are a's at those ids
+    (the target head's columns, copied at load) and -inf at every other id; the copy is what the
+    step reads instead of the target's head (the roofline counts it as the draft's own head)."""
+    from mtp_jax.roofline import step_bytes
+
+    a, v = models["a"], models["v"]
+    assert v.draft_config.draft_vocab_size == 48
+    np.testing.assert_array_equal(np.asarray(v.params["dflash"]["draft_to_target"]), VOCAB_IDS)
+    _, head = _target_head(v)
+    np.testing.assert_array_equal(np.asarray(v.params["dflash"]["lm_head"]), head[VOCAB_IDS].T)
+    full, got = a.draft_logits(REF["input_ids"]), v.draft_logits(REF["input_ids"])
+    np.testing.assert_allclose(got[..., VOCAB_IDS], full[..., VOCAB_IDS], rtol=1e-6, atol=1e-6)
+    outside = np.setdiff1d(np.arange(128), VOCAB_IDS)
+    assert np.all(got[..., outside] == -np.inf)
+    d, k = v.config.hidden_size, 3
+    kw = dict(k=k, batch=2, context=9, cache_itemsize=4)
+    with_head = step_bytes(a.params, a.config, draft_cfg=a.draft_config, **kw)
+    restricted = step_bytes(v.params, v.config, draft_cfg=v.draft_config, **kw)
+    assert restricted.draft_heads == pytest.approx(4 * d * 48) and with_head.draft_heads == pytest.approx(
+        4 * d * 128
+    )
+    assert restricted.draft_weights == pytest.approx(with_head.draft_weights + 4 * 48)  # + the int32 ids
+    # sampled-mode q is zero outside the vocabulary (what exact acceptance relies on; the chi-square
+    # check of a DFlash draft with a vocabulary is in tests/test_acceptance.py)
+    out = v.generate(
+        PROMPTS, max_new_tokens=6, temperature=1.0, seed=3, draft="dflash", draft_sampling="sampled"
+    )
+    assert all(len(t) == 6 for t in out.tokens)
+
+
 # --- in the unified step --------------------------------------------------------------------------
 def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(models):
     """extend_and_propose on a whole prompt (as prefill runs it): the context written to the paged
@@ -233,7 +269,7 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
 PROMPTS = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [100], [8, 8, 8, 8, 8, 8, 8]]
 
 
-@pytest.mark.parametrize("name", ["a", "b"])
+@pytest.mark.parametrize("name", ["a", "b", "v"])
 def test_greedy_speculation_is_lossless(models, name):
     model = models[name]
     plain = model.generate(PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3)
@@ -306,7 +342,11 @@ def test_bad_drafts_are_refused_by_name(tmp_path, models):
         mtp_jax.load(TARGET, "float32", draft_model=_bad(tmp_path, drop=["layers.1.self_attn.k_norm.weight"]))
     with pytest.raises(Exception, match="fc.weight"):  # fc over 1 layer, config asks for 2
         mtp_jax.load(TARGET, "float32", draft_model=_bad(tmp_path, n_features=1))
+    no_d2t = _bad(tmp_path, DRAFT_V)  # draft_vocab_size without the d2t that maps it
+    with pytest.raises(Exception, match="no 'd2t' mapping draft ids to target ids"):
+        mtp_jax.load(TARGET, "float32", draft_model=no_d2t)
     for raw, message in (
+        ({**DRAFT_A, "draft_vocab_size": 200}, r"draft_vocab_size \(200\) exceeds vocab_size \(128\)"),
         ({**DRAFT_A, "dflash_config": {"target_layer_ids": [0]}}, "needs dflash_config.mask_token_id"),
         ({k: v for k, v in DRAFT_A.items() if k != "block_size"}, "needs block_size"),
         ({**DRAFT_A, "dflash_config": {"mask_token_id": 1, "block_size": 8}}, "disagree"),
@@ -339,12 +379,15 @@ SHARDED_CHILD = textwrap.dedent(
     from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, hub_tensors, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config, DFlashConfig
     from tests.conftest import check_per_request_k, TINY_CONFIG
-    from tests.drafts.test_dflash import DRAFT_A, TARGET
+    from tests.drafts.test_dflash import DRAFT_A, DRAFT_V, TARGET, VOCAB_IDS
     from tests.drafts.test_eagle3 import check_planned_draft
 
     tmp = tempfile.mkdtemp()
     llama_draft, ds_target, ds_draft = (os.path.join(tmp, n) for n in ("llama_draft", "ds", "ds_draft"))
     write_hub_checkpoint(llama_draft, DRAFT_A, dflash_hub_tensors(DFlashConfig.from_dict(DRAFT_A), 2, 1, 0.2))
+    vocab_draft = os.path.join(tmp, "vocab_draft")  # a draft vocabulary: the head's columns from a split head
+    tensors = dflash_hub_tensors(DFlashConfig.from_dict(DRAFT_V), 2, 1, 0.2, draft_ids=VOCAB_IDS)
+    write_hub_checkpoint(vocab_draft, DRAFT_V, tensors)
     write_hub_checkpoint(ds_target, TINY_CONFIG, hub_tensors(DeepseekV3Config.from_dict(TINY_CONFIG), seed=0))
     raw = dict(DRAFT_A, vocab_size=97, dflash_config={"mask_token_id": 96, "target_layer_ids": [1, 2]})
     write_hub_checkpoint(ds_draft, raw, dflash_hub_tensors(DFlashConfig.from_dict(raw), 2, 2, 0.2))
@@ -354,6 +397,7 @@ SHARDED_CHILD = textwrap.dedent(
     sampled = dict(spec, temperature=0.9, top_k=20, seed=[1, 2, 3, 4, 5])
     for target, draft, meshes in [
         (TARGET, llama_draft, [dict(data=4, tensor=2)]),
+        (TARGET, vocab_draft, [dict(data=4, tensor=2)]),
         (ds_target, ds_draft, [dict(data=2, expert=4)]),
     ]:
         one = mtp_jax.load(target, "float32", page_size=4, draft_model=draft)

@@ -30,8 +30,9 @@ def start(out, *extra: str) -> subprocess.Popen:
 @pytest.mark.slow
 def test_smoke_run_writes_a_loadable_draft_and_goes_on_from_an_exported_one(tmp_path):
     """A straight run, and one interrupted after exporting its draft (--export-every) whose orbax
-    state is then lost (another machine): it goes on from OUT.partial at the step reached.
-    (scripts/test_train_eagle3.py checks the byte-exact resume from the orbax state.)"""
+    state is then lost (another machine): it goes on from OUT.partial at the step reached, with a
+    draft vocabulary the partial was not trained with (--draft-vocab: the head is the target's
+    either way). (scripts/test_train_eagle3.py checks the byte-exact resume from the orbax state.)"""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     partial = tmp_path / "resumed.partial"
     running = start(straight, "2")
@@ -41,7 +42,7 @@ def test_smoke_run_writes_a_loadable_draft_and_goes_on_from_an_exported_one(tmp_
     assert sorted(os.listdir(partial)) == ["config.json", "model.safetensors", "progress.json"]
     assert json.loads((partial / "progress.json").read_text())["step"] == 2
     shutil.rmtree(tmp_path / "resumed.train")  # the orbax state stays behind on the old machine
-    second = finish(start(resumed, "--export-every", "2"))
+    second = finish(start(resumed, "--export-every", "2", "--draft-vocab", "64"))
     run = finish(running)
     assert run.returncode == 0, run.stderr
     assert "train [" in run.stderr and "dflash agree" in run.stderr
@@ -65,10 +66,26 @@ def test_smoke_run_writes_a_loadable_draft_and_goes_on_from_an_exported_one(tmp_
     assert set(report["acceptance"]) == {"2"} and len(report["heldout"]["level_agreement"]) == 3
     assert report["training"]["command"].startswith("python scripts/train_dflash.py --out")
     assert "DFlash draft for `tiny-llama3-stdlib`" in (straight / "README.md").read_text()
-    model = mtp_jax.load(LLAMA, "float32", strict=True, draft_model=str(straight))
     prompt = [[0, 5, 9, 17, 3, 40]]
-    plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
-    assert model.generate(prompt, max_new_tokens=8, ignore_eos=True, draft="dflash").tokens == plain.tokens
+    for out in (straight, resumed):
+        model = mtp_jax.load(LLAMA, "float32", strict=True, draft_model=str(out))
+        plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+        assert (
+            model.generate(prompt, max_new_tokens=8, ignore_eos=True, draft="dflash").tokens == plain.tokens
+        )
+
+    # the resumed run's draft vocabulary: the 64 most frequent training tokens, as d2t offsets
+    with open(resumed / "config.json") as f:
+        assert json.load(f)["draft_vocab_size"] == 64
+    reader = CheckpointReader(str(resumed))
+    d2t = np.asarray(reader.get("d2t"))
+    ids = np.arange(64) + d2t
+    assert d2t.shape == (64,) and np.all(np.diff(ids) > 0) and "lm_head.weight" not in reader.keys()
+    assert np.array_equal(np.asarray(model.params["dflash"]["draft_to_target"]), ids)
+    with open(resumed / "eval.json") as f:
+        report = json.load(f)
+    assert report["draft"]["draft_vocab_size"] == 64 and 0 < report["heldout"]["coverage"] <= 1
+    assert "64 most frequent" in (resumed / "README.md").read_text()
 
 
 def load_script():
@@ -94,6 +111,7 @@ def test_the_draft_it_builds_loads_beside_its_target(target):
     cfg = parse_config(target_raw)
     raw = script.draft_config(target_raw, cfg, 2, [1, cfg.num_hidden_layers - 2], 8)
     dcfg, tree = script.init_draft(raw, cfg, seed=0)
+    assert "lm_head" not in tree  # the target's whole head, not a copy
     assert dcfg.hidden_size == cfg.hidden_size and dcfg.block_size == 8 and dcfg.mask_token_id == 2
     assert dcfg.capture == (1, cfg.num_hidden_layers - 2)
     np.testing.assert_array_equal(np.asarray(tree["norm"]), 1.0)
@@ -106,6 +124,7 @@ def test_the_draft_it_builds_loads_beside_its_target(target):
         (["--layer-ids", "0", "6"], "the target has layers 0..5"),
         (["--block-size", "1"], "--block-size >= 2"),
         (["--own-text", "2"], "a fraction in [0, 1]"),
+        (["--draft-vocab", "0"], "--draft-vocab 0 must be in [1, "),
     ],
 )
 def test_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, message):
