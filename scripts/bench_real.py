@@ -180,18 +180,22 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
     import mtp_jax
 
     model = mtp_jax.load(args.model, "float32")
-    owners = {None: model}
-    for method, path in (("eagle3", args.eagle3), ("dflash", args.dflash)):
-        if path:
-            owners[method] = mtp_jax.load(args.model, "float32", draft_model=path)
+    owners = {None: model}  # owner key -> the model that runs it (a draft loaded beside the target)
+    if args.eagle3:
+        owners["eagle3"] = mtp_jax.load(args.model, "float32", draft_model=args.eagle3)
+    dflash = {}  # owner key -> label suffix: several DFlash drafts side by side (e.g. two vocabularies)
+    for i, path in enumerate(args.dflash or []):
+        key = "dflash" if i == 0 else f"dflash{i}"
+        owners[key] = mtp_jax.load(args.model, "float32", draft_model=path)
+        dflash[key] = f" ({os.path.basename(os.path.normpath(path))})" if len(args.dflash) > 1 else ""
     owners["ngram"] = model  # prompt lookup: no weights (the peers' prompt lookup, on device)
     configs: list[tuple[str | None, dict, str]] = [(None, {}, "plain")]
     configs += [("ngram", {"num_speculative_tokens": k}, f"n-gram K={k}") for k in args.ngram_k]
     if args.eagle3:
         configs += [("eagle3", {"num_speculative_tokens": k}, f"EAGLE-3 K={k}") for k in args.k]
-    if args.dflash:
+    for key, suffix in dflash.items():
         configs += [
-            ("dflash", {"draft_block_size": b, "num_speculative_tokens": b - 1}, f"DFlash block {b}")
+            (key, {"draft_block_size": b, "num_speculative_tokens": b - 1}, f"DFlash block {b}{suffix}")
             for b in args.block_size
         ]
     rows = []
@@ -204,11 +208,19 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
                     for m in ("eagle3", "dflash")
                     if owners.get(m) is not None
                 ]
-            for method, kwargs, label in todo:
+            for owner, kwargs, label in todo:
                 stats = {}
+                method = "dflash" if owner in dflash else owner
 
-                def run(method=method, kwargs=kwargs, stats=stats, batch=batch, temperature=temperature):
-                    r = owners[method].generate(
+                def run(
+                    owner=owner,
+                    method=method,
+                    kwargs=kwargs,
+                    stats=stats,
+                    batch=batch,
+                    temperature=temperature,
+                ):
+                    r = owners[owner].generate(
                         prompts,
                         max_new_tokens=args.new_tokens,
                         ignore_eos=True,
@@ -272,7 +284,7 @@ def main() -> int:
     )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--eagle3", help="an EAGLE-3 draft for the model")
-    parser.add_argument("--dflash", help="a DFlash draft for the model")
+    parser.add_argument("--dflash", nargs="+", help="DFlash drafts for the model (several: each is timed)")
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--block-size", type=int, nargs="+", default=[4, 8])
     parser.add_argument(
