@@ -297,12 +297,13 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _load_drafted(mtp_jax, path: str, args: argparse.Namespace) -> tuple[object, dict]:
-    """The target alone (plain decoding and its own MTP), and once more beside each --draft-model.
-    Returns (the target, {draft method: the model that drafts with it})."""
+    """The target alone (plain decoding and its own MTP), and beside each --draft-model (the one
+    loaded target shared: :meth:`mtp_jax.Model.with_draft`). Returns (the target, {draft method:
+    the model that drafts with it})."""
     model = mtp_jax.load(path, dtype=args.dtype)
     owners = {d: model for d in model.drafts}
     for directory in args.draft_model:
-        drafted = mtp_jax.load(path, dtype=args.dtype, draft_model=directory)
+        drafted = model.with_draft(directory)
         for d in drafted.drafts:
             if d not in owners:
                 owners[d] = drafted

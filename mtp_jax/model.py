@@ -159,9 +159,11 @@ class Model:
         layer_buffers: bool | None = None,
         gguf: GGUFCheckpoint | None = None,
     ) -> None:
-        """``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
+        """``params``: the target's parameter groups and any draft's (a group named by a registered
+        draft's ``params_group``), kept apart as :attr:`target_params` and :attr:`draft_params`.
+        ``mesh``: the mesh ``params`` are placed on (see :func:`load`); the forward passes then run
         split over it as :mod:`mtp_jax.sharding` describes. ``draft_config``: the parsed config of a
-        separately loaded draft (EAGLE-3, DFlash), whose weights are in ``params``.
+        separately loaded draft (EAGLE-3, DFlash, a draft model), whose weights are in ``params``.
         ``layer_buffers``: keep each layer's weights in buffers of their own (read in place by the
         unrolled layers) instead of the loaded stacks (sliced, i.e. copied, by a scan every step);
         None: :func:`resolve_layer_buffers` decides (on for real models on one device)."""
@@ -169,7 +171,16 @@ class Model:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.config = config
         self.layer_buffers = resolve_layer_buffers(params, config, mesh, layer_buffers)
-        self.params = with_layer_buffers(params, config) if self.layer_buffers else params
+        params = with_layer_buffers(params, config) if self.layer_buffers else params
+        groups = {d.params_group for d in DRAFTS.values() if d.params_group is not None}
+        self.target_params: dict = {name: tree for name, tree in params.items() if name not in groups}
+        """The target's parameters alone (embedding, layers, norm, head)."""
+        self.draft_params: dict = {name: tree for name, tree in params.items() if name in groups}
+        """Each draft's parameters beside the target's: its group name -> its tree (the target's own
+        MTP layer, a separately loaded draft)."""
+        self.params = {**self.target_params, **self.draft_params}
+        """The step's view of both: one namespace, since drafts read the target's embedding and head
+        (nothing is copied: the same device arrays)."""
         self.dtype = dtype
         self.path = path
         self.eos_token_ids = tuple(config.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -399,6 +410,43 @@ class Model:
             return draft_for_config(self.draft_config).name
         return self.drafts[0] if self.drafts else None
 
+    def with_draft(
+        self, draft_model: str | os.PathLike[str], *, layer_ids: str = "inputs", strict: bool = False
+    ) -> Model:
+        """This model's target with the separately trained draft in directory ``draft_model``
+        (EAGLE-3, DFlash, a draft model; what ``load(..., draft_model=...)`` reads) beside it: a new
+        :class:`Model` that shares the target's weights on device (nothing is copied or reloaded;
+        the draft is placed like them). It replaces a separately loaded draft this model has, keeps
+        the target's own (DeepSeek's MTP layer), and leaves this model as it was: several drafts
+        over one target cost one target's memory. ``layer_ids``: how EAGLE-3 layer ids are read
+        (:func:`load`'s ``draft_layer_ids``)."""
+        if layer_ids not in EAGLE3_LAYER_READINGS:
+            raise ValueError(f"layer_ids must be one of {EAGLE3_LAYER_READINGS}, got {layer_ids!r}")
+        draft_config, group, tree = load_draft(
+            draft_model,
+            self.config,
+            self.target_params,
+            DTYPES[self.dtype],
+            layer_ids=layer_ids,
+            strict=strict,
+            mesh=self.mesh,
+            target_path=self.path,
+        )
+        separate = {d.params_group for d in DRAFTS.values() if d.load is not None}
+        own = {name: tree for name, tree in self.draft_params.items() if name not in separate}
+        return Model(
+            self.config,
+            {**self.target_params, **own, group: tree},
+            dtype=self.dtype,
+            path=self.path,
+            eos_token_ids=self.eos_token_ids,
+            page_size=self.page_size,
+            mesh=self.mesh,
+            draft_config=draft_config,
+            layer_buffers=self.layer_buffers,
+            gguf=self._gguf,
+        )
+
     @property
     def drafts(self) -> tuple[str, ...]:
         """The draft models this loaded model can speculate with (e.g. ("mtp",)); weightless drafts
@@ -508,19 +556,7 @@ def load(
         params = checkpoint_format(config).load_params(
             reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
         )
-    draft_config = None
-    if draft_model is not None:
-        draft_config, group, params[group] = load_draft(
-            draft_model,
-            config,
-            params,
-            DTYPES[dtype],
-            layer_ids=draft_layer_ids,
-            strict=strict,
-            mesh=mesh,
-            target_path=path,
-        )
-    return Model(
+    model = Model(
         config,
         params,
         dtype=dtype,
@@ -528,10 +564,13 @@ def load(
         eos_token_ids=eos,
         page_size=page_size,
         mesh=mesh,
-        draft_config=draft_config,
         layer_buffers=layer_buffers,
         gguf=ckpt if gguf_file else None,
     )
+    del params  # with per-layer buffers, the loaded stacks are freed before the draft is read
+    if draft_model is not None:
+        model = model.with_draft(draft_model, layer_ids=draft_layer_ids, strict=strict)
+    return model
 
 
 def load_draft(

@@ -181,12 +181,12 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
 
     model = mtp_jax.load(args.model, "float32")
     owners = {None: model}  # owner key -> the model that runs it (a draft loaded beside the target)
-    if args.eagle3:
-        owners["eagle3"] = mtp_jax.load(args.model, "float32", draft_model=args.eagle3)
+    if args.eagle3:  # each draft beside the one loaded target (Model.with_draft: nothing reloaded)
+        owners["eagle3"] = model.with_draft(args.eagle3)
     dflash = {}  # owner key -> label suffix: several DFlash drafts side by side (e.g. two vocabularies)
     for i, path in enumerate(args.dflash or []):
         key = "dflash" if i == 0 else f"dflash{i}"
-        owners[key] = mtp_jax.load(args.model, "float32", draft_model=path)
+        owners[key] = model.with_draft(path)
         dflash[key] = f" ({os.path.basename(os.path.normpath(path))})" if len(args.dflash) > 1 else ""
     owners["ngram"] = model  # prompt lookup: no weights (the peers' prompt lookup, on device)
     configs: list[tuple[str | None, dict, str]] = [(None, {}, "plain")]
