@@ -88,12 +88,13 @@ class AutoK:
 
 def best_k(rows: list[dict]) -> dict[str, dict[int, int]]:
     """From ``mtp-jax bench`` result rows, per draft method the K with the highest decode rate at
-    each batch size, plain decoding (K = 0) included. Rows at a chosen DFlash block size and
-    automatic-K rows are left out (a table is for the draft as trained)."""
+    each batch size, plain decoding (K = 0) included. Rows at a DFlash block size other than the
+    trained one and automatic-K rows are left out (a table is for the draft as trained)."""
     plain = {r["batch"]: r["decode_tok_s"] for r in rows if not r["k"] and not r.get("auto_k")}
     best: dict[str, dict[int, tuple[float, int]]] = {}
     for r in rows:
-        if not r["k"] or "block_size" in r or r.get("auto_k") or r["batch"] not in plain:
+        chosen_block = "block_size" in r and r["block_size"] != r.get("trained_block_size")
+        if not r["k"] or chosen_block or r.get("auto_k") or r["batch"] not in plain:
             continue
         table = best.setdefault(r["draft"], {})
         rate, _ = table.get(r["batch"], (plain[r["batch"]], 0))

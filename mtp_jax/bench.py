@@ -230,10 +230,11 @@ def run(args: argparse.Namespace) -> dict:
         # (draft, K, block) triples: plain decoding once, every draft at every K > 0 (a draft that
         # proposes blocks, as DFlash, at every block size that holds K drafts)
         triples = [(None, 0, None)] * (0 in args.k)
+        trained_blocks = {}  # draft -> the block size it was trained on (block drafts only)
         for d in drafts:
             blocks = [None]
             if DRAFTS[d].block_size is not None:
-                trained = DRAFTS[d].block_size(owners[d].draft_config)
+                trained = trained_blocks[d] = DRAFTS[d].block_size(owners[d].draft_config)
                 blocks = args.block_size or [trained]
                 if max(blocks) > trained:
                     raise ValueError(
@@ -276,6 +277,7 @@ def run(args: argparse.Namespace) -> dict:
                 }
                 if block is not None:
                     row["block_size"] = block
+                    row["trained_block_size"] = trained_blocks[draft]
                 if k == "auto":
                     row["auto_k"] = True
                 if (draft, k, block, False) in measured:

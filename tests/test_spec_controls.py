@@ -120,8 +120,25 @@ def test_auto_k_best_k_reads_bench_rows():
         {"batch": 8, "draft": None, "k": 0, "decode_tok_s": 400.0},
         {"batch": 8, "draft": "mtp", "k": 1, "decode_tok_s": 380.0},
         {"batch": 8, "draft": "dflash", "k": 3, "decode_tok_s": 420.0},
+        # mtp-jax bench's DFlash rows name their block: at the trained one they count
+        {
+            "batch": 8,
+            "draft": "dflash",
+            "k": 5,
+            "block_size": 8,
+            "trained_block_size": 8,
+            "decode_tok_s": 450.0,
+        },
+        {
+            "batch": 8,
+            "draft": "dflash",
+            "k": 1,
+            "block_size": 2,
+            "trained_block_size": 8,
+            "decode_tok_s": 999.0,
+        },
     ]
-    assert autok.best_k(rows) == {"mtp": {1: 3, 8: 0}, "dflash": {1: 0, 8: 3}}
+    assert autok.best_k(rows) == {"mtp": {1: 3, 8: 0}, "dflash": {1: 0, 8: 5}}
 
 
 @pytest.mark.parametrize(
