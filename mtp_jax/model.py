@@ -433,7 +433,7 @@ class Model:
             target_path=self.path,
         )
         separate = {d.params_group for d in DRAFTS.values() if d.load is not None}
-        own = {name: tree for name, tree in self.draft_params.items() if name not in separate}
+        own = {name: group_tree for name, group_tree in self.draft_params.items() if name not in separate}
         return Model(
             self.config,
             {**self.target_params, **own, group: tree},
