@@ -62,7 +62,7 @@ from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, write_hub_checkpoin
 from mtp_jax.config import DFlashConfig, ModelConfig, dflash_default_layers, parse_dflash_config  # noqa: E402
 from mtp_jax.drafts.dflash import block_forward, context_rows, dflash_features  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
-from mtp_jax.targets.base import lm_head  # noqa: E402
+from mtp_jax.targets.base import head_logits, lm_head  # noqa: E402
 
 PAD = 2  # <|pad|> of the embedded models' tokenizer: the mask token
 
@@ -180,9 +180,7 @@ def draft_losses(
         logp = jax.nn.log_softmax(lm_head(full, normed[:, :, 1:]), axis=-1)
         chosen = jnp.argmax(logp, -1)
     else:  # over the draft vocabulary (draft ids), argmax mapped back to target ids
-        head = tree["lm_head"]
-        logits = jnp.einsum("...d,dv->...v", normed[:, :, 1:], head, preferred_element_type=jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(head_logits(tree["lm_head"], normed[:, :, 1:]), axis=-1)
         chosen = ids[jnp.argmax(logp, -1)]
     per_row = -(teacher["probs"] * logp).sum(-1).mean((0, 1))  # [bs - 1]
     agree = (chosen == teacher["greedy"]).mean((0, 1))

@@ -36,12 +36,20 @@ import numpy as np
 
 from mtp_jax.cache import slots_for, write_rows
 from mtp_jax.config import DFlashConfig
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, choose, in_target_vocab, no_drafts
+from mtp_jax.drafts.base import (
+    Draft,
+    Rows,
+    StepReads,
+    at_rows,
+    choose,
+    in_target_vocab,
+    no_drafts,
+)
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
 from mtp_jax.param_bytes import nbytes
-from mtp_jax.targets.base import Hidden, lm_head, scan_layers
+from mtp_jax.targets.base import Hidden, head_logits, lm_head, scan_layers
 from mtp_jax.targets.llama3 import layer_logical, rope_tables
 from pallas_kernels.chunks import gather_pages
 
@@ -162,8 +170,7 @@ def block_logits(params: dict, normed: jax.Array) -> jax.Array:
     p = params["dflash"]
     if "draft_to_target" not in p:
         return lm_head(params, normed)
-    logits = jnp.einsum("...d,dv->...v", normed, p["lm_head"], preferred_element_type=jnp.float32)
-    return in_target_vocab(logits, p["draft_to_target"], params["embed"].shape[0])
+    return in_target_vocab(head_logits(p["lm_head"], normed), p["draft_to_target"], params["embed"].shape[0])
 
 
 def anchored_blocks(cfg: DFlashConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:

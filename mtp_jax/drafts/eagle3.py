@@ -44,12 +44,20 @@ from jax.sharding import Mesh
 
 from mtp_jax.cache import slots_for
 from mtp_jax.config import Eagle3Config
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes, in_target_vocab
+from mtp_jax.drafts.base import (
+    Draft,
+    Rows,
+    StepReads,
+    at_rows,
+    chain_drafts,
+    chained_passes,
+    in_target_vocab,
+)
 from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import nbytes, path_names
-from mtp_jax.targets.base import Hidden, PagedAttention
+from mtp_jax.targets.base import Hidden, PagedAttention, head_logits
 from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
 from mtp_jax.targets.llama3 import attention, layer_logical, qkv, rope_tables
 
@@ -108,8 +116,7 @@ def eagle3_logits(params: dict, cfg: Eagle3Config, normed: jax.Array) -> jax.Arr
 
 def draft_vocab_logits(params: dict, normed: jax.Array) -> jax.Array:
     """Float32 logits [..., Vd] of the draft head over the draft vocabulary (draft ids)."""
-    head = params["eagle3"]["lm_head"]
-    return jnp.einsum("...d,dv->...v", normed, head, preferred_element_type=jnp.float32)
+    return head_logits(params["eagle3"]["lm_head"], normed)
 
 
 def recycled(cfg: Eagle3Config, h2: jax.Array, normed: jax.Array) -> jax.Array:

@@ -27,6 +27,7 @@ from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, c
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
+from mtp_jax.targets.base import head_logits
 from mtp_jax.targets.deepseek_v3 import PagedAttention, attention_fn, decoder_layer, latent_width
 
 
@@ -74,7 +75,7 @@ def mtp_logits(params: dict, g: jax.Array) -> jax.Array:
     """Float32 logits [..., V] for t_{i+2} from MTP states g [..., d]: the layer's shared head (the
     target's output head unless the checkpoint's MTP copy differs)."""
     head = params["mtp"]["head"][0] if "head" in params["mtp"] else params["lm_head"]
-    return jnp.einsum("...d,dv->...v", g, head, preferred_element_type=jnp.float32)
+    return head_logits(head, g)
 
 
 def _mtp_layer(params, cfg, next_tokens, hidden, attention, pages, dispatch, mesh, logits=True) -> MtpOutput:

@@ -90,11 +90,17 @@ class PagedAttention(NamedTuple):
     page_table: jax.Array
 
 
+def head_logits(head: jax.Array, h: jax.Array) -> jax.Array:
+    """Float32 logits [..., V] of an output head stored [d, V] over states h [..., d] (the target's
+    untied head, a draft's own)."""
+    return jnp.einsum("...d,dv->...v", h, head, preferred_element_type=jnp.float32)
+
+
 def lm_head(params: dict, h: jax.Array) -> jax.Array:
     """Float32 logits [..., V] from post-norm hidden states [..., d]: ``lm_head`` [d, V], or the
     embedding [V, d] itself when the model ties them (no transposed copy is made)."""
     if "lm_head" in params:
-        return jnp.einsum("...d,dv->...v", h, params["lm_head"], preferred_element_type=jnp.float32)
+        return head_logits(params["lm_head"], h)
     return jnp.einsum("...d,vd->...v", h, params["embed"], preferred_element_type=jnp.float32)
 
 
