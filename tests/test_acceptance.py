@@ -535,6 +535,20 @@ def test_greedy_rows_accept_exactly_while_draft_is_argmax():
 
 VOCAB = 8
 PROMPT = [0, 6, 4]
+NGRAM_PROMPT = [
+    *[0, 6, 0, 4, 4],
+    *[0, 6, 1, 7, 2],
+    *[0, 6, 2, 6, 0],
+    *[0, 6, 3, 6, 0],
+    *[0, 6, 4, 4, 4],
+    *[0, 6, 5, 0, 4],
+    *[0, 6, 6, 0, 4],
+    *[0, 6, 7, 2, 6],
+    *[0, 6],
+]
+"""For the n-gram draft, which needs a three-token match: "0 6 v" for every v, each followed by the
+small-vocabulary model's two greedy tokens after it, ending in "0 6": whatever the first token, the
+text then ends with a three-token suffix seen before, and its followers are often accepted."""
 
 
 @pytest.fixture(scope="module")
@@ -704,8 +718,9 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     draft = draft.split("_vocab")[0]
     params = E2E_PARAMS[which]
+    prompt = NGRAM_PROMPT if draft == "ngram" else PROMPT
     result = model.generate(
-        [PROMPT] * N_SEEDS,
+        [prompt] * N_SEEDS,
         max_new_tokens=3,
         seed=list(range(N_SEEDS)),
         draft=draft,
@@ -722,7 +737,7 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     assert all(low < a < 0.9 for a in per_position), per_position
     tokens = np.asarray(result.tokens)
     assert tokens.shape == (N_SEEDS, 3)
-    joint = exact_first_three(model, PROMPT, params)
+    joint = exact_first_three(model, prompt, params)
     if which == "truncated":
         assert (joint == 0).sum() > 100  # the truncation removes something at every step
     cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]

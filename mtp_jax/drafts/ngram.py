@@ -9,8 +9,8 @@ Per row, inside the unified step, on device:
 
 * the row's tokens are kept in a paged int32 buffer on the target's page ids (``[P, page]``), written
   as rows are committed (prompt, accepted tokens, and the committed next token);
-* the lookup takes the longest suffix length n in ``[MIN_N, MAX_N]`` whose last n tokens occurred
-  earlier, and of those occurrences the latest; draft j is the token j + 1 after its end. Where the
+* the lookup takes the longest suffix length n in ``[MIN_N, MAX_N]`` (3..4) whose last n tokens
+  occurred earlier, and of those occurrences the latest; draft j is the token j + 1 after its end. Where the
   occurrence is within K tokens of the present the earlier text runs out: the repetition is
   continued periodically (period = the distance between the occurrence and the present), which is
   exactly what the text would be if it kept repeating;
@@ -35,17 +35,28 @@ from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
 
 MAX_N = 4
 """Longest suffix matched (as ``prompt_lookup_max`` 4 in vLLM's documented n-gram example)."""
-MIN_N = 1
-"""Shortest suffix matched."""
+MIN_N = 3
+"""Shortest suffix matched. A step that verifies drafts costs about 1.9x a plain step on a CPU
+(SmolLM2-135M: any width above one token leaves the matrix-vector kernels), and the tokens after a
+one- or two-token suffix are seldom what the target says: replayed over SmolLM2's greedy replies
+(edit, chat and code prompts), matching 3..4 tokens instead of 1..4 proposes in ~40% fewer steps
+and loses almost no accepted tokens (BENCHMARKS.md, "N-gram: three-token matches")."""
 
 
 def lookup(
-    history: jax.Array, n: jax.Array, k: int, max_n: int = MAX_N, min_n: int = MIN_N, none: int | None = None
+    history: jax.Array,
+    n: jax.Array,
+    k: int,
+    max_n: int | None = None,
+    min_n: int | None = None,
+    none: int | None = None,
 ) -> jax.Array:
     """Drafts [b, k] (token ids) for rows whose first ``n`` [b] tokens of ``history`` [b, L] are
     known: the tokens after the latest earlier occurrence of the longest matching suffix of length
-    ``min_n..max_n`` (continued periodically past the present); without a match, ``none`` (None:
-    the newest token repeated)."""
+    ``min_n..max_n`` (None: :data:`MIN_N` / :data:`MAX_N` when traced; continued periodically past
+    the present); without a match, ``none`` (None: the newest token repeated)."""
+    max_n = MAX_N if max_n is None else max_n
+    min_n = MIN_N if min_n is None else min_n
     b, length = history.shape
     idx = jnp.arange(length, dtype=jnp.int32)[None, :]
     last = n - 1

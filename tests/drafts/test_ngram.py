@@ -53,9 +53,13 @@ def test_lookup_by_hand():
         ([4], 2, [4, 4]),  # a one-token history
         ([3, 8, 6, 3], 2, [8, 6]),  # only a one-token suffix matches
     ]
-    got = run_lookup([h for h, _, _ in cases], 4)
+    got = run_lookup([h for h, _, _ in cases], 4, min_n=1)
     for (h, k, want), row in zip(cases, got, strict=True):
         assert row[:k] == want, h
+    # by default a suffix of fewer than MIN_N (3) tokens proposes nothing: only the three-token one
+    short = [[1, 2, 3, 1, 2], [3, 8, 6, 3], [9, 1, 2, 3, 7, 1, 2, 3]]
+    assert MIN_N == 3 and run_lookup(short, 2) == [[2, 2], [3, 3], [7, 1]]
+    assert run_lookup(short, 2, none=-1) == [[-1, -1], [-1, -1], [7, 1]]
     # the longest suffix wins over a later, shorter match; MAX_N bounds it
     h = [1, 2, 3, 4, 5, 9, 2, 3, 4, 5, 8, 1, 2, 3, 4, 5]
     assert run_lookup([h], 1, max_n=5) == [[9]] and reference(h, 1, max_n=5) == [9]
@@ -100,7 +104,9 @@ def test_greedy_speculation_is_lossless_and_accepts_drafts(models, which):
             PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="ngram", num_speculative_tokens=k
         )
         assert out.tokens == plain.tokens, k
-        assert out.stats["acceptance_length"] > 1.2, out.stats  # the tiny models repeat themselves
+        # the tiny models repeat themselves: several drafts accepted (5 and 8 on DeepSeek-V3, 15 and
+        # 24 on Llama at K = 1 and 4 when written)
+        assert out.stats["num_accepted_tokens"] >= 5 and out.stats["acceptance_length"] > 1.05, out.stats
     check_per_request_k(model, "ngram", PROMPTS, plain.tokens)
 
 
