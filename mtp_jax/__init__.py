@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AdapterError": "mtp_jax.errors",
     "CheckpointError": "mtp_jax.errors",
     "CheckpointNotFoundError": "mtp_jax.errors",
     "ConfigError": "mtp_jax.errors",
@@ -33,6 +34,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AdapterError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "Completion",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
     from mtp_jax.config import DeepseekV3Config
     from mtp_jax.engine import GenerateResult
     from mtp_jax.errors import (
+        AdapterError,
         CheckpointError,
         CheckpointNotFoundError,
         ConfigError,

@@ -108,6 +108,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
     g.add_argument(
+        "--lora",
+        metavar="DIR",
+        help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) every "
+        "prompt decodes with",
+    )
+    g.add_argument(
         "--draft-layer-ids",
         choices=["inputs", "outputs"],
         default="inputs",
@@ -168,6 +174,22 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", help="the model's name in the API (default: the directory's)")
+    sv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=DIR",
+        default=[],
+        help="PEFT LoRA adapters served beside the base model; a request names one as its model",
+    )
+    sv.add_argument(
+        "--max-loras", type=int, default=None, help="adapter slots on device (default: as many as given)"
+    )
+    sv.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="the largest adapter rank (default: the adapters' largest, >= 16)",
+    )
     sv.add_argument("--slots", type=int, default=8, help="requests decoded at once")
     sv.add_argument(
         "--max-len",
@@ -377,6 +399,7 @@ def _generate(args: argparse.Namespace) -> int:
         relaxed_delta=args.relaxed_delta,
         think_tokens=tuple(args.think_tokens) if args.think_tokens else None,
         grammar=grammar,
+        lora=_adapter_name(args.lora) if args.lora else None,
     )
     wall = time.perf_counter() - t0
     rows = zip(shown, result.tokens, result.finish_reasons, result.request_stats, strict=True)
@@ -427,13 +450,41 @@ def _load_with_draft(args: argparse.Namespace):
     if needs_draft_model(args.draft) and args.draft_model is None:
         raise CliError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     layer_ids = getattr(args, "draft_layer_ids", "inputs")
-    model = mtp_jax.load(model_dir, dtype=args.dtype, draft_model=args.draft_model, draft_layer_ids=layer_ids)
+    lora = getattr(args, "lora", None)
+    adapters = {_adapter_name(lora): lora} if lora else _lora_modules(getattr(args, "lora_modules", []))
+    model = mtp_jax.load(
+        model_dir,
+        dtype=args.dtype,
+        draft_model=args.draft_model,
+        draft_layer_ids=layer_ids,
+        lora_adapters=adapters,
+        max_loras=getattr(args, "max_loras", None),
+        max_lora_rank=getattr(args, "max_lora_rank", None),
+    )
     draft = args.draft
     if draft == "auto":
         draft = model.default_draft or "none"
     if draft == "none" and args.num_speculative_tokens is not None:
         raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
     return model_dir, model, None if draft == "none" else draft
+
+
+def _lora_modules(specs: Sequence[str]) -> dict[str, str] | None:
+    """``--lora-modules NAME=DIR ...`` as {name: directory}."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise CliError(f"--lora-modules takes NAME=DIR entries, got {spec!r}")
+        if name in out:
+            raise CliError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out or None
+
+
+def _adapter_name(path: str) -> str:
+    """The name a LoRA adapter directory given on the command line goes by (its directory's name)."""
+    return os.path.basename(os.path.normpath(path))
 
 
 def make_engine(args: argparse.Namespace, model, draft: str | None):

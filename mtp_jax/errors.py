@@ -21,3 +21,7 @@ class CheckpointNotFoundError(MtpJaxError, FileNotFoundError):
 
 class InvalidRequestError(MtpJaxError, ValueError):
     """Bad input to a model call: token ids, sampling parameters, lengths."""
+
+
+class AdapterError(MtpJaxError, ValueError):
+    """A LoRA adapter that cannot be applied to this model (names the adapter and the problem)."""

@@ -120,8 +120,24 @@ def apply_rope_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 Weight = jax.Array | Fp8Weight
 
 
-def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight) -> jax.Array:
-    """down(silu(x·gate) * (x·up)); x [..., d], gate/up [d, f], down [f, d]."""
+def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight, lora: dict | None = None) -> jax.Array:
+    """down(silu(x·gate) * (x·up)); x [..., d], gate/up [d, f], down [f, d]. ``lora``: the rows'
+    adapters of any of the three (x [b, t, d]; :func:`mtp_jax.lora.delta`)."""
     g = jnp.einsum("...d,df->...f", x, materialize(gate, x.dtype))
     u = jnp.einsum("...d,df->...f", x, materialize(up, x.dtype))
-    return jnp.einsum("...f,fd->...d", jax.nn.silu(g) * u, materialize(down, x.dtype))
+    if lora:
+        g = adapted(g, x, lora, "gate")
+        u = adapted(u, x, lora, "up")
+    y = jax.nn.silu(g) * u
+    out = jnp.einsum("...f,fd->...d", y, materialize(down, x.dtype))
+    return adapted(out, y, lora, "down") if lora else out
+
+
+def adapted(y: jax.Array, x: jax.Array, lora: dict | None, name: str, n_in: int = 1) -> jax.Array:
+    """``y`` (projection ``name`` of x [b, t, *in], ``n_in`` input axes) plus the rows' LoRA
+    adapters of it, when ``lora`` (a layer's gathered adapters) has ``name``."""
+    if not lora or name not in lora:
+        return y
+    from mtp_jax.lora import delta
+
+    return y + delta(x, lora[name], n_in).astype(y.dtype)

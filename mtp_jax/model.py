@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import lora
 from mtp_jax.autok import AutoK
 from mtp_jax.checkpoint.convert import is_converted, load_converted
 from mtp_jax.checkpoint.formats import checkpoint_format
@@ -63,10 +65,12 @@ def _teacher_forced(
     tokens: jax.Array,
     capture: tuple[int, ...],
     mesh: jax.sharding.Mesh | None = None,
+    lora_slots: jax.Array | None = None,
 ):
     target = target_for(cfg)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    hidden, _ = target.forward(params, cfg, tokens, positions, capture=capture, mesh=mesh)
+    extra = {} if lora_slots is None else {"lora_slots": lora_slots}
+    hidden, _ = target.forward(params, cfg, tokens, positions, capture=capture, mesh=mesh, **extra)
     # replicated: every process of a multi-host run can read the whole result
     return jax.tree.map(lambda x: replicated(x, mesh), (target.lm_head(params, hidden.post_norm), hidden))
 
@@ -187,6 +191,8 @@ class Model:
         self.page_size = page_size
         self.mesh = mesh
         self.draft_config = draft_config
+        self.lora: lora.LoraTable | None = None
+        """The LoRA adapters' slots (:meth:`enable_lora`), None without LoRA."""
         self._gguf = gguf  # a GGUF model's file, already parsed: its tokenizer is read from it
 
     @functools.cached_property
@@ -249,10 +255,25 @@ class Model:
         return arr.astype(np.int32)
 
     # --- teacher-forced ---------------------------------------------------------------------
-    def logits(self, token_ids: object) -> np.ndarray:
-        """Teacher-forced logits: int [B, T] -> float32 [B, T, V]."""
-        logits, _ = _teacher_forced(self.params, self.config, self._check_batch(token_ids), (), self.mesh)
+    def logits(self, token_ids: object, lora: str | None | Sequence[str | None] = None) -> np.ndarray:
+        """Teacher-forced logits: int [B, T] -> float32 [B, T, V]. ``lora``: the LoRA adapter of
+        every row, or one per row (None: the base model)."""
+        tokens = self._check_batch(token_ids)
+        slots = self._lora_slots(lora, tokens.shape[0])
+        logits, _ = _teacher_forced(self.params, self.config, tokens, (), self.mesh, slots)
         return np.asarray(logits)
+
+    def _lora_slots(self, names: str | None | Sequence[str | None], n: int) -> jax.Array | None:
+        """Per-row adapter slots [n] of ``names`` (one for all, or one per row); None without LoRA."""
+        if self.lora is None:
+            if names is not None and (isinstance(names, str) or any(x is not None for x in names)):
+                raise InvalidRequestError("this model has no LoRA adapters (load it with lora_adapters=...)")
+            return None
+        if names is None or isinstance(names, str):
+            names = [names] * n
+        if len(names) != n:
+            raise InvalidRequestError(f"lora has {len(names)} values for {n} rows")
+        return jnp.asarray(lora.check_names(names, self.lora.slots), jnp.int32)
 
     def hidden_states(self, token_ids: object, layers: Sequence[int] = ()) -> Hidden:
         """Hidden states [B, T, d] before and after the final norm, plus the outputs of ``layers``
@@ -434,7 +455,7 @@ class Model:
         )
         separate = {d.params_group for d in DRAFTS.values() if d.load is not None}
         own = {name: group_tree for name, group_tree in self.draft_params.items() if name not in separate}
-        return Model(
+        model = Model(
             self.config,
             {**self.target_params, **own, group: tree},
             dtype=self.dtype,
@@ -446,6 +467,60 @@ class Model:
             layer_buffers=self.layer_buffers,
             gguf=self._gguf,
         )
+        if self.lora is not None:  # the same adapters, in a table of its own from now on
+            model.lora = copy.deepcopy(self.lora)
+        return model
+
+    # --- LoRA adapters ------------------------------------------------------------------------
+    def enable_lora(self, max_loras: int, max_lora_rank: int) -> None:
+        """Room on device for ``max_loras`` adapters of rank up to ``max_lora_rank`` (zeros: every
+        row decodes with the base weights until an adapter is loaded). Steps compiled before this
+        call do not apply adapters; load adapters with :meth:`load_lora`."""
+        if self.lora is not None:
+            raise ValueError(
+                f"LoRA is enabled already ({self.lora.max_loras} slots of rank {self.lora.max_lora_rank})"
+            )
+        sites = target_for(self.config).lora_sites(self.config)
+        if not sites:
+            raise ValueError(f"{target_for(self.config).title} targets do not take LoRA adapters yet")
+        table = lora.LoraTable(sites, max_loras, max_lora_rank, self.config.num_hidden_layers)
+        stacks = lora.init_stacks(sites, max_loras, max_lora_rank, DTYPES[self.dtype])
+        self._set_lora_stacks(lora.place(stacks, sites, self.mesh))
+        self.lora = table
+
+    def _set_lora_stacks(self, stacks: dict) -> None:
+        # in place: an engine built over this model's params sees the new adapters at its next step
+        self.target_params["lora"] = stacks
+        self.params["lora"] = stacks
+
+    def load_lora(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT LoRA adapter in directory ``path`` into a free slot, under ``name`` (then
+        ``generate(..., lora=name)``). Nothing is compiled: the stacks keep their shapes. Raises
+        :class:`mtp_jax.lora.AdapterError` naming what cannot be applied, before anything changes."""
+        if self.lora is None:
+            raise ValueError("this model has no LoRA slots: load it with max_loras=N (or call enable_lora)")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        slot = self.lora.free_slot(name)
+        adapter = lora.read_adapter(path, name)
+        values = lora.slot_arrays(adapter, self.lora.sites, self.lora.max_lora_rank, self.lora.num_layers)
+        self._set_lora_stacks(lora.write_slot(self.params["lora"], slot, values))
+        self.lora.slots[name] = slot
+        self.lora.paths[name] = os.fspath(path)
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter ``name``'s slot (zeroed). Requests still running with it must end first."""
+        if self.lora is None or name not in self.lora.slots:
+            loaded = ", ".join(sorted(self.lora.slots)) if self.lora is not None else ""
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded or 'none'})")
+        slot = self.lora.slots.pop(name)
+        self.lora.paths.pop(name)
+        self._set_lora_stacks(lora.write_slot(self.params["lora"], slot, None))
+
+    @property
+    def loras(self) -> tuple[str, ...]:
+        """The names of the loaded LoRA adapters."""
+        return () if self.lora is None else tuple(self.lora.slots)
 
     @property
     def drafts(self) -> tuple[str, ...]:
@@ -476,6 +551,9 @@ def load(
     draft_model: str | os.PathLike[str] | None = None,
     draft_layer_ids: str = "inputs",
     layer_buffers: bool | None = None,
+    lora_adapters: Mapping[str, str | os.PathLike[str]] | None = None,
+    max_loras: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> Model:
     """Load a checkpoint: a directory in Hugging Face layout (config.json + *.safetensors, one file
     or index-sharded), one written by ``mtp-jax convert`` (orbax), or a GGUF file (llama.cpp's
@@ -504,6 +582,11 @@ def load(
     ``generate(draft="eagle3")``). ``draft_layer_ids``: how its config's captured-layer ids are read:
     "inputs" (id i = the input of target layer i, as vLLM reads them) or "outputs" (the output of
     layer i, as SGLang does); the layers chosen are printed. ``layer_buffers``: see :class:`Model`.
+
+    ``lora_adapters``: {name: directory} of PEFT LoRA adapters to load (:mod:`mtp_jax.lora`; then
+    ``generate(..., lora=name)``); ``max_loras`` adapters of rank up to ``max_lora_rank`` fit on
+    device at once (defaults: as many as given, at least 1, and their largest rank, at least 16);
+    more are loaded and unloaded at run time with ``Model.load_lora`` / ``unload_lora``.
     """
     path = resolve_model_path(os.fspath(path))
     if dtype not in DTYPES:
@@ -570,6 +653,12 @@ def load(
     del params  # with per-layer buffers, the loaded stacks are freed before the draft is read
     if draft_model is not None:
         model = model.with_draft(draft_model, layer_ids=draft_layer_ids, strict=strict)
+    if lora_adapters or max_loras or max_lora_rank:
+        adapters = {name: lora.read_adapter(p, name) for name, p in (lora_adapters or {}).items()}
+        rank = max([16] + [a.max_rank for a in adapters.values()]) if max_lora_rank is None else max_lora_rank
+        model.enable_lora(max(1, len(adapters)) if max_loras is None else max_loras, rank)
+        for name, p in (lora_adapters or {}).items():
+            model.load_lora(name, p)
     return model
 
 

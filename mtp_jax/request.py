@@ -55,6 +55,8 @@ class SamplingParams:
     ``num_speculative_tokens``: the most drafts a step verifies for this request (0: plain
     decoding; None: the K of the call or engine). ``relaxed_topk`` / ``relaxed_delta``: relaxed
     acceptance inside a thinking phase (lossy by design; see :meth:`mtp_jax.Model.generate`).
+    ``lora``: the name of a loaded LoRA adapter the request decodes with (None: the base model;
+    :meth:`mtp_jax.Model.load_lora`).
     """
 
     max_new_tokens: int = 32
@@ -70,6 +72,7 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     relaxed_topk: int = 0
     relaxed_delta: float = 0.0
+    lora: str | None = None
 
     @classmethod
     def per_prompt(cls, n: int, **values: Any) -> list[SamplingParams]:
@@ -88,9 +91,9 @@ class SamplingParams:
                 for i, v in enumerate(column):
                     check_value(name, v, f" (row {i})" if given else "")
                 columns[name] = column
-            elif name == "grammar" and isinstance(value, (list, tuple)):
+            elif name in ("grammar", "lora") and isinstance(value, (list, tuple)):
                 if len(value) != n:
-                    raise InvalidRequestError(f"grammar has {len(value)} values for {n} prompts")
+                    raise InvalidRequestError(f"{name} has {len(value)} values for {n} prompts")
                 columns[name] = list(value)
             else:
                 columns[name] = [value] * n
@@ -254,19 +257,23 @@ class CheckedRequest:
     prompt: list[int]
     params: SamplingParams
     text: bool
+    lora_slot: int = 0
+    """The slot of the request's LoRA adapter (0: none), as the model's table had it when checked."""
 
     def to_json(self) -> dict:
         """Plain JSON values (what the other processes of a multi-process engine are sent)."""
         params = dataclasses.asdict(self.params)
         params["stop"], params["stop_token_ids"] = list(self.params.stop), list(self.params.stop_token_ids)
-        return {"prompt": list(self.prompt), "params": params, "text": self.text}
+        return {"prompt": list(self.prompt), "params": params, "text": self.text, "lora_slot": self.lora_slot}
 
     @classmethod
     def from_json(cls, spec: dict) -> CheckedRequest:
         """A request :meth:`to_json` wrote (checked where it was written)."""
         p = dict(spec["params"])
         p["stop"], p["stop_token_ids"] = tuple(p["stop"]), tuple(p["stop_token_ids"])
-        return cls(list(spec["prompt"]), SamplingParams(**p), bool(spec["text"]))
+        return cls(
+            list(spec["prompt"]), SamplingParams(**p), bool(spec["text"]), int(spec.get("lora_slot", 0))
+        )
 
 
 def check_request(
@@ -320,10 +327,21 @@ def check_request(
         stop_ids = tuple(model.check_tokens(list(params.stop_token_ids), "stop_token_ids"))
     if not isinstance(params.ignore_eos, bool):
         raise InvalidRequestError(f"ignore_eos must be a boolean, got {params.ignore_eos!r}")
+    slot = 0
+    if params.lora is not None:
+        if not isinstance(params.lora, str):
+            raise InvalidRequestError(f"lora must be an adapter's name, got {params.lora!r}")
+        table = getattr(model, "lora", None)
+        if table is None:
+            raise InvalidRequestError(
+                f"LoRA adapter {params.lora!r} asked for, but the model has none "
+                "(load it with lora_adapters=...)"
+            )
+        slot = table.slot_of(params.lora)
     checked = dataclasses.replace(
         params, **values, max_new_tokens=n, stop=tuple(stops), stop_token_ids=stop_ids
     )
-    return CheckedRequest(ids, checked, bool(text or stops or isinstance(prompt, str)))
+    return CheckedRequest(ids, checked, bool(text or stops or isinstance(prompt, str)), slot)
 
 
 def row_sampling(requests: Sequence[CheckedRequest]) -> RowSampling:
@@ -339,4 +357,5 @@ def row_sampling(requests: Sequence[CheckedRequest]) -> RowSampling:
         max_drafts=column["num_speculative_tokens"],
         relaxed_topk=column["relaxed_topk"],
         relaxed_delta=column["relaxed_delta"],
+        lora_slot=[r.lora_slot for r in requests],
     )

@@ -31,7 +31,8 @@ class RowSampling:
     """Per-row decoding parameters, each [B]: temperature (0 = greedy), top_k (0 = off),
     top_p (1 = off), min_p (0 = off), seed (uint32); and how drafts are accepted for the row:
     max_drafts (the most drafts a step may accept; a step verifying fewer caps it), relaxed_topk
-    (0 = strict acceptance) and relaxed_delta (:func:`relaxed_ok`, inside a thinking phase only)."""
+    (0 = strict acceptance) and relaxed_delta (:func:`relaxed_ok`, inside a thinking phase only);
+    and the row's LoRA adapter slot, lora_slot (0 = none; :mod:`mtp_jax.lora`)."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -41,6 +42,7 @@ class RowSampling:
     max_drafts: jax.Array
     relaxed_topk: jax.Array
     relaxed_delta: jax.Array
+    lora_slot: jax.Array
 
     @classmethod
     def build(
@@ -54,6 +56,7 @@ class RowSampling:
         max_drafts: int | Sequence[int] = MAX_DRAFTS,
         relaxed_topk: int | Sequence[int] = 0,
         relaxed_delta: float | Sequence[float] = 0.0,
+        lora_slot: int | Sequence[int] = 0,
     ) -> RowSampling:
         """Validate scalar-or-per-row values and broadcast them to [batch]."""
         temperature = per_row("temperature", temperature, batch, float)
@@ -64,6 +67,7 @@ class RowSampling:
         max_drafts = per_row("num_speculative_tokens", max_drafts, batch, int)
         relaxed_topk = per_row("relaxed_topk", relaxed_topk, batch, int)
         relaxed_delta = per_row("relaxed_delta", relaxed_delta, batch, float)
+        lora_slot = per_row("lora_slot", lora_slot, batch, int)
         named = {
             "temperature": temperature,
             "top_k": top_k,
@@ -73,12 +77,13 @@ class RowSampling:
             "num_speculative_tokens": max_drafts,
             "relaxed_topk": relaxed_topk,
             "relaxed_delta": relaxed_delta,
+            "lora_slot": lora_slot,
         }
         for name, (values, given) in named.items():
             for i, v in enumerate(values):
                 check_value(name, v, f" (row {i})" if given else "")
-        temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta = (
-            x[0] for x in (temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta)
+        temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta, lora_slot = (
+            x[0] for x in named.values()
         )
         # any k >= the vocabulary keeps everything, so huge values clamp safely into int32
         top_k = [min(k, 2**31 - 1) for k in top_k]
@@ -91,6 +96,7 @@ class RowSampling:
             max_drafts=jnp.asarray(max_drafts, jnp.int32),
             relaxed_topk=jnp.asarray(relaxed_topk, jnp.int32),
             relaxed_delta=jnp.asarray(relaxed_delta, jnp.float32),
+            lora_slot=jnp.asarray(lora_slot, jnp.int32),
         )
 
     def pad(self, batch: int) -> RowSampling:
@@ -108,6 +114,7 @@ CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
     "num_speculative_tokens": (lambda k: 0 <= k <= MAX_DRAFTS, f"in [0, {MAX_DRAFTS}]"),
     "relaxed_topk": (lambda k: 0 <= k < 2**31, ">= 0 (0 disables it)"),
     "relaxed_delta": (lambda d: 0.0 <= d <= 1.0, "in [0, 1]"),
+    "lora_slot": (lambda v: 0 <= v < 2**31, ">= 0"),
 }
 """The range of each per-row sampling value, by the name requests give it."""
 

@@ -96,12 +96,19 @@ class Server:
 
     # -- request parsing -----------------------------------------------------------------------
 
-    def _common(self, body: Mapping, default_max_tokens: int | None, prompt_len: int) -> dict:
+    def _adapter(self, body: Mapping) -> str | None:
+        """The LoRA adapter a request's ``model`` names (vLLM's convention: an adapter is served
+        under its own model name); None for the base model. 400 for a name not served here."""
         model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise BadRequest(
-                f"model {model!r} is not served here; this server serves {self.model_name!r}", param="model"
-            )
+        if model is None or model == self.model_name:
+            return None
+        if isinstance(model, str) and model in self.engine.model.loras:
+            return model
+        served = ", ".join(repr(m) for m in (self.model_name, *self.engine.model.loras))
+        raise BadRequest(f"model {model!r} is not served here; this server serves {served}", param="model")
+
+    def _common(self, body: Mapping, default_max_tokens: int | None, prompt_len: int) -> dict:
+        adapter = self._adapter(body)
         room = self.engine.max_len - prompt_len
         if room < 1:
             raise BadRequest(
@@ -121,7 +128,7 @@ class Server:
                 f"{prompt_len + max_tokens}, beyond the engine's context of {self.engine.max_len} tokens",
                 param="max_tokens",
             )
-        kw: dict = {"max_new_tokens": max_tokens}
+        kw: dict = {"max_new_tokens": max_tokens, "lora": adapter}
         kw["temperature"] = _number(body, "temperature", float, 1.0)
         kw["top_p"] = _number(body, "top_p", float, 1.0)
         kw["top_k"] = _number(body, "top_k", int, 0)
@@ -154,6 +161,7 @@ class Server:
             "n": n,
             "stream": bool(body.get("stream")),
             "seed_given": seed is not None,
+            "model": adapter or self.model_name,
         }
 
     def _submit(self, prompt, parsed: dict) -> list[RequestHandle]:
@@ -297,7 +305,7 @@ class Server:
 
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created = int(time.time())
-        base = {"id": rid, "created": created, "model": self.model_name}
+        base = {"id": rid, "created": created, "model": parsed["model"]}
         if parsed["stream"]:
             opts = body.get("stream_options") or {}
             include_usage = bool(isinstance(opts, Mapping) and opts.get("include_usage"))
@@ -355,7 +363,16 @@ class Server:
         from starlette.responses import JSONResponse
 
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mtp-jax"}
-        return JSONResponse({"object": "list", "data": [card]})
+        table = self.engine.model.lora
+        adapters = (
+            [
+                {**card, "id": name, "root": table.paths[name], "parent": self.model_name}
+                for name in sorted(table.slots)
+            ]
+            if table is not None
+            else []
+        )
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def health(self, request):
         from starlette.responses import JSONResponse

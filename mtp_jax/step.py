@@ -170,16 +170,19 @@ def forward_paged(
     mesh: Mesh | None = None,
     logits: bool = True,
     capture: tuple[int, ...] = (),
+    lora_slots: jax.Array | None = None,
 ):
     """Write tokens [b, t] at positions [b, t] (only where valid) and run the target of ``cfg`` over
-    its cache, capturing the outputs of layers ``capture`` (``mesh`` as in the target's forward).
+    its cache, capturing the outputs of layers ``capture`` (``mesh`` as in the target's forward),
+    each row with its LoRA adapter slot of ``lora_slots`` [b] when the parameters hold adapters.
 
     Returns (Hidden [b, t, d] each, float32 logits [b, t, V], pages); the logits are None with
     ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
     """
     target = target_for(cfg)
     paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
-    hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh)
+    extra = {"lora_slots": lora_slots} if "lora" in params and lora_slots is not None else {}
+    hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh, **extra)
     return hidden, target.lm_head(params, hidden.post_norm) if logits else None, pages
 
 
@@ -238,6 +241,7 @@ def prefill(
         sc.mesh,
         logits=False,
         capture=sc.capture,
+        lora_slots=sampling.lora_slot,
     )
     last = lengths - 1
     first_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last))
@@ -325,6 +329,7 @@ def _verify(params: dict, state: DecodeState, sc: StepConfig, k: int | None = No
         state.page_table,
         sc.mesh,
         capture=sc.capture,
+        lora_slots=state.sampling.lora_slot,
     )
 
 

@@ -5,6 +5,7 @@ cancelling clients; every greedy response equals offline ``generate``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
@@ -14,7 +15,7 @@ import time
 import pytest
 
 import mtp_jax
-from tests.conftest import EMBEDDED_MODEL, require_extra
+from tests.conftest import EMBEDDED_MODEL, REPO, require_extra
 
 require_extra("starlette")
 require_extra("uvicorn")
@@ -22,6 +23,7 @@ openai = require_extra("openai")
 httpx = require_extra("httpx")
 
 NAME = "tiny-chat"
+LLAMA = f"{REPO}/checkpoints/tiny-llama3-stdlib"
 # A chat template of our own in the hub's tokenizer_config.json layout.
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -32,30 +34,38 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The embedded model (with a chat template) behind a real server on a free loopback port."""
-    import uvicorn
-
-    from mtp_jax.server import Server
-
     path = tmp_path_factory.mktemp("served") / NAME
     shutil.copytree(EMBEDDED_MODEL, path)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
     model = mtp_jax.load(str(path), "float32")
     engine = mtp_jax.Engine(model, slots=8, max_len=256, draft="mtp", num_speculative_tokens=3, max_queue=128)
+    with running_server(engine, NAME) as base:
+        yield model, engine, base
+
+
+@contextlib.contextmanager
+def running_server(engine, name: str):
+    """``engine`` served as ``name`` on a free loopback port (yields its base URL); closed after."""
+    import uvicorn
+
+    from mtp_jax.server import Server
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Server(engine, NAME).app(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(Server(engine, name).app(), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):
         if server.started:
             break
         time.sleep(0.05)
-    base = f"http://127.0.0.1:{port}"
-    yield model, engine, base
-    server.should_exit = True
-    thread.join(10)
-    engine.close()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +252,44 @@ def test_serve_cli_refuses_clearly(capsys):
     rc = main(["serve", "--draft", "eagle3"])
     err = capsys.readouterr().err
     assert rc == 2 and "--draft eagle3 needs --draft-model" in err
+
+
+@pytest.fixture(scope="module")
+def lora_served(tmp_path_factory):
+    """The tiny Llama with two random LoRA adapters behind a server (``--lora-modules``' path)."""
+    from tests.test_lora import write_random_adapter
+
+    base = mtp_jax.load(LLAMA, "float32")
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        "terse": write_random_adapter(root / "terse", base, 4, ["q_proj", "v_proj"], seed=1, alpha=64),
+        "wordy": write_random_adapter(root / "wordy", base, 8, ["gate_proj", "up_proj", "down_proj"], seed=2),
+    }
+    model = mtp_jax.load(LLAMA, "float32", lora_adapters=adapters)
+    engine = mtp_jax.Engine(model, slots=4, max_len=128, draft="ngram", num_speculative_tokens=2)
+    with running_server(engine, "tiny-llama") as url:
+        yield model, url
+
+
+def test_lora_adapters_are_served_as_models(lora_served):
+    """Two adapters served at once through the openai client, each request naming its adapter as
+    its model (vLLM's convention), each equal to offline generate with that adapter."""
+    model, base = lora_served
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    listed = client.models.list().data
+    assert [m.id for m in listed] == ["tiny-llama", "terse", "wordy"]
+    assert all(getattr(m, "parent", None) == "tiny-llama" for m in listed[1:])
+    prompt = "def parse_args(argv):"
+    texts = {}
+    for name in ("tiny-llama", "terse", "wordy"):
+        lora = None if name == "tiny-llama" else name
+        want = model.generate([prompt], max_new_tokens=16, ignore_eos=True, lora=lora).texts[0]
+        r = client.completions.create(
+            model=name, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.choices[0].text == want and r.model == name, name
+        texts[name] = want
+    assert len(set(texts.values())) == 3  # the adapters change the output
+    r = httpx.post(base + "/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2})
+    assert r.status_code == 400 and "'nope' is not served here" in r.json()["error"]["message"]
+    assert "'terse', 'wordy'" in r.json()["error"]["message"]

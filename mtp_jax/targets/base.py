@@ -52,6 +52,31 @@ def scan_layers(
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
+def lora_stack(stack: Any, params: dict, group: str) -> Any:
+    """The layer stack of ``group`` for :func:`scan_layers`, paired with its LoRA stacks (leaves
+    [L, S, ...] in ``params["lora"][group]``) when the model has adapters: each layer then reads
+    ``{"w": its weights, "lora": its adapters' slots}`` (unpacked by :func:`with_lora`)."""
+    lora = params.get("lora", {}).get(group)
+    if lora is None:
+        return stack
+    if isinstance(stack, tuple):
+        return tuple({"w": p, "lora": jax.tree.map(lambda x, i=i: x[i], lora)} for i, p in enumerate(stack))
+    return {"w": stack, "lora": lora}
+
+
+def with_lora(p: Any, slots: jax.Array | None) -> dict:
+    """One layer's weights for a forward: ``p`` as :func:`lora_stack` gave it, with each adapted
+    sub-tree (``attn``, ``mlp``, ...) given a ``"lora"`` entry of its projections' adapters gathered
+    for the rows' ``slots`` [b] ({"a": [b, *in, R], "b": [b, R, *out]} each)."""
+    if not (isinstance(p, dict) and "w" in p and "lora" in p and len(p) == 2):
+        return p
+    w, lora = p["w"], p["lora"]
+    if slots is None:
+        return w
+    rows = jax.tree.map(lambda x: x[slots], lora)
+    return {**w, **{name: {**w[name], "lora": rows[name]} for name in rows}}
+
+
 def unstack_layers(stack: Any, consume: bool = False) -> tuple:
     """A stacked layer tree (leaves [n, ...]) as a tuple of n per-layer trees, each leaf its own
     buffer (FP8 weights stay FP8 with their scales); see :func:`scan_layers`. ``consume``: delete
@@ -255,6 +280,10 @@ class Target:
     (:mod:`mtp_jax.plan`'s builder: ``plain(*shape, dtype=None)``, ``linear(out, in, shape)``,
     which is FP8 when FP8 weights are planned, ``stacked(tree, n)``); ``own_draft``: with the
     group of :attr:`own_draft`'s weights. For ``mtp-jax plan`` and random-weight timings."""
+    lora_sites: Callable[[Any], tuple] = lambda cfg: ()
+    """``lora_sites(cfg)``: the projections that take LoRA adapters (:class:`mtp_jax.lora.LoraSite`;
+    empty: adapters are refused). Its ``forward`` then takes ``lora_slots`` [b] and applies the rows'
+    adapters from ``params["lora"]`` (:func:`with_lora`)."""
     describe: Callable[[Any], list[str]] | None = None
     """``describe(cfg)``: lines summing the architecture up for ``mtp-jax inspect`` (None: its
     model type and title)."""

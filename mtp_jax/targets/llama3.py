@@ -32,9 +32,19 @@ from jax.sharding import Mesh
 
 from mtp_jax.config import Llama3Config
 from mtp_jax.gqa import check_tensor_split, gqa_dense, gqa_paged
-from mtp_jax.layers import apply_rope_half, llama3_frequencies, rms_norm, rope_cos_sin, swiglu
+from mtp_jax.layers import adapted, apply_rope_half, llama3_frequencies, rms_norm, rope_cos_sin, swiglu
+from mtp_jax.lora import LoraSite, split_leaf
 from mtp_jax.sharding import ACTIVATION, MESH_AXES, constrain, register_group_layout
-from mtp_jax.targets.base import CapturePlan, Hidden, HubTensor, PagedAttention, Target, scan_layers
+from mtp_jax.targets.base import (
+    CapturePlan,
+    Hidden,
+    HubTensor,
+    PagedAttention,
+    Target,
+    lora_stack,
+    scan_layers,
+    with_lora,
+)
 
 __all__ = [
     "TARGET",
@@ -170,7 +180,7 @@ def qkv(
     (Qwen2), ``{q,k}_norm`` an RMSNorm (epsilon ``eps``) over each head before rope (Qwen3)."""
 
     def project(name: str) -> jax.Array:
-        y = jnp.einsum("btd,dhk->bthk", x, p[name])
+        y = adapted(jnp.einsum("btd,dhk->bthk", x, p[name]), x, p.get("lora"), name)
         if f"{name}_bias" in p:
             y = y + p[f"{name}_bias"].astype(y.dtype)
         if f"{name}_norm" in p:
@@ -202,7 +212,7 @@ def attention(
         out = gqa_dense(q, k, v, scale)
     else:
         out, pages = gqa_paged(q, k, v, pages, paged.slots, paged.page_table, positions, scale, layer, mesh)
-    return jnp.einsum("bthk,hkd->btd", out, p["o"]), pages
+    return adapted(jnp.einsum("bthk,hkd->btd", out, p["o"]), out, p.get("lora"), "o", 2), pages
 
 
 def decoder_layer(
@@ -239,6 +249,7 @@ def forward(
     paged: PagedAttention | None = None,
     capture: tuple[int, ...] = (),
     mesh: Mesh | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[Hidden, dict | None]:
     """Run the decoder on tokens [b, t] at absolute positions [b, t].
 
@@ -247,7 +258,8 @@ def forward(
     each row's paged cache, which is returned updated. ``capture`` (static) selects layer outputs
     for ``Hidden.layers``. ``mesh``: the parameters' mesh (:mod:`mtp_jax.sharding`): hidden states
     pinned to the row split at layer boundaries, heads and MLP columns split over ``tensor`` by
-    the parameters' shardings, paged attention under ``shard_map``.
+    the parameters' shardings, paged attention under ``shard_map``. ``lora_slots`` [b]: each row's
+    LoRA adapter slot, applied from ``params["lora"]`` (:mod:`mtp_jax.lora`; slot 0: none).
     """
     plan = CapturePlan(cfg.num_hidden_layers, capture)
     cos, sin = rope_tables(cfg, positions)
@@ -257,6 +269,7 @@ def forward(
     def layer(carry, xs):
         h, captured, pages = carry
         p, slot, index = xs
+        p = with_lora(p, lora_slots)
         h, pages = decoder_layer(p, h, cfg, cos, sin, positions, paged, pages, index, mesh)
         h = constrain(h, mesh, ACTIVATION)
         if captured is not None:
@@ -268,7 +281,11 @@ def forward(
     n = cfg.num_hidden_layers
     carry = (h, captured, pages_in)
     (h, captured, pages), _ = scan_layers(
-        layer, carry, params["layers"], plan.slot_of, np.arange(n, dtype=np.int32)
+        layer,
+        carry,
+        lora_stack(params["layers"], params, "layers"),
+        plan.slot_of,
+        np.arange(n, dtype=np.int32),
     )
     hidden = Hidden(
         post_norm=rms_norm(h, params["final_norm"], cfg.rms_norm_eps),
@@ -356,6 +373,18 @@ def _describe(cfg: Llama3Config, title: str) -> list[str]:
     ]
 
 
+def lora_sites(cfg: Llama3Config) -> tuple[LoraSite, ...]:
+    """Every projection of the decoder layers takes an adapter: q/k/v/o and gate/up/down."""
+    sites = []
+    for leaf in target_layer_leaves(cfg):
+        if leaf.kind != "linear":
+            continue
+        split = split_leaf(leaf.shape, leaf.logical, leaf.hub_shape[1])
+        module = leaf.hub.removesuffix(".weight")
+        sites.append(LoraSite(module, "layers", 0, cfg.num_hidden_layers, leaf.path, *split))
+    return tuple(sites)
+
+
 def family_target(name: str, config_class: type, title: str = "") -> Target:
     """The :class:`Target` of a Llama-family model (Llama 3, Qwen2, Qwen3: this module's forward,
     the family's extras read from the config and the layer tree)."""
@@ -375,6 +404,7 @@ def family_target(name: str, config_class: type, title: str = "") -> Target:
         cache_split=lambda cfg, axes: axes["tensor"] if cfg.num_key_value_heads % axes["tensor"] == 0 else 1,
         describe=lambda cfg: _describe(cfg, title or name),
         abstract_groups=abstract_groups,
+        lora_sites=lora_sites,
     )
 
 

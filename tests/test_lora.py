@@ -1,0 +1,320 @@
+"""LoRA adapters (mtp_jax/lora.py): parity with transformers + peft on committed adapters
+(scripts/make_lora_parity_fixtures.py) over the Llama-family parity checkpoints, several ranks,
+rsLoRA, rank/alpha patterns, layers_to_transform and a regex target_modules; greedy generation equal
+to peft's; a mixed batch equal to each row alone; speculation with adapters lossless; loading and
+unloading while models are in use compiles nothing; the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import SafetensorsFile, save_safetensors
+from mtp_jax.errors import InvalidRequestError
+from mtp_jax.lora import AdapterError, read_adapter
+from tests.conftest import REPO
+
+LORA = os.path.join(REPO, "tests", "fixtures", "lora")
+BASES = os.path.join(REPO, "tests", "fixtures", "parity_llama")
+NAMES = sorted(os.listdir(LORA))
+LLAMA_ADAPTERS = ["llama_attn_r8", "llama_all_rslora_patterns"]  # both over llama3_gqa42
+
+
+def read_text(path) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def base_of(name: str) -> str:
+    return os.path.join(BASES, read_text(os.path.join(LORA, name, "base.txt")).strip())
+
+
+def reference(name: str) -> dict:
+    return dict(np.load(os.path.join(LORA, name, "reference.npz")))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """The Llama parity checkpoint with both of its adapters, and a free slot."""
+    adapters = {name: os.path.join(LORA, name) for name in LLAMA_ADAPTERS}
+    return mtp_jax.load(
+        base_of(LLAMA_ADAPTERS[0]), "float32", lora_adapters=adapters, max_loras=3, page_size=4
+    )
+
+
+def test_fixtures_cover_what_the_issue_names():
+    configs = {name: json.loads(read_text(os.path.join(LORA, name, "adapter_config.json"))) for name in NAMES}
+    assert {c["r"] for c in configs.values()} >= {2, 4, 8, 16}
+    assert any(c["use_rslora"] for c in configs.values())
+    assert any(c["rank_pattern"] and c["alpha_pattern"] for c in configs.values())
+    assert any(c["layers_to_transform"] for c in configs.values())
+    assert any(isinstance(c["target_modules"], str) for c in configs.values())  # a regex
+    assert {read_text(os.path.join(LORA, n, "base.txt")).strip() for n in NAMES} == {
+        "llama3_gqa42",
+        "qwen2_bias_tied",
+        "qwen3_qk_norm",
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_equal_peft(name):
+    ref = reference(name)
+    model = mtp_jax.load(base_of(name), "float32", lora_adapters={name: os.path.join(LORA, name)})
+    adapted = model.logits(ref["input_ids"], lora=name)
+    base = model.logits(ref["input_ids"])
+    scale = np.abs(ref["logits"]).max()
+    assert np.abs(adapted - ref["logits"]).max() <= 1e-5 * scale
+    assert np.abs(base - ref["base_logits"]).max() <= 1e-5 * scale
+    # not vacuous: the adapter moves the logits far beyond that tolerance
+    assert np.abs(ref["logits"] - ref["base_logits"]).max() > 1e-2 * scale
+
+
+def test_greedy_equals_peft_and_speculation_stays_lossless(llama):
+    for name in LLAMA_ADAPTERS:
+        ref = reference(name)
+        p, n = int(ref["prompt_length"]), int(ref["new_tokens"])
+        prompts = [[int(t) for t in row[:p]] for row in ref["input_ids"]]
+        want = ref["greedy"][:, p:].tolist()
+        out = llama.generate(prompts, max_new_tokens=n, ignore_eos=True, lora=name)
+        assert out.tokens == want, name
+        for k in (1, 3):  # the target verifies with the row's adapter: greedy stays lossless
+            spec = llama.generate(
+                prompts, max_new_tokens=n, ignore_eos=True, lora=name, draft="ngram", num_speculative_tokens=k
+            )
+            assert spec.tokens == want, (name, k)
+
+
+def test_a_mixed_batch_equals_each_row_alone(llama):
+    ref = reference(LLAMA_ADAPTERS[0])
+    rows = np.concatenate([ref["input_ids"], ref["input_ids"][:1]])
+    names = [LLAMA_ADAPTERS[0], None, LLAMA_ADAPTERS[1]]
+    mixed = llama.logits(rows, lora=names)
+    for i, name in enumerate(names):
+        alone = llama.logits(rows[i : i + 1], lora=name)[0]
+        np.testing.assert_allclose(mixed[i], alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+    prompts = [[int(t) for t in row[:6]] for row in rows]
+    together = llama.generate(prompts, max_new_tokens=8, ignore_eos=True, lora=names).tokens
+    for i, name in enumerate(names):
+        assert (
+            together[i]
+            == llama.generate([prompts[i]], max_new_tokens=8, ignore_eos=True, lora=name).tokens[0]
+        )
+    # per-request settings carry the adapter too
+    params = [mtp_jax.SamplingParams(max_new_tokens=8, ignore_eos=True, lora=name) for name in names]
+    assert llama.generate(prompts, params).tokens == together
+
+
+def test_loading_and_unloading_compile_nothing(llama, tmp_path):
+    from mtp_jax.step import prefill, step
+
+    ref = reference(LLAMA_ADAPTERS[0])
+    prompts = [[int(t) for t in row[:6]] for row in ref["input_ids"]]
+    kw = dict(max_new_tokens=8, ignore_eos=True, draft="ngram", num_speculative_tokens=2)
+    first = llama.generate(prompts, lora=LLAMA_ADAPTERS[0], **kw).tokens
+    seen = (step._cache_size(), prefill._cache_size())
+    # the same adapter under a second name, in the free slot: the same tokens, nothing compiled
+    shutil.copytree(os.path.join(LORA, LLAMA_ADAPTERS[0]), tmp_path / "copy")
+    llama.load_lora("copy", tmp_path / "copy")
+    try:
+        assert llama.generate(prompts, lora="copy", **kw).tokens == first
+        assert (step._cache_size(), prefill._cache_size()) == seen
+        assert set(llama.loras) == {*LLAMA_ADAPTERS, "copy"}
+    finally:
+        llama.unload_lora("copy")
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'copy'"):
+        llama.generate(prompts, lora="copy", **kw)
+    assert llama.generate(prompts, lora=LLAMA_ADAPTERS[0], **kw).tokens == first  # the others untouched
+    assert (step._cache_size(), prefill._cache_size()) == seen
+
+
+def _adapter_copy(tmp_path, name: str = LLAMA_ADAPTERS[0], config=None, tensors=None) -> str:
+    """A copy of a fixture adapter with its config updated by ``config`` and tensors by ``tensors``
+    (None values remove a tensor)."""
+    dst = tmp_path / "adapter"
+    shutil.copytree(os.path.join(LORA, name), dst)
+    raw = json.loads(read_text(dst / "adapter_config.json"))
+    raw.update(config or {})
+    (dst / "adapter_config.json").write_text(json.dumps(raw))
+    if tensors:
+        f = SafetensorsFile(dst / "adapter_model.safetensors")
+        values = {k: f.get(k) for k in f.keys()}
+        f.close()
+        for key, value in tensors.items():
+            if value is None:
+                values.pop(key)
+            else:
+                values[key] = value
+        save_safetensors(str(dst / "adapter_model.safetensors"), values)
+    return str(dst)
+
+
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+
+
+@pytest.mark.parametrize(
+    ("config", "tensors", "message"),
+    [
+        ({"use_dora": True}, None, "DoRA"),
+        ({"peft_type": "IA3"}, None, "not a LoRA adapter"),
+        ({"bias": "all"}, None, "bias='all'"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"r": 0}, None, "r must be a positive integer"),
+        (None, {Q0.format("B"): None}, "has lora_A but no lora_B"),
+        (None, {Q0.format("A"): np.zeros((8, 33), np.float32)}, "do not fit the base model"),
+        ({"r": 8, "rank_pattern": {"q_proj": 4}}, None, "rank 8, adapter_config.json says 4"),
+        (
+            None,
+            {"base_model.model.model.embed_tokens.lora_A.weight": np.zeros((8, 128), np.float32)},
+            "the token embedding",
+        ),
+        (
+            None,
+            {"base_model.model.lm_head.lora_A.weight": np.zeros((8, 32), np.float32)},
+            "the output head",
+        ),
+        (
+            None,
+            {"base_model.model.model.layers.0.mlp.experts.3.up_proj.lora_A.weight": np.zeros((8, 32))},
+            "routed experts",
+        ),
+        ({"layers_to_transform": [1]}, None, "outside layers_to_transform"),
+    ],
+)
+def test_bad_adapters_are_refused_by_name(tmp_path, config, tensors, message):
+    path = _adapter_copy(tmp_path, config=config, tensors=tensors)
+    with pytest.raises(AdapterError, match=message):
+        mtp_jax.load(base_of(LLAMA_ADAPTERS[0]), "float32", lora_adapters={"bad": path})
+
+
+def test_refusals_that_leave_the_model_as_it_was(llama, tmp_path):
+    before = {k: np.asarray(v) for k, v in _flat(llama.params["lora"]).items()}
+    # a layer the base model does not have
+    extra = {
+        "base_model.model.model.layers.7.self_attn.q_proj.lora_" + ab + ".weight": v
+        for ab, v in (("A", np.zeros((8, 32), np.float32)), ("B", np.zeros((64, 8), np.float32)))
+    }
+    with pytest.raises(AdapterError, match="the base model has 3 layers"):
+        llama.load_lora("deep", _adapter_copy(tmp_path, tensors=extra))
+    # an adapter for another model (Qwen3's head_dim 16 projections)
+    with pytest.raises(AdapterError, match="do not fit the base model"):
+        llama.load_lora("qwen3", os.path.join(LORA, "qwen3_qkv_r2"))
+    # rank above max_lora_rank (16 here: the fixtures' largest is 8)
+    assert llama.lora.max_lora_rank == 16
+    with pytest.raises(AdapterError, match="above max_lora_rank 16"):
+        llama.load_lora("wide", _wide(tmp_path))
+    with pytest.raises(ValueError, match="loaded already"):
+        llama.load_lora(LLAMA_ADAPTERS[0], os.path.join(LORA, LLAMA_ADAPTERS[0]))
+    with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
+        llama.unload_lora("nope")
+    assert set(llama.loras) == set(LLAMA_ADAPTERS)
+    after = {k: np.asarray(v) for k, v in _flat(llama.params["lora"]).items()}
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # nothing half-loaded
+
+
+def _wide(tmp_path) -> str:
+    """llama_attn_r8 padded to rank 32 (zeros): above the model's max_lora_rank."""
+    src = SafetensorsFile(os.path.join(LORA, LLAMA_ADAPTERS[0], "adapter_model.safetensors"))
+    values = {}
+    for key in src.keys():
+        x = src.get(key)
+        values[key] = np.pad(x, ((0, 24), (0, 0))) if ".lora_A." in key else np.pad(x, ((0, 0), (0, 24)))
+    src.close()
+    return _adapter_copy(tmp_path / "wide", config={"r": 32, "lora_alpha": 64}, tensors=values)
+
+
+def _flat(tree, prefix=()):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def test_requests_naming_adapters_are_checked(llama):
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'; loaded: llama_all"):
+        llama.generate([[5, 6]], max_new_tokens=2, lora="nope")
+    with pytest.raises(InvalidRequestError, match="lora has 1 values for 2 prompts"):
+        llama.generate([[5, 6], [7]], max_new_tokens=2, lora=["x"])
+    plain = mtp_jax.load(base_of(LLAMA_ADAPTERS[0]), "float32")
+    with pytest.raises(InvalidRequestError, match="the model has none"):
+        plain.generate([[5, 6]], max_new_tokens=2, lora="x")
+    with pytest.raises(ValueError, match="no LoRA slots"):
+        plain.load_lora("x", os.path.join(LORA, LLAMA_ADAPTERS[0]))
+    with pytest.raises(ValueError, match="all 1 LoRA slots are taken"):
+        one = mtp_jax.load(
+            base_of(LLAMA_ADAPTERS[0]), "float32", lora_adapters={"a": os.path.join(LORA, LLAMA_ADAPTERS[0])}
+        )
+        one.load_lora("b", os.path.join(LORA, LLAMA_ADAPTERS[1]))
+
+
+def test_read_adapter_reads_the_peft_settings():
+    adapter = read_adapter(os.path.join(LORA, "llama_all_rslora_patterns"))
+    cfg = adapter.config
+    assert cfg.use_rslora and cfg.layers_to_transform == (0, 2)
+    # rsLoRA: alpha / sqrt(r), r and alpha from the patterns where they match the module's end
+    q = adapter.weights[(0, "self_attn.q_proj")]
+    o = adapter.weights[(2, "self_attn.o_proj")]
+    down = adapter.weights[(0, "mlp.down_proj")]
+    assert q[0].shape == (4, 32) and q[2] == pytest.approx(8 / 2)
+    assert o[0].shape[0] == 2 and o[2] == pytest.approx(8 / np.sqrt(2))
+    assert down[0].shape[0] == 6 and down[2] == pytest.approx(3 / np.sqrt(6))
+    assert {layer for layer, _ in adapter.weights} == {0, 2}
+
+
+def write_random_adapter(
+    path, model, r: int, modules: list[str], seed: int, alpha: float | None = None
+) -> str:
+    """A PEFT LoRA adapter directory for ``model`` (a loaded Llama-family model) with random A and B
+    on every layer's ``modules`` (hub names, e.g. "q_proj"), in the layout peft writes."""
+    from mtp_jax.targets import target_for
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for site in target_for(model.config).lora_sites(model.config):
+        short = site.module.rsplit(".", 1)[-1]
+        if short not in modules:
+            continue
+        for layer in range(site.count):
+            key = f"base_model.model.model.layers.{layer}.{site.module}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, site.fan_in**-0.5, (r, site.fan_in)).astype(
+                np.float32
+            )
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, r**-0.5, (site.fan_out, r)).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": alpha or 2 * r,
+        "target_modules": modules,
+        "bias": "none",
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    save_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
+    return str(path)
+
+
+def test_cli_generate_with_an_adapter(capsys, tmp_path):
+    from mtp_jax.cli import main
+
+    llama = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+    base = mtp_jax.load(llama, "float32")
+    path = write_random_adapter(tmp_path / "mine", base, 4, ["q_proj", "up_proj"], seed=3, alpha=64)
+    adapted = mtp_jax.load(llama, "float32", lora_adapters={"mine": path})
+    prompt = "def parse_args(argv):"
+    want = adapted.generate([prompt], max_new_tokens=8, ignore_eos=True, lora="mine").texts[0]
+    assert want != base.generate([prompt], max_new_tokens=8, ignore_eos=True).texts[0]
+    args = ["generate", "--model", llama, "--dtype", "float32", "--prompt", prompt, "--max-new-tokens", "8"]
+    rc = main([*args, "--ignore-eos", "--lora", path, "--draft", "ngram"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out == prompt + want + "\n", err
+    rc = main([*args, "--lora", str(tmp_path / "missing")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "no adapter_config.json" in err and "Traceback" not in err
