@@ -28,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 from mtp_jax.cache import localize, write_rows
 from mtp_jax.checkpoint.fp8 import materialize
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.layers import apply_rope_interleaved, rms_norm
+from mtp_jax.layers import adapted, apply_rope_interleaved, rms_norm
 from mtp_jax.sharding import ROW_AXES, axes_spec, shard_index, split_axes
 from pallas_kernels.mla_decode import mla_decode
 
@@ -39,20 +39,22 @@ NEG_INF = float("-inf")
 
 
 def _queries(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array):
-    """Per-head queries split into (nope [b,t,h,nope], rope [b,t,h,rope]), rope applied."""
+    """Per-head queries split into (nope [b,t,h,nope], rope [b,t,h,rope]), rope applied (with the
+    rows' LoRA adapters of ``p["lora"]``, when present: :func:`mtp_jax.layers.adapted`)."""
+    lora = p.get("lora")
     if cfg.q_lora_rank is None:
-        q = jnp.einsum("btd,dhk->bthk", x, materialize(p["q"], x.dtype))
+        q = adapted(jnp.einsum("btd,dhk->bthk", x, materialize(p["q"], x.dtype)), x, lora, "q")
     else:
-        q_lat = jnp.einsum("btd,dr->btr", x, materialize(p["q_a"], x.dtype))
+        q_lat = adapted(jnp.einsum("btd,dr->btr", x, materialize(p["q_a"], x.dtype)), x, lora, "q_a")
         q_lat = rms_norm(q_lat, p["q_a_norm"], LORA_NORM_EPS)
-        q = jnp.einsum("btr,rhk->bthk", q_lat, materialize(p["q_b"], x.dtype))
+        q = adapted(jnp.einsum("btr,rhk->bthk", q_lat, materialize(p["q_b"], x.dtype)), q_lat, lora, "q_b")
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope_interleaved(q_rope, cos, sin)
 
 
 def latent_rows(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """The cache rows [b, t, kv_lora + rope] of x: normed latent, then the rotated shared rope key."""
-    ckv = jnp.einsum("btd,dc->btc", x, materialize(p["kv_a"], x.dtype))
+    ckv = adapted(jnp.einsum("btd,dc->btc", x, materialize(p["kv_a"], x.dtype)), x, p.get("lora"), "kv_a")
     latent = rms_norm(ckv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LORA_NORM_EPS)
     k_rope = apply_rope_interleaved(ckv[..., cfg.kv_lora_rank :], cos, sin)
     return jnp.concatenate([latent, k_rope], axis=-1)
@@ -64,6 +66,10 @@ def _expand(p: dict, rows: jax.Array, cfg: DeepseekV3Config):
     latent = rows[..., : cfg.kv_lora_rank]
     k_nope = jnp.einsum("...r,rhk->...hk", latent, p["k_b"])
     v = jnp.einsum("...r,rhk->...hk", latent, p["v_b"])
+    lora = p.get("lora")
+    if lora and "kv_b" in lora:  # rows [b, s, c]: the adapter's kv_b output, split as k_b / v_b
+        both = adapted(jnp.concatenate([k_nope, v], axis=-1), latent, lora, "kv_b")
+        k_nope, v = both[..., : cfg.qk_nope_head_dim], both[..., cfg.qk_nope_head_dim :]
     return k_nope, v, rows[..., cfg.kv_lora_rank :]
 
 
@@ -83,7 +89,7 @@ def mla_dense(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin:
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     probs = _softmax(scores * cfg.softmax_scale, causal).astype(x.dtype)
     out = jnp.einsum("bhts,bshk->bthk", probs, v)
-    return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype))
+    return adapted(jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), out, p.get("lora"), "o", 2)
 
 
 def mla_dense_chain(
@@ -153,7 +159,8 @@ def mla_paged(
     page_size = pages.shape[page_dim + 1]
     layer_arg = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
 
-    def local(p, x, cos, sin, positions, slots, pages, table, layer_arg):
+    def local(p, lora, x, cos, sin, positions, slots, pages, table, layer_arg):
+        p = {**p, "lora": lora} if lora else p
         # global page ids -> this shard's: its pages are [base, base + n) of the global range
         n = pages.shape[page_dim]
         table, slots = localize(table, slots, shard_index(mesh, axes) * n, n, page_size)
@@ -161,12 +168,15 @@ def mla_paged(
         return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, table, idx)
 
     rows, page_spec = axes_spec(axes), axes_spec(axes, page_dim)
+    weights = {k: v for k, v in p.items() if k != "lora"}
+    lora = p.get("lora") or {}  # the rows' gathered adapters travel with their rows
+    lora_spec = jax.tree.map(lambda _: rows, lora)
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(PartitionSpec(), rows, rows, rows, rows, rows, page_spec, rows, PartitionSpec()),
+        in_specs=(PartitionSpec(), lora_spec, rows, rows, rows, rows, rows, page_spec, rows, PartitionSpec()),
         out_specs=(rows, page_spec),
-    )(p, x, cos, sin, positions, slots, pages, page_table, layer_arg)
+    )(weights, lora, x, cos, sin, positions, slots, pages, page_table, layer_arg)
 
 
 def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer):
@@ -174,7 +184,13 @@ def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, l
     pages = write_rows(pages, latent_rows(p, x, cfg, cos, sin), slots, layer)
     # absorbed query [b, t, h, kv_lora + rope] against the cached rows, through the kernel dispatcher
     # (the Mosaic GPU kernel on Hopper, the jnp reference elsewhere; MTP_JAX_KERNELS forces one)
-    q = jnp.concatenate([jnp.einsum("bthk,rhk->bthr", q_nope, p["k_b"]), q_rope], axis=-1)
+    q_latent = jnp.einsum("bthk,rhk->bthr", q_nope, p["k_b"])
+    kv_b = (p.get("lora") or {}).get("kv_b")
+    if kv_b is not None:  # absorbed through the adapter too: q · (k_b + a b_k)^T = q k_b^T + (q b_k^T) a^T
+        a, b = kv_b["a"].astype(x.dtype), kv_b["b"].astype(x.dtype)
+        b_k, b_v = b[..., : cfg.qk_nope_head_dim], b[..., cfg.qk_nope_head_dim :]
+        q_latent = q_latent + jnp.einsum("bthz,brz->bthr", jnp.einsum("bthk,bzhk->bthz", q_nope, b_k), a)
+    q = jnp.concatenate([q_latent, q_rope], axis=-1)
     out_latent = mla_decode(
         q.astype(pages.dtype),
         pages,
@@ -185,4 +201,7 @@ def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, l
         layer=layer,
     ).astype(x.dtype)
     out = jnp.einsum("bthr,rhk->bthk", out_latent, p["v_b"])
-    return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), pages
+    if kv_b is not None:  # (o_latent · a) · b_v: the adapter's part of the values
+        out = out + jnp.einsum("bthz,bzhk->bthk", jnp.einsum("bthr,brz->bthz", out_latent, a), b_v)
+    lora = p.get("lora")
+    return adapted(jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), out, lora, "o", 2), pages

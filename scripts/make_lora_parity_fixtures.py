@@ -6,7 +6,8 @@
 
 Each fixture directory holds an adapter exactly as ``peft``'s ``save_pretrained`` writes it
 (``adapter_config.json`` + ``adapter_model.safetensors``), made by ``peft.get_peft_model`` over one
-base checkpoint of ``tests/fixtures/parity_llama`` (named in ``base.txt``) with its LoRA weights
+base checkpoint of ``tests/fixtures/parity_llama`` or ``tests/fixtures/parity`` (DeepSeek-V3; its
+path under ``tests/fixtures`` in ``base.txt``) with its LoRA weights
 drawn at random (peft starts lora_B at zero, which would prove nothing), and ``reference.npz``:
 
 - ``input_ids`` int32 [B, T]; ``logits`` float32 [B, T, V]: the adapted model, teacher-forced;
@@ -29,7 +30,7 @@ import sys
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASES = os.path.join(REPO, "tests", "fixtures", "parity_llama")
+FIXTURES_DIR = os.path.join(REPO, "tests", "fixtures")
 PROMPT, NEW = 6, 8
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -37,11 +38,14 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 FIXTURES: dict[str, dict] = {
     # attention only, the usual alpha = 2r
     "llama_attn_r8": dict(
-        base="llama3_gqa42", r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+        base="parity_llama/llama3_gqa42",
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
     ),
-    # every projection, rsLoRA scaling, per-module ranks and alphas, one layer only
+    # every projection, rsLoRA scaling, per-module ranks and alphas, two of the three layers
     "llama_all_rslora_patterns": dict(
-        base="llama3_gqa42",
+        base="parity_llama/llama3_gqa42",
         r=4,
         lora_alpha=8,
         target_modules=ALL,
@@ -52,11 +56,32 @@ FIXTURES: dict[str, dict] = {
     ),
     # target_modules as a regular expression, MLP only, on Qwen2 (biases, tied head)
     "qwen2_mlp_regex_r16": dict(
-        base="qwen2_bias_tied", r=16, lora_alpha=32, target_modules=r".*\.mlp\.(gate|up|down)_proj"
+        base="parity_llama/qwen2_bias_tied",
+        r=16,
+        lora_alpha=32,
+        target_modules=r".*\.mlp\.(gate|up|down)_proj",
     ),
     # Qwen3 (q/k norms after the adapted projections)
     "qwen3_qkv_r2": dict(
-        base="qwen3_qk_norm", r=2, lora_alpha=1, target_modules=["q_proj", "k_proj", "v_proj"]
+        base="parity_llama/qwen3_qk_norm", r=2, lora_alpha=1, target_modules=["q_proj", "k_proj", "v_proj"]
+    ),
+    # DeepSeek-V3: every MLA projection (kv_b_proj too, absorbed in decode). Not the MLPs here: given
+    # gate/up/down_proj, peft 0.21 adapts the fused routed experts' parameters (target_parameters,
+    # which mtp-jax refuses) instead of the dense and shared-expert MLPs; tests/test_lora.py checks
+    # those against the adapter merged into the weights
+    "deepseek_mla_r8": dict(
+        base="parity/base",
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    ),
+    # without q_lora (q_proj), rsLoRA, kv_b and o only
+    "deepseek_q_kv_b_rslora_r4": dict(
+        base="parity/odd_heads",
+        r=4,
+        lora_alpha=4,
+        use_rslora=True,
+        target_modules=["q_proj", "kv_b_proj", "o_proj"],
     ),
 }
 
@@ -68,7 +93,7 @@ def build(name: str, out: str) -> None:
 
     spec = dict(FIXTURES[name])
     base = spec.pop("base")
-    base_dir = os.path.join(BASES, base)
+    base_dir = os.path.join(FIXTURES_DIR, base)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, attn_implementation="eager")
@@ -89,7 +114,7 @@ def build(name: str, out: str) -> None:
     config_path = os.path.join(tmp, "adapter_config.json")
     with open(config_path) as f:
         saved = json.load(f)
-    saved["base_model_name_or_path"] = f"tests/fixtures/parity_llama/{base}"  # not this machine's path
+    saved["base_model_name_or_path"] = f"tests/fixtures/{base}"  # not this machine's path
     if isinstance(saved["target_modules"], list):  # peft writes a set: its order varies between runs
         saved["target_modules"] = sorted(saved["target_modules"])
     with open(config_path, "w") as f:

@@ -650,17 +650,30 @@ def small_vocab_draft_model(small_vocab_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def small_vocab_mtp_lora(small_vocab_model, tmp_path_factory):
+    """The same target and MTP draft with a random LoRA adapter on the target's attention and
+    shared experts (the draft keeps the base weights): requests name it as "lora"."""
+    from tests.test_lora import write_random_adapter
+
+    modules = ["q_a_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj"]
+    adapter = write_random_adapter(
+        tmp_path_factory.mktemp("vocab8-lora"), small_vocab_model, 4, modules, seed=2
+    )
+    return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, lora_adapters={"lora": adapter})
+
+
+@pytest.fixture(scope="module")
 def small_vocab_ngram(small_vocab_model):
     """The n-gram draft needs no weights: the same model."""
     return small_vocab_model
 
 
-def exact_first_three(model, prompt: list[int], params: dict) -> np.ndarray:
+def exact_first_three(model, prompt: list[int], params: dict, lora: str | None = None) -> np.ndarray:
     """P(t1, t2, t3) [V, V, V] of the first three generated tokens: the product of the processed
     teacher-forced conditionals, over every two-token continuation of the prompt."""
     n = len(prompt)
     seqs = [prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    logits = model.logits(seqs).astype(np.float64).reshape(VOCAB, VOCAB, n + 2, VOCAB)
+    logits = model.logits(seqs, lora=lora).astype(np.float64).reshape(VOCAB, VOCAB, n + 2, VOCAB)
 
     def proc(lg):
         probs, margin = reference_probs(lg, **params)
@@ -702,6 +715,8 @@ E2E_CASES = [
     # deterministic drafts copied from the row's own text (q one-hot in sampled mode)
     ("ngram", 2, "argmax", "truncated"),
     ("ngram", 2, "sampled", "truncated"),
+    # the target with a LoRA adapter (verification adapted, the MTP draft on base weights)
+    ("mtp_lora", 2, "sampled", "truncated"),
     # another model's chained distribution
     ("draft_model", 2, "argmax", "truncated"),
     ("draft_model", 2, "sampled", "truncated"),
@@ -716,8 +731,9 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     """4096 seeds of one prompt in one generate call: the joint law of the first three tokens (the
     first from prefill, the others from the speculative steps) is the target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
-    draft = draft.split("_vocab")[0]
-    params = E2E_PARAMS[which]
+    lora = "lora" if draft.endswith("_lora") else None
+    draft = draft.split("_vocab")[0].removesuffix("_lora")
+    params = dict(E2E_PARAMS[which], **({"lora": lora} if lora else {}))
     prompt = NGRAM_PROMPT if draft == "ngram" else PROMPT
     result = model.generate(
         [prompt] * N_SEEDS,
@@ -737,7 +753,10 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     assert all(low < a < 0.9 for a in per_position), per_position
     tokens = np.asarray(result.tokens)
     assert tokens.shape == (N_SEEDS, 3)
-    joint = exact_first_three(model, prompt, params)
+    params.pop("lora", None)
+    joint = exact_first_three(model, prompt, params, lora)
+    if lora:  # not vacuous: the adapted law is far from the base model's
+        assert np.abs(joint - exact_first_three(model, prompt, params)).sum() > 0.2
     if which == "truncated":
         assert (joint == 0).sum() > 100  # the truncation removes something at every step
     cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]

@@ -20,7 +20,7 @@ from mtp_jax.lora import AdapterError, read_adapter
 from tests.conftest import REPO
 
 LORA = os.path.join(REPO, "tests", "fixtures", "lora")
-BASES = os.path.join(REPO, "tests", "fixtures", "parity_llama")
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
 NAMES = sorted(os.listdir(LORA))
 LLAMA_ADAPTERS = ["llama_attn_r8", "llama_all_rslora_patterns"]  # both over llama3_gqa42
 
@@ -31,7 +31,7 @@ def read_text(path) -> str:
 
 
 def base_of(name: str) -> str:
-    return os.path.join(BASES, read_text(os.path.join(LORA, name, "base.txt")).strip())
+    return os.path.join(FIXTURES, read_text(os.path.join(LORA, name, "base.txt")).strip())
 
 
 def reference(name: str) -> dict:
@@ -55,9 +55,11 @@ def test_fixtures_cover_what_the_issue_names():
     assert any(c["layers_to_transform"] for c in configs.values())
     assert any(isinstance(c["target_modules"], str) for c in configs.values())  # a regex
     assert {read_text(os.path.join(LORA, n, "base.txt")).strip() for n in NAMES} == {
-        "llama3_gqa42",
-        "qwen2_bias_tied",
-        "qwen3_qk_norm",
+        "parity_llama/llama3_gqa42",
+        "parity_llama/qwen2_bias_tied",
+        "parity_llama/qwen3_qk_norm",
+        "parity/base",
+        "parity/odd_heads",
     }
 
 
@@ -271,8 +273,8 @@ def test_read_adapter_reads_the_peft_settings():
 def write_random_adapter(
     path, model, r: int, modules: list[str], seed: int, alpha: float | None = None
 ) -> str:
-    """A PEFT LoRA adapter directory for ``model`` (a loaded Llama-family model) with random A and B
-    on every layer's ``modules`` (hub names, e.g. "q_proj"), in the layout peft writes."""
+    """A PEFT LoRA adapter directory for ``model`` (a loaded model) with random A and B on every
+    layer's ``modules`` (the last part of hub names, e.g. "q_proj"), in the layout peft writes."""
     from mtp_jax.targets import target_for
 
     rng = np.random.default_rng(seed)
@@ -282,7 +284,7 @@ def write_random_adapter(
         if short not in modules:
             continue
         for layer in range(site.count):
-            key = f"base_model.model.model.layers.{layer}.{site.module}"
+            key = f"base_model.model.model.layers.{site.first + layer}.{site.module}"
             tensors[f"{key}.lora_A.weight"] = rng.normal(0, site.fan_in**-0.5, (r, site.fan_in)).astype(
                 np.float32
             )
@@ -318,3 +320,100 @@ def test_cli_generate_with_an_adapter(capsys, tmp_path):
     rc = main([*args, "--lora", str(tmp_path / "missing")])
     out, err = capsys.readouterr()
     assert rc == 2 and "no adapter_config.json" in err and "Traceback" not in err
+
+
+def merged_checkpoint(base: str, adapter: str, dst) -> str:
+    """``base`` (a hub-layout directory) with ``adapter``'s products merged into its weights:
+    W + s B A, computed here in float64 from the files (an independent reference)."""
+    weights = SafetensorsFile(os.path.join(base, "model.safetensors"))
+    tensors = {k: np.asarray(weights.get(k), np.float64) for k in weights.keys()}
+    weights.close()
+    for (layer, module), (a, b, s) in read_adapter(adapter).weights.items():
+        key = f"model.layers.{layer}.{module}.weight"
+        tensors[key] = tensors[key] + s * (b.astype(np.float64) @ a.astype(np.float64))
+    os.makedirs(dst, exist_ok=True)
+    shutil.copy(os.path.join(base, "config.json"), dst)
+    save_safetensors(
+        os.path.join(dst, "model.safetensors"), {k: v.astype(np.float32) for k, v in tensors.items()}
+    )
+    return str(dst)
+
+
+def test_deepseek_dense_and_shared_expert_mlps_equal_the_merged_weights(tmp_path):
+    """DeepSeek-V3's dense-layer MLP and shared experts (peft targets the fused routed experts when
+    given these names, so the reference is the adapter merged into the weights) plus its MLA."""
+    base = os.path.join(FIXTURES, "parity", "nogroup_dense2")  # 2 dense layers, 2 shared experts
+    plain = mtp_jax.load(base, "float32")
+    modules = ["gate_proj", "up_proj", "down_proj", "q_b_proj", "kv_b_proj"]
+    adapter = write_random_adapter(tmp_path / "mlp", plain, 6, modules, seed=7)
+    sites = {m for (_, m) in read_adapter(adapter).weights}
+    assert {"mlp.gate_proj", "mlp.shared_experts.down_proj", "self_attn.kv_b_proj"} <= sites
+    model = mtp_jax.load(base, "float32", lora_adapters={"mlp": adapter}, page_size=4)
+    merged = mtp_jax.load(merged_checkpoint(base, adapter, tmp_path / "merged"), "float32", page_size=4)
+    ids = np.random.default_rng(0).integers(3, plain.config.vocab_size, (2, 10)).astype(np.int32)
+    want = merged.logits(ids)
+    got = model.logits(ids, lora="mlp")
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(want - plain.logits(ids)).max() > 1e-2 * np.abs(want).max()
+    prompts = [[int(t) for t in row[:5]] for row in ids]
+    greedy = merged.generate(prompts, max_new_tokens=8, ignore_eos=True).tokens
+    assert model.generate(prompts, max_new_tokens=8, ignore_eos=True, lora="mlp").tokens == greedy
+
+
+def test_deepseek_mtp_speculation_with_an_adapter_is_lossless(tmp_path):
+    """The embedded DeepSeek-V3 with its MTP draft (base weights) and an adapter on the target:
+    greedy speculation equals plain decoding with the adapter, and drafts are still accepted."""
+    from tests.conftest import EMBEDDED_MODEL
+
+    plain = mtp_jax.load(EMBEDDED_MODEL, "float32")
+    adapter = write_random_adapter(
+        tmp_path / "a", plain, 4, ["q_a_proj", "kv_b_proj", "o_proj", "up_proj"], seed=3
+    )
+    model = mtp_jax.load(EMBEDDED_MODEL, "float32", lora_adapters={"a": adapter}, page_size=4)
+    prompts = [[0, 17, 42, 9], [0, 5, 5, 5, 5]]
+    kw = dict(max_new_tokens=12, ignore_eos=True, lora=["a", None])
+    want = model.generate(prompts, **kw).tokens
+    assert want[0] != plain.generate(prompts[:1], max_new_tokens=12, ignore_eos=True).tokens[0]
+    assert want[1] == plain.generate(prompts[1:], max_new_tokens=12, ignore_eos=True).tokens[0]
+    spec = model.generate(prompts, draft="mtp", num_speculative_tokens=3, **kw)
+    assert spec.tokens == want and spec.stats["num_accepted_tokens"] > 0
+
+
+# Tensor-parallel Llama (data x tensor) and expert-parallel DeepSeek-V3 (data x expert) on 8 simulated
+# devices, in a background child (tests/conftest.py's ``child``): logits and greedy generation of a
+# mixed batch (two adapters and none) equal one device's, with the stacks split as their sites say.
+SHARDED_CHILD = """
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+import jax, numpy as np
+assert len(jax.devices()) == 8
+import mtp_jax
+lora, fixtures = sys.argv[1], sys.argv[2]
+cases = [
+    ("parity_llama/llama3_gqa42", ["llama_attn_r8", "llama_all_rslora_patterns"], dict(data=2, tensor=4)),
+    ("parity/base", ["deepseek_mla_r8"], dict(data=2, expert=4)),
+]
+for base, names, axes in cases:
+    src = os.path.join(fixtures, base)
+    adapters = {n: os.path.join(lora, n) for n in names}
+    one = mtp_jax.load(src, "float32", lora_adapters=adapters, max_loras=2, page_size=4)
+    mesh = mtp_jax.make_mesh(**axes)
+    split = mtp_jax.load(src, "float32", lora_adapters=adapters, max_loras=2, page_size=4, mesh=mesh)
+    ids = np.load(os.path.join(lora, names[0], "reference.npz"))["input_ids"]
+    rows = np.concatenate([ids, ids])
+    per_row = [names[0], None, names[-1], names[0]]
+    want, got = one.logits(rows, lora=per_row), split.logits(rows, lora=per_row)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (base, np.abs(got - want).max())
+    prompts = [[int(t) for t in r[:6]] for r in rows]
+    kw = dict(max_new_tokens=8, ignore_eos=True, lora=per_row)
+    assert split.generate(prompts, **kw).tokens == one.generate(prompts, **kw).tokens, base
+    if "tensor" in axes:  # q's adapter B is split with q's heads
+        b = split.params["lora"]["layers"]["attn"]["q"]["b"]
+        assert b.sharding.shard_shape(b.shape)[3] == b.shape[3] // axes["tensor"], b.sharding
+print("LORA-SHARDED-OK")
+"""
+
+
+@pytest.mark.child(SHARDED_CHILD, LORA, FIXTURES)
+def test_sharded_adapters_equal_one_device(child_output):
+    assert "LORA-SHARDED-OK" in child_output

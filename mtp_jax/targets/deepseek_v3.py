@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.ep import moe_sharded
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
+from mtp_jax.lora import LoraSite, split_leaf
 from mtp_jax.mla import mla_dense, mla_paged
 from mtp_jax.moe import DISPATCH, resolve_dispatch, route
 from mtp_jax.sharding import ACTIVATION, constrain, expert_logical, register_group_layout
@@ -40,7 +41,9 @@ from mtp_jax.targets.base import (
     PagedAttention,
     Target,
     lm_head,
+    lora_stack,
     scan_layers,
+    with_lora,
 )
 
 __all__ = [
@@ -262,6 +265,7 @@ def forward(
     capture: tuple[int, ...] = (),
     dispatch: str = "auto",
     mesh: Mesh | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[Hidden, dict[str, jax.Array] | None]:
     """Run the decoder on tokens [b, t] at absolute positions [b, t].
 
@@ -271,6 +275,8 @@ def forward(
     ``dispatch`` (static) is how routed experts are evaluated (see :func:`moe`).
     ``mesh`` (static): run MoE layers expert-parallel over it and keep the hidden states split over
     its batch axis at layer boundaries (:func:`mtp_jax.sharding.constrain`); None: one device.
+    ``lora_slots`` [b]: each row's LoRA adapter slot, applied from ``params["lora"]``
+    (:mod:`mtp_jax.lora`; slot 0: none) to the attention, dense MLPs and shared experts.
     """
     plan = CapturePlan(cfg.num_hidden_layers, capture)
     attention = attention_fn(cfg, positions, paged, mesh)
@@ -285,6 +291,7 @@ def forward(
         def layer(carry, xs, is_moe=name == "moe"):
             h, captured, pages = carry
             p, slot, index = xs
+            p = with_lora(p, lora_slots)
             h, pages, load = decoder_layer(p, h, cfg, is_moe, attention, pages, dispatch, mesh, index)
             h = constrain(h, mesh, ACTIVATION)
             if captured is not None:
@@ -295,7 +302,7 @@ def forward(
         pages_in = None if paged is None else paged.pages[name]
         slots, index = plan.slot_of[first : first + n], np.arange(n, dtype=np.int32)
         (h, captured, pages_out), load = scan_layers(
-            layer, (h, captured, pages_in), params[name], slots, index
+            layer, (h, captured, pages_in), lora_stack(params[name], params, name), slots, index
         )
         new_pages[name] = pages_out
         if load is not None:
@@ -392,8 +399,25 @@ def moe(
         out = DISPATCH[how](flat, weights, idx, p["gate"], p["up"], p["down"])
         load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)
     if cfg.n_shared_experts:
-        out = out + swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
+        lora = {k.removeprefix("shared_"): v for k, v in (p.get("lora") or {}).items()}
+        shared = swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"], lora=lora or None)
+        out = out + shared.reshape(flat.shape)
     return out.reshape(x.shape), load
+
+
+def lora_sites(cfg: DeepseekV3Config) -> tuple[LoraSite, ...]:
+    """The projections that take adapters: MLA's (q or q_a / q_b, kv_a, kv_b: absorbed in decode,
+    o), the dense layers' MLPs and the shared experts; never the routed experts or the router.
+    Attention and these MLPs are replicated (data-parallel), so are their adapters."""
+    sites, first = [], 0
+    for name, n in stack_sizes(cfg).items():
+        for leaf in layer_leaves(cfg, moe=name == "moe"):
+            if leaf.kind != "linear" or leaf.experts:
+                continue
+            split = split_leaf(leaf.shape, (None,) * len(leaf.shape), leaf.hub_shape[1])
+            sites.append(LoraSite(leaf.hub.removesuffix(".weight"), name, first, n, leaf.path, *split))
+        first += n
+    return tuple(sites)
 
 
 def latent_width(cfg: DeepseekV3Config) -> int:
@@ -506,6 +530,7 @@ TARGET = Target(
     ),
     describe=_describe,
     abstract_groups=abstract_groups,
+    lora_sites=lora_sites,
 )
 for _group in ("moe", "mtp"):  # routed experts over the mesh's expert axis, the rest replicated
     register_group_layout(_group, expert_logical)

@@ -1,0 +1,126 @@
+"""LoRA adapters' cost: decode tokens/s with no adapter, one adapter on every row and a different
+adapter per row, against the same model without LoRA (what merging an adapter into the weights
+runs at: the same shapes as the base model's).
+
+    python scripts/bench_lora.py --json benchmarks/lora/smollm2.json --rank 16 64 --batch 1 8
+
+SmolLM2-135M-Instruct (float32, ``--model``) with random adapters (``--adapters`` of them, rank
+``--rank``, on every projection: q/k/v/o and gate/up/down) written in PEFT's layout; the held-out
+chat and code prompts of ``scripts/bench_real.py``, greedy, ``--new-tokens`` each, ignoring EOS.
+Each configuration runs once untimed (compiling) and then ``--repeats`` times; the median is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(path: str, model, rank: int, seed: int) -> str:
+    """A random PEFT LoRA adapter over every projection of ``model``."""
+    import json
+
+    import numpy as np
+
+    from mtp_jax.checkpoint.safetensors_io import save_safetensors
+    from mtp_jax.targets import target_for
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for site in target_for(model.config).lora_sites(model.config):
+        for i in range(site.count):
+            key = f"base_model.model.model.layers.{site.first + i}.{site.module}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, site.fan_in**-0.5, (rank, site.fan_in)).astype(
+                np.float32
+            )
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (site.fan_out, rank)).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": MODULES}, f)
+    save_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rank", type=int, nargs="+", default=[16])
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--k", type=int, nargs="+", default=[0], help="n-gram drafts per step (0: plain)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args()
+
+    import bench_real
+
+    import mtp_jax
+    from mtp_jax.bench import machine_info, write_json
+    from mtp_jax.embedded import resolve_model_path
+    from mtp_jax.text import TextCodec
+
+    codec = TextCodec.for_path(resolve_model_path(args.model))
+    by_kind = bench_real.prompt_ids(codec, max(args.batch) // 2 or 1)
+    prompts = [p for kind in ("chat", "code") for p in by_kind[kind]][: max(args.batch)]
+    base = mtp_jax.load(args.model, "float32")
+    rows = []
+
+    def timed(model, batch: int, k: int, lora) -> float:
+        kw = dict(max_new_tokens=args.new_tokens, ignore_eos=True, max_batch=batch)
+        if k:
+            kw.update(draft="ngram", num_speculative_tokens=k)
+        if lora is not None:
+            kw["lora"] = lora[: len(prompts)] if isinstance(lora, list) else lora
+        model.generate(prompts, **kw)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            model.generate(prompts, **kw)
+            times.append(time.perf_counter() - t0)
+        return len(prompts) * args.new_tokens / statistics.median(times)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank in args.rank:
+            paths = {
+                f"a{i}": write_adapter(os.path.join(tmp, f"r{rank}-{i}"), base, rank, i)
+                for i in range(args.adapters)
+            }
+            model = mtp_jax.load(args.model, "float32", lora_adapters=paths, max_lora_rank=rank)
+            names = list(paths)
+            for batch in args.batch:
+                for k in args.k:
+                    configs = [
+                        ("no LoRA (= merged weights)", base, None),
+                        ("LoRA slots, no adapter", model, None),
+                        ("one adapter, every row", model, names[0]),
+                        (
+                            f"{args.adapters} adapters, one per row",
+                            model,
+                            [names[i % len(names)] for i in range(len(prompts))],
+                        ),
+                    ]
+                    for label, m, lora in configs:
+                        tok_s = timed(m, batch, k, lora)
+                        row = {"rank": rank, "batch": batch, "k": k, "config": label, "tok_s": tok_s}
+                        rows.append(row)
+                        print(row, file=sys.stderr, flush=True)
+            del model
+    write_json(args.json, {"command": " ".join(sys.argv), **machine_info(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
