@@ -140,4 +140,4 @@ def adapted(y: jax.Array, x: jax.Array, lora: dict | None, name: str, n_in: int 
         return y
     from mtp_jax.lora import delta
 
-    return y + delta(x, lora[name], n_in).astype(y.dtype)
+    return y + delta(x, lora[name], lora["rows"], n_in).astype(y.dtype)

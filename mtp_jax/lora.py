@@ -10,12 +10,15 @@ layout) it holds ``lora_A`` [r, in] and ``lora_B`` [out, r], and the adapted mod
 
 On device (:class:`LoraStacks`), each adaptable module of a target (:class:`LoraSite`, declared by
 the target: :attr:`mtp_jax.targets.base.Target.lora_sites`) has two stacks over the layers of
-its parameter group and ``max_loras + 1`` slots: ``a`` [L, S, *in, R] (A transposed, in our
+its parameter group and ``max_loras + 1`` slots: ``a`` [L, *in, S, R] (A transposed, in our
 layout's input axes) and ``b`` [L, S, R, *out] (B transposed, with ``s`` folded in), ``R`` the
-largest rank (``max_lora_rank``; smaller ranks padded with zeros, which adds exactly nothing).
-Slot 0 is all zeros: a row without an adapter. Each row of a step names its slot, and a layer adds
-``(x · a[slot]) · b[slot]`` beside the base matmul (:func:`delta`). Loading an adapter writes its
-slot (:func:`write_slot`), unloading zeroes it: shapes never change, so nothing recompiles.
+largest rank (``max_lora_rank``; smaller ranks padded with zeros, which adds exactly nothing);
+with per-layer weight buffers, a tuple of L such layers, each its own buffer. Slot 0 is all zeros:
+a row without an adapter. Each row of a step names its slot, and a layer adds
+``(x · a[slot]) · b[slot]`` beside the base matmul (:func:`delta`: every slot's ``x · a`` at once,
+as one matmul over the slots' ranks side by side, the other slots' masked to zero: each slot's
+weights are read once and nothing is copied per row). Loading an adapter writes its slot
+(:func:`write_slot`), unloading zeroes it: shapes never change, so nothing recompiles.
 """
 
 from __future__ import annotations
@@ -288,17 +291,26 @@ def read_adapter(path: str | os.PathLike[str], name: str | None = None) -> Adapt
 # --- on device ----------------------------------------------------------------------------------
 
 
-def init_stacks(sites: Iterable[LoraSite], slots: int, rank: int, dtype) -> dict:
+def init_stacks(sites: Iterable[LoraSite], slots: int, rank: int, dtype, per_layer: bool = False) -> dict:
     """Zeroed stacks for ``slots`` adapters (slot 0 stays zero: no adapter) of rank up to ``rank``:
-    ``{group: {path...: {"a": [L, S, *in, R], "b": [L, S, R, *out]}}}``."""
+    ``{group: {path...: {"a": [L, *in, S, R], "b": [L, S, R, *out]}}}``; ``per_layer``: each group a
+    tuple of L layer trees (leaves without the L axis, each its own buffer), for models whose
+    layers are per-layer buffers (a scan over stacked adapters would copy each layer's out)."""
     out: dict = {}
+    counts: dict[str, int] = {}
     for site in sites:
         node = out.setdefault(site.group, {})
+        counts[site.group] = site.count
         for name in site.path[:-1]:
             node = node.setdefault(name, {})
         node[site.path[-1]] = {
-            "a": jnp.zeros((site.count, slots + 1, *site.in_shape, rank), dtype),
+            "a": jnp.zeros((site.count, *site.in_shape, slots + 1, rank), dtype),
             "b": jnp.zeros((site.count, slots + 1, rank, *site.out_shape), dtype),
+        }
+    if per_layer:
+        out = {
+            g: tuple(jax.tree.map(lambda x, i=i: x[i], tree) for i in range(counts[g]))
+            for g, tree in out.items()
         }
     return out
 
@@ -308,7 +320,7 @@ def stack_logical(sites: Iterable[LoraSite]) -> dict[tuple[str, ...], tuple[str 
     out = {}
     for site in sites:
         base = (site.group, *site.path)
-        out[base + ("a",)] = (None, None, *site.in_logical, None)
+        out[base + ("a",)] = (None, *site.in_logical, None, None)
         out[base + ("b",)] = (None, None, None, *site.out_logical)
     return out
 
@@ -358,16 +370,59 @@ def slot_arrays(adapter: Adapter, sites: Sequence[LoraSite], rank: int, num_laye
     return out
 
 
+def _set(leaf: jax.Array, kind: str, slot: jax.Array, value: jax.Array, stacked: bool) -> jax.Array:
+    """``leaf`` ("a" [L?, *in, S, R] or "b" [L?, S, R, *out]) with slot ``slot`` set to ``value``."""
+    value = value.astype(leaf.dtype)
+    if kind == "a":
+        return leaf.at[..., slot, :].set(value)
+    return leaf.at[:, slot].set(value) if stacked else leaf.at[slot].set(value)
+
+
 @jax.jit
 def _write(stacks: dict, slot: jax.Array, values: dict) -> dict:
-    return jax.tree.map(lambda s, v: s.at[:, slot].set(v.astype(s.dtype)), stacks, values)
+    out = {}
+    for group, tree in stacks.items():
+        if isinstance(tree, tuple):  # per-layer buffers: layer i takes values[..., i]
+            out[group] = tuple(
+                jax.tree_util.tree_map_with_path(
+                    lambda path, leaf, v, i=i: _set(leaf, path[-1].key, slot, v[i], False),
+                    layer,
+                    values[group],
+                )
+                for i, layer in enumerate(tree)
+            )
+        else:
+            out[group] = jax.tree_util.tree_map_with_path(
+                lambda path, leaf, v: _set(leaf, path[-1].key, slot, v, True), tree, values[group]
+            )
+    return out
 
 
 def write_slot(stacks: dict, slot: int, values: dict | None) -> dict:
     """``stacks`` with slot ``slot`` set to ``values`` (:func:`slot_arrays`; None: zeros)."""
     if values is None:
-        values = jax.tree.map(lambda s: np.zeros(s.shape[:1] + s.shape[2:], np.float32), stacks)
+        values = {group: _zero_values(tree) for group, tree in stacks.items()}
     return _write(stacks, jnp.int32(slot), values)
+
+
+def _zero_values(tree: Any) -> Any:
+    """Zeros shaped as one slot's values of a group's stacks (stacked, or a tuple of layers)."""
+    stacked = not isinstance(tree, tuple)
+    layer = tree if stacked else tree[0]
+    one = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: _zeros(path[-1].key, leaf.shape, stacked), layer
+    )
+    if stacked:
+        return one
+    n = len(tree)
+    return jax.tree.map(lambda z: np.zeros((n, *z.shape), np.float32), one)
+
+
+def _zeros(kind: str, shape: tuple[int, ...], stacked: bool) -> np.ndarray:
+    """Zeros shaped as one slot's values of a leaf of ``shape`` (the slot axis dropped)."""
+    shape = list(shape)
+    del shape[-2 if kind == "a" else (1 if stacked else 0)]
+    return np.zeros(shape, np.float32)
 
 
 def rows_of(stacks: Any, ids: jax.Array) -> Any:
@@ -375,14 +430,16 @@ def rows_of(stacks: Any, ids: jax.Array) -> Any:
     return jax.tree.map(lambda s: s[ids], stacks)
 
 
-def delta(x: jax.Array, site: Mapping[str, jax.Array], n_in: int) -> jax.Array:
-    """``(x · a) · b`` per row: x [b, t, *in] (``n_in`` input axes), site {"a": [b, *in, R],
-    "b": [b, R, *out]} -> [b, t, *out]."""
+def delta(x: jax.Array, site: Mapping[str, jax.Array], rows: jax.Array, n_in: int) -> jax.Array:
+    """``(x · a[slot]) · b[slot]`` of each row: x [b, t, *in] (``n_in`` input axes), site {"a":
+    [*in, S, R], "b": [S, R, *out]} (one layer's slots), ``rows`` [b, S] each row's slot one-hot
+    -> [b, t, *out]. Every slot's ``x · a`` comes from one matmul over the slots' ranks side by side
+    and the other slots' are multiplied by zero (exact), so each slot's weights are read once,
+    whatever the batch, and nothing is copied per row."""
     a, b = site["a"].astype(x.dtype), site["b"].astype(x.dtype)
-    letters = "ijklmn"
-    ins, outs = letters[:n_in], "pqrs"[: b.ndim - 2]
-    xa = jnp.einsum(f"xt{ins},x{ins}z->xtz", x, a)
-    return jnp.einsum(f"xtz,xz{outs}->xt{outs}", xa, b)
+    ins, outs = "ijklmn"[:n_in], "pqrs"[: b.ndim - 2]
+    xa = jnp.einsum(f"xt{ins},{ins}sz->xtsz", x, a) * rows.astype(x.dtype)[:, None, :, None]
+    return jnp.einsum(f"xtsz,sz{outs}->xt{outs}", xa, b)
 
 
 def check_names(names: Iterable[str | None], known: Mapping[str, int]) -> list[int]:

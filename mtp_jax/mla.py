@@ -169,8 +169,8 @@ def mla_paged(
 
     rows, page_spec = axes_spec(axes), axes_spec(axes, page_dim)
     weights = {k: v for k, v in p.items() if k != "lora"}
-    lora = p.get("lora") or {}  # the rows' gathered adapters travel with their rows
-    lora_spec = jax.tree.map(lambda _: rows, lora)
+    lora = p.get("lora") or {}  # the adapters' slots replicated, the rows' one-hot split with the rows
+    lora_spec = {k: rows if k == "rows" else PartitionSpec() for k in lora}
     return jax.shard_map(
         local,
         mesh=mesh,
@@ -187,9 +187,11 @@ def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, l
     q_latent = jnp.einsum("bthk,rhk->bthr", q_nope, p["k_b"])
     kv_b = (p.get("lora") or {}).get("kv_b")
     if kv_b is not None:  # absorbed through the adapter too: q · (k_b + a b_k)^T = q k_b^T + (q b_k^T) a^T
-        a, b = kv_b["a"].astype(x.dtype), kv_b["b"].astype(x.dtype)
+        a, b = kv_b["a"].astype(x.dtype), kv_b["b"].astype(x.dtype)  # [r, S, R], [S, R, h, nope + v]
         b_k, b_v = b[..., : cfg.qk_nope_head_dim], b[..., cfg.qk_nope_head_dim :]
-        q_latent = q_latent + jnp.einsum("bthz,brz->bthr", jnp.einsum("bthk,bzhk->bthz", q_nope, b_k), a)
+        one_hot = p["lora"]["rows"].astype(x.dtype)[:, None, None, :, None]  # the rows' slots [b, 1, 1, S, 1]
+        q_b = jnp.einsum("bthk,szhk->bthsz", q_nope, b_k) * one_hot
+        q_latent = q_latent + jnp.einsum("bthsz,rsz->bthr", q_b, a)
     q = jnp.concatenate([q_latent, q_rope], axis=-1)
     out_latent = mla_decode(
         q.astype(pages.dtype),
@@ -202,6 +204,8 @@ def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, l
     ).astype(x.dtype)
     out = jnp.einsum("bthr,rhk->bthk", out_latent, p["v_b"])
     if kv_b is not None:  # (o_latent · a) · b_v: the adapter's part of the values
-        out = out + jnp.einsum("bthz,bzhk->bthk", jnp.einsum("bthr,brz->bthz", out_latent, a), b_v)
+        out = out + jnp.einsum(
+            "bthsz,szhk->bthk", jnp.einsum("bthr,rsz->bthsz", out_latent, a) * one_hot, b_v
+        )
     lora = p.get("lora")
     return adapted(jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), out, lora, "o", 2), pages

@@ -484,7 +484,9 @@ class Model:
         if not sites:
             raise ValueError(f"{target_for(self.config).title} targets do not take LoRA adapters yet")
         table = lora.LoraTable(sites, max_loras, max_lora_rank, self.config.num_hidden_layers)
-        stacks = lora.init_stacks(sites, max_loras, max_lora_rank, DTYPES[self.dtype])
+        stacks = lora.init_stacks(
+            sites, max_loras, max_lora_rank, DTYPES[self.dtype], per_layer=self.layer_buffers
+        )
         self._set_lora_stacks(lora.place(stacks, sites, self.mesh))
         self.lora = table
 

@@ -70,7 +70,9 @@ def test_logits_equal_peft(name):
     adapted = model.logits(ref["input_ids"], lora=name)
     base = model.logits(ref["input_ids"])
     scale = np.abs(ref["logits"]).max()
-    assert np.abs(adapted - ref["logits"]).max() <= 1e-5 * scale
+    # 2e-5: every slot's ranks are contracted side by side (the others' multiplied by zero), so the
+    # float32 sums run in another order than peft's; the base model's logits stay within 1e-5
+    assert np.abs(adapted - ref["logits"]).max() <= 2e-5 * scale
     assert np.abs(base - ref["base_logits"]).max() <= 1e-5 * scale
     # not vacuous: the adapter moves the logits far beyond that tolerance
     assert np.abs(ref["logits"] - ref["base_logits"]).max() > 1e-2 * scale
@@ -417,3 +419,32 @@ print("LORA-SHARDED-OK")
 @pytest.mark.child(SHARDED_CHILD, LORA, FIXTURES)
 def test_sharded_adapters_equal_one_device(child_output):
     assert "LORA-SHARDED-OK" in child_output
+
+
+def test_per_layer_buffers_hold_the_adapters_per_layer_too(llama):
+    """With per-layer weight buffers (real models on one device) the adapters are per-layer buffers
+    too (sliced out of a stack they would be copied every step): same logits, same loading."""
+    ref = reference(LLAMA_ADAPTERS[0])
+    adapters = {name: os.path.join(LORA, name) for name in LLAMA_ADAPTERS}
+    split = mtp_jax.load(
+        base_of(LLAMA_ADAPTERS[0]), "float32", lora_adapters=adapters, max_loras=3, layer_buffers=True
+    )
+    assert split.layer_buffers and isinstance(split.params["lora"]["layers"], tuple)
+    names = [LLAMA_ADAPTERS[0], LLAMA_ADAPTERS[1]]
+    np.testing.assert_allclose(
+        split.logits(ref["input_ids"], lora=names),
+        llama.logits(ref["input_ids"], lora=names),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    split.unload_lora(LLAMA_ADAPTERS[1])
+    np.testing.assert_allclose(
+        split.logits(ref["input_ids"][1:]), llama.logits(ref["input_ids"][1:]), rtol=1e-5, atol=1e-5
+    )
+    split.load_lora("again", os.path.join(LORA, LLAMA_ADAPTERS[1]))
+    np.testing.assert_allclose(
+        split.logits(ref["input_ids"], lora=[LLAMA_ADAPTERS[0], "again"]),
+        llama.logits(ref["input_ids"], lora=names),
+        rtol=1e-5,
+        atol=1e-5,
+    )

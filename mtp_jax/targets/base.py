@@ -59,22 +59,29 @@ def lora_stack(stack: Any, params: dict, group: str) -> Any:
     lora = params.get("lora", {}).get(group)
     if lora is None:
         return stack
-    if isinstance(stack, tuple):
-        return tuple({"w": p, "lora": jax.tree.map(lambda x, i=i: x[i], lora)} for i, p in enumerate(stack))
+    if isinstance(stack, tuple):  # per-layer buffers, the adapters' too (else sliced: copied)
+        layers = (
+            lora
+            if isinstance(lora, tuple)
+            else [jax.tree.map(lambda x, i=i: x[i], lora) for i in range(len(stack))]
+        )
+        return tuple({"w": p, "lora": one} for p, one in zip(stack, layers, strict=True))
     return {"w": stack, "lora": lora}
 
 
 def with_lora(p: Any, slots: jax.Array | None) -> dict:
     """One layer's weights for a forward: ``p`` as :func:`lora_stack` gave it, with each adapted
-    sub-tree (``attn``, ``mlp``, ...) given a ``"lora"`` entry of its projections' adapters gathered
-    for the rows' ``slots`` [b] ({"a": [b, *in, R], "b": [b, R, *out]} each)."""
+    sub-tree (``attn``, ``mlp``, ...) given a ``"lora"`` entry: its projections' adapter slots
+    ({"a": [*in, S, R], "b": [S, R, *out]} each) and ``"rows"``, the rows' ``slots`` [b] one-hot
+    [b, S] (:func:`mtp_jax.lora.delta`)."""
     if not (isinstance(p, dict) and "w" in p and "lora" in p and len(p) == 2):
         return p
     w, lora = p["w"], p["lora"]
     if slots is None:
         return w
-    rows = jax.tree.map(lambda x: x[slots], lora)
-    return {**w, **{name: {**w[name], "lora": rows[name]} for name in rows}}
+    count = next(x.shape[0] for path, x in jax.tree_util.tree_leaves_with_path(lora) if path[-1].key == "b")
+    rows = jax.nn.one_hot(slots, count, dtype=jnp.float32)
+    return {**w, **{name: {**w[name], "lora": {**lora[name], "rows": rows}} for name in lora}}
 
 
 def unstack_layers(stack: Any, consume: bool = False) -> tuple:

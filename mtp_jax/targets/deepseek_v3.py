@@ -400,6 +400,7 @@ def moe(
         load = jnp.zeros(cfg.n_routed_experts, jnp.float32).at[idx.reshape(-1)].add(1.0)
     if cfg.n_shared_experts:
         lora = {k.removeprefix("shared_"): v for k, v in (p.get("lora") or {}).items()}
+        lora = lora if set(lora) - {"rows"} else {}
         shared = swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"], lora=lora or None)
         out = out + shared.reshape(flat.shape)
     return out.reshape(x.shape), load
