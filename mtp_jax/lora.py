@@ -425,11 +425,6 @@ def _zeros(kind: str, shape: tuple[int, ...], stacked: bool) -> np.ndarray:
     return np.zeros(shape, np.float32)
 
 
-def rows_of(stacks: Any, ids: jax.Array) -> Any:
-    """One layer's stacks (leaves [S, ...]) gathered for rows whose slots are ``ids`` [b]."""
-    return jax.tree.map(lambda s: s[ids], stacks)
-
-
 def delta(x: jax.Array, site: Mapping[str, jax.Array], rows: jax.Array, n_in: int) -> jax.Array:
     """``(x · a[slot]) · b[slot]`` of each row: x [b, t, *in] (``n_in`` input axes), site {"a":
     [*in, S, R], "b": [S, R, *out]} (one layer's slots), ``rows`` [b, S] each row's slot one-hot

@@ -495,20 +495,21 @@ class Model:
         self.target_params["lora"] = stacks
         self.params["lora"] = stacks
 
-    def load_lora(self, name: str, path: str | os.PathLike[str]) -> None:
+    def load_lora(self, name: str, path: str | os.PathLike[str] | lora.Adapter) -> None:
         """Load the PEFT LoRA adapter in directory ``path`` into a free slot, under ``name`` (then
         ``generate(..., lora=name)``). Nothing is compiled: the stacks keep their shapes. Raises
-        :class:`mtp_jax.lora.AdapterError` naming what cannot be applied, before anything changes."""
+        :class:`mtp_jax.lora.AdapterError` naming what cannot be applied, before anything changes.
+        ``path`` may also be an adapter already read (:func:`mtp_jax.lora.read_adapter`)."""
         if self.lora is None:
             raise ValueError("this model has no LoRA slots: load it with max_loras=N (or call enable_lora)")
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
         slot = self.lora.free_slot(name)
-        adapter = lora.read_adapter(path, name)
+        adapter = path if isinstance(path, lora.Adapter) else lora.read_adapter(path, name)
         values = lora.slot_arrays(adapter, self.lora.sites, self.lora.max_lora_rank, self.lora.num_layers)
         self._set_lora_stacks(lora.write_slot(self.params["lora"], slot, values))
         self.lora.slots[name] = slot
-        self.lora.paths[name] = os.fspath(path)
+        self.lora.paths[name] = adapter.path
 
     def unload_lora(self, name: str) -> None:
         """Free adapter ``name``'s slot (zeroed). Requests still running with it must end first."""
@@ -659,8 +660,8 @@ def load(
         adapters = {name: lora.read_adapter(p, name) for name, p in (lora_adapters or {}).items()}
         rank = max([16] + [a.max_rank for a in adapters.values()]) if max_lora_rank is None else max_lora_rank
         model.enable_lora(max(1, len(adapters)) if max_loras is None else max_loras, rank)
-        for name, p in (lora_adapters or {}).items():
-            model.load_lora(name, p)
+        for name, adapter in adapters.items():  # each read once, above
+            model.load_lora(name, adapter)
     return model
 
 

@@ -26,31 +26,6 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def write_adapter(path: str, model, rank: int, seed: int) -> str:
-    """A random PEFT LoRA adapter over every projection of ``model``."""
-    import json
-
-    import numpy as np
-
-    from mtp_jax.checkpoint.safetensors_io import save_safetensors
-    from mtp_jax.targets import target_for
-
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for site in target_for(model.config).lora_sites(model.config):
-        for i in range(site.count):
-            key = f"base_model.model.model.layers.{site.first + i}.{site.module}"
-            tensors[f"{key}.lora_A.weight"] = rng.normal(0, site.fan_in**-0.5, (rank, site.fan_in)).astype(
-                np.float32
-            )
-            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (site.fan_out, rank)).astype(np.float32)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": MODULES}, f)
-    save_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
-    return path
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -69,6 +44,7 @@ def main() -> int:
 
     import mtp_jax
     from mtp_jax.bench import machine_info, write_json
+    from mtp_jax.checkpoint.synthetic import write_lora_adapter
     from mtp_jax.embedded import resolve_model_path
     from mtp_jax.text import TextCodec
 
@@ -95,7 +71,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for rank in args.rank:
             paths = {
-                f"a{i}": write_adapter(os.path.join(tmp, f"r{rank}-{i}"), base, rank, i)
+                f"a{i}": write_lora_adapter(
+                    os.path.join(tmp, f"r{rank}-{i}"), base.config, rank, MODULES, i, alpha=rank, b_std=0.01
+                )
                 for i in range(args.adapters)
             }
             model = mtp_jax.load(args.model, "float32", lora_adapters=paths, max_lora_rank=rank)

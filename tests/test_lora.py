@@ -277,51 +277,9 @@ def write_random_adapter(
 ) -> str:
     """A PEFT LoRA adapter directory for ``model`` (a loaded model) with random A and B on every
     layer's ``modules`` (the last part of hub names, e.g. "q_proj"), in the layout peft writes."""
-    from mtp_jax.targets import target_for
+    from mtp_jax.checkpoint.synthetic import write_lora_adapter
 
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for site in target_for(model.config).lora_sites(model.config):
-        short = site.module.rsplit(".", 1)[-1]
-        if short not in modules:
-            continue
-        for layer in range(site.count):
-            key = f"base_model.model.model.layers.{site.first + layer}.{site.module}"
-            tensors[f"{key}.lora_A.weight"] = rng.normal(0, site.fan_in**-0.5, (r, site.fan_in)).astype(
-                np.float32
-            )
-            tensors[f"{key}.lora_B.weight"] = rng.normal(0, r**-0.5, (site.fan_out, r)).astype(np.float32)
-    os.makedirs(path, exist_ok=True)
-    config = {
-        "peft_type": "LORA",
-        "r": r,
-        "lora_alpha": alpha or 2 * r,
-        "target_modules": modules,
-        "bias": "none",
-    }
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
-    save_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
-    return str(path)
-
-
-def test_cli_generate_with_an_adapter(capsys, tmp_path):
-    from mtp_jax.cli import main
-
-    llama = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
-    base = mtp_jax.load(llama, "float32")
-    path = write_random_adapter(tmp_path / "mine", base, 4, ["q_proj", "up_proj"], seed=3, alpha=64)
-    adapted = mtp_jax.load(llama, "float32", lora_adapters={"mine": path})
-    prompt = "def parse_args(argv):"
-    want = adapted.generate([prompt], max_new_tokens=8, ignore_eos=True, lora="mine").texts[0]
-    assert want != base.generate([prompt], max_new_tokens=8, ignore_eos=True).texts[0]
-    args = ["generate", "--model", llama, "--dtype", "float32", "--prompt", prompt, "--max-new-tokens", "8"]
-    rc = main([*args, "--ignore-eos", "--lora", path, "--draft", "ngram"])
-    out, err = capsys.readouterr()
-    assert rc == 0 and out == prompt + want + "\n", err
-    rc = main([*args, "--lora", str(tmp_path / "missing")])
-    out, err = capsys.readouterr()
-    assert rc == 2 and "no adapter_config.json" in err and "Traceback" not in err
+    return write_lora_adapter(path, model.config, r, modules, seed, alpha)
 
 
 def merged_checkpoint(base: str, adapter: str, dst) -> str:

@@ -324,3 +324,38 @@ def oracle_draft_tensors(cfg: DeepseekV3Config, alpha: float, seed: int = 0) -> 
     tensors[f"model.layers.{n}.enorm.weight"] = np.ones(d, np.float32)
     tensors[f"model.layers.{n}.shared_head.norm.weight"] = tensors["model.norm.weight"].copy()
     return tensors
+
+
+def write_lora_adapter(
+    path: str | os.PathLike[str],
+    cfg: Any,
+    rank: int,
+    modules: list[str],
+    seed: int,
+    alpha: float | None = None,
+    b_std: float | None = None,
+) -> str:
+    """A PEFT LoRA adapter directory for a model of config ``cfg`` with random A and B on every
+    layer's ``modules`` (the last part of hub module names, e.g. "q_proj"), in the layout peft
+    writes: A ~ N(0, 1/fan_in), B ~ N(0, ``b_std``**2) (default 1/rank), ``lora_alpha`` ``alpha``
+    (default 2 rank)."""
+    from mtp_jax.targets import target_for
+
+    rng = np.random.default_rng(seed)
+    b_std = rank**-0.5 if b_std is None else b_std
+    tensors = {}
+    for site in target_for(cfg).lora_sites(cfg):
+        if site.module.rsplit(".", 1)[-1] not in modules:
+            continue
+        for layer in range(site.count):
+            key = f"base_model.model.model.layers.{site.first + layer}.{site.module}"
+            tensors[f"{key}.lora_A.weight"] = rng.normal(0, site.fan_in**-0.5, (rank, site.fan_in)).astype(
+                np.float32
+            )
+            tensors[f"{key}.lora_B.weight"] = rng.normal(0, b_std, (site.fan_out, rank)).astype(np.float32)
+    os.makedirs(path, exist_ok=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha or 2 * rank, "target_modules": modules}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({**config, "bias": "none"}, f)
+    save_safetensors(os.path.join(path, "adapter_model.safetensors"), tensors)
+    return os.fspath(path)
