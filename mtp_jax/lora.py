@@ -10,11 +10,12 @@ layout) it holds ``lora_A`` [r, in] and ``lora_B`` [out, r], and the adapted mod
 
 On device (:class:`LoraStacks`), each adaptable module of a target (:class:`LoraSite`, declared by
 the target: :attr:`mtp_jax.targets.base.Target.lora_sites`) has two stacks over the layers of
-its parameter group and ``max_loras + 1`` slots: ``a`` [L, *in, S, R] (A transposed, in our
+its parameter group and ``max_loras`` slots: ``a`` [L, *in, S, R] (A transposed, in our
 layout's input axes) and ``b`` [L, S, R, *out] (B transposed, with ``s`` folded in), ``R`` the
 largest rank (``max_lora_rank``; smaller ranks padded with zeros, which adds exactly nothing);
-with per-layer weight buffers, a tuple of L such layers, each its own buffer. Slot 0 is all zeros:
-a row without an adapter. Each row of a step names its slot, and a layer adds
+with per-layer weight buffers, a tuple of L such layers, each its own buffer. Adapter slots are
+numbered from 1 (slot ``i`` at index ``i - 1``); slot 0, a row without an adapter, is not stored:
+its one-hot row is all zeros. Each row of a step names its slot, and a layer adds
 ``(x · a[slot]) · b[slot]`` beside the base matmul (:func:`delta`: every slot's ``x · a`` at once,
 as one matmul over the slots' ranks side by side, the other slots' masked to zero: each slot's
 weights are read once and nothing is copied per row). Loading an adapter writes its slot
@@ -292,7 +293,7 @@ def read_adapter(path: str | os.PathLike[str], name: str | None = None) -> Adapt
 
 
 def init_stacks(sites: Iterable[LoraSite], slots: int, rank: int, dtype, per_layer: bool = False) -> dict:
-    """Zeroed stacks for ``slots`` adapters (slot 0 stays zero: no adapter) of rank up to ``rank``:
+    """Zeroed stacks for ``slots`` adapters (slots 1..slots at indices 0..slots-1) of rank up to ``rank``:
     ``{group: {path...: {"a": [L, *in, S, R], "b": [L, S, R, *out]}}}``; ``per_layer``: each group a
     tuple of L layer trees (leaves without the L axis, each its own buffer), for models whose
     layers are per-layer buffers (a scan over stacked adapters would copy each layer's out)."""
@@ -304,8 +305,8 @@ def init_stacks(sites: Iterable[LoraSite], slots: int, rank: int, dtype, per_lay
         for name in site.path[:-1]:
             node = node.setdefault(name, {})
         node[site.path[-1]] = {
-            "a": jnp.zeros((site.count, *site.in_shape, slots + 1, rank), dtype),
-            "b": jnp.zeros((site.count, slots + 1, rank, *site.out_shape), dtype),
+            "a": jnp.zeros((site.count, *site.in_shape, slots, rank), dtype),
+            "b": jnp.zeros((site.count, slots, rank, *site.out_shape), dtype),
         }
     if per_layer:
         out = {
@@ -399,10 +400,11 @@ def _write(stacks: dict, slot: jax.Array, values: dict) -> dict:
 
 
 def write_slot(stacks: dict, slot: int, values: dict | None) -> dict:
-    """``stacks`` with slot ``slot`` set to ``values`` (:func:`slot_arrays`; None: zeros)."""
+    """``stacks`` with adapter slot ``slot`` (1..max_loras, at index ``slot - 1``) set to ``values``
+    (:func:`slot_arrays`; None: zeros)."""
     if values is None:
         values = {group: _zero_values(tree) for group, tree in stacks.items()}
-    return _write(stacks, jnp.int32(slot), values)
+    return _write(stacks, jnp.int32(slot - 1), values)
 
 
 def _zero_values(tree: Any) -> Any:

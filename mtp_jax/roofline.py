@@ -270,13 +270,15 @@ def time_step(
     profile_dir: str | None = None,
     draft: str | None = None,
     memory: dict | None = None,
+    lora_slots: Any = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
     from the MTP layer, or from the EAGLE-3 or DFlash draft of ``draft_cfg``. ``profile_dir``:
     afterwards, trace :data:`PROFILED_STEPS` more steps there with :mod:`jax.profiler`. ``memory``:
     filled with the compiled step's memory analysis (bytes of temporaries, arguments, outputs), read
-    before the first call, so it is there even when running the step runs out of memory."""
+    before the first call, so it is there even when running the step runs out of memory.
+    ``lora_slots`` [batch]: the rows' LoRA adapter slots (params holding adapters)."""
     from mtp_jax.step import StepConfig, init_state, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
@@ -292,6 +294,9 @@ def time_step(
         drafts=jnp.asarray(ids[:, 1:]),
         active=jnp.ones((batch,), bool),
     )
+    if lora_slots is not None:
+        slots = jnp.asarray(lora_slots, jnp.int32)
+        state = dataclasses.replace(state, sampling=dataclasses.replace(state.sampling, lora_slot=slots))
     # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
     calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
     lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(calls)]

@@ -8,6 +8,14 @@ SmolLM2-135M-Instruct (float32, ``--model``) with random adapters (``--adapters`
 ``--rank``, on every projection: q/k/v/o and gate/up/down) written in PEFT's layout; the held-out
 chat and code prompts of ``scripts/bench_real.py``, greedy, ``--new-tokens`` each, ignoring EOS.
 Each configuration runs once untimed (compiling) and then ``--repeats`` times; the median is kept.
+
+``--step``: time the jitted step alone instead (:func:`mtp_jax.roofline.time_step`, the program
+generation runs, at a committed length of ``--context`` tokens), alternating the model without
+LoRA and the model with ``--adapters`` adapters one per row ``--alternations`` times in one
+process (separate runs of one program move by 10-15% on these machines); ``--profile DIR`` traces
+the adapted step there with :mod:`jax.profiler` and prints its costliest operations.
+
+    python scripts/bench_lora.py --step --json benchmarks/lora/smollm2-step.json --rank 8 16 64 --batch 1 8
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", required=True)
+    parser.add_argument("--step", action="store_true", help="time the jitted step alone (see above)")
+    parser.add_argument("--context", type=int, default=256, help="--step: the rows' committed length")
+    parser.add_argument("--alternations", type=int, default=3, help="--step: rounds of A/B")
+    parser.add_argument("--iters", type=int, default=10, help="--step: steps per timed round")
+    parser.add_argument("--profile", default=None, help="--step: trace the adapted step into this directory")
     args = parser.parse_args()
 
     import bench_real
@@ -78,6 +91,10 @@ def main() -> int:
             }
             model = mtp_jax.load(args.model, "float32", lora_adapters=paths, max_lora_rank=rank)
             names = list(paths)
+            if args.step:
+                rows += step_rows(args, base, model, rank)
+                del model
+                continue
             for batch in args.batch:
                 for k in args.k:
                     configs = [
@@ -98,6 +115,55 @@ def main() -> int:
             del model
     write_json(args.json, {"command": " ".join(sys.argv), **machine_info(), "rows": rows})
     return 0
+
+
+def step_rows(args, base, model, rank: int) -> list[dict]:
+    """Step seconds without LoRA and with the adapters one per row, alternated in this process."""
+    from mtp_jax.model import DTYPES
+    from mtp_jax.roofline import device_op_times, time_step
+
+    slots = sorted(model.lora.slots.values())
+    out = []
+    for batch in args.batch:
+        for k in args.k:
+            rows = [slots[i % len(slots)] for i in range(batch)]
+            configs = {"no LoRA": (base, None), f"{len(slots)} adapters, one per row": (model, rows)}
+            runs: dict[str, list[float]] = {label: [] for label in configs}
+            for turn in range(args.alternations):
+                for label, (m, lora_slots) in configs.items():
+                    profile = None
+                    if args.profile and lora_slots is not None and turn == args.alternations - 1:
+                        profile = os.path.join(args.profile, f"r{rank}-b{batch}-k{k}")
+                    seconds = time_step(
+                        m.params,
+                        m.config,
+                        k=k,
+                        batch=batch,
+                        context=args.context,
+                        page_size=m.page_size,
+                        dtype=DTYPES[m.dtype],
+                        iters=args.iters,
+                        draft="ngram" if k else None,
+                        lora_slots=lora_slots,
+                        profile_dir=profile,
+                    )
+                    runs[label].append(seconds)
+                    if profile:
+                        for op in device_op_times(profile)[:15]:
+                            line = f"  {op['us_per_step']:9.1f} us {op['share']:6.1%}  {op['name']}"
+                            print(line, file=sys.stderr)
+            base_s, lora_s = (statistics.median(t) for t in runs.values())
+            row = {
+                "rank": rank,
+                "batch": batch,
+                "k": k,
+                "context": args.context,
+                "step_ms": {label: [round(t * 1e3, 3) for t in times] for label, times in runs.items()},
+                "ratio": lora_s / base_s,
+            }
+            print(row, file=sys.stderr, flush=True)
+            out.append(row)
+    return out
 
 
 if __name__ == "__main__":

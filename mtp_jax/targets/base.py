@@ -80,7 +80,7 @@ def with_lora(p: Any, slots: jax.Array | None) -> dict:
     if slots is None:
         return w
     count = next(x.shape[0] for path, x in jax.tree_util.tree_leaves_with_path(lora) if path[-1].key == "b")
-    rows = jax.nn.one_hot(slots, count, dtype=jnp.float32)
+    rows = jax.nn.one_hot(slots - 1, count, dtype=jnp.float32)  # slot 0 (no adapter): all zeros
     return {**w, **{name: {**w[name], "lora": {**lora[name], "rows": rows}} for name in lora}}
 
 
