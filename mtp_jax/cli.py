@@ -174,22 +174,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", help="the model's name in the API (default: the directory's)")
-    sv.add_argument(
-        "--lora-modules",
-        nargs="+",
-        metavar="NAME=DIR",
-        default=[],
-        help="PEFT LoRA adapters served beside the base model; a request names one as its model",
-    )
-    sv.add_argument(
-        "--max-loras", type=int, default=None, help="adapter slots on device (default: as many as given)"
-    )
-    sv.add_argument(
-        "--max-lora-rank",
-        type=int,
-        default=None,
-        help="the largest adapter rank (default: the adapters' largest, >= 16)",
-    )
+    add_lora_serving_args(sv)
     sv.add_argument("--slots", type=int, default=8, help="requests decoded at once")
     sv.add_argument(
         "--max-len",
@@ -450,16 +435,12 @@ def _load_with_draft(args: argparse.Namespace):
     if needs_draft_model(args.draft) and args.draft_model is None:
         raise CliError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     layer_ids = getattr(args, "draft_layer_ids", "inputs")
-    lora = getattr(args, "lora", None)
-    adapters = {_adapter_name(lora): lora} if lora else _lora_modules(getattr(args, "lora_modules", []))
     model = mtp_jax.load(
         model_dir,
         dtype=args.dtype,
         draft_model=args.draft_model,
         draft_layer_ids=layer_ids,
-        lora_adapters=adapters,
-        max_loras=getattr(args, "max_loras", None),
-        max_lora_rank=getattr(args, "max_lora_rank", None),
+        **lora_load_kwargs(args),
     )
     draft = args.draft
     if draft == "auto":
@@ -467,6 +448,46 @@ def _load_with_draft(args: argparse.Namespace):
     if draft == "none" and args.num_speculative_tokens is not None:
         raise CliError("-k needs a draft (the model has none of its own, or --draft none was given)")
     return model_dir, model, None if draft == "none" else draft
+
+
+def add_lora_serving_args(parser) -> None:
+    """The serving flags for LoRA adapters (``mtp-jax serve``, ``scripts/launch.py --serve``)."""
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=DIR",
+        default=[],
+        help="PEFT LoRA adapters served beside the base model; a request names one as its model",
+    )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        help="adapter slots on device (default: as many as given; more leave room to load at run time)",
+    )
+    parser.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="the largest adapter rank (default: the adapters' largest, >= 16)",
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then make the "
+        "server read adapter directories it can reach)",
+    )
+
+
+def lora_load_kwargs(args: argparse.Namespace) -> dict:
+    """``mtp_jax.load``'s LoRA keywords from --lora (generate) or the serving flags."""
+    lora = getattr(args, "lora", None)
+    adapters = {_adapter_name(lora): lora} if lora else _lora_modules(getattr(args, "lora_modules", []))
+    return {
+        "lora_adapters": adapters,
+        "max_loras": getattr(args, "max_loras", None),
+        "max_lora_rank": getattr(args, "max_lora_rank", None),
+    }
 
 
 def _lora_modules(specs: Sequence[str]) -> dict[str, str] | None:
@@ -542,7 +563,7 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        serve(engine, name, host=args.host, port=args.port)
+        serve(engine, name, host=args.host, port=args.port, runtime_lora=args.allow_runtime_lora_updating)
     finally:
         engine.close()
     return 0

@@ -9,7 +9,11 @@ Starlette routes on uvicorn (the ``serve`` extra: ``pip install 'mtp-jax[serve]'
   ({"num_speculative_tokens", "relaxed_topk", "relaxed_delta"}) and vLLM's ``ignore_eos`` per
   request;
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text; the speculative-decoding
-  counters under vLLM's names, ``vllm:spec_decode_num_accepted_tokens_total`` and the rest).
+  counters under vLLM's names, ``vllm:spec_decode_num_accepted_tokens_total`` and the rest);
+- LoRA adapters (``--lora-modules``) are served as models of their own: a request names one as its
+  ``model``. With ``runtime_lora`` (``--allow-runtime-lora-updating``), ``POST
+  /v1/load_lora_adapter`` ({"lora_name", "lora_path"}) and ``POST /v1/unload_lora_adapter``
+  ({"lora_name"}) load and unload them while serving (vLLM's routes), into the model's free slots.
 
 A bad request gets an OpenAI-style error body (``{"error": {"message", "type", "param",
 "code"}}``) with HTTP 400 and the server keeps serving; a full queue gets 429. A client that
@@ -53,6 +57,16 @@ def _error(message: str, status: int = 400, kind: str = "invalid_request_error",
     return JSONResponse(body, status_code=status)
 
 
+async def _json_object(request) -> Mapping:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
 def _number(body: Mapping, name: str, kind: type, default):
     value = body.get(name, default)
     if value is None:
@@ -89,9 +103,10 @@ def _grammar(body: Mapping) -> dict | None:
 class Server:
     """The routes over one :class:`~mtp_jax.serving.Engine` serving ``model_name``."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, runtime_lora: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.runtime_lora = runtime_lora
         self.created = int(time.time())
 
     # -- request parsing -----------------------------------------------------------------------
@@ -272,12 +287,7 @@ class Server:
         from starlette.responses import JSONResponse, StreamingResponse
 
         try:
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise BadRequest(f"the request body is not valid JSON: {e}") from None
-            if not isinstance(body, Mapping):
-                raise BadRequest("the request body must be a JSON object")
+            body = await _json_object(request)
             text_codec = self.engine.model.text
             if chat:
                 messages = body.get("messages")
@@ -374,6 +384,55 @@ class Server:
         )
         return JSONResponse({"object": "list", "data": [card, *adapters]})
 
+    async def load_lora_adapter(self, request):
+        return await self._lora_update(request, load=True)
+
+    async def unload_lora_adapter(self, request):
+        return await self._lora_update(request, load=False)
+
+    async def _lora_update(self, request, load: bool):
+        """vLLM's runtime adapter routes: read and check the adapter off the event loop, then the
+        engine writes (or frees) its slot between two steps; nothing compiles."""
+        from starlette.responses import PlainTextResponse
+
+        try:
+            if not self.runtime_lora:
+                raise BadRequest(
+                    "loading and unloading LoRA adapters at run time is off: start the server with "
+                    "--allow-runtime-lora-updating (it lets clients make the server read any adapter "
+                    "directory it can reach)",
+                    403,
+                    "permission_error",
+                )
+            body = await _json_object(request)
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest("lora_name must be a non-empty string", param="lora_name")
+            if name == self.model_name:
+                raise BadRequest(f"{name!r} is the base model's name", param="lora_name")
+            if load:
+                path = body.get("lora_path")
+                if not isinstance(path, str) or not path:
+                    raise BadRequest("lora_path must be a non-empty string", param="lora_path")
+                await asyncio.to_thread(self.engine.load_lora, name, path)
+                return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+            if name not in self.engine.model.loras:
+                loaded = ", ".join(repr(n) for n in self.engine.model.loras) or "none"
+                raise BadRequest(
+                    f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})",
+                    404,
+                    "not_found_error",
+                    "lora_name",
+                )
+            await asyncio.to_thread(self.engine.unload_lora, name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        except BadRequest as e:
+            return _error(str(e), e.status, e.kind, e.param)
+        except EngineClosedError as e:
+            return _error(str(e), 503, "server_error")
+        except (ValueError, FileNotFoundError) as e:  # AdapterError, InvalidRequestError included
+            return _error(str(e), param="lora_path" if load else "lora_name")
+
     async def health(self, request):
         from starlette.responses import JSONResponse
 
@@ -453,6 +512,8 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
         ]
 
         async def not_found(request, exc):
@@ -478,11 +539,14 @@ def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def serve(engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the server until interrupted (uvicorn)."""
+def serve(
+    engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, runtime_lora: bool = False
+) -> None:
+    """Run the server until interrupted (uvicorn). ``runtime_lora``: enable the routes that load and
+    unload LoRA adapters while serving."""
     try:
         import uvicorn
     except ImportError as e:
         raise InvalidRequestError("mtp-jax serve needs the serve extra: pip install 'mtp-jax[serve]'") from e
-    app = Server(engine, model_name).app()
+    app = Server(engine, model_name, runtime_lora).app()
     uvicorn.run(app, host=host, port=port, log_level=os.environ.get("MTP_JAX_LOG_LEVEL", "info"))

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=8, help="--serve: requests decoded at once")
     s.add_argument("--max-len", type=int, default=None, help="--serve: tokens per request, prompt included")
     s.add_argument("--max-queue", type=int, default=256, help="--serve: requests that may wait for a slot")
+    from mtp_jax.cli import add_lora_serving_args
+
+    add_lora_serving_args(s)
     s.add_argument(
         "--warmup",
         choices=["background", "first", "none"],
@@ -180,13 +183,18 @@ def run(args: argparse.Namespace) -> int:
         )
     mesh = mtp_jax.make_mesh(**axes)
     t0 = time.perf_counter()
-    from mtp_jax.cli import check_draft_name, needs_draft_model
+    from mtp_jax.cli import check_draft_name, lora_load_kwargs, needs_draft_model
 
     check_draft_name(args.draft, LaunchError)
     if needs_draft_model(args.draft) and args.draft_model is None:
         raise LaunchError(f"--draft {args.draft} needs --draft-model DIR (the draft's directory)")
     model = mtp_jax.load(
-        model_dir, args.dtype, mesh=mesh, draft_model=args.draft_model, draft_layer_ids=args.draft_layer_ids
+        model_dir,
+        args.dtype,
+        mesh=mesh,
+        draft_model=args.draft_model,
+        draft_layer_ids=args.draft_layer_ids,
+        **(lora_load_kwargs(args) if args.serve else {}),
     )
     load_s = time.perf_counter() - t0
     draft = args.draft
@@ -255,7 +263,7 @@ def _serve(args: argparse.Namespace, model, model_dir: str, draft: str | None, a
         flush=True,
     )
     try:
-        serve(engine, name, host=args.host, port=args.port)
+        serve(engine, name, host=args.host, port=args.port, runtime_lora=args.allow_runtime_lora_updating)
     finally:
         engine.close()
     return 1 if engine.failed else 0

@@ -91,10 +91,11 @@ def test_two_processes_run_a_tensor_parallel_llama_like_one():
 
 
 @pytest.mark.slow
-def test_two_processes_serve_what_one_generates():
+def test_two_processes_serve_what_one_generates(tmp_path):
     """--serve over 2 processes: process 0 serves HTTP, process 1 replays its engine's steps;
     concurrent greedy requests (one client hanging up mid-stream) get offline generate's text, the
-    pages all come back, and a SIGINT to process 0 stops both cleanly."""
+    pages all come back; a LoRA adapter loaded at run time (both processes) serves offline
+    generate's text with it; and a SIGINT to process 0 stops both cleanly."""
     httpx = require_extra("httpx")
     require_extra("uvicorn")
     import signal
@@ -105,7 +106,8 @@ def test_two_processes_serve_what_one_generates():
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, LAUNCH, "--local", "2", "--mesh", "data=2,expert=4", "--serve", "--port", str(port),
-         "--slots", "2", "--max-len", "64", "--warmup", "none", "--timeout", "500"],
+         "--slots", "2", "--max-len", "64", "--warmup", "none", "--timeout", "500", "--max-loras", "1",
+         "--allow-runtime-lora-updating"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
     lines: list[str] = []
@@ -141,9 +143,23 @@ def test_two_processes_serve_what_one_generates():
             t.start()
         for t in threads:
             t.join(400)
-        model = mtp_jax.load(EMBEDDED_MODEL, "float32")
+        model = mtp_jax.load(EMBEDDED_MODEL, "float32", max_loras=1)
         want = model.generate(prompts, max_new_tokens=16, draft="mtp", num_speculative_tokens=3).texts
         assert [texts.get(i) for i in range(3)] == want
+        # an adapter loaded while serving: process 1 loads it into the same slot before the next step
+        from tests.test_lora import write_random_adapter
+
+        adapter = write_random_adapter(tmp_path / "a", model, 4, ["kv_b_proj", "o_proj", "up_proj"], seed=3)
+        r = httpx.post(
+            base + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapter}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        body = {"model": "a", "prompt": prompts[0], "max_tokens": 16, "temperature": 0, "n": 2}
+        got = httpx.post(base + "/v1/completions", json=body, timeout=300).json()["choices"]
+        model.load_lora("a", adapter)
+        kw = dict(max_new_tokens=16, draft="mtp", num_speculative_tokens=3, lora="a")
+        adapted = model.generate(prompts[:1], **kw).texts[0]
+        assert [c["text"] for c in got] == [adapted] * 2 and adapted != want[0]  # rows of both processes
         usage = None
         for _ in range(100):  # the hung-up request is cancelled within a step or two
             metrics = httpx.get(base + "/metrics", timeout=30).text
@@ -283,9 +299,9 @@ BROADCAST_CHILD = textwrap.dedent(
         engine.close()
         print("BROADCAST-OK", flush=True)
     else:
-        with pytest.raises(mtp_jax.InvalidRequestError, match="requests go to process 0"):
+        with pytest.raises(mtp_jax.InvalidRequestError, match="process 0's engine takes requests"):
             engine.submit([1, 2])
-        with pytest.raises(mtp_jax.InvalidRequestError, match="only process 0's engine warms up"):
+        with pytest.raises(mtp_jax.InvalidRequestError, match="process 0's engine warms up"):
             engine.warmup()
         sizes = b.receive()
         quiet = mtp_jax.Engine(engine.model, slots=1, max_len=32)

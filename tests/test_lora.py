@@ -160,6 +160,41 @@ def _adapter_copy(tmp_path, name: str = LLAMA_ADAPTERS[0], config=None, tensors=
 Q0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
 
 
+def test_an_adapter_loaded_while_serving_changes_only_its_own_requests(llama, tmp_path):
+    """Engine.load_lora between two steps of running requests: they go on as they would have, the
+    new adapter's request decodes with it; unloading waits for its requests (refused meanwhile)."""
+    ref = reference(LLAMA_ADAPTERS[0])
+    prompts = [[int(t) for t in row[:6]] for row in ref["input_ids"]]
+    extra = write_random_adapter(tmp_path / "extra", llama, 8, ["q_proj", "down_proj"], seed=5, alpha=32)
+    kw = dict(ignore_eos=True, draft="ngram", num_speculative_tokens=2)
+    alone = {
+        name: llama.generate(prompts[:1], max_new_tokens=48, lora=name, **kw).tokens[0]
+        for name in (LLAMA_ADAPTERS[0], None)
+    }
+    llama.load_lora("extra", extra)
+    want = llama.generate(prompts[1:2], max_new_tokens=8, lora="extra", **kw).tokens[0]
+    llama.unload_lora("extra")
+    assert want != llama.generate(prompts[1:2], max_new_tokens=8, **kw).tokens[0]
+    with mtp_jax.Engine(llama, slots=4, max_len=64, draft="ngram", num_speculative_tokens=2) as engine:
+        with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'extra'"):
+            engine.submit(prompts[1], max_new_tokens=8, lora="extra")
+        running = [engine.submit(prompts[0], max_new_tokens=48, ignore_eos=True, lora=name) for name in alone]
+        next(iter(running[0]))  # decoding
+        engine.load_lora("extra", extra)
+        assert not running[0].done  # loaded between two of its steps
+        new = engine.submit(prompts[1], max_new_tokens=8, ignore_eos=True, lora="extra")
+        with pytest.raises(InvalidRequestError, match="'extra' is in use by 1 waiting or running"):
+            engine.unload_lora("extra")
+        assert [r.result(60).tokens for r in running] == list(alone.values())
+        assert new.result(60).tokens == want
+        engine.unload_lora("extra")
+        with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'extra'"):
+            engine.unload_lora("extra")
+        with pytest.raises(InvalidRequestError, match="is loaded already"):
+            engine.load_lora(LLAMA_ADAPTERS[0], extra)
+    assert llama.loras == tuple(LLAMA_ADAPTERS)
+
+
 @pytest.mark.parametrize(
     ("config", "tensors", "message"),
     [
@@ -337,6 +372,30 @@ def test_deepseek_mtp_speculation_with_an_adapter_is_lossless(tmp_path):
     assert want[1] == plain.generate(prompts[1:], max_new_tokens=12, ignore_eos=True).tokens[0]
     spec = model.generate(prompts, draft="mtp", num_speculative_tokens=3, **kw)
     assert spec.tokens == want and spec.stats["num_accepted_tokens"] > 0
+
+
+def test_eagle3_dflash_and_draft_model_speculation_with_an_adapter_is_lossless(tmp_path):
+    """The embedded tiny Llama with its shipped EAGLE-3, DFlash and draft-model drafts (base
+    weights) and an adapter on the target: greedy speculation equals plain decoding with the
+    adapter, row by row beside a row without one, and the drafts are still accepted."""
+    from tokenizers import Tokenizer
+
+    path = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+    plain = mtp_jax.load(path, "float32")
+    adapter = write_random_adapter(
+        tmp_path / "a", plain, 8, ["q_proj", "v_proj", "down_proj"], seed=4, alpha=8
+    )
+    target = mtp_jax.load(path, "float32", lora_adapters={"a": adapter})
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    prompts = [tok.encode(t).ids for t in ("def read_config(path):\n", "import os\nimport sys\n")]
+    kw = dict(max_new_tokens=24, ignore_eos=True, lora=["a", None])
+    want = target.generate(prompts, **kw).tokens
+    assert want[0] != plain.generate(prompts[:1], max_new_tokens=24, ignore_eos=True).tokens[0]
+    for method, suffix in (("eagle3", "eagle3"), ("dflash", "dflash"), ("draft_model", "draft")):
+        model = target.with_draft(f"{path}-{suffix}")
+        assert model.loras == ("a",)  # the adapters come along
+        out = model.generate(prompts, draft=method, num_speculative_tokens=3, **kw)
+        assert out.tokens == want and out.stats["num_accepted_tokens"] > 0, method
 
 
 # Tensor-parallel Llama (data x tensor) and expert-parallel DeepSeek-V3 (data x expert) on 8 simulated

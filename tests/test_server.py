@@ -44,7 +44,7 @@ def served(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_server(engine, name: str):
+def running_server(engine, name: str, runtime_lora: bool = False):
     """``engine`` served as ``name`` on a free loopback port (yields its base URL); closed after."""
     import uvicorn
 
@@ -53,7 +53,7 @@ def running_server(engine, name: str):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Server(engine, name).app(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(Server(engine, name, runtime_lora).app(), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):
@@ -265,16 +265,17 @@ def lora_served(tmp_path_factory):
         "terse": write_random_adapter(root / "terse", base, 4, ["q_proj", "v_proj"], seed=1, alpha=64),
         "wordy": write_random_adapter(root / "wordy", base, 8, ["gate_proj", "up_proj", "down_proj"], seed=2),
     }
-    model = mtp_jax.load(LLAMA, "float32", lora_adapters=adapters)
+    model = mtp_jax.load(LLAMA, "float32", lora_adapters=adapters, max_loras=3)  # a free slot
     engine = mtp_jax.Engine(model, slots=4, max_len=128, draft="ngram", num_speculative_tokens=2)
-    with running_server(engine, "tiny-llama") as url:
-        yield model, url
+    extra = write_random_adapter(root / "extra", base, 8, ["o_proj", "down_proj"], seed=3, alpha=32)
+    with running_server(engine, "tiny-llama", runtime_lora=True) as url:
+        yield model, url, extra
 
 
 def test_lora_adapters_are_served_as_models(lora_served):
     """Two adapters served at once through the openai client, each request naming its adapter as
     its model (vLLM's convention), each equal to offline generate with that adapter."""
-    model, base = lora_served
+    model, base, _ = lora_served
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
     listed = client.models.list().data
     assert [m.id for m in listed] == ["tiny-llama", "terse", "wordy"]
@@ -293,3 +294,41 @@ def test_lora_adapters_are_served_as_models(lora_served):
     r = httpx.post(base + "/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 400 and "'nope' is not served here" in r.json()["error"]["message"]
     assert "'terse', 'wordy'" in r.json()["error"]["message"]
+
+
+def test_adapters_load_and_unload_while_serving(lora_served, served):
+    """vLLM's runtime routes: an adapter loaded into the free slot is served under its name (equal to
+    offline generate with it), unloaded it is gone; the refusals answer with clear error bodies;
+    a server started without --allow-runtime-lora-updating refuses with 403."""
+    from mtp_jax.step import prefill, step
+
+    model, base, extra = lora_served
+    prompt = "def parse_args(argv):"
+    body = {"model": "extra", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    compiled = (step._cache_size(), prefill._cache_size())
+    before = httpx.post(base + "/v1/completions", json={**body, "model": "tiny-llama"}).json()
+    r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": str(extra)})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'extra' added successfully."
+    listed = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
+    assert listed == ["tiny-llama", "extra", "terse", "wordy"]
+    got = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]["text"]
+    want = model.generate([prompt], max_new_tokens=16, ignore_eos=True, lora="extra").texts[0]
+    assert got == want != before["choices"][0]["text"]
+    assert (step._cache_size(), prefill._cache_size()) == compiled  # nothing compiled
+    for route, payload, status, message in (
+        ("load", {"lora_name": "extra", "lora_path": str(extra)}, 400, "'extra' is loaded already"),
+        ("load", {"lora_name": "more", "lora_path": str(extra)}, 400, "all 3 LoRA slots are taken"),
+        ("load", {"lora_name": "x", "lora_path": str(extra) + "-missing"}, 400, "missing"),
+        ("load", {"lora_name": "x"}, 400, "lora_path must be a non-empty string"),
+        ("load", {"lora_name": "tiny-llama", "lora_path": str(extra)}, 400, "the base model's name"),
+        ("unload", {"lora_name": "nope"}, 404, "no LoRA adapter named 'nope' is loaded"),
+    ):
+        r = httpx.post(f"{base}/v1/{route}_lora_adapter", json=payload)
+        assert r.status_code == status and message in r.json()["error"]["message"], (payload, r.text)
+    r = httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "extra"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'extra' removed successfully."
+    r = httpx.post(base + "/v1/completions", json=body)
+    assert r.status_code == 400 and "'extra' is not served here" in r.json()["error"]["message"]
+    assert model.loras == ("terse", "wordy")
+    r = httpx.post(served[2] + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(extra)})
+    assert r.status_code == 403 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]

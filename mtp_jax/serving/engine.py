@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import queue
 import threading
 import warnings
@@ -17,7 +18,7 @@ import jax
 import numpy as np
 
 from mtp_jax.engine import Request, Scheduler, next_power_of_two, pages_needed
-from mtp_jax.errors import InvalidRequestError
+from mtp_jax.errors import AdapterError, InvalidRequestError
 from mtp_jax.request import (
     CheckedRequest,
     SamplingParams,
@@ -156,11 +157,7 @@ class Engine:
         decoding; default: the engine's K). ``stop`` strings and ``stop_token_ids`` end it with
         finish reason "stop"; ``stop_check(token)`` True too (one process only). Text prompts, stop
         strings or ``detokenize`` give the handle the request's text as it comes."""
-        if not self.leader:
-            raise InvalidRequestError(
-                f"this is process {self.replay.channel.me} of a multi-process run: requests go to "
-                "process 0's engine (the others follow it)"
-            )
+        self._check_leader("takes requests")
         if stop_check is not None and self.replay.multi_process:
             raise InvalidRequestError(
                 "stop_check cannot be replayed on the other processes of a multi-process run: use stop "
@@ -190,6 +187,11 @@ class Engine:
                 raise EngineClosedError(f"the engine is closed{self._failure_note()}")
             if self._waiting >= self.max_queue:
                 raise EngineFullError(f"the engine's queue is full ({self.max_queue} requests waiting)")
+            adapter = checked.params.lora
+            if adapter is not None and self.model.lora.slots.get(adapter) != checked.lora_slot:
+                raise InvalidRequestError(
+                    f"LoRA adapter {adapter!r} was unloaded while the request was checked"
+                )
             rid = self._next_id
             self._next_id += 1
             handle = self._build(rid, checked, stop_check)
@@ -267,21 +269,19 @@ class Engine:
             if waiting:
                 with self._lock:
                     self._waiting -= 1
-        elif kind == "warmup":
-            progress, done = value
+        elif kind in ("warmup", "lora_load", "lora_unload"):
+            argument, done = value
             try:
-                if self.scheduler.pending is not None or any(o is not None for o in self.scheduler.owner):
-                    raise InvalidRequestError("warm the engine up before requests run (some are running)")
-                # the followers compile the same programs in the same order (and, this message
-                # ending with "warmup", do not step after it: neither does this loop)
-                self.replay.record("warmup")
-                self.replay.publish()
-                done.append(self.warming.run(progress))
-            except InvalidRequestError as e:
-                done.append(e)
+                done.append(self._job(kind, argument))
             except BaseException as e:
+                # refused (nothing changed; serving goes on): a bad request, or an adapter that
+                # cannot be loaded (e.g. no free slot); anything else ends the loop
+                refused = isinstance(e, (InvalidRequestError, AdapterError)) or (
+                    kind != "warmup" and isinstance(e, ValueError)
+                )
                 done.append(e)
-                raise
+                if not refused:
+                    raise
             finally:
                 with done[0]:
                     done[0].notify_all()
@@ -301,15 +301,19 @@ class Engine:
         at once and the engine compiles them, smallest first, whenever no request runs (a request
         meanwhile may still compile the program it needs; ``stats()["warmup_left"]`` counts down).
         (Process 0 of a multi-process run: the others follow.)"""
-        if not self.leader:
-            raise InvalidRequestError("only process 0's engine warms up: the others follow it")
+        self._check_leader("warms up")
         if background:
             jobs = self.warming.plan()
             self._inbox.put(("warmup_background", (jobs, progress)))
             return len(jobs)
+        return self._on_loop("warmup", progress)
+
+    def _on_loop(self, kind: str, argument: Any) -> Any:
+        """Run job ``kind`` (:meth:`_job`) on the engine's thread between two steps, wait for it and
+        return its result (or raise its error)."""
         done: list = [threading.Condition()]
         with done[0]:
-            self._inbox.put(("warmup", (progress, done)))
+            self._inbox.put((kind, (argument, done)))
             while len(done) == 1:
                 if not self._thread.is_alive():
                     raise EngineClosedError(f"the engine is closed{self._failure_note()}")
@@ -317,6 +321,72 @@ class Engine:
         if isinstance(done[1], BaseException):
             raise done[1]
         return done[1]
+
+    def _job(self, kind: str, argument: Any) -> Any:
+        """(The engine's thread, between two steps.) A warm-up, or loading or unloading an adapter."""
+        if kind == "warmup":
+            if self.scheduler.pending is not None or any(o is not None for o in self.scheduler.owner):
+                raise InvalidRequestError("warm the engine up before requests run (some are running)")
+            # the followers compile the same programs in the same order (and, this message
+            # ending with "warmup", do not step after it: neither does this loop)
+            self.replay.record("warmup")
+            self.replay.publish()
+            return self.warming.run(argument)
+        if kind == "lora_load":
+            name, adapter = argument
+            self.model.load_lora(name, adapter)
+            self.replay.record("lora_load", name, adapter.path)
+            return None
+        name = argument
+        with self._lock:  # no request naming it may be submitted meanwhile (see submit)
+            users = sum(1 for h in self._handles.values() if h._checked.params.lora == name)
+            if users:
+                raise InvalidRequestError(
+                    f"LoRA adapter {name!r} is in use by {users} waiting or running request(s): cancel "
+                    "them or let them finish first"
+                )
+            self.model.unload_lora(name)
+        self.replay.record("lora_unload", name)
+        return None
+
+    # -- LoRA adapters while serving (any thread) ----------------------------------------------
+
+    def load_lora(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Load the PEFT LoRA adapter in directory ``path`` under ``name`` while the engine serves:
+        read and checked on the calling thread (:class:`~mtp_jax.AdapterError` naming what cannot be
+        applied), then written into a free slot by the engine's thread between two steps. Nothing
+        compiles and requests already running are not disturbed; requests may name ``name`` once
+        this returns. The model needs free LoRA slots (``mtp_jax.load(..., max_loras=N)``). The
+        other processes of a multi-process run read the adapter from the same path."""
+        from mtp_jax.lora import read_adapter
+
+        self._check_leader("loads adapters")
+        table = self.model.lora
+        if table is None:
+            raise InvalidRequestError(
+                "this engine's model has no LoRA slots: load it with max_loras=N (and max_lora_rank=R)"
+            )
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"an adapter's name must be a non-empty string, got {name!r}")
+        if name in table.slots:
+            raise InvalidRequestError(f"a LoRA adapter named {name!r} is loaded already")
+        self._on_loop("lora_load", (name, read_adapter(path, name)))
+
+    def unload_lora(self, name: str) -> None:
+        """Free adapter ``name``'s slot between two steps (nothing compiles). Refused while a request
+        that names it waits or runs: cancel those, or let them finish, first."""
+        self._check_leader("unloads adapters")
+        if name not in self.model.loras:
+            loaded = ", ".join(repr(n) for n in self.model.loras) or "none"
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
+        self._on_loop("lora_unload", name)
+
+    def _check_leader(self, what: str) -> None:
+        if not self.leader:
+            raise InvalidRequestError(
+                f"this is process {self.replay.channel.me} of a multi-process run: process 0's engine "
+                f"{what} (the others follow it)"
+            )
 
     def _schedule(self, handle: RequestHandle) -> None:
         if handle._checked.params.grammar is not None and self.scheduler.constraints is None:

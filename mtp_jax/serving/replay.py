@@ -25,9 +25,11 @@ log = logging.getLogger(__name__)
 class Replay:
     """One engine's stream of events to the other processes (a no-op in a one-process run).
 
-    Events are JSON lists: ``["submit", id, request]``, ``["cancel", id]``, ``["warmup"]`` (the
-    followers warm up instead of stepping), ``["warmjob", kind, ...]`` (one program of a background
-    warm-up instead of a step) and ``["close"]``."""
+    Events are JSON lists: ``["submit", id, request]``, ``["cancel", id]``, ``["lora_load", name,
+    path]`` and ``["lora_unload", name]`` (an adapter loaded into the same slot, or freed, before the
+    next step; each process reads the adapter from ``path`` itself), ``["warmup"]`` (the followers
+    warm up instead of stepping), ``["warmjob", kind, ...]`` (one program of a background warm-up
+    instead of a step) and ``["close"]``."""
 
     def __init__(self) -> None:
         self.leader = jax.process_index() == 0
@@ -65,6 +67,10 @@ class Replay:
                         engine._adopt(rid, CheckedRequest.from_json(spec))
                     elif kind == "cancel":
                         engine._drop(args[0])
+                    elif kind == "lora_load":
+                        engine.model.load_lora(*args)
+                    elif kind == "lora_unload":
+                        engine.model.unload_lora(args[0])
                     elif kind == "close":
                         engine._fail(EngineClosedError("process 0 closed the engine"))
                         return
