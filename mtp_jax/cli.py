@@ -174,7 +174,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", help="the model's name in the API (default: the directory's)")
-    add_lora_serving_args(sv)
+    add_server_args(sv)
     sv.add_argument("--slots", type=int, default=8, help="requests decoded at once")
     sv.add_argument(
         "--max-len",
@@ -450,8 +450,21 @@ def _load_with_draft(args: argparse.Namespace):
     return model_dir, model, None if draft == "none" else draft
 
 
-def add_lora_serving_args(parser) -> None:
-    """The serving flags for LoRA adapters (``mtp-jax serve``, ``scripts/launch.py --serve``)."""
+def add_server_args(parser) -> None:
+    """The server's flags shared by ``mtp-jax serve`` and ``scripts/launch.py --serve``: access,
+    request size, LoRA adapters."""
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MTP_JAX_API_KEY"),
+        help="every /v1 request must carry this bearer token, else 401 (default: $MTP_JAX_API_KEY; "
+        "/health and /metrics stay open)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 2**20,
+        help="larger request bodies get 413 before they are read (default: 16 MiB)",
+    )
     parser.add_argument(
         "--lora-modules",
         nargs="+",
@@ -477,6 +490,15 @@ def add_lora_serving_args(parser) -> None:
         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then make the "
         "server read adapter directories it can reach)",
     )
+
+
+def server_kwargs(args: argparse.Namespace) -> dict:
+    """:func:`mtp_jax.server.serve`'s keywords from :func:`add_server_args`' flags."""
+    return {
+        "runtime_lora": args.allow_runtime_lora_updating,
+        "api_key": args.api_key,
+        "max_request_bytes": args.max_request_bytes,
+    }
 
 
 def lora_load_kwargs(args: argparse.Namespace) -> dict:
@@ -563,7 +585,7 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     try:
-        serve(engine, name, host=args.host, port=args.port, runtime_lora=args.allow_runtime_lora_updating)
+        serve(engine, name, host=args.host, port=args.port, **server_kwargs(args))
     finally:
         engine.close()
     return 0

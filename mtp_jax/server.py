@@ -15,6 +15,10 @@ Starlette routes on uvicorn (the ``serve`` extra: ``pip install 'mtp-jax[serve]'
   /v1/load_lora_adapter`` ({"lora_name", "lora_path"}) and ``POST /v1/unload_lora_adapter``
   ({"lora_name"}) load and unload them while serving (vLLM's routes), into the model's free slots.
 
+With an API key (``--api-key`` or ``MTP_JAX_API_KEY``) every ``/v1`` request needs it as a bearer
+token (401); a request body over ``--max-request-bytes`` (16 MiB) gets 413 before it is read, and
+prompts are tokenised off the event loop, so no single request makes the server deaf.
+
 A bad request gets an OpenAI-style error body (``{"error": {"message", "type", "param",
 "code"}}``) with HTTP 400 and the server keeps serving; a full queue gets 429. A client that
 disconnects cancels its requests (their pages are freed at once).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import os
@@ -57,9 +62,20 @@ def _error(message: str, status: int = 400, kind: str = "invalid_request_error",
     return JSONResponse(body, status_code=status)
 
 
-async def _json_object(request) -> Mapping:
+MAX_REQUEST_BYTES = 16 * 2**20
+
+
+async def _json_object(request, limit: int) -> Mapping:
+    """The request's JSON object body, read as it arrives and refused (413) once over ``limit``
+    bytes, whatever its Content-Length said (a chunked body has none)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"the request body is over {limit} bytes", 413)
+        chunks.append(chunk)
     try:
-        body = json.loads(await request.body())
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, Mapping):
@@ -103,10 +119,27 @@ def _grammar(body: Mapping) -> dict | None:
 class Server:
     """The routes over one :class:`~mtp_jax.serving.Engine` serving ``model_name``."""
 
-    def __init__(self, engine: Engine, model_name: str, runtime_lora: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        runtime_lora: bool = False,
+        api_key: str | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+    ) -> None:
+        if (
+            isinstance(max_request_bytes, bool)
+            or not isinstance(max_request_bytes, int)
+            or max_request_bytes < 1
+        ):
+            raise InvalidRequestError(
+                f"max_request_bytes must be a positive integer, got {max_request_bytes!r}"
+            )
         self.engine = engine
         self.model_name = model_name
         self.runtime_lora = runtime_lora
+        self.api_key = api_key or None
+        self.max_request_bytes = max_request_bytes
         self.created = int(time.time())
 
     # -- request parsing -----------------------------------------------------------------------
@@ -121,6 +154,17 @@ class Server:
             return model
         served = ", ".join(repr(m) for m in (self.model_name, *self.engine.model.loras))
         raise BadRequest(f"model {model!r} is not served here; this server serves {served}", param="model")
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuse, before tokenising, a text too long for the context whatever its tokens."""
+        most = self.engine.max_len * self.engine.model.text.longest_token_chars
+        if chars > most:
+            raise BadRequest(
+                f"the prompt has {chars} characters: more than the engine's context of "
+                f"{self.engine.max_len} tokens can hold (at most {most} characters; refused before "
+                "tokenising)",
+                param=param,
+            )
 
     def _common(self, body: Mapping, default_max_tokens: int | None, prompt_len: int) -> dict:
         adapter = self._adapter(body)
@@ -287,17 +331,21 @@ class Server:
         from starlette.responses import JSONResponse, StreamingResponse
 
         try:
-            body = await _json_object(request)
+            body = await _json_object(request, self.max_request_bytes)
             text_codec = self.engine.model.text
-            if chat:
+            if chat:  # rendered and tokenised off the event loop: other requests go on meanwhile
                 messages = body.get("messages")
-                prompt = text_codec.encode(text_codec.render_chat(messages))
+                if isinstance(messages, list):
+                    texts = [m.get("content") for m in messages if isinstance(m, Mapping)]
+                    self._check_chars(sum(len(t) for t in texts if isinstance(t, str)), "messages")
+                prompt = await asyncio.to_thread(lambda: text_codec.encode(text_codec.render_chat(messages)))
             else:
                 prompt = body.get("prompt")
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                     prompt = prompt[0]
                 if isinstance(prompt, str):
-                    prompt = text_codec.encode(prompt)
+                    self._check_chars(len(prompt), "prompt")
+                    prompt = await asyncio.to_thread(text_codec.encode, prompt)
                 elif not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
                     raise BadRequest(
                         "prompt must be a string or a list of token ids (one prompt)", param="prompt"
@@ -404,7 +452,7 @@ class Server:
                     403,
                     "permission_error",
                 )
-            body = await _json_object(request)
+            body = await _json_object(request, self.max_request_bytes)
             name = body.get("lora_name")
             if not isinstance(name, str) or not name:
                 raise BadRequest("lora_name must be a non-empty string", param="lora_name")
@@ -523,7 +571,44 @@ class Server:
             log.exception("request failed")
             return _error(f"internal error: {exc}", 500, "server_error")
 
-        return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found, 500: crashed})
+        app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found, 500: crashed})
+        return _Guard(app, self.api_key, self.max_request_bytes)
+
+
+class _Guard:
+    """ASGI middleware in front of the routes: without the API key's bearer token a ``/v1`` request
+    gets 401 (``/health`` and ``/metrics`` stay open); a body whose Content-Length is over the limit
+    gets 413 before any of it is read (bodies without one are counted as they arrive)."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int) -> None:
+        self.app, self.api_key, self.limit = app, api_key, max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        refusal = None
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
+                refusal = (
+                    "a valid API key is needed: Authorization: Bearer <key>",
+                    401,
+                    "authentication_error",
+                )
+        length = headers.get(b"content-length")
+        if refusal is None and length is not None:
+            if not length.isdigit():
+                refusal = (
+                    f"Content-Length must be a number of bytes, got {length!r}",
+                    400,
+                    "invalid_request_error",
+                )
+            elif int(length) > self.limit:
+                refusal = (f"the request body is over {self.limit} bytes", 413, "invalid_request_error")
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        await _error(refusal[0], refusal[1], refusal[2])(scope, receive, send)
 
 
 def _by_reason(finished: dict[str, int]) -> dict[str, int]:
@@ -540,13 +625,20 @@ def _sse(obj: dict) -> bytes:
 
 
 def serve(
-    engine: Engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, runtime_lora: bool = False
+    engine: Engine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    runtime_lora: bool = False,
+    api_key: str | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> None:
     """Run the server until interrupted (uvicorn). ``runtime_lora``: enable the routes that load and
-    unload LoRA adapters while serving."""
+    unload LoRA adapters while serving. ``api_key``: every ``/v1`` request must carry it as a bearer
+    token (401 otherwise). ``max_request_bytes``: larger request bodies get 413 unread."""
     try:
         import uvicorn
     except ImportError as e:
         raise InvalidRequestError("mtp-jax serve needs the serve extra: pip install 'mtp-jax[serve]'") from e
-    app = Server(engine, model_name, runtime_lora).app()
+    app = Server(engine, model_name, runtime_lora, api_key, max_request_bytes).app()
     uvicorn.run(app, host=host, port=port, log_level=os.environ.get("MTP_JAX_LOG_LEVEL", "info"))

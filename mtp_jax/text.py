@@ -10,6 +10,7 @@ Jinja2 comes with the ``serve`` extra (``pip install 'mtp-jax[serve]'``).
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,6 +48,13 @@ class TextCodec:
             template = named.get("default")
         self.chat_template: str | None = template if isinstance(template, str) else None
         self._compiled = None
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """An upper bound on the characters one token can stand for (its vocabulary entry's length:
+        byte-level and metaspace entries never decode to more characters than they have), so a
+        text longer than ``n`` times this needs more than ``n`` tokens without being tokenised."""
+        return max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> TextCodec:

@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=8, help="--serve: requests decoded at once")
     s.add_argument("--max-len", type=int, default=None, help="--serve: tokens per request, prompt included")
     s.add_argument("--max-queue", type=int, default=256, help="--serve: requests that may wait for a slot")
-    from mtp_jax.cli import add_lora_serving_args
+    from mtp_jax.cli import add_server_args
 
-    add_lora_serving_args(s)
+    add_server_args(s)
     s.add_argument(
         "--warmup",
         choices=["background", "first", "none"],
@@ -246,7 +246,7 @@ def _serve(args: argparse.Namespace, model, model_dir: str, draft: str | None, a
 
     import jax
 
-    from mtp_jax.cli import make_engine
+    from mtp_jax.cli import make_engine, server_kwargs
 
     engine = make_engine(args, model, draft)
     if jax.process_index() != 0:
@@ -263,7 +263,7 @@ def _serve(args: argparse.Namespace, model, model_dir: str, draft: str | None, a
         flush=True,
     )
     try:
-        serve(engine, name, host=args.host, port=args.port, runtime_lora=args.allow_runtime_lora_updating)
+        serve(engine, name, host=args.host, port=args.port, **server_kwargs(args))
     finally:
         engine.close()
     return 1 if engine.failed else 0

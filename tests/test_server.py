@@ -332,3 +332,55 @@ def test_adapters_load_and_unload_while_serving(lora_served, served):
     assert model.loras == ("terse", "wordy")
     r = httpx.post(served[2] + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(extra)})
     assert r.status_code == 403 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+
+
+def test_api_key_and_request_size_guard_the_routes(served):
+    """With an API key every /v1 route needs its bearer token (401; /health and /metrics stay open);
+    a body over the limit gets 413, from its Content-Length unread or counted as it arrives."""
+    from starlette.testclient import TestClient
+
+    from mtp_jax.server import Server
+
+    model, engine, _ = served
+    app = Server(engine, NAME, api_key="sekrit", max_request_bytes=1000).app()
+    ok = {"Authorization": "Bearer sekrit"}
+    with TestClient(app) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = http.get("/v1/models", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", headers
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 401
+        assert http.get("/v1/models", headers=ok).json()["data"][0]["id"] == NAME
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
+        big = {"prompt": "x" * 2000, "max_tokens": 1}
+        r = http.post("/v1/completions", json=big, headers=ok)
+        assert r.status_code == 413 and "over 1000 bytes" in r.json()["error"]["message"]
+        chunks = iter([b'{"prompt": "', b"x" * 2000, b'", "max_tokens": 1}'])  # no Content-Length
+        r = http.post("/v1/completions", content=chunks, headers=ok)
+        assert r.status_code == 413 and "over 1000 bytes" in r.json()["error"]["message"]
+        body = {"prompt": "import os", "max_tokens": 4, "temperature": 0}
+        r = http.post("/v1/completions", json=body, headers=ok)
+        assert (
+            r.status_code == 200 and r.json()["choices"][0]["text"] == _offline_text(model, "import os", 4)[0]
+        )
+
+
+def test_a_prompt_too_long_for_any_tokenisation_is_refused_untokenised(served, monkeypatch):
+    """A text longer than the context times the longest vocabulary entry cannot fit whatever its
+    tokens: refused (400) before it is tokenised (the tokenizer is never called), chat too; one
+    that may fit is tokenised off the event loop and then judged by its tokens."""
+    model, engine, base = served
+    most = engine.max_len * model.text.longest_token_chars
+    assert 1 < model.text.longest_token_chars < 100
+    calls = []
+    encode = model.text.encode
+    monkeypatch.setattr(model.text, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    for route, body in (
+        ("completions", {"prompt": "x" * (most + 1), "max_tokens": 1}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "y" * (most + 1)}]}),
+    ):
+        r = httpx.post(f"{base}/v1/{route}", json=body, timeout=60)
+        assert r.status_code == 400 and "refused before tokenising" in r.json()["error"]["message"], route
+    assert calls == []
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "import os\n" * (most // 10), "max_tokens": 1})
+    assert r.status_code == 400 and "tokens" in r.json()["error"]["message"] and calls == [1]
