@@ -286,7 +286,7 @@ def read_adapter(path: str | os.PathLike[str], name: str | None = None) -> Adapt
         weights[(layer, lm["rest"])] = (a, b, config.scaling(full))
     if not weights:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    return Adapter(name, path, config, weights)
+    return Adapter(name, os.fspath(path), config, weights)
 
 
 # --- on device ----------------------------------------------------------------------------------

@@ -305,6 +305,10 @@ def test_read_adapter_reads_the_peft_settings():
     assert o[0].shape[0] == 2 and o[2] == pytest.approx(8 / np.sqrt(2))
     assert down[0].shape[0] == 6 and down[2] == pytest.approx(3 / np.sqrt(6))
     assert {layer for layer, _ in adapter.weights} == {0, 2}
+    # a path object is kept as a string: it goes into /v1/models and the multi-process replay (JSON)
+    from pathlib import Path
+
+    assert read_adapter(Path(LORA) / "llama_attn_r8").path == os.path.join(LORA, "llama_attn_r8")
 
 
 def write_random_adapter(
