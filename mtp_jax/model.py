@@ -495,18 +495,22 @@ class Model:
         self.target_params["lora"] = stacks
         self.params["lora"] = stacks
 
-    def load_lora(self, name: str, path: str | os.PathLike[str] | lora.Adapter) -> None:
+    def load_lora(
+        self, name: str, path: str | os.PathLike[str] | lora.Adapter, *, values: dict | None = None
+    ) -> None:
         """Load the PEFT LoRA adapter in directory ``path`` into a free slot, under ``name`` (then
         ``generate(..., lora=name)``). Nothing is compiled: the stacks keep their shapes. Raises
         :class:`mtp_jax.lora.AdapterError` naming what cannot be applied, before anything changes.
-        ``path`` may also be an adapter already read (:func:`mtp_jax.lora.read_adapter`)."""
+        ``path`` may also be an adapter already read (:func:`mtp_jax.lora.read_adapter`), and
+        ``values`` its slot arrays already made (:func:`mtp_jax.lora.slot_arrays`)."""
         if self.lora is None:
             raise ValueError("this model has no LoRA slots: load it with max_loras=N (or call enable_lora)")
         if not isinstance(name, str) or not name:
             raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
         slot = self.lora.free_slot(name)
         adapter = path if isinstance(path, lora.Adapter) else lora.read_adapter(path, name)
-        values = lora.slot_arrays(adapter, self.lora.sites, self.lora.max_lora_rank, self.lora.num_layers)
+        if values is None:
+            values = lora.slot_arrays(adapter, self.lora.sites, self.lora.max_lora_rank, self.lora.num_layers)
         self._set_lora_stacks(lora.write_slot(self.params["lora"], slot, values))
         self.lora.slots[name] = slot
         self.lora.paths[name] = adapter.path

@@ -305,16 +305,16 @@ def test_adapters_load_and_unload_while_serving(lora_served, served):
     model, base, extra = lora_served
     prompt = "def parse_args(argv):"
     body = {"model": "extra", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    compiled = (step._cache_size(), prefill._cache_size())
     before = httpx.post(base + "/v1/completions", json={**body, "model": "tiny-llama"}).json()
+    compiled = (step._cache_size(), prefill._cache_size())  # the server's programs, all in use now
     r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "extra", "lora_path": str(extra)})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'extra' added successfully."
     listed = [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]]
     assert listed == ["tiny-llama", "extra", "terse", "wordy"]
     got = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]["text"]
+    assert (step._cache_size(), prefill._cache_size()) == compiled  # nothing compiled
     want = model.generate([prompt], max_new_tokens=16, ignore_eos=True, lora="extra").texts[0]
     assert got == want != before["choices"][0]["text"]
-    assert (step._cache_size(), prefill._cache_size()) == compiled  # nothing compiled
     for route, payload, status, message in (
         ("load", {"lora_name": "extra", "lora_path": str(extra)}, 400, "'extra' is loaded already"),
         ("load", {"lora_name": "more", "lora_path": str(extra)}, 400, "all 3 LoRA slots are taken"),

@@ -333,8 +333,8 @@ class Engine:
             self.replay.publish()
             return self.warming.run(argument)
         if kind == "lora_load":
-            name, adapter = argument
-            self.model.load_lora(name, adapter)
+            name, adapter, values = argument
+            self.model.load_lora(name, adapter, values=values)
             self.replay.record("lora_load", name, adapter.path)
             return None
         name = argument
@@ -358,7 +358,7 @@ class Engine:
         compiles and requests already running are not disturbed; requests may name ``name`` once
         this returns. The model needs free LoRA slots (``mtp_jax.load(..., max_loras=N)``). The
         other processes of a multi-process run read the adapter from the same path."""
-        from mtp_jax.lora import read_adapter
+        from mtp_jax.lora import read_adapter, slot_arrays
 
         self._check_leader("loads adapters")
         table = self.model.lora
@@ -370,7 +370,10 @@ class Engine:
             raise InvalidRequestError(f"an adapter's name must be a non-empty string, got {name!r}")
         if name in table.slots:
             raise InvalidRequestError(f"a LoRA adapter named {name!r} is loaded already")
-        self._on_loop("lora_load", (name, read_adapter(path, name)))
+        adapter = read_adapter(path, name)
+        # made here too, so a shape or rank mismatch is refused and the engine's thread only writes
+        values = slot_arrays(adapter, table.sites, table.max_lora_rank, table.num_layers)
+        self._on_loop("lora_load", (name, adapter, values))
 
     def unload_lora(self, name: str) -> None:
         """Free adapter ``name``'s slot between two steps (nothing compiles). Refused while a request
