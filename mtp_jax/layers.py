@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
+from mtp_jax.checkpoint.fp8 import Fp8Weight, dense_einsum
 from mtp_jax.config import Llama3RopeScaling, YarnRopeScaling, yarn_mscale
 
 
@@ -123,13 +123,13 @@ Weight = jax.Array | Fp8Weight
 def swiglu(x: jax.Array, gate: Weight, up: Weight, down: Weight, lora: dict | None = None) -> jax.Array:
     """down(silu(x·gate) * (x·up)); x [..., d], gate/up [d, f], down [f, d]. ``lora``: the rows'
     adapters of any of the three (x [b, t, d]; :func:`mtp_jax.lora.delta`)."""
-    g = jnp.einsum("...d,df->...f", x, materialize(gate, x.dtype))
-    u = jnp.einsum("...d,df->...f", x, materialize(up, x.dtype))
+    g = dense_einsum("...d,df->...f", x, gate)
+    u = dense_einsum("...d,df->...f", x, up)
     if lora:
         g = adapted(g, x, lora, "gate")
         u = adapted(u, x, lora, "up")
     y = jax.nn.silu(g) * u
-    out = jnp.einsum("...f,fd->...d", y, materialize(down, x.dtype))
+    out = dense_einsum("...f,fd->...d", y, down)
     return adapted(out, y, lora, "down") if lora else out
 
 

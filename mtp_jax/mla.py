@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.cache import localize, write_rows
-from mtp_jax.checkpoint.fp8 import materialize
+from mtp_jax.checkpoint.fp8 import dense_einsum
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import adapted, apply_rope_interleaved, rms_norm
 from mtp_jax.sharding import ROW_AXES, axes_spec, shard_index, split_axes
@@ -43,18 +43,18 @@ def _queries(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: 
     rows' LoRA adapters of ``p["lora"]``, when present: :func:`mtp_jax.layers.adapted`)."""
     lora = p.get("lora")
     if cfg.q_lora_rank is None:
-        q = adapted(jnp.einsum("btd,dhk->bthk", x, materialize(p["q"], x.dtype)), x, lora, "q")
+        q = adapted(dense_einsum("btd,dhk->bthk", x, p["q"]), x, lora, "q")
     else:
-        q_lat = adapted(jnp.einsum("btd,dr->btr", x, materialize(p["q_a"], x.dtype)), x, lora, "q_a")
+        q_lat = adapted(dense_einsum("btd,dr->btr", x, p["q_a"]), x, lora, "q_a")
         q_lat = rms_norm(q_lat, p["q_a_norm"], LORA_NORM_EPS)
-        q = adapted(jnp.einsum("btr,rhk->bthk", q_lat, materialize(p["q_b"], x.dtype)), q_lat, lora, "q_b")
+        q = adapted(dense_einsum("btr,rhk->bthk", q_lat, p["q_b"]), q_lat, lora, "q_b")
     q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
     return q_nope, apply_rope_interleaved(q_rope, cos, sin)
 
 
 def latent_rows(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """The cache rows [b, t, kv_lora + rope] of x: normed latent, then the rotated shared rope key."""
-    ckv = adapted(jnp.einsum("btd,dc->btc", x, materialize(p["kv_a"], x.dtype)), x, p.get("lora"), "kv_a")
+    ckv = adapted(dense_einsum("btd,dc->btc", x, p["kv_a"]), x, p.get("lora"), "kv_a")
     latent = rms_norm(ckv[..., : cfg.kv_lora_rank], p["kv_a_norm"], LORA_NORM_EPS)
     k_rope = apply_rope_interleaved(ckv[..., cfg.kv_lora_rank :], cos, sin)
     return jnp.concatenate([latent, k_rope], axis=-1)
@@ -89,7 +89,7 @@ def mla_dense(p: dict, x: jax.Array, cfg: DeepseekV3Config, cos: jax.Array, sin:
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     probs = _softmax(scores * cfg.softmax_scale, causal).astype(x.dtype)
     out = jnp.einsum("bhts,bshk->bthk", probs, v)
-    return adapted(jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), out, p.get("lora"), "o", 2)
+    return adapted(dense_einsum("bthk,hkd->btd", out, p["o"]), out, p.get("lora"), "o", 2)
 
 
 def mla_dense_chain(
@@ -124,7 +124,7 @@ def mla_dense_chain(
     probs = _softmax(jnp.concatenate([base, diag], axis=-1) * cfg.softmax_scale, mask).astype(x.dtype)
     out = jnp.einsum("bhts,bshk->bthk", probs[..., :t], v_base)
     out += jnp.einsum("bhtn,nbthk->bthk", probs[..., t:], v_chain)
-    return jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), own
+    return dense_einsum("bthk,hkd->btd", out, p["o"]), own
 
 
 def mla_paged(
@@ -208,4 +208,4 @@ def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, l
             "bthsz,szhk->bthk", jnp.einsum("bthr,rsz->bthsz", out_latent, a) * one_hot, b_v
         )
     lora = p.get("lora")
-    return adapted(jnp.einsum("bthk,hkd->btd", out, materialize(p["o"], x.dtype)), out, lora, "o", 2), pages
+    return adapted(dense_einsum("bthk,hkd->btd", out, p["o"]), out, lora, "o", 2), pages

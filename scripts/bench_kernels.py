@@ -11,8 +11,14 @@ a large buffer: read + write), the physical limit for decode.
 
 - ``mla_decode`` (one case per batch x context x K): absorbed MLA attention of K+1 query tokens per
   row (DeepSeek-V3: 128 heads, latent 512 + rope 64, page size 64, bf16) against a paged latent
-  cache; it must read every row's cache up to its context plus the queries. Implementations: the
-  Mosaic GPU ``kernel`` and the jnp ``reference`` (what XLA makes of it).
+  cache; it must read every row's cache up to its context plus the queries, and do
+  2·B·(K+1)·128·context·(576 + 512) flops (as many flops as bytes x ~240 at one query token: the
+  tensor cores bound it too). Implementations: the Mosaic GPU ``kernel`` (its default schedule),
+  ``kernel-shared`` / ``kernel-single`` (one schedule forced, :func:`mla_decode_kernel`) and the
+  jnp ``reference`` (what XLA makes of it).
+- ``dense`` (one case per DeepSeek-V3 FP8 dense projection x row count): ``materialize``
+  (dequantise, then multiply), ``blocked`` (:func:`mtp_jax.checkpoint.fp8.dense_einsum`: the FP8
+  values read in place, what the layers run up to 32 rows) and the gmm ``kernel`` with one group.
 - ``gmm`` (one case per token count x weight format): one expert projection of DeepSeek-V3's MoE
   layer (256 experts, 7168 -> 2048, top-8 routing of ``tokens`` tokens, so 8 x tokens rows), bf16 or
   FP8 with 128 x 128 block scales; it must read the weights (and scales) of the experts that
@@ -47,12 +53,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.bench import machine_info, write_json
-from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
+from mtp_jax.checkpoint.fp8 import Fp8Weight, dense_einsum, materialize
 from mtp_jax.roofline import copy_bandwidth, device_op_times, timed_back_to_back
 from pallas_kernels.mla_decode import IMPLS as MLA_IMPLS
-from pallas_kernels.mla_decode import mla_decode
+from pallas_kernels.mla_decode import mla_decode, mla_decode_kernel
+from pallas_kernels.moe import IMPLS as GMM_IMPLS
 from pallas_kernels.moe import gmm
 
+MLA_SCHEDULES = ("kernel-shared", "kernel-single")  # mla_decode_kernel with one schedule forced
 ROTATE_BYTES = 256 * 2**20  # rotate MLA inputs until one round reads about this much (5x an H100's L2)
 MAX_COPIES = 64
 
@@ -85,11 +93,10 @@ def mla_case(args: argparse.Namespace, rng: np.random.Generator, batch: int, k: 
         "name": f"mla_decode B={batch} K+1={tokens} ctx={context}",
         "shape": {"batch": batch, "k": k, "context": context, "heads": heads, "width": width},
         "need": need,
+        "flops": 2 * batch * tokens * heads * context * (width + value_dim),
         "copies": copies,
         "ref_gb": ref_gb,
-        "call": lambda impl, q, cache, table, positions: mla_decode(
-            q, cache, table, positions, scale=scale, value_dim=value_dim, impl=impl
-        ),
+        "call": functools.partial(_mla_call, scale=scale, value_dim=value_dim),
         "inputs": [(q, cache, t, positions) for t in tables],
         "baseline": lambda q, cache, table, positions: mla_decode(
             q.astype(jnp.float32),
@@ -103,6 +110,15 @@ def mla_case(args: argparse.Namespace, rng: np.random.Generator, batch: int, k: 
     }
 
 
+def _mla_call(impl: str, q, cache, table, positions, *, scale: float, value_dim: int) -> jax.Array:
+    if impl in MLA_SCHEDULES:
+        schedule = impl.removeprefix("kernel-")
+        return mla_decode_kernel(
+            q, cache, table, positions, scale=scale, value_dim=value_dim, schedule=schedule
+        )
+    return mla_decode(q, cache, table, positions, scale=scale, value_dim=value_dim, impl=impl)
+
+
 def random_fp8(rng: np.random.Generator, experts: int, d: int, f: int, block=(128, 128)) -> Fp8Weight:
     """FP8 weights of unit-scale e4m3 values with per-block scales around 1/sqrt(d), made on device."""
     key = jax.random.key(int(rng.integers(2**31)))
@@ -110,6 +126,43 @@ def random_fp8(rng: np.random.Generator, experts: int, d: int, f: int, block=(12
     blocks = (experts, -(-d // block[0]), -(-f // block[1]))
     scale = jnp.asarray(rng.uniform(0.5, 2.0, blocks) / (16 * math.sqrt(d)), jnp.float32)
     return Fp8Weight(w=w, scale_inv=scale, shape=(d, f), block=block)
+
+
+# DeepSeek-V3's FP8 dense projections (in, out): q_a, q_b, o, a dense layer's gate (= up) and down,
+# a shared expert's gate (= up).
+DENSE_SHAPES = [(7168, 1536), (1536, 24576), (16384, 7168), (7168, 18432), (18432, 7168), (7168, 2048)]
+DENSE_IMPLS = ("materialize", "blocked", "kernel")
+
+
+def _dense_call(impl: str, x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x [rows, d] · w (one FP8 expert [1, d, f]) three ways."""
+    if impl == "materialize":  # dequantise, then multiply (the layers' path above 32 rows)
+        return x @ materialize(w, x.dtype)[0]
+    if impl == "blocked":  # the layers' path up to 32 rows: the FP8 values read in place
+        return dense_einsum("md,df->mf", x, jax.tree.map(lambda a: a[0], w))
+    if impl in ("kernel", "triton"):  # the grouped matmul with one group
+        return gmm(x, w, jnp.asarray([x.shape[0]], jnp.int32), impl=impl)
+    raise ValueError(f"dense: no implementation {impl!r} (choose from {DENSE_IMPLS})")
+
+
+def dense_case(args: argparse.Namespace, rng: np.random.Generator, tokens: int, d: int, f: int) -> dict:
+    """One FP8 dense projection [d, f] (128 x 128 block scales) of ``tokens`` rows."""
+    if args.small:
+        d, f = 32 * (1 + d // 4096), 32 * (1 + f // 4096)
+    w = random_fp8(rng, 1, d, f, block=(32, 32) if args.small else (128, 128))
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
+    return {
+        "name": f"dense fp8 {d}x{f} tokens={tokens}",
+        "shape": {"tokens": tokens, "d": d, "f": f, "weights": "fp8"},
+        "need": w.nbytes + x.nbytes + tokens * f * 2,
+        "copies": 1,
+        "ref_gb": 0.0,
+        "call": _dense_call,
+        "inputs": [(x, w)],
+        "baseline": lambda x, w: jnp.dot(
+            x.astype(jnp.float32), materialize(w, jnp.bfloat16)[0].astype(jnp.float32)
+        ),
+    }
 
 
 def gmm_case(args: argparse.Namespace, rng: np.random.Generator, tokens: int, weights: str) -> dict:
@@ -191,6 +244,8 @@ def run_case(case: dict, op: str, impls: list[str], args: argparse.Namespace, li
                     gb_per_s=case["need"] / best / 1e9,
                     of_copy=case["need"] / best / limit,
                 )
+                if "flops" in case:
+                    row["tflop_per_s"] = case["flops"] / best / 1e12
         rows.append(row)
         row["wall_s"] = time.perf_counter() - started
         if "skipped" in row:
@@ -198,6 +253,7 @@ def run_case(case: dict, op: str, impls: list[str], args: argparse.Namespace, li
         else:
             err = f"  err {row['rel_err']:.1e}" if "rel_err" in row else ""
             dev = f" (device {row['device_seconds'] * 1e6:.1f} us)" if "device_seconds" in row else ""
+            dev += f" {row['tflop_per_s']:6.1f} TFLOP/s" if "tflop_per_s" in row else ""
             print(
                 f"{case['name']:52s} {impl:10s} {row['seconds'] * 1e6:10.1f} us{dev} {row['gb_per_s']:8.1f} "
                 f"GB/s {100 * row['of_copy']:5.1f}% of copy{err} [{row['wall_s']:.0f} s]",
@@ -213,7 +269,8 @@ def table(results: list[dict]) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in results))
     cases: dict[tuple, dict] = {}
     for r in results:
-        key = (r["op"],) + tuple((k, r[k]) for k in ("batch", "k", "context", "weights", "tokens") if k in r)
+        fields = ("batch", "k", "context", "weights", "tokens") + (("d", "f") if r["op"] == "dense" else ())
+        key = (r["op"],) + tuple((k, r[k]) for k in fields if k in r)
         cases.setdefault(key, {})[r["impl"]] = r
     lines = ["| case | MB | " + " | ".join(f"{i} us (% copy, err)" for i in impls) + " |"]
     lines.append("|---" * (len(impls) + 2) + "|")
@@ -238,7 +295,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--ops", nargs="+", default=["mla_decode", "gmm"], choices=["mla_decode", "gmm"])
+    parser.add_argument(
+        "--ops", nargs="+", default=["mla_decode", "gmm"], choices=["mla_decode", "gmm", "dense"]
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1], help="mla_decode: rows")
     parser.add_argument(
         "--k", type=int, nargs="+", default=[3], help="drafts per step: K+1 query tokens per row"
@@ -250,12 +309,22 @@ def main() -> int:
         "--gmm-tokens", type=int, nargs="+", help="gmm: tokens per step (default: batch x (K+1) of each case)"
     )
     parser.add_argument("--gmm-weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"])
+    parser.add_argument(
+        "--dense-tokens",
+        type=int,
+        nargs="+",
+        default=[1, 4, 32],
+        help="dense: rows of each FP8 dense projection (DeepSeek-V3's shapes; impls materialize, "
+        "blocked, kernel)",
+    )
     parser.add_argument("--small", action="store_true", help="tiny shapes, for a CPU smoke run")
     parser.add_argument(
         "--impls",
         nargs="+",
         default=["kernel", "triton", "reference", "ragged_dot"],
-        help="implementations to time (mla_decode runs those it has: not triton / ragged_dot)",
+        help="implementations to time; each op runs those it has (mla_decode: kernel, kernel-shared, "
+        "kernel-single, reference; gmm: kernel, triton, reference, ragged_dot; dense: materialize, "
+        "blocked, kernel)",
     )
     parser.add_argument("--iters", type=int, default=20, help="calls per timed round")
     parser.add_argument(
@@ -284,13 +353,18 @@ def main() -> int:
     print(f"device {jax.devices()[0]}: copy bandwidth {limit / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
     results = []
     if "mla_decode" in args.ops:
-        impls = [i for i in args.impls if i in MLA_IMPLS]
+        impls = [i for i in args.impls if i in MLA_IMPLS or i in MLA_SCHEDULES]
         for batch, k, context in itertools.product(args.batch, args.k, args.context):
             results += run_case(mla_case(args, rng, batch, k, context), "mla_decode", impls, args, limit)
     if "gmm" in args.ops:
         tokens = args.gmm_tokens or sorted({b * (k + 1) for b in args.batch for k in args.k})
         for weights, n in itertools.product(args.gmm_weights, tokens):
-            results += run_case(gmm_case(args, rng, n, weights), "gmm", args.impls, args, limit)
+            impls = [i for i in args.impls if i in GMM_IMPLS]
+            results += run_case(gmm_case(args, rng, n, weights), "gmm", impls, args, limit)
+    if "dense" in args.ops:
+        impls = [i for i in args.impls if i in DENSE_IMPLS] or list(DENSE_IMPLS)
+        for (d, f), n in itertools.product(DENSE_SHAPES, args.dense_tokens):
+            results += run_case(dense_case(args, rng, n, d, f), "dense", impls, args, limit)
     print(table(results))
     if args.json:
         report = {

@@ -2,8 +2,8 @@
 # Issue 30's checks on a Hopper GPU, in one command: the environment, the native kernel tests, the
 # kernel sweep and the unified step against its roofline (with a jax.profiler trace), for every
 # target x draft at real sizes with random weights. Logs and JSON go to OUT_DIR (default ./gpu-out).
-# Stages: env tests kernels step step_eagle3 step_dflash llama llama_eagle3 llama_dflash llama_ngram step_dsf
-# smollm2 (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's
+# Stages: env tests kernels mla dense step step_eagle3 step_dflash llama llama_eagle3 llama_dflash llama_ngram
+# step_dsf smollm2 (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's
 # dynamic-slice fusion on; smollm2 times SmolLM2-135M's shape (random weights) plain and with its shipped EAGLE-3 draft's
 # shape at batch 1, 8 and 32 (SMOL_BATCH, SMOL_K). PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
 # every stage, so a run cut short still returns what it finished. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
@@ -34,6 +34,15 @@ for stage in $stages; do
       timeout "${KERNELS_S:-300}" $PY scripts/bench_kernels.py ${KERNELS_ARGS:---batch 1 64 --context 1024 32768 --k 0 3 --gmm-tokens 1 32 256 --gmm-weights bf16 fp8 --device-time} \
         --json "$OUT_DIR/kernels.json" >"$OUT_DIR/kernels.md" 2>"$OUT_DIR/kernels.log"
       echo "kernels rc=$?"; cat "$OUT_DIR/kernels.md"; grep -E "skipped|Error|error" "$OUT_DIR/kernels.log" | cut -c1-400 | sort -u | head -20
+      ;;
+    mla|dense)  # mla: the MLA kernel's two schedules side by side; dense: FP8 dense projections three ways
+      case $stage in
+        mla) bench_args=${MLA_ARGS:---ops mla_decode --impls kernel-shared kernel-single --batch 1 64 --context 1024 32768 --k 0 3} ;;
+        dense) bench_args=${DENSE_ARGS:---ops dense --impls materialize blocked kernel --dense-tokens 1 4 32} ;;
+      esac
+      timeout "${KERNELS_S:-300}" $PY scripts/bench_kernels.py $bench_args --device-time \
+        --json "$OUT_DIR/$stage.json" >"$OUT_DIR/$stage.md" 2>"$OUT_DIR/$stage.log"
+      echo "$stage rc=$?"; cat "$OUT_DIR/$stage.md"; grep -E "skipped|Error|error" "$OUT_DIR/$stage.log" | cut -c1-300 | sort -u | head -12
       ;;
     step|step_eagle3|step_dflash|llama|llama_eagle3|llama_dflash|llama_ngram)
       V3="--config configs/deepseek-v3.json --weights fp8 --set num_hidden_layers=3 --set first_k_dense_replace=1"

@@ -18,7 +18,12 @@ import jax.numpy as jnp
 
 from pallas_kernels import native
 from pallas_kernels.chunks import QUERY_CHUNK, attend_paged
-from pallas_kernels.mla_decode.kernel import NATIVE_DTYPES, check_page_size, mla_decode_kernel
+from pallas_kernels.mla_decode.kernel import (
+    NATIVE_DTYPES,
+    check_page_size,
+    mla_decode_kernel,
+    pick_schedule,
+)
 from pallas_kernels.mla_decode.reference import mla_decode_reference
 
 __all__ = [
@@ -102,15 +107,23 @@ def _check_args(q, pages, page_table, positions, value_dim, layer) -> None:
         raise ValueError(f"mla_decode: value_dim must be in [1, C={width}], got {value_dim}")
 
 
-def _kernel_compiles(q, pages, page_table, positions, scale, value_dim, layer) -> bool:
-    """Whether the native kernel compiles for these shapes (see :mod:`pallas_kernels.native`)."""
+def _compiling_schedule(q, pages, page_table, positions, scale, value_dim, layer) -> str | None:
+    """The kernel schedule to run natively for these shapes: the one :func:`pick_schedule` picks,
+    else the single one, the first that compiles (see :mod:`pallas_kernels.native`); None if neither
+    does."""
     args = (q, pages, page_table, positions) + (() if layer is None else (layer,))
+    batch, tokens, heads, _ = q.shape
+    picked = pick_schedule(batch, tokens, heads, value_dim, page_table.shape[1] * pages.shape[-2])
+    for schedule in dict.fromkeys([picked, "single"]):
 
-    def run(q, pages, page_table, positions, *stack_layer):
-        at = stack_layer[0] if stack_layer else None
-        return mla_decode_kernel(q, pages, page_table, positions, scale=scale, value_dim=value_dim, layer=at)
+        def run(q, pages, page_table, positions, *stack_layer, schedule=schedule):
+            at = stack_layer[0] if stack_layer else None
+            kw = dict(scale=scale, value_dim=value_dim, layer=at, schedule=schedule)
+            return mla_decode_kernel(q, pages, page_table, positions, **kw)
 
-    return native.compiles_natively("mla_decode", run, args, key=(scale, value_dim))
+        if native.compiles_natively(f"mla_decode ({schedule} schedule)", run, args, key=(scale, value_dim)):
+            return schedule
+    return None
 
 
 def mla_decode(
@@ -138,12 +151,10 @@ def mla_decode(
     _check_args(q, pages, page_table, positions, value_dim, layer)
     automatic = impl == "auto" and not os.environ.get(ENV_VAR, "").strip()
     impl = resolve_impl(impl, pages)
-    if (
-        automatic
-        and impl == "kernel"
-        and not _kernel_compiles(q, pages, page_table, positions, scale, value_dim, layer)
-    ):
-        impl = "reference"
+    schedule = "auto"
+    if automatic and impl == "kernel":
+        schedule = _compiling_schedule(q, pages, page_table, positions, scale, value_dim, layer)
+        impl = "reference" if schedule is None else impl
     if impl == "reference":
 
         def reference(q, table, positions):
@@ -165,4 +176,5 @@ def mla_decode(
         value_dim=value_dim,
         interpret=impl == "interpret",
         layer=layer,
+        schedule=schedule,
     )

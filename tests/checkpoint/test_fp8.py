@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.checkpoint.fp8 import Fp8Weight, dequantize, materialize
+from mtp_jax.checkpoint.fp8 import BLOCKED_MAX_ROWS, Fp8Weight, dense_einsum, dequantize, materialize
 from mtp_jax.checkpoint.synthetic import hub_tensors, quantize_fp8
 from mtp_jax.config import DeepseekV3Config
 from tests.conftest import TINY_CONFIG
@@ -59,6 +59,45 @@ def test_fp8_weight_materializes_like_host_dequantization():
     np.testing.assert_allclose(np.asarray(materialize(device, jnp.float32)), want, rtol=1e-6)
     stacked = jax.tree.map(lambda x: jnp.stack([x, x]), device)  # leading (layer/expert) axes survive
     assert materialize(stacked, jnp.bfloat16).shape == (2, 20, 3, 12)
+
+
+@pytest.mark.parametrize(
+    "spec, x_shape, w_shape, rows",
+    [
+        ("btd,dhk->bthk", (2, 3), (32, 3, 12), 6),  # q / q_b: one input axis, two output axes
+        ("bthk,hkd->btd", (1, 4), (2, 16, 20), 4),  # o: two input axes; 20 outputs, a partial block
+        ("...d,df->...f", (1, 1), (48, 36), 1),  # swiglu's projections at one row
+        ("btd,dc->btc", (4, 9), (32, 24), 36),  # more rows than BLOCKED_MAX_ROWS: dequantised first
+        ("btd,dc->btc", (1, 2), (40, 24), 2),  # 40 inputs, not whole blocks of 16: dequantised first
+    ],
+)
+def test_dense_einsum_reads_fp8_in_place_and_equals_the_dequantised_product(spec, x_shape, w_shape, rows):
+    """Up to BLOCKED_MAX_ROWS rows, an FP8 projection is summed block by block from the FP8 values
+    (no dequantised [in, out] weight in the program); the result is the product with the
+    dequantised weight either way."""
+    rng = np.random.default_rng(7)
+    n_in = 2 if spec.startswith("bthk") else 1
+    k, n = int(np.prod(w_shape[:n_in])), int(np.prod(w_shape[n_in:]))
+    q = (rng.standard_normal((n, k)) * 30).astype(ml_dtypes.float8_e4m3fn)
+    scale = (rng.random((-(-n // BLOCK[1]), -(-k // BLOCK[0]))) + 0.5).astype(np.float32)
+    # from_hub takes the hub's (b_out, b_in): the kept weight's block is (16, 8) over (in, out)
+    w = jax.tree.map(jnp.asarray, Fp8Weight.from_hub(q, scale, BLOCK[::-1], w_shape))
+    x = jnp.asarray(rng.standard_normal(x_shape + tuple(w_shape[:n_in])), jnp.float32)
+    if spec.startswith("..."):
+        x = x.reshape(x_shape[-1:] + tuple(w_shape[:n_in]))
+    want = jnp.einsum(spec, x, materialize(w, jnp.float32))
+    got = dense_einsum(spec, x, w)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    blocked = rows <= BLOCKED_MAX_ROWS and k % w.block[0] == 0
+    shapes = {
+        tuple(v.aval.shape)
+        for e in jax.make_jaxpr(dense_einsum, static_argnums=0)(spec, x, w).eqns
+        for v in e.outvars
+    }
+    assert ((k, n) in shapes) != blocked  # the dequantised weight exists only when not blocked
+    if blocked:
+        assert (rows, k // w.block[0], n) in shapes  # the per-block partial sums
 
 
 def test_quantize_round_trip_is_close():

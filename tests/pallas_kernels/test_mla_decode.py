@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels.mla_decode.kernel as kernel_module
 from pallas_kernels.mla_decode import (
     ENV_VAR,
     mla_decode,
@@ -22,7 +23,7 @@ from pallas_kernels.mla_decode import (
     mla_decode_reference,
     resolve_impl,
 )
-from pallas_kernels.mla_decode.kernel import BLOCK_KEYS, default_splits
+from pallas_kernels.mla_decode.kernel import BLOCK_KEYS, default_splits, pick_schedule
 
 ON_HOPPER = jax.devices()[0].platform == "gpu" and str(
     getattr(jax.devices()[0], "compute_capability", "")
@@ -130,6 +131,16 @@ KERNEL_CASES = {
 }
 
 
+# Value widths the shared-keys schedule takes (two halves of whole 64-column tiles).
+SHARED_CASES = {
+    "shared-t2-h3-f32": (2, 2, 3, 192, 128, 16, 4, jnp.float32, 1),
+    "shared-t2-h5-splits2-page32-f32": (3, 2, 5, 384, 256, 32, 3, jnp.float32, 2),
+    "shared-t3-h40-page64-bf16": (2, 3, 40, 128, 128, 64, 3, jnp.bfloat16, 1),
+    "shared-t2-h5-idle-splits-bf16": (3, 2, 5, 136, 128, 8, 20, jnp.bfloat16, 4),
+}
+KERNEL_CASES.update(SHARED_CASES)
+
+
 @pytest.mark.parametrize("name", KERNEL_CASES)
 def test_kernel_matches_reference(name):
     batch, tokens, heads, width, value_dim, page_size, pages_per_row, dtype, splits = KERNEL_CASES[name]
@@ -145,14 +156,18 @@ def test_kernel_matches_reference(name):
     )
     scale = width**-0.5
     expected = mla_decode_reference(*inputs, scale=scale, value_dim=value_dim)
-    out = mla_decode_kernel(*inputs, scale=scale, value_dim=value_dim, interpret=True, num_splits=splits)
+    schedule = "shared" if name in SHARED_CASES else "single"
+    kw = dict(scale=scale, value_dim=value_dim, interpret=True, num_splits=splits, schedule=schedule)
+    out = mla_decode_kernel(*inputs, **kw)
     assert out.shape == (batch, tokens, heads, value_dim) and out.dtype == dtype
     assert_close(out, expected, dtype)
     assert np.all(np.asarray(out, np.float32)[np.asarray(inputs[3]) < 0] == 0)
 
 
-def test_kernel_deepseek_sizes():
-    """H = 128, C = 512 + 64, value_dim = 512 (two value blocks, four row blocks), a few pages."""
+@pytest.mark.parametrize("schedule", ["shared", "single"])
+def test_kernel_deepseek_sizes(schedule):
+    """H = 128, C = 512 + 64, value_dim = 512 (four row blocks; two value blocks or two consumers),
+    a few pages."""
     inputs = make_inputs(
         1,
         batch=1,
@@ -165,7 +180,7 @@ def test_kernel_deepseek_sizes():
         last=[150],
     )
     expected = mla_decode_reference(*inputs, scale=576**-0.5, value_dim=512)
-    out = mla_decode_kernel(*inputs, scale=576**-0.5, value_dim=512, interpret=True)
+    out = mla_decode_kernel(*inputs, scale=576**-0.5, value_dim=512, interpret=True, schedule=schedule)
     assert_close(out, expected, jnp.bfloat16)
 
 
@@ -253,7 +268,7 @@ def test_auto_falls_back_to_the_reference_when_the_kernel_does_not_compile(monke
     )
     assert resolve_impl("auto", inputs[1]) == "kernel"
     run = jax.jit(lambda *a: mla_decode(*a, scale=0.3, value_dim=64))
-    with pytest.warns(RuntimeWarning, match="mla_decode: the native kernel did not compile"):
+    with pytest.warns(RuntimeWarning, match=r"mla_decode \(single schedule\): the native kernel did not"):
         out = run(*inputs)
     assert_close(out, mla_decode_reference(*inputs, scale=0.3, value_dim=64), jnp.bfloat16)
     with warnings.catch_warnings():
@@ -278,7 +293,53 @@ def test_auto_uses_the_kernel_when_it_compiles(monkeypatch):
         7, batch=1, tokens=2, heads=2, width=64, page_size=16, pages_per_row=2, dtype=jnp.bfloat16
     )
     mla_decode(*inputs, scale=0.3, value_dim=64)
-    assert calls == ["mla_decode", False]  # probed, then the compiled kernel called
+    assert calls == ["mla_decode (single schedule)", False]  # probed, then the compiled kernel called
+
+
+def test_auto_probes_the_picked_schedule_then_the_single_one(monkeypatch):
+    """Where pick_schedule picks the shared schedule, it is probed first; should it not compile,
+    the single one is probed and run (not the reference)."""
+    import pallas_kernels.mla_decode as dispatcher
+    from pallas_kernels import native
+
+    probes, schedules, verdict = [], [], {"shared": True}
+
+    def compiles(name, fn, args, key=()):
+        probes.append(name)
+        return verdict.get(name.split("(")[1].split()[0], True)
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatcher, "_on_hopper", lambda: True)
+    monkeypatch.setattr(native, "compiles_natively", compiles)
+    monkeypatch.setattr(dispatcher, "mla_decode_kernel", lambda *a, **kw: schedules.append(kw["schedule"]))
+    monkeypatch.setattr(kernel_module, "TARGET_PROGRAMS", 1)  # no key splits
+    # 64 pages of 64 positions: 64 key blocks for the one program: shared
+    inputs = make_inputs(
+        8, batch=1, tokens=1, heads=2, width=192, page_size=64, pages_per_row=64, dtype=jnp.bfloat16
+    )
+    mla_decode(*inputs, scale=0.3, value_dim=128)
+    verdict["shared"] = False
+    mla_decode(*inputs, scale=0.3, value_dim=128)
+    assert schedules == ["shared", "single"]
+    assert probes == ["mla_decode (shared schedule)"] * 2 + ["mla_decode (single schedule)"]
+
+
+def test_pick_schedule_follows_the_measured_shapes():
+    """The H200 measurements behind SHARED_MIN_BLOCKS: DeepSeek-V3 (128 heads, 512 values), page
+    tables of 1024 / 32768 positions."""
+    picks = {
+        (batch, tokens, keys): pick_schedule(batch, tokens, 128, 512, keys)
+        for batch in (1, 64)
+        for tokens in (1, 4)
+        for keys in (1024, 32768)
+    }
+    assert {k for k, v in picks.items() if v == "shared"} == {
+        (1, 4, 32768),
+        (64, 1, 32768),
+        (64, 4, 1024),
+        (64, 4, 32768),
+    }
+    assert pick_schedule(64, 4, 128, 64, 32768) == "single"  # 64 values cannot split in two
 
 
 @pytest.mark.parametrize("stacked", [False, True])
@@ -384,8 +445,9 @@ def test_default_splits():
     assert default_splits(programs=1, max_keys=3 * BLOCK_KEYS) == 1  # too few key blocks
 
 
+@pytest.mark.parametrize("schedule", ["shared", "single"])
 @pytest.mark.parametrize("page_size, pages_per_row, splits", [(16, 8, 1), (64, 512, None)])
-def test_native_path_lowers_to_mosaic_gpu(page_size, pages_per_row, splits):
+def test_native_path_lowers_to_mosaic_gpu(page_size, pages_per_row, splits, schedule):
     """The compiled (non-interpret) path at DeepSeek-V3 sizes lowers to a Mosaic GPU module on CPU."""
     shapes = (
         jax.ShapeDtypeStruct((2, 4, 128, 576), jnp.bfloat16),
@@ -393,7 +455,8 @@ def test_native_path_lowers_to_mosaic_gpu(page_size, pages_per_row, splits):
         jax.ShapeDtypeStruct((2, pages_per_row), jnp.int32),
         jax.ShapeDtypeStruct((2, 4), jnp.int32),
     )
-    run = jax.jit(lambda *a: mla_decode_kernel(*a, scale=0.1, value_dim=512, num_splits=splits))
+    kw = dict(scale=0.1, value_dim=512, num_splits=splits, schedule=schedule)
+    run = jax.jit(lambda *a: mla_decode_kernel(*a, **kw))
     text = run.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -401,7 +464,8 @@ def test_native_path_lowers_to_mosaic_gpu(page_size, pages_per_row, splits):
 @hopper
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("splits", [1, None])
-def test_native_kernel_deepseek_sizes(page_size, splits):
+@pytest.mark.parametrize("schedule", ["shared", "single"])
+def test_native_kernel_deepseek_sizes(page_size, splits, schedule):
     """Compiled on the GPU: DeepSeek-V3 heads and widths, K+1 = 4 tokens, one row at 32k positions."""
     pages_per_row = 32768 // page_size
     inputs = make_inputs(
@@ -417,7 +481,7 @@ def test_native_kernel_deepseek_sizes(page_size, splits):
     )
     scale = 192**-0.5
     expected = mla_decode_reference(*inputs, scale=scale, value_dim=512)
-    out = mla_decode_kernel(*inputs, scale=scale, value_dim=512, num_splits=splits)
+    out = mla_decode_kernel(*inputs, scale=scale, value_dim=512, num_splits=splits, schedule=schedule)
     assert_close(out, expected, jnp.bfloat16)
-    if splits is None:  # what the dispatcher runs here
+    if splits is None and schedule == pick_schedule(4, 4, 128, 512, 32768):  # what the dispatcher runs here
         np.testing.assert_array_equal(mla_decode(*inputs, scale=scale, value_dim=512), out)

@@ -26,8 +26,17 @@ def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
         str(out),
         "--device-time",
     ]
-    args += ["--gmm-weights", "bf16", "fp8"]
-    args += ["--impls", "kernel", "triton", "reference", "ragged_dot"]
+    args += ["--gmm-weights", "bf16", "fp8", "--ops", "mla_decode", "gmm", "dense", "--dense-tokens", "2"]
+    args += [
+        "--impls",
+        "kernel",
+        "kernel-shared",
+        "triton",
+        "reference",
+        "ragged_dot",
+        "materialize",
+        "blocked",
+    ]
     env = dict(os.environ, PYTHONPATH=REPO)
     run = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench_kernels.py"), *args],
@@ -42,12 +51,18 @@ def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
     rows = {(r["op"], r["impl"]): r for r in report["results"] if r.get("weights") != "fp8"}
     assert set(rows) == {
         ("mla_decode", "kernel"),
+        ("mla_decode", "kernel-shared"),
         ("gmm", "kernel"),
         ("gmm", "triton"),
         ("mla_decode", "reference"),
         ("gmm", "reference"),
         ("gmm", "ragged_dot"),
     }
+    assert "skipped" in rows[("mla_decode", "kernel-shared")]  # the tiny widths do not split in two
+    dense = {r["impl"]: r for r in report["results"] if r["op"] == "dense" and r["d"] == 64 and r["f"] == 32}
+    assert set(dense) == {"materialize", "blocked", "kernel"} and "skipped" in dense["kernel"]
+    for impl in ("materialize", "blocked"):  # both against the float32 product of the dequantised weight
+        assert dense[impl]["seconds"] > 0 and 0 < dense[impl]["rel_err"] < 1e-2
     for key in [("gmm", "kernel"), ("gmm", "triton")]:  # no GPU here: skipped with the reason, not faked
         assert "skipped" in rows[key] and "GPU" in rows[key]["skipped"]
     for key in [("mla_decode", "reference"), ("gmm", "reference"), ("gmm", "ragged_dot")]:
