@@ -25,6 +25,7 @@ _EXPORTS = {
     "EngineFullError": "mtp_jax.serving",
     "RequestHandle": "mtp_jax.serving",
     "GenerateResult": "mtp_jax.engine",
+    "TokenLogprob": "mtp_jax.engine",
     "Model": "mtp_jax.model",
     "ScoreResult": "mtp_jax.model",
     "SamplingParams": "mtp_jax.request",
@@ -51,6 +52,7 @@ __all__ = [
     "SamplingParams",
     "ScoreResult",
     "SpeculativeConfig",
+    "TokenLogprob",
     "load",
     "make_mesh",
 ]

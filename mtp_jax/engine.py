@@ -29,18 +29,35 @@ TokenCallback = Callable[[int, int], None]
 """Called as ``on_token(prompt_index, token_id)`` for every emitted token, in order."""
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target's raw distribution at its position (the
+    logits' log-softmax, before temperature, top-k/p, min-p or a grammar), and the request's
+    ``logprobs`` most likely tokens there with theirs, most likely first: ``top`` ((id, logprob), ...).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class GenerateResult:
     """New tokens per prompt (EOS included when it stopped the row), why each row stopped
     ("eos", "length", "stop": a stop string or id, or "grammar": its grammar admits nothing
     more), run statistics, per prompt its speculation statistics (:class:`SpecCounters`), and
-    with text prompts or stop strings each request's new text."""
+    with text prompts or stop strings each request's new text. ``logprobs``: per prompt that asked
+    (``SamplingParams.logprobs``), one :class:`TokenLogprob` per new token (None for the others);
+    ``prompt_logprobs``: per prompt that asked, one per prompt token (None for the first, which
+    follows nothing)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     stats: dict
     request_stats: list[dict] = dataclasses.field(default_factory=list)
     texts: list[str] | None = None
+    logprobs: list[list[TokenLogprob] | None] | None = None
+    prompt_logprobs: list[list[TokenLogprob | None] | None] | None = None
 
 
 class SpecCounters:
@@ -85,7 +102,8 @@ class Request:
     row (:class:`RowSampling` of one row), and where its tokens go: ``on_token(token)`` for each
     (returning True stops the request: finish reason "stop"), ``on_finish(request)`` at the end.
     The scheduler fills in ``tokens``, ``finish`` ("eos", "stop", "grammar", "length" or
-    "cancelled") and ``counters``."""
+    "cancelled") and ``counters``; with ``logprobs`` (how many alternatives, 0 to MAX_LOGPROBS)
+    also ``token_logprobs``, each token's before ``on_token`` is called for it."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -97,6 +115,8 @@ class Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish: str = ""
     counters: SpecCounters | None = None
+    logprobs: int | None = None
+    token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 def pages_needed(prompt_len: int, max_new_tokens: int, sc: StepConfig) -> int:
@@ -153,7 +173,7 @@ class Scheduler:
         self.fused, self.pipelined = fused, pipelined
         self.constraints = constraints
         self.eos = frozenset(eos_token_ids)
-        self.variants: dict[int, StepConfig] = {}  # the K of the steps run
+        self.variants: dict[tuple[int, bool], StepConfig] = {}  # the (K, logprobs) of the steps run
         # with row_buckets, a step covers only the slots up to the last occupied one (rounded up
         # to a power of two): a program per (K, rows) pair run
         self.row_buckets = row_buckets and fused and self.shards == 1
@@ -219,11 +239,13 @@ class Scheduler:
     def _constrained(self, req: Request | None) -> bool:
         return self.constraints is not None and req is not None and self.constraints.constrained(req.id)
 
-    def _variant(self, k: int) -> StepConfig:
-        if k not in self.variants:
+    def _variant(self, k: int, logprobs: bool = False) -> StepConfig:
+        """The step configuration of K = k (the draft idle at 0), with or without log-probabilities."""
+        if (k, logprobs) not in self.variants:
             sc = self.sc
-            self.variants[k] = dataclasses.replace(sc, k=k, draft_idle=k == 0 and sc.draft is not None)
-        return self.variants[k]
+            idle = k == 0 and sc.draft is not None
+            self.variants[k, logprobs] = dataclasses.replace(sc, k=k, draft_idle=idle, logprobs=logprobs)
+        return self.variants[k, logprobs]
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish = reason
@@ -232,9 +254,15 @@ class Scheduler:
         if req.on_finish is not None:
             req.on_finish(req)
 
-    def _emit(self, req: Request, tokens: np.ndarray) -> bool:
-        for tok in tokens.tolist():
+    def _emit(self, req: Request, tokens: np.ndarray, logprobs=None) -> bool:
+        """Hand ``tokens`` to ``req`` (with ``logprobs``: their host TokenLogprobs arrays); True
+        when that finishes it."""
+        for i, tok in enumerate(tokens.tolist()):
             req.tokens.append(tok)
+            if req.logprobs is not None and logprobs is not None:
+                n = req.logprobs
+                top = zip(logprobs.top_ids[i, :n].tolist(), logprobs.top[i, :n].tolist(), strict=True)
+                req.token_logprobs.append(TokenLogprob(tok, float(logprobs.chosen[i]), tuple(top)))
             stop = req.on_token is not None and req.on_token(tok)
             ended = self._constrained(req) and self.constraints.consume(req.id, tok)
             reason = ""
@@ -302,7 +330,7 @@ class Scheduler:
         if kind == "prefill":
             r = a * self.shards
             sampling = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), RowSampling.build(r))
-            first, self.state = prefill(
+            first, self.state, _ = prefill(
                 self.params,
                 self.state,
                 self.sc,
@@ -317,7 +345,7 @@ class Scheduler:
         elif kind == "step":
             extra = {"rows": b} if b < self.slots else {}
             sc = self._variant(a)
-            emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc, None, **extra)
+            emitted, n_emit, self.state, _ = self.step_fn(self.params, self.state, sc, None, **extra)
             np.asarray(n_emit)
         elif kind == "release":
             self.state = deactivate(self.state, jnp.asarray(np.full(a, self.slots, np.int32)))
@@ -388,10 +416,11 @@ class Scheduler:
             masks = self.constraints.masks(
                 [(req.id, i, ()) for i, req in reqs if self._constrained(req)], (r,)
             )
-        first, self.state = prefill(
+        wants = any(req.logprobs is not None for _, req in reqs)
+        first, self.state, logprobs = prefill(
             self.params,
             self.state,
-            self.sc,
+            dataclasses.replace(self.sc, logprobs=wants),
             jnp.asarray(rows),
             tokens,
             jnp.asarray(lengths),
@@ -401,10 +430,17 @@ class Scheduler:
         )
         self.counts["prefills"] += 1
         first = np.asarray(first)
-        self._release([int(rows[i]) for i, req in reqs if self._emit(req, first[i : i + 1])])
+        lp = None if logprobs is None else jax.tree.map(np.asarray, logprobs)
+        done = [
+            int(rows[i])
+            for i, req in reqs
+            if self._emit(req, first[i : i + 1], _rows_of(lp, slice(i, i + 1)))
+        ]
+        self._release(done)
 
-    def _process(self, emitted, n_emit, owners: list[Request | None], drafted: np.ndarray) -> None:
+    def _process(self, emitted, n_emit, logprobs, owners: list[Request | None], drafted: np.ndarray) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        lp = None if logprobs is None else jax.tree.map(np.asarray, logprobs)
         done = []
         for b, req in enumerate(owners):
             if req is None or req.finish:
@@ -412,7 +448,7 @@ class Scheduler:
             k = int(n_emit[b])
             self.counters.add(int(drafted[b]), k)
             req.counters.add(int(drafted[b]), k)
-            if self._emit(req, emitted[b, :k]):
+            if self._emit(req, emitted[b, :k], _rows_of(lp, (b, slice(0, k)))):
                 done.append(b)
         self._release(done)
 
@@ -447,7 +483,9 @@ class Scheduler:
             # a grammar's masks follow the drafts of the step in flight: read it first
             self._read_pending()
             return True
-        sc_now = self._variant(max(self.row_k(req) for req in active))
+        sc_now = self._variant(
+            max(self.row_k(req) for req in active), any(req.logprobs is not None for req in active)
+        )
         masks, grammar_rows = None, None
         if self.callback:
             ids = [req.id if self._constrained(req) else -1 for req in self.owner]
@@ -467,13 +505,13 @@ class Scheduler:
             extra["grammar_key"] = self.grammar_key
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
-        emitted, n_emit, self.state = self.step_fn(self.params, self.state, sc_now, *args, **extra)
+        emitted, n_emit, self.state, logprobs = self.step_fn(self.params, self.state, sc_now, *args, **extra)
         if not self.counts["steps"]:  # the call returns once compiled; the step itself runs on
             self.first_step_seconds = time.perf_counter() - t_call
         self.counts["steps"] += 1
         if self.pending is not None:
             self._read_pending()
-        self.pending = (emitted, n_emit, list(self.owner), drafted)
+        self.pending = (emitted, n_emit, logprobs, list(self.owner), drafted)
         return True
 
 
@@ -495,14 +533,16 @@ def generate(
     pipelined: bool = True,
     grammar_masks: str = "host",
     stop_checks: Sequence[Callable[[int], bool]] | None = None,
+    logprobs: Sequence[int | None] | None = None,
 ) -> GenerateResult:
     """Decode validated prompts to the end with a :class:`Scheduler` sized for them (up to K = sc.k
     drafts per step, 0 = plain): ``max_batch`` slots at most (a power of two, a multiple of the
     mesh's row devices), pages for the longest request. ``auto_k(batch)`` caps K for the batch size
     (the slots a step computes, whatever their state), e.g. from a table measured by ``mtp-jax
     bench``. ``max_new_tokens`` and ``ignore_eos`` are one value or one per prompt;
-    ``stop_checks[i](token)`` True stops request i (finish reason "stop"). The other arguments are
-    the scheduler's."""
+    ``stop_checks[i](token)`` True stops request i (finish reason "stop"); ``logprobs[i]`` (None:
+    none) asks for request i's token log-probabilities with that many alternatives. The other
+    arguments are the scheduler's."""
     t_start = time.perf_counter()
     n = len(prompts)
     lengths = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -531,6 +571,7 @@ def generate(
         row = jax.tree.map(lambda x, i=i: x[i : i + 1], host_sampling)
         hook = _token_hook(i, on_token, None if stop_checks is None else stop_checks[i])
         request = Request(list(prompt), lengths[i], row, on_token=hook, id=i, ignore_eos=past_eos[i])
+        request.logprobs = None if logprobs is None else logprobs[i]
         requests.append(sched.submit(request))
     while sched.advance():
         pass
@@ -553,7 +594,7 @@ def generate(
         "new_tokens": new_tokens,
         "steps": sched.counts["steps"],
         "step_programs": len(sched.programs),
-        "step_num_speculative_tokens": sorted(sched.variants),
+        "step_num_speculative_tokens": sorted({k for k, _ in sched.variants}),
         "prefill_calls": sched.counts["prefills"],
         "acceptance_length": spec.pop("acceptance_length"),
         "first_prefill_seconds": t_first - t_start,
@@ -572,7 +613,15 @@ def generate(
         finish_reasons=[req.finish for req in requests],
         stats=stats,
         request_stats=[req.counters.as_dict() for req in requests],
+        logprobs=None
+        if logprobs is None or all(n is None for n in logprobs)
+        else [None if req.logprobs is None else req.token_logprobs for req in requests],
     )
+
+
+def _rows_of(logprobs, index):
+    """The host TokenLogprobs ``logprobs`` (or None) at ``index`` of their leading axes."""
+    return None if logprobs is None else jax.tree.map(lambda x: x[index], logprobs)
 
 
 def _token_hook(i: int, on_token: TokenCallback | None, stop: Callable[[int], bool] | None):

@@ -25,7 +25,7 @@ from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, parse_config, read_json
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.embedded import resolve_model_path
-from mtp_jax.engine import GenerateResult, TokenCallback, generate
+from mtp_jax.engine import GenerateResult, TokenCallback, TokenLogprob, generate
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidRequestError
 from mtp_jax.grammar import DELIVERIES, Constraints
 from mtp_jax.request import (
@@ -37,6 +37,7 @@ from mtp_jax.request import (
     split_settings,
     step_config,
 )
+from mtp_jax.sampling import MAX_LOGPROBS, TokenLogprobs, token_logprobs
 from mtp_jax.sharding import replicated
 from mtp_jax.step import StepConfig
 from mtp_jax.targets import Hidden, target_for
@@ -73,6 +74,14 @@ def _teacher_forced(
     hidden, _ = target.forward(params, cfg, tokens, positions, capture=capture, mesh=mesh, **extra)
     # replicated: every process of a multi-host run can read the whole result
     return jax.tree.map(lambda x: replicated(x, mesh), (target.lm_head(params, hidden.post_norm), hidden))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _prompt_logprobs(params, cfg, tokens, mesh=None, lora_slots=None) -> TokenLogprobs:
+    """Each token's log-probability after the ones before it (tokens[:, 1:] at logits[:, :-1]),
+    with the MAX_LOGPROBS most likely: only these leave the device, never the [B, T, V] logits."""
+    logits, _ = _teacher_forced(params, cfg, tokens, (), mesh, lora_slots)
+    return token_logprobs(logits[:, :-1], tokens[:, 1:], MAX_LOGPROBS)
 
 
 @functools.partial(jax.jit, static_argnames=("sc",))
@@ -263,6 +272,40 @@ class Model:
         logits, _ = _teacher_forced(self.params, self.config, tokens, (), self.mesh, slots)
         return np.asarray(logits)
 
+    def prompt_logprobs(
+        self, prompt: Sequence[int] | str, n: int = 0, lora: str | None = None
+    ) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability after the tokens before it, with the ``n`` most
+        likely tokens at its position (0 to MAX_LOGPROBS), from the target's raw distribution; None
+        for the first token, which follows nothing (vLLM's ``prompt_logprobs``, what evaluation
+        harnesses score log-likelihoods with). A string is encoded with the model's tokenizer
+        under its BOS rules. ``lora``: the adapter the prompt is read with."""
+        ids = self.check_tokens(
+            self.text.encode(prompt) if isinstance(prompt, str) else list(prompt), "prompt"
+        )
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) > self.config.max_position_embeddings:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, beyond the model's maximum length "
+                f"{self.config.max_position_embeddings}"
+            )
+        # right-padded to a power of two (causal: the padding changes nothing before it), so prompts
+        # of similar lengths share one program
+        padded = np.zeros((1, max(16, 1 << (len(ids) - 1).bit_length())), np.int32)
+        padded[0, : len(ids)] = ids
+        out = jax.tree.map(
+            np.asarray,
+            _prompt_logprobs(self.params, self.config, padded, self.mesh, self._lora_slots(lora, 1)),
+        )
+        rows: list[TokenLogprob | None] = [None]
+        for t in range(len(ids) - 1):
+            top = zip(out.top_ids[0, t, :n].tolist(), out.top[0, t, :n].tolist(), strict=True)
+            rows.append(TokenLogprob(ids[t + 1], float(out.chosen[0, t]), tuple(top)))
+        return rows
+
     def _lora_slots(self, names: str | None | Sequence[str | None], n: int) -> jax.Array | None:
         """Per-row adapter slots [n] of ``names`` (one for all, or one per row); None without LoRA."""
         if self.lora is None:
@@ -416,9 +459,17 @@ class Model:
             pipelined=pipelined,
             grammar_masks=grammar_masks,
             stop_checks=_stop_checks(checked, streams),
+            logprobs=[c.params.logprobs for c in checked],
         )
         if any(s is not None for s in streams):
             result.texts = [None if s is None else s.text + s.finish() for s in streams]
+        if any(c.params.prompt_logprobs is not None for c in checked):
+            result.prompt_logprobs = [
+                None
+                if c.params.prompt_logprobs is None
+                else self.prompt_logprobs(c.prompt, c.params.prompt_logprobs, c.params.lora)
+                for c in checked
+            ]
         return result
 
     @property

@@ -25,7 +25,7 @@ import numpy as np
 
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.errors import InvalidRequestError
-from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_value, per_row
+from mtp_jax.sampling import MAX_DRAFTS, MAX_LOGPROBS, RowSampling, check_value, per_row
 from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.text import check_stops
 
@@ -56,7 +56,11 @@ class SamplingParams:
     decoding; None: the K of the call or engine). ``relaxed_topk`` / ``relaxed_delta``: relaxed
     acceptance inside a thinking phase (lossy by design; see :meth:`mtp_jax.Model.generate`).
     ``lora``: the name of a loaded LoRA adapter the request decodes with (None: the base model;
-    :meth:`mtp_jax.Model.load_lora`).
+    :meth:`mtp_jax.Model.load_lora`). ``logprobs``: return each new token's log-probability and
+    the ``logprobs`` most likely tokens' at its position (0 to MAX_LOGPROBS; None: none);
+    ``prompt_logprobs``: the same for every prompt token after the first. Both are taken from
+    the target's raw distribution (the logits' log-softmax, before temperature, top-k/p, min-p
+    or a grammar: vLLM's default), which speculation does not change.
     """
 
     max_new_tokens: int = 32
@@ -73,6 +77,8 @@ class SamplingParams:
     relaxed_topk: int = 0
     relaxed_delta: float = 0.0
     lora: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def per_prompt(cls, n: int, **values: Any) -> list[SamplingParams]:
@@ -91,7 +97,7 @@ class SamplingParams:
                 for i, v in enumerate(column):
                     check_value(name, v, f" (row {i})" if given else "")
                 columns[name] = column
-            elif name in ("grammar", "lora") and isinstance(value, (list, tuple)):
+            elif name in ("grammar", "lora", *LOGPROB_FIELDS) and isinstance(value, (list, tuple)):
                 if len(value) != n:
                     raise InvalidRequestError(f"{name} has {len(value)} values for {n} prompts")
                 columns[name] = list(value)
@@ -101,6 +107,7 @@ class SamplingParams:
 
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +334,16 @@ def check_request(
         stop_ids = tuple(model.check_tokens(list(params.stop_token_ids), "stop_token_ids"))
     if not isinstance(params.ignore_eos, bool):
         raise InvalidRequestError(f"ignore_eos must be a boolean, got {params.ignore_eos!r}")
+    for name in LOGPROB_FIELDS:
+        n_top = getattr(params, name)
+        if n_top is not None and (
+            isinstance(n_top, bool)
+            or not isinstance(n_top, (int, np.integer))
+            or not 0 <= n_top <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n_top!r}"
+            )
     slot = 0
     if params.lora is not None:
         if not isinstance(params.lora, str):
@@ -338,8 +355,11 @@ def check_request(
                 "(load it with lora_adapters=...)"
             )
         slot = table.slot_of(params.lora)
+    tops = {
+        name: None if getattr(params, name) is None else int(getattr(params, name)) for name in LOGPROB_FIELDS
+    }
     checked = dataclasses.replace(
-        params, **values, max_new_tokens=n, stop=tuple(stops), stop_token_ids=stop_ids
+        params, **values, **tops, max_new_tokens=n, stop=tuple(stops), stop_token_ids=stop_ids
     )
     return CheckedRequest(ids, checked, bool(text or stops or isinstance(prompt, str)), slot)
 

@@ -271,6 +271,7 @@ def time_step(
     draft: str | None = None,
     memory: dict | None = None,
     lora_slots: Any = None,
+    logprobs: bool = False,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
@@ -278,11 +279,12 @@ def time_step(
     afterwards, trace :data:`PROFILED_STEPS` more steps there with :mod:`jax.profiler`. ``memory``:
     filled with the compiled step's memory analysis (bytes of temporaries, arguments, outputs), read
     before the first call, so it is there even when running the step runs out of memory.
-    ``lora_slots`` [batch]: the rows' LoRA adapter slots (params holding adapters)."""
+    ``lora_slots`` [batch]: the rows' LoRA adapter slots (params holding adapters). ``logprobs``: the
+    step's program that also returns log-probabilities (what runs while a request asks)."""
     from mtp_jax.step import StepConfig, init_state, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
-    sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None)
+    sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None, logprobs=logprobs)
     width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
     state = init_state(sc, batch, batch * width, width, dtype)
     rng = np.random.default_rng(0)
@@ -314,7 +316,7 @@ def time_step(
     def one() -> jax.Array:
         # feed back the new state, with the committed length reset
         s = dataclasses.replace(holder[0], seq_len=lengths.pop())
-        emitted, n_emit, holder[0] = compiled(params, s)
+        emitted, n_emit, holder[0], _logprobs = compiled(params, s)
         return n_emit
 
     # Dispatched back to back, as the engine does (it reads a step's tokens one step late).
@@ -453,6 +455,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="also trace a few steps of each K with jax.profiler into DIR/k<K> and print the costliest "
         "device operations",
     )
+    parser.add_argument(
+        "--logprobs",
+        action="store_true",
+        help="also time each K's step with log-probabilities (the program that runs while a request asks "
+        "for them), alternating with the plain one three times",
+    )
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3], help="drafts per step (0: plain)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024, help="committed tokens per row")
@@ -572,6 +580,17 @@ def run(args: argparse.Namespace) -> dict:
             print(f"K = {k}: {first}", file=sys.stderr, flush=True)
             rows.append({"k": k, "error": first, "bytes": need.total, **memory})
             continue
+        extra = {}
+        if args.logprobs:  # alternated with the step without, in this process: the ratio is what counts
+            kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
+            kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
+            pairs = [
+                (time_step(params, cfg, **kw), time_step(params, cfg, logprobs=True, **kw)) for _ in range(3)
+            ]
+            plain, with_lp = (float(np.median(x)) for x in zip(*pairs, strict=True))
+            extra = {"alternated_step_ms": plain * 1e3, "logprobs_step_ms": with_lp * 1e3}
+            print(f"K = {k}: with log-probabilities {with_lp * 1e3:.3f} ms against {plain * 1e3:.3f} ms "
+                  f"({with_lp / plain:.2f}x)", file=sys.stderr, flush=True)  # fmt: skip
         roofline = need.total / bandwidth
         ops = []
         if args.profile is not None:
@@ -595,6 +614,7 @@ def run(args: argparse.Namespace) -> dict:
                 "over_roofline": seconds / roofline,
                 "achieved_gb_s": need.total / seconds / 1e9,
                 **memory,
+                **extra,
                 **({"profile_top": ops} if ops else {}),
             }
         )

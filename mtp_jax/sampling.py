@@ -22,6 +22,9 @@ import numpy as np
 from mtp_jax.errors import InvalidRequestError
 
 MAX_DRAFTS = 16
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask log-probabilities of per token (OpenAI's top_logprobs
+limit); a step that computes any computes this many (one program, whatever each request asks)."""
 """The most drafts a step verifies (num_speculative_tokens)."""
 
 
@@ -258,6 +261,28 @@ def processed_logprobs(logits: jax.Array, params: RowSampling) -> jax.Array:
 # Independent random streams per (seed, position). TARGET is what plain decoding uses, so
 # speculative decoding with argmax drafts draws exactly the tokens plain sampling would.
 TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities under the target's raw distribution (its logits' log-softmax, before
+    temperature, top-k/p, min-p or a grammar's mask: vLLM's default "raw_logprobs") at a set of
+    positions [...]: ``chosen`` [...] of the token emitted there, ``top_ids`` / ``top`` [..., n]
+    the n most likely tokens and theirs, most likely first."""
+
+    chosen: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, n: int) -> TokenLogprobs:
+    """:class:`TokenLogprobs` of ``tokens`` [...] at their positions' ``logits`` [..., V], with the
+    ``n`` most likely (computed in float32)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    top, top_ids = jax.lax.top_k(lp, n)
+    return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top)
 
 
 def row_keys(seed: jax.Array, positions: jax.Array, stream: int = TARGET) -> jax.Array:

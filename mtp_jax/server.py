@@ -7,7 +7,10 @@ Starlette routes on uvicorn (the ``serve`` extra: ``pip install 'mtp-jax[serve]'
   ``response_format`` ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema":
   ...}}, or {"type": "regex", "regex": ...}), and the extension object ``speculation``
   ({"num_speculative_tokens", "relaxed_topk", "relaxed_delta"}) and vLLM's ``ignore_eos`` per
-  request;
+  request; log-probabilities (chat: ``logprobs`` and ``top_logprobs``; completions: ``logprobs``
+  n, and ``echo`` with the prompt's own, ``max_tokens`` 0 for the prompt alone, as evaluation
+  harnesses score log-likelihoods), from the target's raw distribution, streamed or whole, the
+  same with speculation as without;
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text; the speculative-decoding
   counters under vLLM's names, ``vllm:spec_decode_num_accepted_tokens_total`` and the rest);
 - LoRA adapters (``--lora-modules``) are served as models of their own: a request names one as its
@@ -38,6 +41,7 @@ from collections.abc import AsyncIterator, Mapping
 
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.request import SamplingParams
+from mtp_jax.sampling import MAX_LOGPROBS
 from mtp_jax.serving import Engine, EngineClosedError, EngineFullError, RequestHandle
 
 log = logging.getLogger(__name__)
@@ -95,6 +99,24 @@ def _number(body: Mapping, name: str, kind: type, default):
             f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name
         )
     return kind(value)
+
+
+def _logprobs(body: Mapping, chat: bool) -> int | None:
+    """How many alternatives per token a request asks log-probabilities of (None: none). Chat:
+    ``logprobs`` true, ``top_logprobs`` of them; completions: ``logprobs`` n."""
+    if chat:
+        wanted = body.get("logprobs", False)
+        if wanted not in (None, True, False):
+            raise BadRequest(f"logprobs must be a boolean, got {wanted!r}", param="logprobs")
+        top = _number(body, "top_logprobs", int, None)
+        if top is not None and not wanted:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        n, name = (top or 0) if wanted else None, "top_logprobs"
+    else:
+        n, name = _number(body, "logprobs", int, None), "logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {n}", param=name)
+    return n
 
 
 def _grammar(body: Mapping) -> dict | None:
@@ -166,7 +188,9 @@ class Server:
                 param=param,
             )
 
-    def _common(self, body: Mapping, default_max_tokens: int | None, prompt_len: int) -> dict:
+    def _common(
+        self, body: Mapping, default_max_tokens: int | None, prompt_len: int, chat: bool, echo: bool = False
+    ) -> dict:
         adapter = self._adapter(body)
         room = self.engine.max_len - prompt_len
         if room < 1:
@@ -179,15 +203,19 @@ class Server:
         max_tokens = _number(
             body, name, int, room if default_max_tokens is None else min(default_max_tokens, room)
         )
-        if max_tokens < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if max_tokens < (0 if echo else 1):
+            raise BadRequest(
+                f"max_tokens must be at least {0 if echo else 1}"
+                f"{'' if echo else ' (0 only with echo: the prompt scored alone)'}, got {max_tokens}",
+                param="max_tokens",
+            )
         if prompt_len + max_tokens > self.engine.max_len:
             raise BadRequest(
                 f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it would reach "
                 f"{prompt_len + max_tokens}, beyond the engine's context of {self.engine.max_len} tokens",
                 param="max_tokens",
             )
-        kw: dict = {"max_new_tokens": max_tokens, "lora": adapter}
+        kw: dict = {"max_new_tokens": max_tokens, "lora": adapter, "logprobs": _logprobs(body, chat)}
         kw["temperature"] = _number(body, "temperature", float, 1.0)
         kw["top_p"] = _number(body, "top_p", float, 1.0)
         kw["top_k"] = _number(body, "top_k", int, 0)
@@ -215,8 +243,12 @@ class Server:
             raise BadRequest(f"n must be in [1, 16], got {n}", param="n")
         if body.get("stream") not in (None, True, False):
             raise BadRequest("stream must be a boolean", param="stream")
+        generate = max_tokens > 0
+        if not generate:
+            kw["max_new_tokens"] = 1  # a valid request; nothing is generated (see _handle)
         return {
             "params": SamplingParams(**kw),
+            "generate": generate,
             "n": n,
             "stream": bool(body.get("stream")),
             "seed_given": seed is not None,
@@ -248,6 +280,7 @@ class Server:
             "text": result.text,
             "finish_reason": FINISH.get(result.finish_reason, result.finish_reason),
             "tokens": len(result.tokens),
+            "entries": result.logprobs or [],
             "spec": {
                 "acceptance_length": result.stats["acceptance_length"],
                 "num_draft_tokens": result.stats["num_draft_tokens"],
@@ -282,19 +315,28 @@ class Server:
     async def _events(
         self, handles: list[RequestHandle], prompt_len: int, chunk, include_usage: bool
     ) -> AsyncIterator[bytes]:
-        """Server-sent events: each request's pieces as they come (interleaved), then its end."""
+        """Server-sent events: each request's pieces as they come (interleaved), then its end; with
+        log-probabilities, each piece carries those of the tokens whose text it brings (a token
+        holding part of a character waits for the piece that completes it)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, h: RequestHandle) -> None:
+            given = 0  # tokens whose log-probabilities went out
             try:
-                async for _, text in h.astream():
+                async for tokens, text in h.astream():
                     if text:
-                        await queue.put((i, text, None))
+                        entries = h.token_logprobs(given, given + len(tokens))
+                        given += len(tokens)
+                        await queue.put((i, text, entries, None))
+                    elif tokens:
+                        await queue.put((i, "", h.token_logprobs(given, given + len(tokens)), None))
+                        given += len(tokens)
             finally:
-                await queue.put((i, None, h))
+                await queue.put((i, None, None, h))
 
         tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
         done: list[dict] = []
+        held: dict[int, list] = {}  # log-probabilities of tokens whose text has not gone out yet
         try:
             for i in range(len(handles)):
                 first = chunk(i, None, None, first=True)
@@ -302,14 +344,19 @@ class Server:
                     yield _sse(first)
             ended = 0
             while ended < len(handles):
-                i, text, h = await queue.get()
+                i, text, entries, h = await queue.get()
                 if h is None:
-                    yield _sse(chunk(i, text, None))
+                    if entries:
+                        held.setdefault(i, []).extend(entries)
+                    if text:
+                        yield _sse(chunk(i, text, None, entries=held.pop(i, None)))
                     continue
                 ended += 1
                 record = self._record(h)
                 done.append(record)
-                yield _sse(chunk(i, None, record["finish_reason"], spec=record["spec"]))
+                yield _sse(
+                    chunk(i, None, record["finish_reason"], spec=record["spec"], entries=held.pop(i, None))
+                )
             if include_usage:
                 yield _sse({**chunk(0, None, None), "choices": [], "usage": self._usage(prompt_len, done)})
             yield b"data: [DONE]\n\n"
@@ -350,8 +397,18 @@ class Server:
                     raise BadRequest(
                         "prompt must be a string or a list of token ids (one prompt)", param="prompt"
                     )
-            parsed = self._common(body, None if chat else 16, len(prompt))
-            handles = self._submit(prompt, parsed)
+            echo = body.get("echo", False)
+            if echo not in (True, False) or (chat and echo):
+                raise BadRequest("echo must be a boolean (completions only)", param="echo")
+            parsed = self._common(body, None if chat else 16, len(prompt), chat, echo)
+            n_top = parsed["params"].logprobs
+            prompt_entries = None
+            if echo and n_top is not None:  # the prompt's own log-probabilities, scored by the engine
+                scored = await asyncio.to_thread(
+                    self.engine.prompt_logprobs, prompt, n_top, parsed["params"].lora
+                )
+                prompt_entries = list(zip(prompt, scored, strict=True))
+            handles = self._submit(prompt, parsed) if parsed["generate"] else []
         except BadRequest as e:
             return _error(str(e), e.status, e.kind, e.param)
         except EngineFullError as e:
@@ -364,58 +421,116 @@ class Server:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         created = int(time.time())
         base = {"id": rid, "created": created, "model": parsed["model"]}
+        echoed = text_codec.decode(prompt) if echo else ""
+        if not handles:  # max_tokens 0 with echo: the prompt, scored, and nothing else
+            records = [{"text": "", "finish_reason": "length", "tokens": 0, "spec": None, "entries": []}]
         if parsed["stream"]:
             opts = body.get("stream_options") or {}
             include_usage = bool(isinstance(opts, Mapping) and opts.get("include_usage"))
             kind = "chat.completion.chunk" if chat else "text_completion"
+            offsets = [0] * max(1, len(handles))
 
-            def chunk(i: int, text, finish, first: bool = False, spec=None):
+            def chunk(i: int, text, finish, first: bool = False, spec=None, entries=None):
                 if chat:
                     if first:
                         delta = {"role": "assistant", "content": ""}
                     else:
                         delta = {} if text is None else {"content": text}
                     choice = {"index": i, "delta": delta, "finish_reason": finish}
+                    if n_top is not None and not first:
+                        choice["logprobs"] = self._chat_logprobs(entries or [])
                 else:
                     if first:
-                        return None
-                    choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+                        if not echo:
+                            return None
+                        logprobs = None
+                        if n_top is not None:
+                            logprobs, offsets[i] = self._completion_logprobs(prompt_entries, 0)
+                        choice = {"index": i, "text": echoed, "finish_reason": None, "logprobs": logprobs}
+                        offsets[i] = len(echoed)
+                        return {**base, "object": kind, "choices": [choice]}
+                    logprobs = None
+                    if n_top is not None:
+                        pairs = [(e.token, e) for e in entries or []]
+                        logprobs, offsets[i] = self._completion_logprobs(pairs, offsets[i])
+                    choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
                 if spec is not None:
                     choice["speculation"] = spec
                 return {**base, "object": kind, "choices": [choice]}
 
+            if not handles:
+                return StreamingResponse(
+                    self._echo_only(chunk, len(prompt), include_usage), media_type="text/event-stream"
+                )
             return StreamingResponse(
                 self._events(handles, len(prompt), chunk, include_usage), media_type="text/event-stream"
             )
-        await self._wait_all(request, handles)
-        records = [self._record(h) for h in handles]
+        if handles:
+            await self._wait_all(request, handles)
+            records = [self._record(h) for h in handles]
         if chat:
             choices = [
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": r["text"]},
                     "finish_reason": r["finish_reason"],
-                    "logprobs": None,
+                    "logprobs": None if n_top is None else self._chat_logprobs(r["entries"]),
                     "speculation": r["spec"],
                 }
                 for i, r in enumerate(records)
             ]
             kind = "chat.completion"
         else:
-            choices = [
-                {
-                    "index": i,
-                    "text": r["text"],
-                    "finish_reason": r["finish_reason"],
-                    "logprobs": None,
-                    "speculation": r["spec"],
-                }
-                for i, r in enumerate(records)
-            ]
+            choices = []
+            for i, r in enumerate(records):
+                logprobs = None
+                if n_top is not None:
+                    pairs = (prompt_entries or []) + [(e.token, e) for e in r["entries"]]
+                    logprobs, _ = self._completion_logprobs(pairs, 0)
+                choice = {"index": i, "text": echoed + (r["text"] or ""), "finish_reason": r["finish_reason"]}
+                choices.append({**choice, "logprobs": logprobs, "speculation": r["spec"]})
             kind = "text_completion"
         return JSONResponse(
             {**base, "object": kind, "choices": choices, "usage": self._usage(len(prompt), records)}
         )
+
+    async def _echo_only(self, chunk, prompt_len: int, include_usage: bool) -> AsyncIterator[bytes]:
+        """The stream of a request that generates nothing (echo with max_tokens 0)."""
+        yield _sse(chunk(0, None, None, first=True))
+        yield _sse(chunk(0, None, "length"))
+        if include_usage:
+            yield _sse({**chunk(0, None, None), "choices": [], "usage": self._usage(prompt_len, [])})
+        yield b"data: [DONE]\n\n"
+
+    def _token(self, token: int, logprob: float | None) -> dict:
+        text = self.engine.model.text.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _chat_logprobs(self, entries: list) -> dict:
+        """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+        return {
+            "content": [
+                {**self._token(e.token, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
+
+    def _completion_logprobs(self, pairs: list, offset: int) -> tuple[dict, int]:
+        """OpenAI's completions ``logprobs`` of (token, TokenLogprob or None) pairs whose text starts
+        at character ``offset``: {tokens, token_logprobs, top_logprobs, text_offset}; and the offset
+        after them."""
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        codec = self.engine.model.text
+        for token, entry in pairs:
+            text = codec.token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
+            out["top_logprobs"].append(
+                None if entry is None else {codec.token_text(t): lp for t, lp in entry.top}
+            )
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out, offset
 
     async def models(self, request):
         from starlette.responses import JSONResponse

@@ -37,12 +37,15 @@ from mtp_jax.drafts import Draft, Rows, draft_for
 from mtp_jax.drafts.base import DraftContext, at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
 from mtp_jax.sampling import (
+    MAX_LOGPROBS,
     RowSampling,
+    TokenLogprobs,
     accept_argmax_drafts,
     accept_sampled_drafts,
     relaxed_ok,
     sample,
     sort_only,
+    token_logprobs,
 )
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
@@ -74,6 +77,10 @@ class StepConfig:
     think_tokens: tuple[int, int] | None = None
     """(start, end) token ids of a thinking phase, tracked per row for relaxed acceptance
     (:func:`mtp_jax.sampling.relaxed_ok`); None: strict acceptance everywhere."""
+    logprobs: bool = False
+    """Also return each emitted token's log-probability and the MAX_LOGPROBS most likely tokens'
+    (:class:`mtp_jax.sampling.TokenLogprobs`), from the verified logits; a program of its own, run
+    only while some request asks."""
 
     def __post_init__(self) -> None:
         if self.k > 0 and (self.draft is None or self.draft_idle):
@@ -217,13 +224,14 @@ def prefill(
     page_table: jax.Array,
     sampling: RowSampling,
     bitmask: jax.Array | None = None,
-) -> tuple[jax.Array, DecodeState]:
+) -> tuple[jax.Array, DecodeState, TokenLogprobs | None]:
     """Admit requests into slots ``rows`` [R] (an index >= B is a padding row, ignored): right-padded
     prompts tokens [R, T] of ``lengths`` [R] with their page-table rows [R, W] and sampling [R]
     (``bitmask`` [R, ceil(V/32)]: the tokens a grammar allows first).
 
     Fills the target cache, samples each request's first token and, with a draft, fills the MTP
-    cache for the prompt and proposes the first K drafts. Returns (first tokens [R], state).
+    cache for the prompt and proposes the first K drafts. Returns (first tokens [R], state,
+    logprobs): with ``sc.logprobs`` the first tokens' :class:`TokenLogprobs` [R], else None.
     """
     r, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
@@ -244,10 +252,10 @@ def prefill(
         lora_slots=sampling.lora_slot,
     )
     last = lengths - 1
-    first_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last))
-    if bitmask is not None:
-        first_logits = mask_logits(first_logits, bitmask)
+    raw_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last))
+    first_logits = raw_logits if bitmask is None else mask_logits(raw_logits, bitmask)
     first = sample(first_logits, sampling, lengths)
+    logprobs = token_logprobs(raw_logits, first, MAX_LOGPROBS) if sc.logprobs else None
     draft_state = state.draft_state
     drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
@@ -270,21 +278,26 @@ def prefill(
     def put(dst, src):
         return dst.at[rows].set(src, mode="drop")
 
-    return replicated(first, sc.mesh), constrain_state(
-        DecodeState(
-            target_pages=target_pages,
-            draft_state=draft_state,
-            page_table=put(state.page_table, page_table),
-            seq_len=put(state.seq_len, lengths),
-            next_token=put(state.next_token, first),
-            drafts=put(state.drafts, drafts),
-            draft_q=put(state.draft_q, q),
-            num_drafts=put(state.num_drafts, count),
-            thinking=put(state.thinking, thinking),
-            active=put(state.active, real),
-            sampling=jax.tree.map(put, state.sampling, sampling),
+    logprobs = jax.tree.map(lambda x: replicated(x, sc.mesh), logprobs)
+    return (
+        replicated(first, sc.mesh),
+        constrain_state(
+            DecodeState(
+                target_pages=target_pages,
+                draft_state=draft_state,
+                page_table=put(state.page_table, page_table),
+                seq_len=put(state.seq_len, lengths),
+                next_token=put(state.next_token, first),
+                drafts=put(state.drafts, drafts),
+                draft_q=put(state.draft_q, q),
+                num_drafts=put(state.num_drafts, count),
+                thinking=put(state.thinking, thinking),
+                active=put(state.active, real),
+                sampling=jax.tree.map(put, state.sampling, sampling),
+            ),
+            sc,
         ),
-        sc,
+        logprobs,
     )
 
 
@@ -451,9 +464,11 @@ def step(
     grammar_rows: jax.Array | None = None,
     rows: int | None = None,
     grammar_key: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, DecodeState]:
-    """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state);
-    row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots). ``bitmask``
+) -> tuple[jax.Array, jax.Array, DecodeState, TokenLogprobs | None]:
+    """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state,
+    logprobs); row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots);
+    with ``sc.logprobs`` their :class:`TokenLogprobs` [B, K+1] (from the target's raw logits at the
+    verified positions: what plain decoding would give them), else None. ``bitmask``
     [B, K+1, ceil(V/32)]: the tokens a grammar allows at each verified position
     (:mod:`mtp_jax.grammar`); or ``grammar_rows`` [B] (each slot's request, -1 for none) with
     ``grammar_key`` (the scheduler's :class:`mtp_jax.grammar.Constraints` key): the step asks the
@@ -482,20 +497,27 @@ def step(
         hidden, logits, target_pages = _verify(params, state, sc, k)
         emitted, n_acc = _accept(logits, state, sc, None if bitmask is None else bitmask[:, : k + 1], k)
         n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k)
-        return _room(jnp.zeros((emitted.shape[0], sc.k + 1), emitted.dtype), emitted), n_emit, state
+        logprobs = None
+        if sc.logprobs:  # every verified position's, padded to K+1 like the tokens
+            logprobs = jax.tree.map(
+                lambda x: _room(jnp.zeros((x.shape[0], sc.k + 1, *x.shape[2:]), x.dtype), x),
+                token_logprobs(logits, emitted, MAX_LOGPROBS),
+            )
+        return _room(jnp.zeros((emitted.shape[0], sc.k + 1), emitted.dtype), emitted), n_emit, state, logprobs
 
     if sc.k and sc.drafter is not None and sc.drafter.proposes_per_row:
         # no active row has a draft: verify one token per row, as plain decoding (the rows' tokens are
         # the same either way: a row capped at 0 drafts samples exactly as plain decoding does)
         drafting = jnp.any(state.active & (state.num_drafts > 0))
-        emitted, n_emit, state = jax.lax.cond(
+        emitted, n_emit, state, logprobs = jax.lax.cond(
             drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), state
         )
     else:
-        emitted, n_emit, state = verified(sc.k, state)
+        emitted, n_emit, state, logprobs = verified(sc.k, state)
     if rows is not None:
         state = _merge_rows(whole, state, rows)
-    return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc)
+    logprobs = jax.tree.map(lambda x: replicated(x, sc.mesh), logprobs)
+    return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc), logprobs
 
 
 # The host-orchestrated baseline: the same stages as separate executables with the host reading
@@ -518,12 +540,14 @@ def _accept_jit(
 
 def host_orchestrated_step(
     params: dict, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, DecodeState]:
+) -> tuple[jax.Array, jax.Array, DecodeState, None]:
+    if sc.logprobs:
+        raise ValueError("the host-orchestrated baseline step returns no log-probabilities")
     hidden, logits, target_pages = _verify_jit(params, state, sc)
     emitted, n_acc = _accept_jit(logits, state, sc, bitmask)
     n_acc = jnp.asarray(np.asarray(n_acc))  # the host round trip a fused step avoids
     n_emit, state = _commit_and_draft_jit(params, state, sc, hidden, target_pages, emitted, n_acc)
-    return emitted, n_emit, state
+    return emitted, n_emit, state, None
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -106,6 +106,11 @@ class TextCodec:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token: int) -> str:
+        """One token's text on its own, special tokens included (how log-probabilities name
+        tokens; a token holding part of a character decodes to U+FFFD)."""
+        return self.tokenizer.decode([int(token)], skip_special_tokens=False)
+
     def decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self.tokenizer)
 

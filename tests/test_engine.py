@@ -99,7 +99,7 @@ def test_prefill_pads_each_admission_to_its_own_prompts(tiny_model):
 def test_decode_state_is_donated(tiny_model):
     sc = StepConfig(tiny_model.config, 4)
     state = init_state(sc, 2, 8, 4, jnp.float32)
-    _, state2 = prefill(
+    _, state2, _ = prefill(
         tiny_model.params,
         state,
         sc,
@@ -110,7 +110,7 @@ def test_decode_state_is_donated(tiny_model):
         RowSampling.build(2),
     )
     assert all(x.is_deleted() for x in jax.tree.leaves(state))
-    _, _, state3 = step(tiny_model.params, state2, sc)
+    _, _, state3, _ = step(tiny_model.params, state2, sc)
     jax.block_until_ready(state3)
     assert all(x.is_deleted() for x in jax.tree.leaves(state2))
 

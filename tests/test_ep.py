@@ -143,13 +143,13 @@ MODEL_CHILD = PRELUDE + textwrap.dedent(
         state = step_mod.init_state(sc, rows, 4 * rows, 4, jnp.float32)
         state = jax.device_put(state, state_shardings(sc, state))
         table = np.arange(4 * rows, dtype=np.int32).reshape(rows, 4)
-        first, state = step_mod.prefill(
+        first, state, _ = step_mod.prefill(
             model.params, state, sc, jnp.arange(rows), np.asarray(ids * (rows // 2), np.int32),
             jnp.full(rows, 16), jnp.asarray(table), RowSampling.build(rows),
         )
         compiled = step_mod.step._cache_size()
         for _ in range(3):
-            emitted, n_emit, state = step_mod.step(model.params, state, sc)
+            emitted, n_emit, state, _ = step_mod.step(model.params, state, sc)
         assert step_mod.step._cache_size() == compiled + 1
         assert np.asarray(n_emit).min() >= 1
         assert spec(state.target_pages["moe"]) == (None, axes, None, None)

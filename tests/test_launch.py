@@ -161,6 +161,18 @@ def test_two_processes_serve_what_one_generates(tmp_path):
         kw = dict(max_new_tokens=16, draft="mtp", num_speculative_tokens=3, lora="a")
         adapted = model.generate(prompts[:1], **kw).texts[0]
         assert [c["text"] for c in got] == [adapted] * 8 and adapted != want[0]
+        # log-probabilities: the step's program with them runs on both processes, and a prompt is
+        # scored by both (process 1 replays it instead of a step)
+        body = {"prompt": prompts[1], "max_tokens": 8, "temperature": 0, "logprobs": 2, "n": 8}
+        got = httpx.post(base + "/v1/completions", json=body, timeout=300).json()["choices"]
+        off = model.generate(prompts[1:2], max_new_tokens=8, logprobs=2).logprobs[0]
+        for c in got:
+            assert c["logprobs"]["token_logprobs"] == pytest.approx([e.logprob for e in off], abs=2e-5)
+        body = {"prompt": prompts[1], "max_tokens": 0, "echo": True, "logprobs": 1}
+        scored = httpx.post(base + "/v1/completions", json=body, timeout=300).json()["choices"][0]["logprobs"]
+        want_scores = [e.logprob for e in model.prompt_logprobs(prompts[1], 1)[1:]]
+        assert scored["token_logprobs"][0] is None
+        assert scored["token_logprobs"][1:] == pytest.approx(want_scores, abs=2e-5)
         usage = None
         for _ in range(100):  # the hung-up request is cancelled within a step or two
             metrics = httpx.get(base + "/metrics", timeout=30).text

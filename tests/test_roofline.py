@@ -183,6 +183,7 @@ def test_bench_step_with_a_random_eagle3_draft(tmp_path):
         "2",
         "--layer-buffers",
         "on",
+        "--logprobs",
     ]
     args += ["--context", "40", "--page-size", "8", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
     run = _run(*args, cwd=str(tmp_path))
@@ -192,6 +193,9 @@ def test_bench_step_with_a_random_eagle3_draft(tmp_path):
     assert report["layer_buffers"] is True  # the unrolled layers over per-layer buffers ran
     (row,) = report["results"]
     assert row["draft"] == "eagle3" and row["step_ms"] > 0 and row["bytes_by_part"]["draft_weights"] > 0
+    # --logprobs: the step with log-probabilities timed beside the one without, alternately
+    assert row["logprobs_step_ms"] > 0 and row["alternated_step_ms"] > 0
+    assert "with log-probabilities" in run.stderr
 
 
 @pytest.mark.parametrize(

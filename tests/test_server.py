@@ -121,6 +121,78 @@ def test_chat_completions_and_stop(served, client):
     assert r.choices[0].message.content == want[: want.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
+def _values(entries) -> list[float]:
+    return [e.logprob for e in entries]
+
+
+def test_logprobs_through_the_api_equal_offline_plain_decodings(served, client):
+    """The served engine speculates (MTP, K = 3); each token's log-probability and alternatives, whole
+    and streamed, on both routes, equal offline plain decoding's. Echo with max_tokens 0 scores the
+    prompt alone, as evaluation harnesses ask (lm-evaluation-harness's local-completions)."""
+    model = served[0]
+    prompt = "def fibonacci(n):"
+    want = model.generate([prompt], max_new_tokens=12, logprobs=3).logprobs[0]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(_values(want), abs=2e-5)
+    assert lp.tokens == [model.text.token_text(e.token) for e in want]
+    assert [sorted(d.values(), reverse=True) for d in lp.top_logprobs] == [
+        pytest.approx(
+            sorted({model.text.token_text(t): v for t, v in e.top}.values(), reverse=True), abs=2e-5
+        )
+        for e in want
+    ]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=3, stream=True
+        )
+    )
+    streamed = [
+        v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == pytest.approx(_values(want), abs=2e-5)
+
+    messages = [{"role": "user", "content": "import os"}]
+    want = model.generate([model.text.render_chat(messages)], max_new_tokens=10, logprobs=2).logprobs[0]
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(_values(want), abs=2e-5)
+    assert [[t.logprob for t in c.top_logprobs] for c in content] == [
+        pytest.approx([v for _, v in e.top], abs=2e-5) for e in want
+    ]
+    assert content[0].bytes == list(content[0].token.encode())
+    stream = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, logprobs=True, stream=True
+    )
+    streamed = [
+        t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content
+    ]
+    assert [t.logprob for t in streamed] == pytest.approx(_values(want), abs=2e-5)
+    assert all(t.top_logprobs == [] for t in streamed)  # logprobs without top_logprobs: the token's own
+
+    scored = model.prompt_logprobs(prompt, 1)
+    r = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    lp = r.choices[0].logprobs
+    assert (
+        r.choices[0].text == model.text.decode(model.text.encode(prompt)) and r.usage.completion_tokens == 0
+    )
+    assert lp.token_logprobs[0] is None and lp.token_logprobs[1:] == pytest.approx(
+        _values(scored[1:]), abs=2e-5
+    )
+    both = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=4, echo=True, logprobs=1, temperature=0
+    )
+    ids = model.text.encode(prompt)
+    assert both.choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + both.usage.completion_tokens
+    assert both.choices[0].text.startswith(r.choices[0].text)
+
+
 def test_json_schema_response_format(client):
     schema = {
         "type": "object",
@@ -169,6 +241,19 @@ BAD = [
     ),
     ("/v1/completions", {"prompt": "x", "n": 99}, "n must be in"),
     ("/v1/completions", {"prompt": "x", "ignore_eos": "yes"}, "ignore_eos must be a boolean"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs must be in [0, 20]"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "0 only with echo"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo must be a boolean"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        "needs logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "echo": True},
+        "completions only",
+    ),
 ]
 
 

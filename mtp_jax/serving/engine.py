@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.engine import Request, Scheduler, next_power_of_two, pages_needed
+from mtp_jax.engine import Request, Scheduler, TokenLogprob, next_power_of_two, pages_needed
 from mtp_jax.errors import AdapterError, InvalidRequestError
 from mtp_jax.request import (
     CheckedRequest,
@@ -28,6 +28,7 @@ from mtp_jax.request import (
     speculative_config,
     step_config,
 )
+from mtp_jax.sampling import MAX_LOGPROBS
 from mtp_jax.serving.errors import EngineClosedError, EngineFullError
 from mtp_jax.serving.handle import RequestHandle, StopCheck, token_hook
 from mtp_jax.serving.replay import Replay
@@ -207,7 +208,14 @@ class Engine:
         if params.grammar is not None:
             self._grammar_for(rid, params.grammar)
         sampling, past_eos = row_sampling([checked]), params.ignore_eos
-        request = Request(checked.prompt, params.max_new_tokens, sampling, id=rid, ignore_eos=past_eos)
+        request = Request(
+            checked.prompt,
+            params.max_new_tokens,
+            sampling,
+            id=rid,
+            ignore_eos=past_eos,
+            logprobs=params.logprobs,
+        )
         handle = RequestHandle(self, request, text)
         handle._checked = checked
         stop_ids = frozenset(params.stop_token_ids) or None
@@ -269,7 +277,7 @@ class Engine:
             if waiting:
                 with self._lock:
                     self._waiting -= 1
-        elif kind in ("warmup", "lora_load", "lora_unload"):
+        elif kind in ("warmup", "lora_load", "lora_unload", "prompt_logprobs"):
             argument, done = value
             try:
                 done.append(self._job(kind, argument))
@@ -323,7 +331,14 @@ class Engine:
         return done[1]
 
     def _job(self, kind: str, argument: Any) -> Any:
-        """(The engine's thread, between two steps.) A warm-up, or loading or unloading an adapter."""
+        """(The engine's thread, between two steps.) A warm-up, loading or unloading an adapter, or
+        a prompt's log-probabilities."""
+        if kind == "prompt_logprobs":
+            self.model._lora_slots(argument[2], 1)  # still loaded: refused here, before the others hear
+            # the followers run the same program instead of their next step (see Replay.follow)
+            self.replay.record("prompt_logprobs", *argument)
+            self.replay.publish()
+            return self.model.prompt_logprobs(*argument)
         if kind == "warmup":
             if self.scheduler.pending is not None or any(o is not None for o in self.scheduler.owner):
                 raise InvalidRequestError("warm the engine up before requests run (some are running)")
@@ -348,6 +363,25 @@ class Engine:
             self.model.unload_lora(name)
         self.replay.record("lora_unload", name)
         return None
+
+    def prompt_logprobs(
+        self, prompt: Sequence[int] | str, n: int = 0, lora: str | None = None
+    ) -> list[TokenLogprob | None]:
+        """:meth:`mtp_jax.Model.prompt_logprobs` run by the engine's thread between two steps (and by
+        every process of a multi-process run): each prompt token's log-probability after the ones
+        before it, with the ``n`` most likely (None for the first token). Blocks until done."""
+        self._check_leader("scores prompts")
+        ids = self.model.check_tokens(
+            self.model.text.encode(prompt) if isinstance(prompt, str) else list(prompt), "prompt"
+        )
+        if len(ids) > self.max_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, beyond the engine's context of {self.max_len} tokens"
+            )
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        self.model._lora_slots(lora, 1)  # a known adapter (checked again on the engine's thread)
+        return self._on_loop("prompt_logprobs", ([int(t) for t in ids], int(n), lora))
 
     # -- LoRA adapters while serving (any thread) ----------------------------------------------
 

@@ -9,7 +9,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
-from mtp_jax.engine import Request
+from mtp_jax.engine import Request, TokenLogprob
 from mtp_jax.request import CheckedRequest
 from mtp_jax.text import TextStream
 
@@ -25,12 +25,14 @@ with finish reason "stop" (stop strings are checked this way)."""
 class Completion:
     """A finished request: its new tokens, why it stopped ("eos", "length", "stop", "grammar",
     "cancelled", or "error"), its speculation counters (:class:`~mtp_jax.engine.SpecCounters`),
-    and its text (with a text prompt or stop strings)."""
+    its text (with a text prompt or stop strings), and with ``logprobs`` asked one
+    :class:`~mtp_jax.TokenLogprob` per token."""
 
     tokens: list[int]
     finish_reason: str
     stats: dict
     text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class RequestHandle:
@@ -157,7 +159,17 @@ class RequestHandle:
                 raise TimeoutError(f"request {self.id} still running after {timeout} s")
             text = "".join(self._pieces) + self._tail if self._text is not None else None
         self._raise_error()
-        return Completion(list(self._tokens), self._finish, self.request.counters.as_dict(), text)
+        counters = self.request.counters.as_dict()
+        return Completion(
+            list(self._tokens), self._finish, counters, text, self.token_logprobs(0, len(self._tokens))
+        )
+
+    def token_logprobs(self, start: int, stop: int) -> list[TokenLogprob] | None:
+        """The log-probabilities of tokens [start, stop) the handle has given out (None if the request
+        did not ask): each is recorded before its token is."""
+        if self.request.logprobs is None:
+            return None
+        return self.request.token_logprobs[start:stop]
 
 
 def wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:

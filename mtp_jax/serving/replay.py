@@ -29,7 +29,8 @@ class Replay:
     path]`` and ``["lora_unload", name]`` (an adapter loaded into the same slot, or freed, before the
     next step; each process reads the adapter from ``path`` itself), ``["warmup"]`` (the followers
     warm up instead of stepping), ``["warmjob", kind, ...]`` (one program of a background warm-up
-    instead of a step) and ``["close"]``."""
+    instead of a step), ``["prompt_logprobs", ids, n, lora]`` (a prompt scored instead of a step)
+    and ``["close"]``."""
 
     def __init__(self) -> None:
         self.leader = jax.process_index() == 0
@@ -76,6 +77,8 @@ class Replay:
                         return
                 if events and events[-1] == ["warmup"]:
                     engine.warming.run(None)
+                elif events and events[-1][0] == "prompt_logprobs":
+                    engine.model.prompt_logprobs(*events[-1][1:])
                 elif events and events[-1][0] == "warmjob":
                     engine.scheduler.warmup_job(*events[-1][1:])
                 else:

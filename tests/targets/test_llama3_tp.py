@@ -79,7 +79,7 @@ TP_CHILD = textwrap.dedent(
             assert spec[3] == ("tensor" if kv_split else None), (name, tensor_n, spec)
             table = np.arange(4 * rows, dtype=np.int32).reshape(rows, 4)
             toks = np.asarray([prompts[0][:6]] * rows, np.int32)
-            _, state = step_mod.prefill(
+            _, state, _ = step_mod.prefill(
                 model.params, state, sc, jnp.arange(rows), toks, jnp.full(rows, 6), jnp.asarray(table),
                 RowSampling.build(rows),
             )
