@@ -466,6 +466,22 @@ def add_server_args(parser) -> None:
         help="larger request bodies get 413 before they are read (default: 16 MiB)",
     )
     parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="a request body must arrive within S seconds (else 408) and a request running longer is "
+        "cancelled (finish reason abort), its slot freed (default: no limit)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="on SIGTERM or SIGINT stop accepting and let the requests in flight finish for at most S "
+        "seconds, then cancel them and exit (default: 60)",
+    )
+    parser.add_argument(
         "--lora-modules",
         nargs="+",
         metavar="NAME=DIR",
@@ -498,6 +514,8 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         "runtime_lora": args.allow_runtime_lora_updating,
         "api_key": args.api_key,
         "max_request_bytes": args.max_request_bytes,
+        "request_timeout": args.request_timeout,
+        "shutdown_timeout": args.shutdown_timeout,
     }
 
 

@@ -36,6 +36,8 @@ import json
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 
@@ -69,15 +71,24 @@ def _error(message: str, status: int = 400, kind: str = "invalid_request_error",
 MAX_REQUEST_BYTES = 16 * 2**20
 
 
-async def _json_object(request, limit: int) -> Mapping:
+async def _json_object(request, limit: int, timeout: float | None = None) -> Mapping:
     """The request's JSON object body, read as it arrives and refused (413) once over ``limit``
-    bytes, whatever its Content-Length said (a chunked body has none)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"the request body is over {limit} bytes", 413)
-        chunks.append(chunk)
+    bytes, whatever its Content-Length said (a chunked body has none); 408 when it has not all
+    arrived within ``timeout`` seconds (a client sending slowly holds no worker forever)."""
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"the request body is over {limit} bytes", 413)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout:g} s", 408) from None
     try:
         body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -148,7 +159,16 @@ class Server:
         runtime_lora: bool = False,
         api_key: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        request_timeout: float | None = None,
     ) -> None:
+        if request_timeout is not None and (
+            isinstance(request_timeout, bool)
+            or not isinstance(request_timeout, (int, float))
+            or not request_timeout > 0
+        ):
+            raise InvalidRequestError(
+                f"request_timeout must be a positive number of seconds, got {request_timeout!r}"
+            )
         if (
             isinstance(max_request_bytes, bool)
             or not isinstance(max_request_bytes, int)
@@ -162,6 +182,7 @@ class Server:
         self.runtime_lora = runtime_lora
         self.api_key = api_key or None
         self.max_request_bytes = max_request_bytes
+        self.request_timeout = request_timeout
         self.created = int(time.time())
 
     # -- request parsing -----------------------------------------------------------------------
@@ -378,7 +399,7 @@ class Server:
         from starlette.responses import JSONResponse, StreamingResponse
 
         try:
-            body = await _json_object(request, self.max_request_bytes)
+            body = await _json_object(request, self.max_request_bytes, self.request_timeout)
             text_codec = self.engine.model.text
             if chat:  # rendered and tokenised off the event loop: other requests go on meanwhile
                 messages = body.get("messages")
@@ -409,6 +430,10 @@ class Server:
                 )
                 prompt_entries = list(zip(prompt, scored, strict=True))
             handles = self._submit(prompt, parsed) if parsed["generate"] else []
+            if self.request_timeout is not None:  # whatever the client does, the slot is freed then
+                loop = asyncio.get_running_loop()
+                for h in handles:
+                    loop.call_later(self.request_timeout, h.cancel)
         except BadRequest as e:
             return _error(str(e), e.status, e.kind, e.param)
         except EngineFullError as e:
@@ -567,7 +592,7 @@ class Server:
                     403,
                     "permission_error",
                 )
-            body = await _json_object(request, self.max_request_bytes)
+            body = await _json_object(request, self.max_request_bytes, self.request_timeout)
             name = body.get("lora_name")
             if not isinstance(name, str) or not name:
                 raise BadRequest("lora_name must be a non-empty string", param="lora_name")
@@ -747,13 +772,31 @@ def serve(
     runtime_lora: bool = False,
     api_key: str | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    request_timeout: float | None = None,
+    shutdown_timeout: float | None = 60.0,
 ) -> None:
     """Run the server until interrupted (uvicorn). ``runtime_lora``: enable the routes that load and
     unload LoRA adapters while serving. ``api_key``: every ``/v1`` request must carry it as a bearer
-    token (401 otherwise). ``max_request_bytes``: larger request bodies get 413 unread."""
+    token (401 otherwise). ``max_request_bytes``: larger request bodies get 413 unread.
+    ``request_timeout``: a request body must arrive within it (408) and a request running longer is
+    cancelled (finish reason "abort"), its slot freed, whether or not its client reads. On SIGTERM or
+    SIGINT the server drains: it stops accepting connections and lets the requests in flight finish,
+    for at most ``shutdown_timeout`` seconds (then they are cancelled), and returns."""
     try:
         import uvicorn
     except ImportError as e:
         raise InvalidRequestError("mtp-jax serve needs the serve extra: pip install 'mtp-jax[serve]'") from e
-    app = Server(engine, model_name, runtime_lora, api_key, max_request_bytes).app()
-    uvicorn.run(app, host=host, port=port, log_level=os.environ.get("MTP_JAX_LOG_LEVEL", "info"))
+    if shutdown_timeout is not None and not shutdown_timeout >= 0:
+        raise InvalidRequestError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
+    app = Server(engine, model_name, runtime_lora, api_key, max_request_bytes, request_timeout).app()
+    level = os.environ.get("MTP_JAX_LOG_LEVEL", "info")
+    # uvicorn drains on SIGTERM, then raises it again under the handler it found: with the default
+    # one the process would die of it after draining; with this one serve() returns and the caller
+    # closes the engine and exits normally
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=level, timeout_graceful_shutdown=shutdown_timeout)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)

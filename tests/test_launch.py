@@ -95,7 +95,8 @@ def test_two_processes_serve_what_one_generates(tmp_path):
     """--serve over 2 processes: process 0 serves HTTP, process 1 replays its engine's steps;
     concurrent greedy requests (one client hanging up mid-stream) get offline generate's text, the
     pages all come back; a LoRA adapter loaded at run time (both processes) serves offline
-    generate's text with it; and a SIGINT to process 0 stops both cleanly."""
+    generate's text with it; and a SIGTERM to process 0 while a request streams lets that request
+    finish (drain), refuses new connections, and stops both cleanly."""
     httpx = require_extra("httpx")
     require_extra("uvicorn")
     import signal
@@ -183,8 +184,36 @@ def test_two_processes_serve_what_one_generates(tmp_path):
         assert usage and float(usage[0].rsplit(" ", 1)[1]) == 0, usage
         assert 'finished_reason="abort"' in metrics
         pid = next(int(ln.rsplit("pid ", 1)[1].rstrip(")\n")) for ln in lines if ln.startswith("serving "))
-        os.kill(pid, signal.SIGINT)
+        pieces: list[dict] = []
+        started = threading.Event()
+
+        def drained() -> None:  # streams while SIGTERM arrives: it must still get every token
+            body = {
+                "prompt": prompts[2],
+                "max_tokens": 40,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            }
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        pieces.append(json.loads(line[6:])["choices"][0])
+                        started.set()
+
+        streaming = threading.Thread(target=drained)
+        streaming.start()
+        assert started.wait(120)
+        os.kill(pid, signal.SIGTERM)
+        streaming.join(300)
+        assert pieces[-1]["finish_reason"] == "length", pieces[-3:]
+        off = model.generate(
+            [prompts[2]], max_new_tokens=40, ignore_eos=True, draft="mtp", num_speculative_tokens=3
+        )
+        assert "".join(p["text"] for p in pieces) == off.texts[0]
         assert proc.wait(120) == 0, "".join(lines)[-4000:]
+        with pytest.raises(httpx.TransportError):  # nothing listens any more
+            httpx.get(base + "/health", timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()

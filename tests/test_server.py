@@ -44,8 +44,9 @@ def served(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def running_server(engine, name: str, runtime_lora: bool = False):
-    """``engine`` served as ``name`` on a free loopback port (yields its base URL); closed after."""
+def running_server(engine, name: str, runtime_lora: bool = False, close: bool = True, **server_kw):
+    """``engine`` served as ``name`` on a free loopback port (yields its base URL); the engine is
+    closed after (unless ``close`` is False: a second server over an engine another one serves)."""
     import uvicorn
 
     from mtp_jax.server import Server
@@ -53,7 +54,8 @@ def running_server(engine, name: str, runtime_lora: bool = False):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Server(engine, name, runtime_lora).app(), log_level="warning"))
+    app = Server(engine, name, runtime_lora, **server_kw).app()
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):
@@ -65,7 +67,8 @@ def running_server(engine, name: str, runtime_lora: bool = False):
     finally:
         server.should_exit = True
         thread.join(10)
-        engine.close()
+        if close:
+            engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -448,6 +451,29 @@ def test_api_key_and_request_size_guard_the_routes(served):
         assert (
             r.status_code == 200 and r.json()["choices"][0]["text"] == _offline_text(model, "import os", 4)[0]
         )
+
+
+def test_request_timeout_frees_the_slot_and_refuses_a_slow_body(served):
+    """--request-timeout: a request still running then is cancelled (finish reason "abort", its
+    pages freed) and a body that has not all arrived gets 408; the server goes on serving."""
+    _, engine, _ = served
+    with running_server(engine, NAME, close=False, request_timeout=0.2) as base:
+        body = {"prompt": "def f():", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+        assert r["choices"][0]["finish_reason"] == "abort" and r["usage"]["completion_tokens"] < 240
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
+            sock.sendall((head + "content-length: 50\r\n\r\n" + '{"prompt": "x"').encode())
+            reply = sock.recv(4096).decode()  # the rest never comes
+        assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.2 s" in reply
+        for _ in range(100):
+            if engine.stats()["running"] == 0:
+                break
+            time.sleep(0.05)
+        assert engine.stats()["running"] == 0
+        ok = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200
 
 
 def test_a_prompt_too_long_for_any_tokenisation_is_refused_untokenised(served, monkeypatch):
