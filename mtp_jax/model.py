@@ -37,7 +37,7 @@ from mtp_jax.request import (
     split_settings,
     step_config,
 )
-from mtp_jax.sampling import MAX_LOGPROBS, TokenLogprobs, token_logprobs
+from mtp_jax.sampling import MAX_LOGPROBS, TokenLogprobs, check_logprobs, token_logprobs
 from mtp_jax.sharding import replicated
 from mtp_jax.step import StepConfig
 from mtp_jax.targets import Hidden, target_for
@@ -283,8 +283,7 @@ class Model:
         ids = self.check_tokens(
             self.text.encode(prompt) if isinstance(prompt, str) else list(prompt), "prompt"
         )
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        n = check_logprobs("prompt_logprobs", n)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if len(ids) > self.config.max_position_embeddings:

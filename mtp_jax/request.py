@@ -25,7 +25,7 @@ import numpy as np
 
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.errors import InvalidRequestError
-from mtp_jax.sampling import MAX_DRAFTS, MAX_LOGPROBS, RowSampling, check_value, per_row
+from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_logprobs, check_value, per_row
 from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.text import check_stops
 
@@ -334,16 +334,7 @@ def check_request(
         stop_ids = tuple(model.check_tokens(list(params.stop_token_ids), "stop_token_ids"))
     if not isinstance(params.ignore_eos, bool):
         raise InvalidRequestError(f"ignore_eos must be a boolean, got {params.ignore_eos!r}")
-    for name in LOGPROB_FIELDS:
-        n_top = getattr(params, name)
-        if n_top is not None and (
-            isinstance(n_top, bool)
-            or not isinstance(n_top, (int, np.integer))
-            or not 0 <= n_top <= MAX_LOGPROBS
-        ):
-            raise InvalidRequestError(
-                f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {n_top!r}"
-            )
+    tops = {name: check_logprobs(name, getattr(params, name), optional=True) for name in LOGPROB_FIELDS}
     slot = 0
     if params.lora is not None:
         if not isinstance(params.lora, str):
@@ -355,9 +346,6 @@ def check_request(
                 "(load it with lora_adapters=...)"
             )
         slot = table.slot_of(params.lora)
-    tops = {
-        name: None if getattr(params, name) is None else int(getattr(params, name)) for name in LOGPROB_FIELDS
-    }
     checked = dataclasses.replace(
         params, **values, **tops, max_new_tokens=n, stop=tuple(stops), stop_token_ids=stop_ids
     )

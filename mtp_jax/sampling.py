@@ -130,6 +130,17 @@ def check_value(name: str, value: float, where: str = "") -> None:
         raise InvalidRequestError(f"{name} must be {want}, got {value}{where}")
 
 
+def check_logprobs(name: str, n: object, optional: bool = False) -> int | None:
+    """``n`` alternatives per token as an int (None stays None when ``optional``), or
+    InvalidRequestError naming ``name`` unless it is an integer in [0, MAX_LOGPROBS]."""
+    if optional and n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_LOGPROBS:
+        allowed = f"{'None or ' if optional else ''}an integer in [0, {MAX_LOGPROBS}]"
+        raise InvalidRequestError(f"{name} must be {allowed}, got {n!r}")
+    return int(n)
+
+
 def per_row(name: str, value: object, batch: int, kind: type) -> tuple[list, bool]:
     """(values broadcast to [batch], whether they were given per row)."""
     given = isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0)

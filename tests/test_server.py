@@ -294,6 +294,16 @@ def test_models_health_metrics_and_unknown_routes(served, client):
     assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
 
 
+def _assert_drained(engine) -> None:
+    """Within a minute no request runs or waits, and every cache page is free again."""
+    t0 = time.monotonic()
+    while engine.stats()["running"] or engine.stats()["waiting"]:
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.05)
+    st = engine.stats()
+    assert st["free_pages"] == st["num_pages"]
+
+
 def test_load_many_streaming_clients_some_cancelling(served):
     """64 concurrent streaming clients on 8 slots, every fourth hanging up after a few pieces:
     each completed greedy response is offline generate's text; all pages come back."""
@@ -324,12 +334,7 @@ def test_load_many_streaming_clients_some_cancelling(served):
     assert len(finished) == 48
     for i, text in finished:
         assert text == want[i], i
-    t0 = time.monotonic()
-    while engine.stats()["running"] or engine.stats()["waiting"]:
-        assert time.monotonic() - t0 < 60
-        time.sleep(0.05)
-    st = engine.stats()
-    assert st["free_pages"] == st["num_pages"]
+    _assert_drained(engine)
     metrics = httpx.get(base + "/metrics").text
     assert 'finished_reason="abort"' in metrics
 
@@ -373,12 +378,7 @@ def test_overload_far_beyond_slots_and_queue(served, monkeypatch):
     for i in served_ok:
         assert results[i][1] == want[prompts[i]], i
     assert all(text == "rate_limit_error" for status, text in results if status == 429)
-    t0 = time.monotonic()
-    while engine.stats()["running"] or engine.stats()["waiting"]:
-        assert time.monotonic() - t0 < 60
-        time.sleep(0.05)
-    st = engine.stats()
-    assert st["free_pages"] == st["num_pages"]
+    _assert_drained(engine)
     assert httpx.get(base + "/health").json() == {"status": "ok"}
     r = httpx.post(base + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 12, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want[prompts[0]]

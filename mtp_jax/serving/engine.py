@@ -28,7 +28,7 @@ from mtp_jax.request import (
     speculative_config,
     step_config,
 )
-from mtp_jax.sampling import MAX_LOGPROBS
+from mtp_jax.sampling import check_logprobs
 from mtp_jax.serving.errors import EngineClosedError, EngineFullError
 from mtp_jax.serving.handle import RequestHandle, StopCheck, token_hook
 from mtp_jax.serving.replay import Replay
@@ -378,10 +378,9 @@ class Engine:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens, beyond the engine's context of {self.max_len} tokens"
             )
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {n!r}")
+        n = check_logprobs("prompt_logprobs", n)
         self.model._lora_slots(lora, 1)  # a known adapter (checked again on the engine's thread)
-        return self._on_loop("prompt_logprobs", ([int(t) for t in ids], int(n), lora))
+        return self._on_loop("prompt_logprobs", ([int(t) for t in ids], n, lora))
 
     # -- LoRA adapters while serving (any thread) ----------------------------------------------
 
