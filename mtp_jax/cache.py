@@ -8,6 +8,10 @@ a page table [B, pages_per_row] naming each row's pages in position order. Host 
 
 from __future__ import annotations
 
+import collections
+import hashlib
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +63,115 @@ class ShardedPageAllocator:
             mine = [p - base for p in pages if base <= p < base + self.per_shard]
             if mine:
                 part.release(mine)
+
+
+class PrefixCache:
+    """Automatic prefix caching: requests whose prompts start with the same tokens share the cache
+    pages of that prefix, over a :class:`ShardedPageAllocator` (or one shard of pages).
+
+    A full page of a prompt is named by a chained SHA-256 digest: of the digest of the page before
+    it (the first page's: of ``salt``, e.g. the LoRA adapter that computed it), its own tokens and
+    the ``lookahead`` tokens after it (a draft whose cache entry at position p also depends on token
+    p + 1: :attr:`mtp_jax.drafts.base.Draft.cache_lookahead`). Equal digests mean equal prefixes, so
+    equal cache contents for every cache on the page table (the target's, the draft's). A request
+    :meth:`take`-s the pages of its longest cached prefix (at least its last prompt token is always
+    computed again: its logits give the first new token) and fresh pages for the rest;
+    :meth:`register` names its prompt's full pages once its prefill is dispatched; :meth:`release`
+    gives its pages back. Pages are reference-counted: a named page nobody holds stays cached and
+    is evicted, least recently released first, only when fresh pages run out.
+
+    ``queries`` and ``hits`` count prompt tokens looked up and found (vLLM's
+    ``prefix_cache_queries`` / ``prefix_cache_hits``). Deterministic (no per-process hash seed), so
+    every process of a multi-process run makes the same choices."""
+
+    def __init__(self, allocator: ShardedPageAllocator, page_size: int, lookahead: int = 0) -> None:
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        self.allocator, self.page_size, self.lookahead = allocator, page_size, lookahead
+        self.shards = len(allocator._parts)
+        self._page_of: dict[tuple[int, bytes], int] = {}  # (shard, digest) -> page
+        self._digest_of: dict[int, tuple[int, bytes]] = {}  # page -> its (shard, digest)
+        self._refs: dict[int, int] = {}  # pages held, by how many requests
+        self._idle = [collections.OrderedDict() for _ in range(self.shards)]  # named, unheld: LRU first
+        self.queries = self.hits = 0
+
+    def _shard_of(self, page: int) -> int:
+        return page // self.allocator.per_shard
+
+    @property
+    def free(self) -> int:
+        """Pages a request could take now: never handed out, or cached and held by nobody."""
+        return self.allocator.free + sum(len(idle) for idle in self._idle)
+
+    @property
+    def cached(self) -> int:
+        """Pages holding a named prefix (held or not)."""
+        return len(self._page_of)
+
+    def digests(self, prompt: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """The digests of ``prompt``'s pages that can be shared: each full page followed by at least
+        ``lookahead`` more prompt tokens and, so that the last token is computed, one more."""
+        page, ahead = self.page_size, self.lookahead
+        n = max(0, (len(prompt) - max(ahead, 1)) // page)
+        out, digest = [], hashlib.sha256(b"mtp-jax prefix\0" + salt).digest()
+        ids = np.asarray(prompt, np.int64)
+        for j in range(n):
+            block = ids[j * page : (j + 1) * page + ahead]
+            digest = hashlib.sha256(digest + block.tobytes()).digest()
+            out.append(digest)
+        return out
+
+    def take(self, digests: Sequence[bytes], need: int, shard: int = 0) -> tuple[list[int], int]:
+        """Pages for a request of ``need`` pages whose prompt has page ``digests``: (its pages in
+        position order, how many of the first are cached ones, whose positions need no prefill).
+        Counts the lookup in ``queries`` / ``hits``."""
+        shared: list[int] = []
+        for digest in digests:
+            page = self._page_of.get((shard, digest))
+            if page is None:
+                break
+            shared.append(page)
+        for page in shared:
+            self._idle[shard].pop(page, None)
+            self._refs[page] = self._refs.get(page, 0) + 1
+        fresh = need - len(shared)
+        short = fresh - self.allocator._parts[shard].free
+        for _ in range(max(0, short)):
+            if not self._idle[shard]:
+                break
+            page, _ = self._idle[shard].popitem(last=False)
+            del self._page_of[self._digest_of.pop(page)]
+            self.allocator.release([page])
+        pages = self.allocator.allocate(fresh, shard)
+        for page in pages:
+            self._refs[page] = 1
+        self.queries += len(digests) * self.page_size
+        self.hits += len(shared) * self.page_size
+        return shared + pages, len(shared)
+
+    def register(self, digests: Sequence[bytes], pages: Sequence[int]) -> None:
+        """Name the request's pages ``pages[j]`` by ``digests[j]`` (its prefill is dispatched: later
+        prefills read what it writes). A digest named already keeps its page (this one stays the
+        request's own)."""
+        for digest, page in zip(digests, pages, strict=False):
+            key = (self._shard_of(page), digest)
+            if key not in self._page_of and page not in self._digest_of:
+                self._page_of[key] = page
+                self._digest_of[page] = key
+
+    def release(self, pages: Sequence[int]) -> None:
+        """A request is done with ``pages``: unnamed ones are freed, named ones stay cached."""
+        free = []
+        for page in pages:
+            self._refs[page] -= 1
+            if self._refs[page]:
+                continue
+            del self._refs[page]
+            if page in self._digest_of:
+                self._idle[self._shard_of(page)][page] = None
+            else:
+                free.append(page)
+        self.allocator.release(free)
 
 
 def write_rows(

@@ -474,6 +474,21 @@ def add_server_args(parser) -> None:
         "cancelled (finish reason abort), its slot freed (default: no limit)",
     )
     parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="requests whose prompts start alike share those cache pages and prefill only the rest "
+        "(default: on)",
+    )
+    parser.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="prompts longer than N tokens are prefilled N at a time between decode steps, so running "
+        "requests keep streaming while a long prompt arrives (default: 2048; 0: whole prompts at once)",
+    )
+    parser.add_argument(
         "--shutdown-timeout",
         type=float,
         default=60.0,
@@ -561,6 +576,8 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         draft_sampling=getattr(args, "draft_sampling", "argmax"),
         max_queue=args.max_queue,
         grammar_masks=getattr(args, "grammar_masks", "host"),
+        prefix_caching=getattr(args, "enable_prefix_caching", True),
+        chunked_prefill_size=getattr(args, "chunked_prefill_size", 2048) or None,
     )
     mode = getattr(args, "warmup", "background")
     if engine.leader and mode != "none":  # the other processes of a run follow process 0's

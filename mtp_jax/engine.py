@@ -19,11 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.cache import ShardedPageAllocator, page_table_array
+from mtp_jax.cache import PrefixCache, ShardedPageAllocator, page_table_array
 from mtp_jax.grammar import Constraints
 from mtp_jax.sampling import RowSampling
 from mtp_jax.sharding import row_shards, state_shardings
-from mtp_jax.step import StepConfig, deactivate, host_orchestrated_step, init_state, prefill, step
+from mtp_jax.step import (
+    StepConfig,
+    deactivate,
+    host_orchestrated_step,
+    init_state,
+    prefill,
+    prefill_chunk,
+    step,
+)
 
 TokenCallback = Callable[[int, int], None]
 """Called as ``on_token(prompt_index, token_id)`` for every emitted token, in order."""
@@ -103,7 +111,10 @@ class Request:
     (returning True stops the request: finish reason "stop"), ``on_finish(request)`` at the end.
     The scheduler fills in ``tokens``, ``finish`` ("eos", "stop", "grammar", "length" or
     "cancelled") and ``counters``; with ``logprobs`` (how many alternatives, 0 to MAX_LOGPROBS)
-    also ``token_logprobs``, each token's before ``on_token`` is called for it."""
+    also ``token_logprobs``, each token's before ``on_token`` is called for it. ``cache_salt``
+    separates cached prefixes (:class:`mtp_jax.cache.PrefixCache`): only requests with equal salts
+    (and LoRA slots) share pages; whoever builds requests changes it when the weights that
+    computed a prefix change (an adapter reloaded into the same slot)."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -117,12 +128,26 @@ class Request:
     counters: SpecCounters | None = None
     logprobs: int | None = None
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    cache_salt: bytes = b""
 
 
 def pages_needed(prompt_len: int, max_new_tokens: int, sc: StepConfig) -> int:
     """Cache pages a request owns: its prompt, its new tokens and the speculative overshoot of the
     last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)."""
     return math.ceil((prompt_len + max_new_tokens + 2 * (sc.k + 1)) / sc.page_size)
+
+
+@dataclasses.dataclass(eq=False)
+class _Admission:
+    """A request placed in a slot with its pages, not prefilled yet: positions before ``start`` are
+    in the caches already (a cached prefix, chunks written so far)."""
+
+    req: Request
+    slot: int
+    shard: int
+    pages: list[int]
+    start: int
+    digests: list[bytes] = dataclasses.field(default_factory=list)  # its pages' names (prefix caching)
 
 
 class Scheduler:
@@ -143,7 +168,12 @@ class Scheduler:
     host for its masks itself (an ordered io_callback) and the scheduler keeps dispatching one step
     ahead (one process only). ``fused=False`` runs the host-orchestrated baseline step instead, and
     ``pipelined=False`` reads every step's results before dispatching the next (benchmarks only:
-    the cost of a host round trip per step, which is what a grammar pays)."""
+    the cost of a host round trip per step, which is what a grammar pays). With ``prefix_caching``
+    requests share the cache pages of equal prompt prefixes (:class:`mtp_jax.cache.PrefixCache`):
+    a request prefills only what follows its longest cached prefix. With ``chunked_prefill`` (a token
+    count) a prompt longer than that is prefilled that many tokens per iteration, between the steps
+    of the running requests (its slot waits meanwhile), instead of in one long prefill that stalls
+    them all."""
 
     def __init__(
         self,
@@ -159,7 +189,15 @@ class Scheduler:
         pipelined: bool = True,
         grammar_masks: str = "host",
         row_buckets: bool = False,
+        prefix_caching: bool = False,
+        chunked_prefill: int | None = None,
     ) -> None:
+        if chunked_prefill is not None and (
+            isinstance(chunked_prefill, bool) or not isinstance(chunked_prefill, int) or chunked_prefill < 16
+        ):
+            raise ValueError(f"chunked_prefill must be None or an integer >= 16, got {chunked_prefill!r}")
+        self.chunk = chunked_prefill
+        self.filling: collections.deque[_Admission] = collections.deque()  # prompts still arriving
         self.callback = constraints is not None and grammar_masks == "callback"
         # whose constraints the step's callback asks (made once: not a transfer per step)
         self.grammar_key = jnp.int32(constraints.key) if self.callback else None
@@ -179,6 +217,8 @@ class Scheduler:
         self.row_buckets = row_buckets and fused and self.shards == 1
         self.programs: set[tuple[int, int]] = set()
         self.allocator = ShardedPageAllocator(slots * width, self.shards)  # slot b's pages: its shard
+        lookahead = 0 if sc.draft_method is None else sc.draft_method.cache_lookahead
+        self.prefix = PrefixCache(self.allocator, sc.page_size, lookahead) if prefix_caching else None
         state = init_state(sc, slots, self.allocator.num_pages, width, cache_dtype)
         if sc.mesh is not None:
             state = jax.device_put(state, state_shardings(sc, state))
@@ -189,7 +229,7 @@ class Scheduler:
         self.proposed = np.zeros(slots, np.int64)  # drafts standing for each slot (the state's num_drafts)
         self.pending = None
         self.counters = SpecCounters(sc.k)
-        self.counts = {"steps": 0, "prefills": 0}
+        self.counts = {"steps": 0, "prefills": 0, "prefill_chunks": 0}
         self.first_step_seconds = 0.0
         self.first_admitted: float | None = None  # when the first admission's prefill returned
         self._next_id = 0
@@ -228,6 +268,11 @@ class Scheduler:
             return
         self._finish(req, "cancelled")
         self._release([b for b, o in enumerate(self.owner) if o is req])
+
+    @property
+    def free_pages(self) -> int:
+        """Cache pages a new request could take (with prefix caching: cached ones nobody holds too)."""
+        return self.allocator.free if self.prefix is None else self.prefix.free
 
     @property
     def busy(self) -> bool:
@@ -279,21 +324,31 @@ class Scheduler:
                 return True
         return False
 
+    def _running(self) -> list[Request | None]:
+        """Each slot's request, None where none runs (free, or its prompt still arriving)."""
+        owners = list(self.owner)
+        for a in self.filling:
+            owners[a.slot] = None
+        return owners
+
     def _step_masks(self, k: int) -> np.ndarray | None:
         """The grammar masks of the next step's K+1 positions, from the drafts the last step left."""
-        if not any(self._constrained(req) for req in self.owner):
+        running = self._running()
+        if not any(self._constrained(req) for req in running):
             return None
         drafts = np.asarray(self.state.drafts[:, :k])
-        rows = [
-            (req.id, b * (k + 1), drafts[b]) for b, req in enumerate(self.owner) if self._constrained(req)
-        ]
+        rows = [(req.id, b * (k + 1), drafts[b]) for b, req in enumerate(running) if self._constrained(req)]
         return self.constraints.masks(rows, (self.slots, k + 1))
 
     def _release(self, rows: list[int]) -> None:
         if not rows:
             return
+        if self.filling:
+            gone = set(rows)
+            self.filling = collections.deque(a for a in self.filling if a.slot not in gone)
         for b in rows:
-            self.allocator.release(self.pages_of.pop(self.owner[b].id))
+            pages = self.pages_of.pop(self.owner[b].id)
+            (self.allocator if self.prefix is None else self.prefix).release(pages)
             self.owner[b] = None
         self._deactivate(rows)
 
@@ -307,9 +362,12 @@ class Scheduler:
         """Every program requests without a grammar can make the scheduler run, smallest first:
         admissions ("prefill", rows per shard, prompt bucket) of 1, 2, 4 ... rows per shard with
         prompts padded to 16, 32 ... up to ``max_prompt_len`` tokens; steps ("step", K, rows) for
-        each K in ``ks`` over each row bucket; slot releases ("release", n, 0)."""
+        each K in ``ks`` over each row bucket; slot releases ("release", n, 0); with chunked prefill
+        prompt buckets up to the chunk only, and the chunk's own program ("chunk", 1, chunk)."""
         per_shard = next_power_of_two(self.slots // self.shards)
         pers = [1 << i for i in range(per_shard.bit_length()) if 1 << i <= per_shard]
+        if self.chunk is not None:  # longer prompts arrive in chunks: their rest fits one
+            max_prompt_len = min(max_prompt_len, self.chunk)
         top = next_power_of_two(max_prompt_len, minimum=16)
         buckets = [16 << i for i in range(top.bit_length()) if 16 << i <= top]
         powers = [1 << i for i in range(self.slots.bit_length() + 1)]
@@ -318,8 +376,15 @@ class Scheduler:
         jobs = [("prefill", per, t) for per in pers for t in buckets]
         jobs += [("step", k, r) for k in sorted(ks, reverse=True) for r in [*rows, self.slots]]
         jobs += [("release", n, 0) for n in releases]
-        kinds = ("prefill", "step", "release")
-        size = {"prefill": lambda a, b: a * b // 16, "step": lambda a, b: b, "release": lambda a, b: a}
+        if self.chunk is not None:
+            jobs.append(("chunk", 1, self.chunk))
+        kinds = ("prefill", "chunk", "step", "release")
+        size = {
+            "prefill": lambda a, b: a * b // 16,
+            "chunk": lambda a, b: b // 16,
+            "step": lambda a, b: b,
+            "release": lambda a, b: a,
+        }
         return sorted(jobs, key=lambda j: (size[j[0]](j[1], j[2]), kinds.index(j[0])))
 
     def warmup_job(self, kind: str, a: int, b: int) -> None:
@@ -340,6 +405,8 @@ class Scheduler:
                 jnp.asarray(np.zeros((r, self.width), np.int32)),
                 sampling,
                 None,
+                jnp.asarray(np.zeros(r, np.int32)),
+                jnp.asarray(np.zeros(r, bool)),
             )
             np.asarray(first)
         elif kind == "step":
@@ -347,6 +414,19 @@ class Scheduler:
             sc = self._variant(a)
             emitted, n_emit, self.state, _ = self.step_fn(self.params, self.state, sc, None, **extra)
             np.asarray(n_emit)
+        elif kind == "chunk":
+            r, zeros = self.shards, jnp.asarray(np.zeros(self.shards, np.int32))
+            self.state = prefill_chunk(
+                self.params,
+                self.state,
+                self.sc,
+                jnp.asarray(np.zeros((r, b), np.int32)),
+                zeros,
+                zeros,
+                zeros,
+                jnp.asarray(np.zeros((r, self.width), np.int32)),
+                zeros,
+            )
         elif kind == "release":
             self.state = deactivate(self.state, jnp.asarray(np.full(a, self.slots, np.int32)))
         else:
@@ -373,40 +453,92 @@ class Scheduler:
             [b for b in range(s * slots // shards, (s + 1) * slots // shards) if self.owner[b] is None]
             for s in range(shards)
         ]
-        placed: list[list[tuple[Request, int]]] = [[] for _ in range(shards)]
+        ready: list[_Admission] = []
         while self.queue:
             s = max(range(shards), key=lambda s: (len(free[s]), -s))
             if not free[s]:
                 break
-            placed[s].append((self.queue.popleft(), free[s].pop(0)))
-        per = max(len(p) for p in placed)
-        if not per:
-            return
-        per = next_power_of_two(per)
+            req, b = self.queue.popleft(), free[s].pop(0)
+            need = pages_needed(len(req.prompt), req.max_new_tokens, self.sc)
+            admission = _Admission(req, b, s, [], 0)
+            if self.prefix is None:
+                admission.pages = self.allocator.allocate(need, shard=s)
+            else:
+                admission.digests = self.prefix.digests(req.prompt, self._salt(req))
+                admission.pages, hit = self.prefix.take(admission.digests, need, s)
+                admission.start = hit * self.sc.page_size
+            self.pages_of[req.id] = admission.pages
+            self.owner[b] = req
+            if self.chunk is not None and len(req.prompt) - admission.start > self.chunk:
+                self.filling.append(admission)  # prefilled a chunk per iteration (:meth:`_fill`)
+            else:
+                ready.append(admission)
+        if ready:
+            self._prefill(ready)
+
+    def _fill(self) -> bool:
+        """Chunked prefill: the next chunk of the first request whose prompt is still arriving, or
+        (its rest fitting one chunk) its admission. False when none is."""
+        if not self.filling:
+            return False
+        a = self.filling[0]
+        left = len(a.req.prompt) - a.start
+        if left <= self.chunk:
+            self.filling.popleft()
+            self._prefill([a])
+            return True
+        r, i = self.shards, a.shard  # one row per shard, the request's on its own shard's
+        tokens = np.zeros((r, self.chunk), np.int32)
+        tokens[i] = a.req.prompt[a.start : a.start + self.chunk]
+        counts, starts, after, lora = (np.zeros(r, np.int32) for _ in range(4))
+        counts[i], starts[i], after[i] = self.chunk, a.start, a.req.prompt[a.start + self.chunk]
+        lora[i] = int(np.asarray(a.req.sampling.lora_slot)[0])
+        tables = [a.pages if j == i else [] for j in range(r)]
+        self.state = prefill_chunk(
+            self.params,
+            self.state,
+            self.sc,
+            jnp.asarray(tokens),
+            jnp.asarray(starts),
+            jnp.asarray(counts),
+            jnp.asarray(after),
+            jnp.asarray(page_table_array(tables, self.width)),
+            jnp.asarray(lora),
+        )
+        a.start += self.chunk
+        self.counts["prefill_chunks"] += 1
+        return True
+
+    def _prefill(self, admissions: list[_Admission]) -> None:
+        """Admit requests placed in their slots with their pages: prefill each prompt from its
+        ``start`` (after a cached prefix or the chunks written so far) and emit its first token."""
+        slots, shards = self.slots, self.shards
+        per = next_power_of_two(max(sum(a.shard == s for a in admissions) for s in range(shards)))
         r = per * shards
         rows = np.full(r, slots, np.int32)  # padding rows: an out-of-range slot, ignored
-        # prompt lengths padded to a power of two per admission (one long prompt does not make
-        # every later prefill pay for its length); a few prefill programs at most
-        longest = max(len(req.prompt) for group in placed for req, _ in group)
-        bucket = next_power_of_two(longest, minimum=16)
-        tokens = np.zeros((r, bucket), np.int32)
         lengths = np.ones(r, np.int32)
+        starts = np.zeros(r, np.int32)  # where each prompt's prefill begins
+        thinking = np.zeros(r, bool)
         tables: list[list[int]] = [[] for _ in range(r)]
         reqs: list[tuple[int, Request]] = []
-        row_sampling = [placed_req.sampling for group in placed for placed_req, _ in group[:1]][:1] * r
-        for s, group in enumerate(placed):
-            for j, (req, b) in enumerate(group):
-                i = s * per + j
-                self.pages_of[req.id] = self.allocator.allocate(
-                    pages_needed(len(req.prompt), req.max_new_tokens, self.sc), shard=s
-                )
-                self.owner[b] = req
-                rows[i], lengths[i] = b, len(req.prompt)
-                tokens[i, : lengths[i]] = req.prompt
-                tables[i] = self.pages_of[req.id]
-                row_sampling[i] = req.sampling
-                reqs.append((i, req))
-                self.proposed[b] = self.row_k(req)
+        row_sampling = [admissions[0].req.sampling] * r
+        taken = [0] * shards
+        for a in admissions:
+            i = a.shard * per + taken[a.shard]
+            taken[a.shard] += 1
+            req, b = a.req, a.slot
+            rows[i], lengths[i], starts[i] = b, len(req.prompt), a.start
+            thinking[i] = self._thinking_before(req.prompt, a.start)
+            tables[i] = a.pages
+            row_sampling[i] = req.sampling
+            reqs.append((i, req))
+            self.proposed[b] = self.row_k(req)
+        # prompt lengths (after their cached prefixes) padded to a power of two per admission (one
+        # long prompt does not make every later prefill pay for its length); a few programs at most
+        bucket = next_power_of_two(int(np.max(lengths - starts)), minimum=16)
+        tokens = np.zeros((r, bucket), np.int32)
+        for i, req in reqs:
+            tokens[i, : lengths[i] - starts[i]] = req.prompt[starts[i] :]
         sampling = jax.tree.map(lambda *xs: jnp.asarray(np.concatenate(xs)), *row_sampling)
         masks = None
         if any(self._constrained(req) for _, req in reqs):
@@ -427,7 +559,12 @@ class Scheduler:
             jnp.asarray(page_table_array(tables, self.width)),
             sampling,
             masks,
+            jnp.asarray(starts),
+            jnp.asarray(thinking),
         )
+        if self.prefix is not None:
+            for a in admissions:  # later prefills may read what this one writes
+                self.prefix.register(a.digests, a.pages)
         self.counts["prefills"] += 1
         first = np.asarray(first)
         lp = None if logprobs is None else jax.tree.map(np.asarray, logprobs)
@@ -437,6 +574,20 @@ class Scheduler:
             if self._emit(req, first[i : i + 1], _rows_of(lp, slice(i, i + 1)))
         ]
         self._release(done)
+
+    def _salt(self, req: Request) -> bytes:
+        """What separates a request's cached prefixes from others': its salt and its LoRA slot."""
+        return req.cache_salt + b"lora:%d" % int(np.asarray(req.sampling.lora_slot)[0])
+
+    def _thinking_before(self, prompt: list[int], start: int) -> bool:
+        """Whether a thinking phase is open after ``prompt[:start]`` (the last marker decides)."""
+        if self.sc.think_tokens is None:
+            return False
+        begin, end = self.sc.think_tokens
+        for tok in reversed(prompt[:start]):
+            if tok in (begin, end):
+                return tok == begin
+        return False
 
     def _process(self, emitted, n_emit, logprobs, owners: list[Request | None], drafted: np.ndarray) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
@@ -463,12 +614,14 @@ class Scheduler:
 
     def _advance(self) -> bool:
         self._admit()
-        if self.first_admitted is None and any(o is not None for o in self.owner):
+        filled = self._fill()
+        running = self._running()
+        if self.first_admitted is None and any(o is not None for o in running):
             self.first_admitted = time.perf_counter()
-        active = [req for req in self.owner if req is not None]
+        active = [req for req in running if req is not None]
         if not active:
             if self.pending is None:
-                return bool(self.queue)
+                return bool(self.queue or self.filling) or filled
             self._read_pending()
             return True
         if self.pending is not None and all(
@@ -488,12 +641,12 @@ class Scheduler:
         )
         masks, grammar_rows = None, None
         if self.callback:
-            ids = [req.id if self._constrained(req) else -1 for req in self.owner]
+            ids = [req.id if self._constrained(req) else -1 for req in running]
             grammar_rows = jnp.asarray(ids, jnp.int32)
         else:
             masks = self._step_masks(sc_now.k)
         drafted = np.minimum(self.proposed, sc_now.k)
-        for b, req in enumerate(self.owner):
+        for b, req in enumerate(running):
             if req is not None:
                 self.proposed[b] = min(self.row_k(req), sc_now.k)
         rows = self.slots
@@ -511,7 +664,7 @@ class Scheduler:
         self.counts["steps"] += 1
         if self.pending is not None:
             self._read_pending()
-        self.pending = (emitted, n_emit, logprobs, list(self.owner), drafted)
+        self.pending = (emitted, n_emit, logprobs, running, drafted)
         return True
 
 

@@ -484,6 +484,7 @@ class LoraTable:
         self.max_loras, self.max_lora_rank, self.num_layers = max_loras, max_lora_rank, num_layers
         self.slots: dict[str, int] = {}
         self.paths: dict[str, str] = {}
+        self.writes: dict[int, int] = {}  # how often each slot was written (a prefix cache's salt)
 
     def free_slot(self, name: str) -> int:
         if name in self.slots:

@@ -562,6 +562,7 @@ class Model:
         if values is None:
             values = lora.slot_arrays(adapter, self.lora.sites, self.lora.max_lora_rank, self.lora.num_layers)
         self._set_lora_stacks(lora.write_slot(self.params["lora"], slot, values))
+        self.lora.writes[slot] = self.lora.writes.get(slot, 0) + 1
         self.lora.slots[name] = slot
         self.lora.paths[name] = adapter.path
 
@@ -573,6 +574,7 @@ class Model:
         slot = self.lora.slots.pop(name)
         self.lora.paths.pop(name)
         self._set_lora_stacks(lora.write_slot(self.params["lora"], slot, None))
+        self.lora.writes[slot] = self.lora.writes.get(slot, 0) + 1
 
     @property
     def loras(self) -> tuple[str, ...]:

@@ -60,7 +60,10 @@ class SamplingParams:
     the ``logprobs`` most likely tokens' at its position (0 to MAX_LOGPROBS; None: none);
     ``prompt_logprobs``: the same for every prompt token after the first. Both are taken from
     the target's raw distribution (the logits' log-softmax, before temperature, top-k/p, min-p
-    or a grammar: vLLM's default), which speculation does not change.
+    or a grammar: vLLM's default), which speculation does not change. ``cache_salt``: an
+    engine's prefix caching shares cached prompt prefixes only among requests with the same salt
+    (None is a salt too), so one tenant cannot learn from another's timing what it asked (vLLM's
+    ``cache_salt``); offline ``generate`` has no prefix cache and ignores it.
     """
 
     max_new_tokens: int = 32
@@ -79,6 +82,7 @@ class SamplingParams:
     lora: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     @classmethod
     def per_prompt(cls, n: int, **values: Any) -> list[SamplingParams]:
@@ -335,6 +339,8 @@ def check_request(
     if not isinstance(params.ignore_eos, bool):
         raise InvalidRequestError(f"ignore_eos must be a boolean, got {params.ignore_eos!r}")
     tops = {name: check_logprobs(name, getattr(params, name), optional=True) for name in LOGPROB_FIELDS}
+    if params.cache_salt is not None and (not isinstance(params.cache_salt, str) or not params.cache_salt):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {params.cache_salt!r}")
     slot = 0
     if params.lora is not None:
         if not isinstance(params.lora, str):

@@ -6,13 +6,14 @@ Starlette routes on uvicorn (the ``serve`` extra: ``pip install 'mtp-jax[serve]'
   with ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``n``,
   ``response_format`` ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema":
   ...}}, or {"type": "regex", "regex": ...}), and the extension object ``speculation``
-  ({"num_speculative_tokens", "relaxed_topk", "relaxed_delta"}) and vLLM's ``ignore_eos`` per
-  request; log-probabilities (chat: ``logprobs`` and ``top_logprobs``; completions: ``logprobs``
-  n, and ``echo`` with the prompt's own, ``max_tokens`` 0 for the prompt alone, as evaluation
-  harnesses score log-likelihoods), from the target's raw distribution, streamed or whole, the
-  same with speculation as without;
+  ({"num_speculative_tokens", "relaxed_topk", "relaxed_delta"}) and vLLM's ``ignore_eos`` and
+  ``cache_salt`` per request; log-probabilities (chat: ``logprobs`` and ``top_logprobs``;
+  completions: ``logprobs`` n, and ``echo`` with the prompt's own, ``max_tokens`` 0 for the
+  prompt alone, as evaluation harnesses score log-likelihoods), from the target's raw
+  distribution, streamed or whole, the same with speculation as without;
 - ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text; the speculative-decoding
-  counters under vLLM's names, ``vllm:spec_decode_num_accepted_tokens_total`` and the rest);
+  and prefix-cache counters under vLLM's names, ``vllm:spec_decode_num_accepted_tokens_total``,
+  ``vllm:prefix_cache_hits_total`` and the rest);
 - LoRA adapters (``--lora-modules``) are served as models of their own: a request names one as its
   ``model``. With ``runtime_lora`` (``--allow-runtime-lora-updating``), ``POST
   /v1/load_lora_adapter`` ({"lora_name", "lora_path"}) and ``POST /v1/unload_lora_adapter``
@@ -251,6 +252,10 @@ class Server:
             raise BadRequest(f"ignore_eos must be a boolean, got {ignore_eos!r}", param="ignore_eos")
         kw["ignore_eos"] = ignore_eos
         kw["grammar"] = _grammar(body)
+        salt = body.get("cache_salt")  # vLLM's extension: prefix-cache isolation between tenants
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise BadRequest(f"cache_salt must be a non-empty string, got {salt!r}", param="cache_salt")
+        kw["cache_salt"] = salt
         spec = body.get("speculation") or {}
         if not isinstance(spec, Mapping) or set(spec) - set(SPECULATION_FIELDS):
             raise BadRequest(
@@ -668,6 +673,16 @@ class Server:
         metric(
             "vllm:request_success_total", "counter", "Finished requests by finish reason.",
             [(f'finished_reason="{k}"', v) for k, v in sorted(_by_reason(st["finished"]).items())],
+        )  # fmt: skip
+        metric(
+            "vllm:prefix_cache_queries_total", "counter",
+            "Prompt tokens looked up in the prefix cache (admitted requests).",
+            [("", st.get("prefix_cache_queries", 0))],
+        )  # fmt: skip
+        metric(
+            "vllm:prefix_cache_hits_total", "counter",
+            "Prompt tokens found in the prefix cache (not prefilled again).",
+            [("", st.get("prefix_cache_hits", 0))],
         )  # fmt: skip
         metric(
             "vllm:spec_decode_num_drafts_total",

@@ -50,7 +50,7 @@ from mtp_jax.sampling import (
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
 
-__all__ = ["DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "step"]
+__all__ = ["DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "prefill_chunk", "step"]
 
 DRAFT_SAMPLING = ("argmax", "sampled")
 
@@ -212,6 +212,33 @@ def _mesh_sampling(fn: Callable) -> Callable:
     return inner
 
 
+def _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots):
+    """The target over prompt pieces, writing its caches; no head (prefill runs it at one row per
+    prompt: :func:`at_rows` first). Returns (hidden, the target's pages)."""
+    hidden, _, target_pages = forward_paged(
+        params,
+        state.target_pages,
+        sc.cfg,
+        sc.page_size,
+        tokens,
+        positions,
+        valid,
+        page_table,
+        sc.mesh,
+        logits=False,
+        capture=sc.capture,
+        lora_slots=lora_slots,
+    )
+    return hidden, target_pages
+
+
+def _followed_by(tokens: jax.Array, last: jax.Array, after: jax.Array) -> jax.Array:
+    """The token after each of tokens [r, t] (the pair a draft conditions on): the next one in the
+    row, and ``after`` [r] after the row's last one (index ``last`` [r])."""
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    return jnp.where(jnp.arange(tokens.shape[1])[None, :] == last[:, None], after[:, None], shifted)
+
+
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
 @_mesh_sampling
 def prefill(
@@ -224,34 +251,30 @@ def prefill(
     page_table: jax.Array,
     sampling: RowSampling,
     bitmask: jax.Array | None = None,
+    starts: jax.Array | None = None,
+    thinking: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeState, TokenLogprobs | None]:
-    """Admit requests into slots ``rows`` [R] (an index >= B is a padding row, ignored): right-padded
-    prompts tokens [R, T] of ``lengths`` [R] with their page-table rows [R, W] and sampling [R]
-    (``bitmask`` [R, ceil(V/32)]: the tokens a grammar allows first).
+    """Admit requests into slots ``rows`` [R] (an index >= B is a padding row, ignored): prompts of
+    ``lengths`` [R] tokens with their page-table rows [R, W] and sampling [R] (``bitmask``
+    [R, ceil(V/32)]: the tokens a grammar allows first). ``tokens`` [R, T] (right-padded) are each
+    prompt's from position ``starts`` [R] on (default 0): the positions before are in the caches
+    already (a cached prefix, :class:`mtp_jax.cache.PrefixCache`), with ``thinking`` [R] whether a
+    thinking phase is open there (default: not).
 
-    Fills the target cache, samples each request's first token and, with a draft, fills the MTP
-    cache for the prompt and proposes the first K drafts. Returns (first tokens [R], state,
+    Fills the target cache, samples each request's first token and, with a draft, fills the draft's
+    caches for the prompt and proposes the first K drafts. Returns (first tokens [R], state,
     logprobs): with ``sc.logprobs`` the first tokens' :class:`TokenLogprobs` [R], else None.
     """
     r, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
+    starts = jnp.zeros((r,), jnp.int32) if starts is None else starts
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     real = rows < state.active.shape[0]
     valid = (positions < lengths[:, None]) & real[:, None]
-    hidden, _, target_pages = forward_paged(  # no head here: it runs at each prompt's last row below
-        params,
-        state.target_pages,
-        sc.cfg,
-        sc.page_size,
-        tokens,
-        positions,
-        valid,
-        page_table,
-        sc.mesh,
-        logits=False,
-        capture=sc.capture,
-        lora_slots=sampling.lora_slot,
+    # no head here: it runs at each prompt's last row below
+    hidden, target_pages = _write_prompts(
+        params, state, sc, tokens, positions, valid, page_table, sampling.lora_slot
     )
-    last = lengths - 1
+    last = lengths - 1 - starts  # each prompt's last row in ``tokens``
     raw_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last))
     first_logits = raw_logits if bitmask is None else mask_logits(raw_logits, bitmask)
     first = sample(first_logits, sampling, lengths)
@@ -260,10 +283,7 @@ def prefill(
     drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
     if sc.drafter is not None:
-        # row i is followed by token i+1: the prompt shifted left, the sampled token at the end
-        shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-        next_tokens = jnp.where(positions == last[:, None], first[:, None], shifted)
-        prompt = Rows(tokens, next_tokens, positions, valid, hidden, last)
+        prompt = Rows(tokens, _followed_by(tokens, last, first), positions, valid, hidden, last)
         new_drafts, q_new, draft_state = sc.drafter.extend_and_propose(
             params, sc.draft_context, draft_state, page_table, prompt, real, sampling, lengths + 1
         )
@@ -271,7 +291,7 @@ def prefill(
         drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
     else:
         count = jnp.minimum(sampling.max_drafts, sc.k)
-    thinking = jnp.zeros((r,), bool)
+    thinking = jnp.zeros((r,), bool) if thinking is None else thinking
     if sc.think_tokens is not None:
         thinking = at_rows(think_phase(tokens, valid, thinking, sc.think_tokens), last)
 
@@ -299,6 +319,47 @@ def prefill(
         ),
         logprobs,
     )
+
+
+@functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
+@_mesh_sampling
+def prefill_chunk(
+    params: dict,
+    state: DecodeState,
+    sc: StepConfig,
+    tokens: jax.Array,
+    starts: jax.Array,
+    counts: jax.Array,
+    after: jax.Array,
+    page_table: jax.Array,
+    lora_slots: jax.Array,
+) -> DecodeState:
+    """Write a piece of prompts that are not whole yet (chunked prefill): ``tokens`` [R, T] at
+    positions ``starts`` [R] on, ``counts`` [R] of them (0: a padding row), each followed by the
+    prompt's token ``after`` [R]; page-table rows [R, W], LoRA slots [R]. Fills the target's caches
+    there and lets the draft consume the rows (its caches; nothing proposed). Nothing else of the
+    state changes: the slots stay inactive until :func:`prefill` admits them with the prompts'
+    rest."""
+    r, t = tokens.shape
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    valid = jnp.arange(t)[None, :] < counts[:, None]
+    hidden, target_pages = _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots)
+    draft_state = state.draft_state
+    if sc.drafter is not None:
+        last = jnp.maximum(counts - 1, 0)
+        rows = Rows(tokens, _followed_by(tokens, last, after), positions, valid, hidden, last)
+        consume = dataclasses.replace(sc, k=0)  # only consume: nothing is proposed mid-prompt
+        _, _, draft_state = sc.drafter.extend_and_propose(
+            params,
+            consume.draft_context,
+            draft_state,
+            page_table,
+            rows,
+            counts > 0,
+            RowSampling.build(r),
+            starts + counts + 1,
+        )
+    return constrain_state(dataclasses.replace(state, target_pages=target_pages, draft_state=draft_state), sc)
 
 
 def _room(room: jax.Array, new: jax.Array) -> jax.Array:

@@ -12,6 +12,20 @@ text equals offline ``generate``'s (checked, not assumed: the run fails otherwis
 its clients share this machine's cores with the engine; that cost is part of what is measured.
 
     python scripts/bench_serve.py --requests 1 8 32 --new-tokens 64 --json benchmarks/serve.json
+
+Two more workloads (``--workload``), each through the engine with a feature off and on, in one run:
+
+- ``shared-prefix``: ``--requests`` requests (32) that share a ``--system-len``-token system prompt,
+  each with its own 32-token question, submitted at once, without and with prefix caching (the
+  system prompt seen before, as on a server that has been up a while; an untimed pass of other
+  questions compiles the programs). TTFT, throughput, and whether the texts are equal.
+- ``long-prompt``: ``--slots`` - 1 requests decode while a ``--long-len``-token prompt arrives,
+  without and with chunked prefill (``--chunk``): the running requests' longest gap between two
+  tokens while that prompt is prefilled (a whole prefill stalls them all), their mean time per
+  token then, and the long prompt's TTFT.
+
+    python scripts/bench_serve.py --workload shared-prefix --system-len 1024 --json prefix.json
+    python scripts/bench_serve.py --workload long-prompt --long-len 2048 --chunk 256
 """
 
 from __future__ import annotations
@@ -29,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import mtp_jax  # noqa: E402
 from mtp_jax.bench import held_out_prompts, machine_info, model_path, write_json  # noqa: E402
 
 
@@ -111,6 +126,134 @@ def through_http(base: str, prompts: list[list[int]], counts: list[int], args) -
     return _summary(*[list(x) for x in list(zip(*rec, strict=True))[:4]]), [r[4] for r in rec]
 
 
+def _timed(engine, prompt: list[int], new_tokens: int, stamps: list, **kw):
+    """Submit ``prompt``; a thread appends (time, count) for each token it emits to ``stamps``."""
+    h = engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True, **kw)
+
+    def read() -> None:
+        for n, _ in enumerate(h, 1):
+            stamps.append((time.perf_counter(), n))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return h, thread
+
+
+def shared_prefix(model, args, gen: dict) -> tuple[list[dict], bool]:
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    system = rng.integers(2, vocab, args.system_len).tolist()
+    questions = [rng.integers(2, vocab, 32).tolist() for _ in range(2 * args.requests[0])]
+    n = args.requests[0]
+    rows, texts = [], {}
+    for caching in (False, True):
+        max_len = args.system_len + 32 + args.new_tokens
+        engine = mtp_jax.Engine(
+            model, slots=args.slots, max_len=max_len, **gen, max_queue=1024, prefix_caching=caching
+        )
+        for part in (questions[n:], questions[:n]):  # untimed (compiles; caches the system prompt), timed
+            stamps: list[list] = [[] for _ in range(n)]
+            t0 = time.perf_counter()
+            runs = [_timed(engine, system + q, args.new_tokens, stamps[i]) for i, q in enumerate(part)]
+            for _, thread in runs:
+                thread.join()
+        t1 = max(st[-1][0] for st in stamps)
+        ttft = [st[0][0] - t0 for st in stamps]
+        stats = engine.stats()
+        texts[caching] = [h.result().tokens for h, _ in runs]
+        row = {
+            "prefix_caching": caching,
+            "requests": n,
+            "tok_s": n * args.new_tokens / (t1 - t0),
+            "ttft_ms_mean": 1000 * float(np.mean(ttft)),
+            "ttft_ms_max": 1000 * float(np.max(ttft)),
+            "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
+            "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
+        }
+        engine.close()
+        rows.append(row)
+        state = "on " if caching else "off"
+        print(
+            f"shared prefix of {args.system_len} tokens, {n} requests, prefix caching {state}: "
+            f"{row['tok_s']:.1f} tok/s, TTFT mean {row['ttft_ms_mean']:.0f} ms "
+            f"(max {row['ttft_ms_max']:.0f})",
+            flush=True,
+        )
+    same = texts[False] == texts[True]
+    print(f"same tokens with and without prefix caching: {same}", flush=True)
+    return rows, same
+
+
+def long_prompt(model, args, gen: dict) -> tuple[list[dict], bool]:
+    rng = np.random.default_rng(1)
+    vocab = model.config.vocab_size
+    long = rng.integers(2, vocab, args.long_len).tolist()
+    short = [rng.integers(2, vocab, 32).tolist() for _ in range(args.slots - 1)]
+    decode = 4 * args.new_tokens
+    rows, tokens = [], {}
+    for chunk in (None, args.chunk):
+        max_len = max(args.long_len + 16, 32 + decode)
+        engine = mtp_jax.Engine(
+            model, slots=args.slots, max_len=max_len, **gen, prefix_caching=False, chunked_prefill_size=chunk
+        )
+        for _ in range(2):  # the first, untimed, pass compiles every program the timed one runs
+            stamps: list[list] = [[] for _ in short]
+            runs = [_timed(engine, p, decode, stamps[i]) for i, p in enumerate(short)]
+            while min(len(st) for st in stamps) < 8:  # all decoding
+                time.sleep(0.001)
+            arrived: list = []
+            t0 = time.perf_counter()
+            big, big_thread = _timed(engine, long, 16, arrived)
+            big_thread.join()
+            for _, thread in runs:
+                thread.join()
+        t_first = arrived[0][0]
+        gaps, during = [], 0
+        for st in stamps:
+            times = [t for t, _ in st]
+            window = [t for t in times if t0 <= t <= t_first]
+            during += len(window)
+            edges = [t0, *window, t_first]
+            gaps.append(max(b - a for a, b in zip(edges, edges[1:], strict=False)))
+        tokens[chunk] = [h.result().tokens for h, _ in runs] + [big.result().tokens]
+        row = {
+            "chunked_prefill": chunk,
+            "long_len": args.long_len,
+            "running": len(short),
+            "long_ttft_ms": 1000 * (t_first - t0),
+            "running_tokens_during_prefill": during,
+            "running_max_gap_ms": 1000 * float(max(gaps)),
+            "running_ms_per_token_during_prefill": 1000 * (t_first - t0) * len(short) / max(during, 1),
+            "prefill_chunks": engine.stats()["prefill_chunks"],
+        }
+        engine.close()
+        rows.append(row)
+        print(
+            f"a {args.long_len}-token prompt arrives, {len(short)} requests decoding, chunked prefill "
+            f"{chunk or 'off'}: long TTFT {row['long_ttft_ms']:.0f} ms; running requests: "
+            f"{during} tokens meanwhile, longest gap {row['running_max_gap_ms']:.0f} ms",
+            flush=True,
+        )
+    same = tokens[None] == tokens[args.chunk]
+    print(f"same tokens with and without chunked prefill: {same}", flush=True)
+    return rows, same
+
+
+def _report(args, path: str, results: list, **extra) -> None:
+    """Write the run's settings, the machine and ``results`` to ``--json`` (if given)."""
+    report = {
+        "model": os.path.basename(os.path.abspath(path)),
+        "k": args.k,
+        "slots": args.slots,
+        "new_tokens": args.new_tokens,
+        **extra,
+        **machine_info(),
+        "results": results,
+    }
+    if args.json:
+        write_json(args.json, report)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
@@ -129,22 +272,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32, help="random prompts (no eval.json) only")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--workload", choices=["requests", "shared-prefix", "long-prompt"], default="requests")
+    p.add_argument("--system-len", type=int, default=1024, help="shared-prefix: the shared prompt's tokens")
+    p.add_argument("--long-len", type=int, default=2048, help="long-prompt: the long prompt's tokens")
+    p.add_argument("--chunk", type=int, default=256, help="long-prompt: the chunked prefill size")
     args = p.parse_args(argv)
 
     import uvicorn
 
-    import mtp_jax
     from mtp_jax.server import Server
 
     path = model_path(args.model)
     model = mtp_jax.load(path, dtype=args.dtype)
+    if args.workload != "requests":
+        draft = args.drafts.split(",")[-1]
+        spec = None if draft == "none" else draft
+        gen = {"draft": spec, "num_speculative_tokens": args.k if spec else None}
+        run = shared_prefix if args.workload == "shared-prefix" else long_prompt
+        results, same = run(model, args, gen)
+        _report(args, path, results, workload=args.workload, draft=draft, same_tokens=same)
+        return 0 if same else 1
     args.prompts = max(args.requests)
     prompts, note = held_out_prompts(model, path, args)
     rows, ok = [], True
     for draft in args.drafts.split(","):
         spec = None if draft == "none" else draft
         gen = {"draft": spec, "num_speculative_tokens": args.k if spec else None}
-        engine = mtp_jax.Engine(model, slots=args.slots, max_len=args.max_len, **gen, max_queue=1024)
+        # the same prompts run twice (engine, then HTTP): no prefix caching, so both prefill them
+        engine = mtp_jax.Engine(
+            model, slots=args.slots, max_len=args.max_len, **gen, max_queue=1024, prefix_caching=False
+        )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         server = uvicorn.Server(
@@ -181,17 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
         thread.join(30)
         engine.close()
-    report = {
-        "model": os.path.basename(os.path.abspath(path)),
-        "k": args.k,
-        "slots": args.slots,
-        "new_tokens": args.new_tokens,
-        "prompts": note,
-        **machine_info(),
-        "results": rows,
-    }
-    if args.json:
-        write_json(args.json, report)
+    _report(args, path, rows, prompts=note)
     return 0 if ok else 1
 
 

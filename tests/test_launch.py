@@ -95,8 +95,10 @@ def test_two_processes_serve_what_one_generates(tmp_path):
     """--serve over 2 processes: process 0 serves HTTP, process 1 replays its engine's steps;
     concurrent greedy requests (one client hanging up mid-stream) get offline generate's text, the
     pages all come back; a LoRA adapter loaded at run time (both processes) serves offline
-    generate's text with it; and a SIGTERM to process 0 while a request streams lets that request
-    finish (drain), refuses new connections, and stops both cleanly."""
+    generate's text with it; a request sharing another's first pages hits the prefix cache (the
+    same choices on both processes) and answers the same; and a SIGTERM to process 0 while a
+    request streams lets that request finish (drain), refuses new connections, and stops both
+    cleanly."""
     httpx = require_extra("httpx")
     require_extra("uvicorn")
     import signal
@@ -174,6 +176,20 @@ def test_two_processes_serve_what_one_generates(tmp_path):
         want_scores = [e.logprob for e in model.prompt_logprobs(prompts[1], 1)[1:]]
         assert scored["token_logprobs"][0] is None
         assert scored["token_logprobs"][1:] == pytest.approx(want_scores, abs=2e-5)
+        # prefix caching: both processes make the same cache choices (a later request sharing the
+        # first pages prefills only the rest) and it answers what offline generate does
+        head = "import os\nimport sys\nimport json\nimport time\nimport math\nimport re\nimport random\n"
+        shared = [head + "import shutil\n", head + "def main():\n"]
+        got = []
+        for prompt in shared:
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+            r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+            got.append(r.json()["choices"][0]["text"])
+        kw = dict(max_new_tokens=8, draft="mtp", num_speculative_tokens=3)
+        assert got == [model.generate([p], **kw).texts[0] for p in shared]
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        hits = next(ln for ln in metrics.splitlines() if ln.startswith("vllm:prefix_cache_hits_total"))
+        assert float(hits.rsplit(" ", 1)[1]) >= 16, hits
         usage = None
         for _ in range(100):  # the hung-up request is cancelled within a step or two
             metrics = httpx.get(base + "/metrics", timeout=30).text

@@ -247,6 +247,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs must be in [0, 20]"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "0 only with echo"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, "echo must be a boolean"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, "cache_salt must be a non-empty string"),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
@@ -292,6 +293,35 @@ def test_models_health_metrics_and_unknown_routes(served, client):
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-chat",position="2"}' in text
     r = httpx.get(base + "/v1/nothing")
     assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
+
+
+def _metric(base: str, name: str) -> float:
+    line = next(ln for ln in httpx.get(base + "/metrics").text.splitlines() if ln.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_shared_prompt_prefix_is_prefilled_once(served, client):
+    """Requests that start with the same long instructions: the later ones hit the prefix cache
+    (counted under vLLM's metric names) and answer what offline generate does; a request with a
+    cache_salt of its own hits nothing."""
+    model, _, base = served
+    system = "You are a careful assistant. Answer in Python, with a docstring and no comments. " * 2
+    hits = _metric(base, "vllm:prefix_cache_hits_total")
+    queries = _metric(base, "vllm:prefix_cache_queries_total")
+    for i, question in enumerate(["def add(a, b):", "def mul(a, b):", "def add(a, b):"]):
+        r = client.completions.create(model=NAME, prompt=system + question, max_tokens=12, temperature=0)
+        assert r.choices[0].text == _offline_text(model, system + question, 12)[0]
+        if i == 0:  # the first one computes the prefix
+            hits = _metric(base, "vllm:prefix_cache_hits_total")
+    assert _metric(base, "vllm:prefix_cache_hits_total") >= hits + 2 * 2 * model.page_size
+    assert _metric(base, "vllm:prefix_cache_queries_total") > queries
+    before = _metric(base, "vllm:prefix_cache_hits_total")
+    salted = {"cache_salt": "t1"}
+    r = client.completions.create(
+        model=NAME, prompt=system + "def add(a, b):", max_tokens=12, temperature=0, extra_body=salted
+    )
+    assert r.choices[0].text == _offline_text(model, system + "def add(a, b):", 12)[0]
+    assert _metric(base, "vllm:prefix_cache_hits_total") == before
 
 
 def _assert_drained(engine) -> None:

@@ -147,6 +147,12 @@ class Draft:
     """Whether the draft is a model with weights of its own. A weightless one (n-gram lookup) works
     with any target, so it is asked for by name only: not listed in ``Model.drafts`` nor picked by
     ``--draft auto``."""
+    cache_lookahead: int = 0
+    """How many tokens after a position its entry in the draft's caches depends on: 1 for a draft
+    whose row p pairs the target's state at p with token p+1 (MTP, EAGLE-3), 0 when an entry depends
+    only on tokens up to its own position (a draft model, DFlash's context, n-gram's tokens).
+    Automatic prefix caching shares a page only between prompts that also agree on that many tokens
+    after it (:class:`mtp_jax.cache.PrefixCache`); a value too small would share wrong entries."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -345,6 +345,7 @@ def _param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
 
 DRAFT = Draft(
     name="eagle3",
+    cache_lookahead=1,
     available=_available,
     capture=lambda ctx: tuple(ctx.draft_cfg.capture),
     init_state=_init_state,

@@ -222,6 +222,7 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 
 DRAFT = Draft(
     name="mtp",
+    cache_lookahead=1,
     title="MTP",
     available=_available,
     capture=lambda ctx: (),

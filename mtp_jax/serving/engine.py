@@ -53,7 +53,13 @@ class Engine:
     ``grammar_masks`` how grammar masks reach the step. With ``row_buckets`` (the default, unless
     rows are split over a data axis) a step covers only the slots up to the last occupied one,
     rounded up to a power of two: a few requests in many slots cost what they would alone, for a
-    program per (K, power of two) that occurs (``stats()["step_programs"]``)."""
+    program per (K, power of two) that occurs (``stats()["step_programs"]``). With
+    ``prefix_caching`` (the default) requests whose prompts share a prefix share its cache pages
+    and prefill only the rest (:class:`mtp_jax.cache.PrefixCache`; ``stats()`` counts the prompt
+    tokens looked up and found: ``prefix_cache_queries``, ``prefix_cache_hits``). A prompt longer
+    than ``chunked_prefill_size`` tokens (after its cached prefix) is prefilled that many tokens
+    per iteration, between the running requests' steps, so they keep producing tokens while it
+    arrives (None: every prompt in one prefill)."""
 
     def __init__(
         self,
@@ -70,10 +76,20 @@ class Engine:
         max_queue: int = 256,
         grammar_masks: str = "host",
         row_buckets: bool = True,
+        prefix_caching: bool = True,
+        chunked_prefill_size: int | None = 2048,
     ) -> None:
         from mtp_jax.grammar import DELIVERIES
         from mtp_jax.model import DTYPES
 
+        if chunked_prefill_size is not None and (
+            isinstance(chunked_prefill_size, bool)
+            or not isinstance(chunked_prefill_size, int)
+            or chunked_prefill_size < 16
+        ):
+            raise InvalidRequestError(
+                f"chunked_prefill_size must be None or an integer >= 16, got {chunked_prefill_size!r}"
+            )
         for name, value, low in (("slots", slots, 1), ("max_queue", max_queue, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -122,6 +138,8 @@ class Engine:
             cache_dtype=DTYPES[model.dtype],
             grammar_masks=grammar_masks,
             row_buckets=row_buckets,
+            prefix_caching=prefix_caching,
+            chunked_prefill=chunked_prefill_size,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -216,6 +234,11 @@ class Engine:
             ignore_eos=past_eos,
             logprobs=params.logprobs,
         )
+        request.cache_salt = b"" if params.cache_salt is None else b"salt:" + params.cache_salt.encode()
+        table = self.model.lora
+        if table is not None:  # an adapter reloaded into a slot does not reuse its predecessor's prefixes
+            slot = int(np.asarray(sampling.lora_slot)[0])
+            request.cache_salt += b"|writes:%d" % table.writes.get(slot, 0)
         handle = RequestHandle(self, request, text)
         handle._checked = checked
         stop_ids = frozenset(params.stop_token_ids) or None
@@ -529,6 +552,17 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _prefix_stats(self) -> dict:
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return {"prefix_caching": False}
+        return {
+            "prefix_caching": True,
+            "prefix_cache_queries": prefix.queries,  # prompt tokens looked up
+            "prefix_cache_hits": prefix.hits,  # of those, found cached
+            "cached_pages": prefix.cached,
+        }
+
     def stats(self) -> dict:
         """The engine's counters (the names serving engines export) and its occupancy."""
         counters = self.scheduler.counters.as_dict()
@@ -538,8 +572,11 @@ class Engine:
             "slots": self.slots,
             "running": running,
             "waiting": self._waiting,
-            "free_pages": self.scheduler.allocator.free,
+            "prefilling": len(self.scheduler.filling),  # of the running: prompts still arriving in chunks
+            "prefill_chunks": self.scheduler.counts["prefill_chunks"],
+            "free_pages": self.scheduler.free_pages,
             "num_pages": self.scheduler.allocator.num_pages,
+            **self._prefix_stats(),
             "step_programs": len(self.scheduler.programs),
             "step_shapes": sorted(self.scheduler.programs),  # (K, rows) of each step program run
             "warmup_left": self.warming.left,  # programs a background warm-up has left
