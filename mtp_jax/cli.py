@@ -623,6 +623,9 @@ def _serve(args: argparse.Namespace) -> int:
         serve(engine, name, host=args.host, port=args.port, **server_kwargs(args))
     finally:
         engine.close()
+    if engine.failed:
+        print(f"mtp-jax serve: the engine failed: {engine.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

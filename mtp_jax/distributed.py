@@ -337,6 +337,70 @@ stream_name = _StreamNames()
 """``stream_name(kind) -> "kind/n"``: the next broadcast stream name of that kind."""
 
 
+class PeerLostError(RuntimeError):
+    """Another process of a multi-process run stopped answering (died, or its host did)."""
+
+
+class Heartbeat:
+    """Liveness of a run's other processes, beside its collectives: every ``interval_s`` each
+    process counts up a key of its own in the coordinator's key-value store and reads the others'.
+    ``on_lost(error)`` (a :class:`PeerLostError`) is called once, from the heartbeat's thread, when a
+    process that has been heard from stops counting for ``timeout_s``, or when the store itself
+    (hosted by process 0) cannot be reached. A collective with a lost peer may fail at once (gloo)
+    or wait forever (NCCL), and JAX's coordination service aborts the survivors only after its own
+    heartbeat timeout (100 s): this lets a server end its requests with an error, and exit, first.
+    A process not heard from yet (still loading) is not timed. ``name`` as for :class:`Broadcast`."""
+
+    def __init__(self, name: str, on_lost, interval_s: float = 1.0, timeout_s: float = 10.0) -> None:
+        import jax
+        from jax._src import distributed
+
+        self.client = distributed.global_state.client
+        if self.client is None or jax.process_count() < 2:
+            raise LaunchError("a heartbeat needs a multi-process run (jax.distributed.initialize first)")
+        self.name, self.me, self.count = name, jax.process_index(), jax.process_count()
+        self.on_lost, self.interval_s, self.timeout_s = on_lost, interval_s, timeout_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mtp-jax-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        heard: dict[int, tuple[str, float]] = {}  # process -> (its last count, when it changed)
+        beat = 0
+        while not self._stop.wait(self.interval_s):
+            beat += 1
+            try:
+                self.client.key_value_set(f"{self.name}/{self.me}", str(beat), allow_overwrite=True)
+                now = time.monotonic()
+                for p in range(self.count):
+                    if p == self.me:
+                        continue
+                    try:
+                        value = self.client.key_value_try_get(f"{self.name}/{p}")
+                    except Exception as e:  # NOT_FOUND: not started yet
+                        if "NOT_FOUND" not in str(e).upper():
+                            raise
+                        continue
+                    last = heard.get(p)
+                    if last is None or last[0] != value:
+                        heard[p] = (value, now)
+                    elif now - last[1] > self.timeout_s:
+                        self._lost(f"process {p} of the run has not been heard from for {self.timeout_s:g}s")
+                        return
+            except Exception as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._lost(f"the run's coordinator (process 0) cannot be reached: {first}")
+                return
+
+    def _lost(self, message: str) -> None:
+        if not self._stop.is_set():
+            self._stop.set()
+            self.on_lost(PeerLostError(message))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 class Broadcast:
     """An ordered stream of small messages from process 0 to every other process of a run, over
     the coordinator's key-value store (no device collective: a follower may wait for hours while

@@ -366,8 +366,9 @@ class Scheduler:
         prompt buckets up to the chunk only, and the chunk's own program ("chunk", 1, chunk)."""
         per_shard = next_power_of_two(self.slots // self.shards)
         pers = [1 << i for i in range(per_shard.bit_length()) if 1 << i <= per_shard]
-        if self.chunk is not None:  # longer prompts arrive in chunks: their rest fits one
-            max_prompt_len = min(max_prompt_len, self.chunk)
+        chunked = self.chunk is not None and max_prompt_len > self.chunk
+        if chunked:  # longer prompts arrive in chunks: their rest fits one
+            max_prompt_len = self.chunk
         top = next_power_of_two(max_prompt_len, minimum=16)
         buckets = [16 << i for i in range(top.bit_length()) if 16 << i <= top]
         powers = [1 << i for i in range(self.slots.bit_length() + 1)]
@@ -376,7 +377,7 @@ class Scheduler:
         jobs = [("prefill", per, t) for per in pers for t in buckets]
         jobs += [("step", k, r) for k in sorted(ks, reverse=True) for r in [*rows, self.slots]]
         jobs += [("release", n, 0) for n in releases]
-        if self.chunk is not None:
+        if chunked:
             jobs.append(("chunk", 1, self.chunk))
         kinds = ("prefill", "chunk", "step", "release")
         size = {

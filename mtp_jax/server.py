@@ -349,7 +349,7 @@ class Server:
         async def pump(i: int, h: RequestHandle) -> None:
             given = 0  # tokens whose log-probabilities went out
             try:
-                async for tokens, text in h.astream():
+                async for tokens, text in h.astream():  # ends with the handle's error, if any
                     if text:
                         entries = h.token_logprobs(given, given + len(tokens))
                         given += len(tokens)
@@ -357,6 +357,8 @@ class Server:
                     elif tokens:
                         await queue.put((i, "", h.token_logprobs(given, given + len(tokens)), None))
                         given += len(tokens)
+            except RuntimeError:  # the engine failed: the stream says so below
+                pass
             finally:
                 await queue.put((i, None, None, h))
 
@@ -378,6 +380,13 @@ class Server:
                         yield _sse(chunk(i, text, None, entries=held.pop(i, None)))
                     continue
                 ended += 1
+                if h.finish_reason == "error":  # an error event, then the stream ends properly
+                    message = f"the engine failed while this request ran: {self.engine.failure}"
+                    yield _sse(
+                        {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
+                    )
+                    yield b"data: [DONE]\n\n"
+                    return
                 record = self._record(h)
                 done.append(record)
                 yield _sse(
@@ -796,7 +805,9 @@ def serve(
     ``request_timeout``: a request body must arrive within it (408) and a request running longer is
     cancelled (finish reason "abort"), its slot freed, whether or not its client reads. On SIGTERM or
     SIGINT the server drains: it stops accepting connections and lets the requests in flight finish,
-    for at most ``shutdown_timeout`` seconds (then they are cancelled), and returns."""
+    for at most ``shutdown_timeout`` seconds (then they are cancelled), and returns. When the engine
+    fails (a device error; in a multi-process run, another process lost) its requests end with an
+    error (an error event in a stream) and the server stops and returns: check ``engine.failed``."""
     try:
         import uvicorn
     except ImportError as e:
@@ -810,8 +821,25 @@ def serve(
     # closes the engine and exits normally
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=level, timeout_graceful_shutdown=shutdown_timeout
+    )
+    server = uvicorn.Server(config)
+    stop = threading.Event()
+
+    def watch() -> None:  # a failed engine answers nothing more: stop serving, so the caller exits
+        while not stop.wait(0.2):
+            if engine.failed:
+                log.error("the engine failed (%s): the server stops", engine.failure)
+                stop.wait(1.0)  # the requests it failed get their error bodies and events out first
+                server.should_exit = True
+                return
+
+    watcher = threading.Thread(target=watch, name="mtp-jax-engine-watch", daemon=True)
+    watcher.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=level, timeout_graceful_shutdown=shutdown_timeout)
+        server.run()
     finally:
+        stop.set()
         if main:
             signal.signal(signal.SIGTERM, previous)

@@ -252,7 +252,9 @@ def _serve(args: argparse.Namespace, model, model_dir: str, draft: str | None, a
     if jax.process_index() != 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         engine.wait()
-        return 1 if engine.failed else 0
+        if engine.failed:
+            _abandon(f"process {jax.process_index()}: the engine failed: {engine.failure}")
+        return 0
     from mtp_jax.server import serve
 
     name = args.served_model_name or os.path.basename(os.path.abspath(model_dir))
@@ -265,8 +267,20 @@ def _serve(args: argparse.Namespace, model, model_dir: str, draft: str | None, a
     try:
         serve(engine, name, host=args.host, port=args.port, **server_kwargs(args))
     finally:
-        engine.close()
-    return 1 if engine.failed else 0
+        if not engine.failed:
+            engine.close()
+    if engine.failed:
+        _abandon(f"process 0: the engine failed: {engine.failure}")
+    return 0
+
+
+def _abandon(message: str) -> None:
+    """Exit with status 1 now: another process of the run is gone (or the device failed), so the
+    engine's thread may be stuck in a collective and JAX's own shutdown would wait for the lost
+    process (minutes) before giving up."""
+    print(f"launch: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def _print(report: dict, args: argparse.Namespace, tok) -> None:

@@ -235,6 +235,109 @@ def test_two_processes_serve_what_one_generates(tmp_path):
             proc.kill()
 
 
+def _serving_pair(port: int) -> list[subprocess.Popen]:
+    """Two processes of one serving run started by hand, as on two hosts (no local launcher to
+    stop the survivor): process 0 serves HTTP on ``port``; stdout and stderr merged."""
+    coordinator = f"localhost:{free_port()}"
+    env = dict(ENV, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                LAUNCH,
+                "--coordinator",
+                coordinator,
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--mesh",
+                "data=2,expert=4",
+                "--serve",
+                "--port",
+                str(port),
+                "--slots",
+                "2",
+                "--max-len",
+                "64",
+                "--warmup",
+                "none",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for i in (0, 1)
+    ]
+
+
+@pytest.mark.slow
+def test_a_lost_process_ends_the_requests_and_stops_the_other():
+    """Two processes serving, each killed in turn mid-stream (SIGKILL, as a crash or a lost host):
+    when process 1 goes, process 0 ends the stream with an error event (then [DONE], not a cut
+    connection) and exits with status 1 within seconds, not at JAX's 100 s heartbeat; when process
+    0 goes, process 1 exits non-zero as quickly."""
+    httpx = require_extra("httpx")
+    require_extra("uvicorn")
+    import signal
+    import threading
+
+    for victim in (1, 0):
+        port = free_port()
+        procs = _serving_pair(port)
+        logs: list[list[str]] = [[], []]
+        for i, p in enumerate(procs):
+            threading.Thread(target=lambda out=logs[i], p=p: out.extend(p.stdout), daemon=True).start()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                assert all(p.poll() is None for p in procs), "".join(logs[0] + logs[1])[-4000:]
+                assert time.monotonic() < deadline
+                try:
+                    if httpx.get(base + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.5)
+            lines: list[str] = []
+
+            def stream(lines=lines, base=base) -> None:
+                body = {
+                    "prompt": "import os",
+                    "max_tokens": 48,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                }
+                try:
+                    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+                        lines.extend(ln for ln in r.iter_lines() if ln)
+                except httpx.HTTPError as e:
+                    lines.append(f"cut: {e}")
+
+            reader = threading.Thread(target=stream)
+            reader.start()
+            while not any(ln.startswith("data: {") for ln in lines):
+                assert reader.is_alive(), lines
+                time.sleep(0.02)
+            killed = time.monotonic()
+            procs[victim].send_signal(signal.SIGKILL)
+            survivor = procs[1 - victim]
+            rc = survivor.wait(60)
+            took = time.monotonic() - killed
+            reader.join(60)
+            assert rc != 0 and took < 30, (rc, took)
+            if victim == 1:
+                assert rc == 1, "".join(logs[0])[-3000:]
+                assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
+                assert "the engine failed" in lines[-2] and "the engine failed" in "".join(logs[0])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+
 def test_bench_mode_times_decoding():
     """--bench: a compiling run, then timed ones; one process is enough to run the same code."""
     model_dir = os.path.join(REPO, "tests", "fixtures", "parity_llama", "mha_fp16")

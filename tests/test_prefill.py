@@ -289,3 +289,26 @@ def test_off_and_bad_salts(deepseek):
         assert stats["prefix_caching"] is False and "prefix_cache_hits" not in stats
         with pytest.raises(mtp_jax.InvalidRequestError, match="cache_salt"):
             engine.submit(prompt, max_new_tokens=4, cache_salt=3)
+
+
+def test_warmup_compiles_the_chunk_and_only_buckets_up_to_it(deepseek):
+    """With chunked prefill the warm-up compiles the chunk's program and prompt buckets up to the
+    chunk (longer prompts arrive in chunks); a long prompt then compiles nothing new."""
+    from mtp_jax.step import prefill, prefill_chunk
+
+    sc = step_config(deepseek, SpeculativeConfig())
+    sched = Scheduler(
+        deepseek.params, sc, slots=2, width=pages_needed(MAX_LEN, 0, sc), eos_token_ids=(),
+        cache_dtype=jnp.float32, chunked_prefill=32,
+    )  # fmt: skip
+    assert ("chunk", 1, 32) not in sched.warmup_jobs(32, [0])  # no prompt longer than a chunk
+    jobs = sched.warmup_jobs(100, [0])
+    assert ("chunk", 1, 32) in jobs and max(b for kind, _, b in jobs if kind == "prefill") == 32
+    sched.warmup(100, [0])
+    sizes = prefill._cache_size(), prefill_chunk._cache_size()
+    rng = np.random.default_rng(5)
+    req = sched.submit(Request([int(t) for t in rng.integers(7, 250, 100)], 4, RowSampling.build(1)))
+    while sched.advance():
+        pass
+    assert len(req.tokens) == 4 and sched.counts["prefill_chunks"] == 3
+    assert (prefill._cache_size(), prefill_chunk._cache_size()) == sizes

@@ -575,3 +575,35 @@ def test_a_prompt_too_long_for_any_tokenisation_is_refused_untokenised(served, m
     assert calls == []
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "import os\n" * (most // 10), "max_tokens": 1})
     assert r.status_code == 400 and "tokens" in r.json()["error"]["message"] and calls == [1]
+
+
+def test_a_failed_engine_ends_streams_with_an_error_and_stops_the_server(served):
+    """The engine's loop fails mid-stream (here: failed by hand, as a lost device or process would):
+    the stream ends with an OpenAI-style error event and [DONE] rather than a cut connection, and
+    serve() returns so that the process can exit non-zero."""
+    from mtp_jax.distributed import free_port
+    from mtp_jax.server import serve
+
+    engine = mtp_jax.Engine(served[0], slots=1, max_len=64)
+    port = free_port()
+    thread = threading.Thread(target=serve, args=(engine, NAME), kwargs={"port": port}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        time.sleep(0.05)
+    lines: list[str] = []
+    body = {"prompt": "import os", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+            if len(lines) == 2:
+                engine._fail(RuntimeError("device lost"))
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert "device lost" in error["message"] and error["type"] == "server_error"
+    thread.join(30)
+    assert not thread.is_alive() and engine.failed

@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -153,6 +154,7 @@ class Engine:
         self._fresh: set[RequestHandle] = set()  # handles with tokens their consumers have not seen
         self.warming = Warmup(self.scheduler, max_len - 1, range(sc.k + 1))
         self.replay = Replay()
+        self.replay.watch(self)
         self.leader = self.replay.leader
         loop = self._loop if self.leader else functools.partial(self.replay.follow, self)
         self._thread = threading.Thread(target=loop, name="mtp-jax-engine", daemon=True)
@@ -537,14 +539,21 @@ class Engine:
         other processes of a multi-process run: wait up to ``timeout`` for process 0 to close.)"""
         with self._lock:
             self._closed = True
+        self.replay.stop_watching()  # the others stop with this engine: their silence is no fault
         self._inbox.put(("close", None))
         self._thread.join(timeout)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the engine's loop ends (closed, or failed); True if it has. What the other
+        """Wait until the engine's loop ends (closed) or the engine fails (its thread may then still
+        be waiting inside a collective for a lost process); True if either happened. What the other
         processes of a multi-process run do while process 0 serves."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread.is_alive() and self._failure is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._thread.join(0.2 if left is None else min(0.2, left))
+        return True
 
     def __enter__(self) -> Engine:
         return self

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from mtp_jax.distributed import Broadcast, stream_name
+from mtp_jax.distributed import Broadcast, Heartbeat, stream_name
 from mtp_jax.request import CheckedRequest
 from mtp_jax.serving.errors import EngineClosedError
 
@@ -36,6 +36,23 @@ class Replay:
         self.leader = jax.process_index() == 0
         self.channel = Broadcast(stream_name("mtp_jax/engine")) if jax.process_count() > 1 else None
         self.events: list[list] = []  # what the loop did since the last step
+        self.heartbeat: Heartbeat | None = None
+
+    def watch(self, engine: Engine) -> None:
+        """(Multi-process runs.) Fail ``engine`` when another process stops answering, even while
+        its thread waits inside a collective (:class:`~mtp_jax.distributed.Heartbeat`)."""
+        if self.channel is not None:
+            name = stream_name("mtp_jax/alive")
+
+            def lost(error: BaseException) -> None:
+                log.error("%s: failing every request", error)
+                engine._fail(error)
+
+            self.heartbeat = Heartbeat(name, lost)
+
+    def stop_watching(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     @property
     def multi_process(self) -> bool:
@@ -73,6 +90,7 @@ class Replay:
                     elif kind == "lora_unload":
                         engine.model.unload_lora(args[0])
                     elif kind == "close":
+                        self.stop_watching()
                         engine._fail(EngineClosedError("process 0 closed the engine"))
                         return
                 if events and events[-1] == ["warmup"]:
