@@ -96,7 +96,8 @@ def test_two_processes_serve_what_one_generates(tmp_path):
     concurrent greedy requests (one client hanging up mid-stream) get offline generate's text, the
     pages all come back; a LoRA adapter loaded at run time (both processes) serves offline
     generate's text with it; a request sharing another's first pages hits the prefix cache (the
-    same choices on both processes) and answers the same; and a SIGTERM to process 0 while a
+    same choices on both processes) and answers the same, prompts arriving in chunks of 16 tokens
+    (chunked prefill over the data axis); and a SIGTERM to process 0 while a
     request streams lets that request finish (drain), refuses new connections, and stops both
     cleanly."""
     httpx = require_extra("httpx")
@@ -110,7 +111,7 @@ def test_two_processes_serve_what_one_generates(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, LAUNCH, "--local", "2", "--mesh", "data=2,expert=4", "--serve", "--port", str(port),
          "--slots", "2", "--max-len", "64", "--warmup", "none", "--timeout", "500", "--max-loras", "1",
-         "--allow-runtime-lora-updating"],
+         "--allow-runtime-lora-updating", "--chunked-prefill-size", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
     lines: list[str] = []
@@ -177,7 +178,8 @@ def test_two_processes_serve_what_one_generates(tmp_path):
         assert scored["token_logprobs"][0] is None
         assert scored["token_logprobs"][1:] == pytest.approx(want_scores, abs=2e-5)
         # prefix caching: both processes make the same cache choices (a later request sharing the
-        # first pages prefills only the rest) and it answers what offline generate does
+        # first pages prefills only the rest) and it answers what offline generate does; prompts
+        # longer than 16 tokens arrive in chunks, each chunk's row on its own data shard
         head = "import os\nimport sys\nimport json\nimport time\nimport math\nimport re\nimport random\n"
         shared = [head + "import shutil\n", head + "def main():\n"]
         got = []

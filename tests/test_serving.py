@@ -127,10 +127,13 @@ def test_stops_and_refusals(model, engine):
 
 
 def test_bounded_queue_and_close(model):
+    """``max_queue`` requests may wait beyond the free slots (a burst into free slots is not refused)."""
     engine = mtp_jax.Engine(model, slots=1, max_len=64, max_queue=0)
+    running = engine.submit(PROMPTS[0], max_new_tokens=40, ignore_eos=True)  # takes the free slot
     with pytest.raises(mtp_jax.EngineFullError, match="queue is full"):
         engine.submit(PROMPTS[0], max_new_tokens=8)
     engine.close()
+    assert running.result(timeout=60).finish_reason in ("length", "cancelled")
     with pytest.raises(mtp_jax.EngineClosedError):
         engine.submit(PROMPTS[0], max_new_tokens=8)
     engine = mtp_jax.Engine(model, slots=1, max_len=64, max_queue=8)

@@ -145,6 +145,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting = 0  # submitted, not yet in a slot
+        self._free_slots = self.slots  # after the engine's last iteration
         self._next_id = 0
         self._handles: dict[int, RequestHandle] = {}
         self._finished_by: dict[str, int] = {}  # finished requests by finish reason
@@ -206,7 +207,7 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise EngineClosedError(f"the engine is closed{self._failure_note()}")
-            if self._waiting >= self.max_queue:
+            if self._waiting >= self.max_queue + self._free_slots:  # a burst may fill the free slots too
                 raise EngineFullError(f"the engine's queue is full ({self.max_queue} requests waiting)")
             adapter = checked.params.lora
             if adapter is not None and self.model.lora.slots.get(adapter) != checked.lora_slot:
@@ -497,9 +498,10 @@ class Engine:
                 self.replay.abort()
                 return
             admitted = queued - len(self.scheduler.queue)
-            if admitted > 0:
-                with self._lock:
-                    self._waiting -= admitted
+            free = sum(o is None for o in self.scheduler.owner)
+            with self._lock:
+                self._waiting -= max(admitted, 0)
+                self._free_slots = free
         self._fail(EngineClosedError("the engine was closed"))
 
     def _announce(self) -> None:
