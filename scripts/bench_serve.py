@@ -19,6 +19,9 @@ Two more workloads (``--workload``), each through the engine with a feature off 
   each with its own 32-token question, submitted at once, without and with prefix caching (the
   system prompt seen before, as on a server that has been up a while; an untimed pass of other
   questions compiles the programs). TTFT, throughput, and whether the texts are equal.
+- ``logprobs``: the ``--requests`` counts through the engine without and with ``logprobs`` (5
+  alternatives per token), alternately, twice each: what asking for log-probabilities costs a
+  server's throughput (the step runs its own program for them), and that the texts are equal.
 - ``long-prompt``: ``--slots`` - 1 requests decode while a ``--long-len``-token prompt arrives,
   without and with chunked prefill (``--chunk``): the running requests' longest gap between two
   tokens while that prompt is prefilled (a whole prefill stalls them all), their mean time per
@@ -75,7 +78,7 @@ def offline(model, prompts: list[list[int]], args, gen: dict) -> tuple[dict, lis
     return summary, [model.text.decode(t) for t in out.tokens], [len(t) for t in out.tokens]
 
 
-def through_engine(engine, prompts: list[list[int]], args) -> tuple[dict, list[str]]:
+def through_engine(engine, prompts: list[list[int]], args, **kw) -> tuple[dict, list[str]]:
     async def one(i: int, handle, t_submit: float, rec: list) -> None:
         first, text = None, ""
         async for _, piece in handle.astream():
@@ -88,7 +91,7 @@ def through_engine(engine, prompts: list[list[int]], args) -> tuple[dict, list[s
         tasks = []
         for i, p in enumerate(prompts):
             t = time.perf_counter()
-            h = engine.submit(p, max_new_tokens=args.new_tokens, ignore_eos=True, detokenize=True)
+            h = engine.submit(p, max_new_tokens=args.new_tokens, ignore_eos=True, detokenize=True, **kw)
             tasks.append(one(i, h, t, rec))
         await asyncio.gather(*tasks)
         return rec
@@ -254,6 +257,36 @@ def _report(args, path: str, results: list, **extra) -> None:
         write_json(args.json, report)
 
 
+def logprobs_cost(model, args, gen: dict, prompts: list[list[int]]) -> tuple[list[dict], bool]:
+    engine = mtp_jax.Engine(
+        model, slots=args.slots, max_len=args.max_len, **gen, max_queue=1024, prefix_caching=False
+    )
+    rows, same = [], True
+    for n in args.requests:
+        batch = prompts[:n]
+        for kw in ({}, {"logprobs": 5}):
+            through_engine(engine, batch, args, **kw)  # untimed: compiles what this count runs
+        runs: dict[bool, list] = {False: [], True: []}
+        texts = {}
+        for _ in range(2):
+            for asks in (False, True):
+                summary, texts[asks] = through_engine(
+                    engine, batch, args, **({"logprobs": 5} if asks else {})
+                )
+                runs[asks].append(summary["tok_s"])
+        same &= texts[False] == texts[True]
+        without, with_ = float(np.median(runs[False])), float(np.median(runs[True]))
+        rows.append({"requests": n, "tok_s_without": without, "tok_s_with_logprobs": with_})
+        print(
+            f"{n:>4} requests: {without:7.1f} tok/s without log-probabilities, {with_:7.1f} with 5 "
+            f"alternatives ({with_ / without:.2f}x)",
+            flush=True,
+        )
+    engine.close()
+    print(f"same text with and without log-probabilities: {same}", flush=True)
+    return rows, same
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
@@ -272,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32, help="random prompts (no eval.json) only")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--workload", choices=["requests", "shared-prefix", "long-prompt"], default="requests")
+    p.add_argument(
+        "--workload", choices=["requests", "shared-prefix", "long-prompt", "logprobs"], default="requests"
+    )
     p.add_argument("--system-len", type=int, default=1024, help="shared-prefix: the shared prompt's tokens")
     p.add_argument("--long-len", type=int, default=2048, help="long-prompt: the long prompt's tokens")
     p.add_argument("--chunk", type=int, default=256, help="long-prompt: the chunked prefill size")
@@ -284,16 +319,19 @@ def main(argv: list[str] | None = None) -> int:
 
     path = model_path(args.model)
     model = mtp_jax.load(path, dtype=args.dtype)
+    args.prompts = max(args.requests)
+    prompts, note = held_out_prompts(model, path, args)
     if args.workload != "requests":
         draft = args.drafts.split(",")[-1]
         spec = None if draft == "none" else draft
         gen = {"draft": spec, "num_speculative_tokens": args.k if spec else None}
-        run = shared_prefix if args.workload == "shared-prefix" else long_prompt
-        results, same = run(model, args, gen)
+        if args.workload == "logprobs":
+            results, same = logprobs_cost(model, args, gen, prompts)
+        else:
+            run = shared_prefix if args.workload == "shared-prefix" else long_prompt
+            results, same = run(model, args, gen)
         _report(args, path, results, workload=args.workload, draft=draft, same_tokens=same)
         return 0 if same else 1
-    args.prompts = max(args.requests)
-    prompts, note = held_out_prompts(model, path, args)
     rows, ok = [], True
     for draft in args.drafts.split(","):
         spec = None if draft == "none" else draft
