@@ -352,6 +352,57 @@ def _below(cap: jax.Array | None, k: int, b: int) -> jax.Array:
     return jnp.arange(k)[None, :] < cap[:, None]
 
 
+def accept_siblings(
+    p: jax.Array,
+    candidates: jax.Array,
+    q: jax.Array,
+    keys: jax.Array,
+    given: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Multi-draft speculative sampling at one node of a token tree (SpecInfer's recursive
+    rejection, in Sequoia's form that also covers candidates drawn without replacement): the token
+    that follows a parent whose target distribution is ``p`` [R, V], given its children
+    ``candidates`` [R, m] in proposal order, candidate i drawn from ``q`` [R, m, V] (its law given
+    the candidates before it: the draft's distribution for candidates drawn with replacement,
+    that distribution with the earlier candidates removed for candidates drawn without
+    (:func:`without_replacement`), a one-hot for a fixed candidate such as the draft's top-m).
+
+    Candidate i is accepted with probability min(1, r(c_i) / q_i(c_i)), r the residual, first p;
+    on rejection r becomes normalize(max(r - q_i, 0)); if every candidate is rejected the token is
+    drawn from the last residual. The token then follows p exactly, whatever q is. ``given``
+    [R, m]: candidates that exist (others are skipped). ``keys`` [R]: typed PRNG keys, one per row.
+    Returns (index of the accepted candidate, -1 for none [R]; the token [R])."""
+    r_rows, m = candidates.shape
+    given = jnp.ones((r_rows, m), bool) if given is None else given
+    split = jax.vmap(lambda k: jax.random.split(k, m + 1))(keys)  # [R, m + 1]
+    residual = p.astype(jnp.float32)
+    chosen = jnp.full((r_rows,), -1, jnp.int32)
+    for i in range(m):
+        c, q_i = candidates[:, i], q[:, i].astype(jnp.float32)
+        r_c = jnp.take_along_axis(residual, c[:, None], axis=-1)[:, 0]
+        q_c = jnp.take_along_axis(q_i, c[:, None], axis=-1)[:, 0]
+        u = jax.vmap(jax.random.uniform)(split[:, i])
+        open_ = (chosen < 0) & given[:, i]
+        chosen = jnp.where(open_ & (u * q_c <= r_c), i, chosen)
+        rest = jnp.maximum(residual - q_i, 0.0)
+        mass = rest.sum(-1, keepdims=True)
+        rest = jnp.where(mass > 0, rest / jnp.maximum(mass, 1e-30), residual)  # r == q_i: never rejected
+        residual = jnp.where((open_ & (chosen < 0))[:, None], rest, residual)
+    fallback = jax.vmap(jax.random.categorical)(split[:, m], jnp.log(residual))
+    picked = jnp.take_along_axis(candidates, jnp.maximum(chosen, 0)[:, None], axis=1)[:, 0]
+    return chosen, jnp.where(chosen >= 0, picked, fallback).astype(jnp.int32)
+
+
+def without_replacement(q: jax.Array, candidates: jax.Array) -> jax.Array:
+    """The law of each of ``candidates`` [R, m] drawn one after another without replacement from
+    ``q`` [R, V]: [R, m, V], row i being q with candidates 0..i-1 removed, renormalised."""
+    m, v = candidates.shape[1], q.shape[-1]
+    taken = jnp.cumsum(jax.nn.one_hot(candidates, v, dtype=jnp.float32), axis=1)  # [R, m, V]
+    before = jnp.concatenate([jnp.zeros_like(taken[:, :1]), taken[:, : m - 1]], axis=1) > 0
+    left = jnp.where(before, 0.0, q[:, None, :].astype(jnp.float32))
+    return left / jnp.maximum(left.sum(-1, keepdims=True), 1e-30)
+
+
 def relaxed_ok(
     target_logits: jax.Array, drafts: jax.Array, params: RowSampling, thinking: jax.Array
 ) -> jax.Array:

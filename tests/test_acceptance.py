@@ -824,3 +824,53 @@ def test_speculative_row_output_does_not_depend_on_the_batch(small_vocab_model, 
     assert later[5] == alone
     # the seed matters: the same request under another seed gives another continuation
     assert model.generate([target], **{**mine, "seed": 78}, **kw).tokens[0] != alone
+
+
+# --- token trees: several candidates for one position --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode, m",
+    [("without", 1), ("without", 3), ("with", 2), ("with", 4), ("fixed", 2), ("fixed", 5)],
+)
+def test_sibling_candidates_give_the_target_law_exactly(mode, m):
+    """Multi-draft speculative sampling at one tree node (mtp_jax.sampling.accept_siblings): with
+    m candidates drawn from the draft's q without replacement, with replacement, or fixed (its
+    top m), the emitted token follows the target's p exactly (chi-square over 20000 draws, p with
+    a zero entry); candidates are accepted and rejected both; a fixed candidate the target gives
+    no mass is never accepted."""
+    from mtp_jax.sampling import accept_siblings, without_replacement
+
+    v, n = 7, 20000
+    rng = np.random.default_rng(10 * m + len(mode))
+    p = rng.dirichlet(np.full(v, 0.8))
+    p[-1] = 0.0  # a token the target never emits (the draft may well propose it)
+    p /= p.sum()
+    q = rng.dirichlet(np.full(v, 0.8))
+    key_draw, key_accept = jax.random.split(jax.random.key(m))
+    qs = jnp.broadcast_to(jnp.asarray(q, jnp.float32), (n, v))
+    if mode == "without":  # Gumbel top-m: an ordered sample without replacement
+        g = jax.random.gumbel(key_draw, (n, v))
+        candidates = jax.lax.top_k(jnp.log(qs) + g, m)[1].astype(jnp.int32)
+        laws = without_replacement(qs, candidates)
+    elif mode == "with":
+        candidates = jax.random.categorical(key_draw, jnp.log(qs)[:, None, :], shape=(n, m)).astype(jnp.int32)
+        laws = jnp.broadcast_to(qs[:, None, :], (n, m, v))
+    else:
+        top = np.argsort(-q)[:m]
+        if v - 1 not in top:
+            top[-1] = v - 1  # include the zero-mass token among the fixed candidates
+        candidates = jnp.broadcast_to(jnp.asarray(top, jnp.int32), (n, m))
+        laws = jax.nn.one_hot(candidates, v, dtype=jnp.float32)
+    keys = jax.random.split(key_accept, n)
+    chosen, token = jax.jit(accept_siblings)(
+        jnp.asarray(np.broadcast_to(p, (n, v)), jnp.float32), candidates, laws, keys
+    )
+    chosen, token = np.asarray(chosen), np.asarray(token)
+    assert_distribution(token, p, f"{m} candidates, {mode}")
+    accepted = chosen >= 0
+    assert 0.02 < accepted.mean() < 0.999, accepted.mean()
+    assert np.all(np.asarray(candidates)[accepted, chosen[accepted]] == token[accepted])
+    if mode == "fixed":
+        dead = int(np.flatnonzero(np.asarray(candidates[0]) == v - 1)[0])
+        assert not np.any(chosen == dead)
