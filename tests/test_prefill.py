@@ -312,3 +312,22 @@ def test_warmup_compiles_the_chunk_and_only_buckets_up_to_it(deepseek):
         pass
     assert len(req.tokens) == 4 and sched.counts["prefill_chunks"] == 3
     assert (prefill._cache_size(), prefill_chunk._cache_size()) == sizes
+
+
+def test_a_request_cancelled_while_its_prompt_arrives_frees_everything(deepseek):
+    sc = step_config(deepseek, SpeculativeConfig(draft="mtp", num_speculative_tokens=3))
+    sched = Scheduler(
+        deepseek.params, sc, slots=2, width=pages_needed(MAX_LEN, 0, sc), eos_token_ids=(),
+        cache_dtype=jnp.float32, prefix_caching=True, chunked_prefill=16,
+    )  # fmt: skip
+    rng = np.random.default_rng(6)
+    long = sched.submit(Request([int(t) for t in rng.integers(7, 250, 70)], 4, RowSampling.build(1)))
+    sched.advance()
+    assert sched.filling and sched.counts["prefill_chunks"] == 1
+    sched.cancel(long)
+    assert long.finish == "cancelled" and not sched.filling and not sched.busy
+    assert sched.free_pages == sched.allocator.num_pages and sched.prefix.cached == 0  # nothing named
+    short = sched.submit(Request([5, 6, 7], 4, RowSampling.build(1)))
+    while sched.advance():
+        pass
+    assert len(short.tokens) == 4 and sched.free_pages == sched.allocator.num_pages
