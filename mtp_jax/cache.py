@@ -46,12 +46,21 @@ class ShardedPageAllocator:
         if shards < 1 or num_pages % shards:
             raise ValueError(f"{num_pages} pages do not split into {shards} equal shards")
         self.num_pages = num_pages
+        self.shards = shards
         self.per_shard = num_pages // shards
         self._parts = [PageAllocator(self.per_shard) for _ in range(shards)]
 
     @property
     def free(self) -> int:
         return sum(part.free for part in self._parts)
+
+    def free_in(self, shard: int) -> int:
+        """Free pages of shard ``shard``."""
+        return self._parts[shard].free
+
+    def shard_of(self, page: int) -> int:
+        """The shard whose range holds ``page``."""
+        return page // self.per_shard
 
     def allocate(self, n: int, shard: int = 0) -> list[int]:
         base = shard * self.per_shard
@@ -88,15 +97,12 @@ class PrefixCache:
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self.allocator, self.page_size, self.lookahead = allocator, page_size, lookahead
-        self.shards = len(allocator._parts)
+        self.shards = allocator.shards
         self._page_of: dict[tuple[int, bytes], int] = {}  # (shard, digest) -> page
         self._digest_of: dict[int, tuple[int, bytes]] = {}  # page -> its (shard, digest)
         self._refs: dict[int, int] = {}  # pages held, by how many requests
         self._idle = [collections.OrderedDict() for _ in range(self.shards)]  # named, unheld: LRU first
         self.queries = self.hits = 0
-
-    def _shard_of(self, page: int) -> int:
-        return page // self.allocator.per_shard
 
     @property
     def free(self) -> int:
@@ -135,7 +141,7 @@ class PrefixCache:
             self._idle[shard].pop(page, None)
             self._refs[page] = self._refs.get(page, 0) + 1
         fresh = need - len(shared)
-        short = fresh - self.allocator._parts[shard].free
+        short = fresh - self.allocator.free_in(shard)
         for _ in range(max(0, short)):
             if not self._idle[shard]:
                 break
@@ -154,7 +160,7 @@ class PrefixCache:
         prefills read what it writes). A digest named already keeps its page (this one stays the
         request's own)."""
         for digest, page in zip(digests, pages, strict=False):
-            key = (self._shard_of(page), digest)
+            key = (self.allocator.shard_of(page), digest)
             if key not in self._page_of and page not in self._digest_of:
                 self._page_of[key] = page
                 self._digest_of[page] = key
@@ -168,7 +174,7 @@ class PrefixCache:
                 continue
             del self._refs[page]
             if page in self._digest_of:
-                self._idle[self._shard_of(page)][page] = None
+                self._idle[self.allocator.shard_of(page)][page] = None
             else:
                 free.append(page)
         self.allocator.release(free)

@@ -131,6 +131,11 @@ class Request:
     cache_salt: bytes = b""
 
 
+def _lora_slot(req: Request) -> int:
+    """The LoRA adapter slot a request decodes with (0: none)."""
+    return int(np.asarray(req.sampling.lora_slot)[0])
+
+
 def pages_needed(prompt_len: int, max_new_tokens: int, sc: StepConfig) -> int:
     """Cache pages a request owns: its prompt, its new tokens and the speculative overshoot of the
     last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)."""
@@ -493,7 +498,7 @@ class Scheduler:
         tokens[i] = a.req.prompt[a.start : a.start + self.chunk]
         counts, starts, after, lora = (np.zeros(r, np.int32) for _ in range(4))
         counts[i], starts[i], after[i] = self.chunk, a.start, a.req.prompt[a.start + self.chunk]
-        lora[i] = int(np.asarray(a.req.sampling.lora_slot)[0])
+        lora[i] = _lora_slot(a.req)
         tables = [a.pages if j == i else [] for j in range(r)]
         self.state = prefill_chunk(
             self.params,
@@ -578,7 +583,7 @@ class Scheduler:
 
     def _salt(self, req: Request) -> bytes:
         """What separates a request's cached prefixes from others': its salt and its LoRA slot."""
-        return req.cache_salt + b"lora:%d" % int(np.asarray(req.sampling.lora_slot)[0])
+        return req.cache_salt + b"lora:%d" % _lora_slot(req)
 
     def _thinking_before(self, prompt: list[int], start: int) -> bool:
         """Whether a thinking phase is open after ``prompt[:start]`` (the last marker decides)."""

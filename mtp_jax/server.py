@@ -65,8 +65,12 @@ class BadRequest(Exception):
 def _error(message: str, status: int = 400, kind: str = "invalid_request_error", param=None):
     from starlette.responses import JSONResponse
 
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(_error_body(message, kind, param), status_code=status)
+
+
+def _error_body(message: str, kind: str, param=None, code=None) -> dict:
+    """An OpenAI-style error object (a response's body, or a stream's last event)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 MAX_REQUEST_BYTES = 16 * 2**20
@@ -382,9 +386,7 @@ class Server:
                 ended += 1
                 if h.finish_reason == "error":  # an error event, then the stream ends properly
                     message = f"the engine failed while this request ran: {self.engine.failure}"
-                    yield _sse(
-                        {"error": {"message": message, "type": "server_error", "param": None, "code": 500}}
-                    )
+                    yield _sse(_error_body(message, "server_error", code=500))
                     yield b"data: [DONE]\n\n"
                     return
                 record = self._record(h)

@@ -212,10 +212,10 @@ def _mesh_sampling(fn: Callable) -> Callable:
     return inner
 
 
-def _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots):
-    """The target over prompt pieces, writing its caches; no head (prefill runs it at one row per
-    prompt: :func:`at_rows` first). Returns (hidden, the target's pages)."""
-    hidden, _, target_pages = forward_paged(
+def _target_pass(params, state, sc, tokens, positions, valid, page_table, lora_slots, logits: bool):
+    """:func:`forward_paged` over the state's target caches with the configuration's capture:
+    (hidden, float32 logits or None, the target's pages)."""
+    return forward_paged(
         params,
         state.target_pages,
         sc.cfg,
@@ -225,9 +225,17 @@ def _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora
         valid,
         page_table,
         sc.mesh,
-        logits=False,
+        logits=logits,
         capture=sc.capture,
         lora_slots=lora_slots,
+    )
+
+
+def _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots):
+    """The target over prompt pieces, writing its caches; no head (prefill runs it at one row per
+    prompt: :func:`at_rows` first). Returns (hidden, the target's pages)."""
+    hidden, _, target_pages = _target_pass(
+        params, state, sc, tokens, positions, valid, page_table, lora_slots, logits=False
     )
     return hidden, target_pages
 
@@ -392,18 +400,8 @@ def _verify(params: dict, state: DecodeState, sc: StepConfig, k: int | None = No
     tokens = _inputs(state, sc, k)
     positions = state.seq_len[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     valid = jnp.broadcast_to(state.active[:, None], (b, k + 1))
-    return forward_paged(
-        params,
-        state.target_pages,
-        sc.cfg,
-        sc.page_size,
-        tokens,
-        positions,
-        valid,
-        state.page_table,
-        sc.mesh,
-        capture=sc.capture,
-        lora_slots=state.sampling.lora_slot,
+    return _target_pass(
+        params, state, sc, tokens, positions, valid, state.page_table, state.sampling.lora_slot, logits=True
     )
 
 
