@@ -290,11 +290,18 @@ class Scheduler:
         return self.constraints is not None and req is not None and self.constraints.constrained(req.id)
 
     def _variant(self, k: int, logprobs: bool = False) -> StepConfig:
-        """The step configuration of K = k (the draft idle at 0), with or without log-probabilities."""
+        """The step configuration of K = k (the draft idle at 0), with or without log-probabilities.
+        A token tree is verified whole whenever some row speculates (each row's cap limits the
+        depth it accepts), so its K is its nodes or 0."""
+        sc = self.sc
+        if sc.tree is not None and k > 0:
+            k = sc.k
         if (k, logprobs) not in self.variants:
-            sc = self.sc
             idle = k == 0 and sc.draft is not None
-            self.variants[k, logprobs] = dataclasses.replace(sc, k=k, draft_idle=idle, logprobs=logprobs)
+            tree = sc.tree if k else None
+            self.variants[k, logprobs] = dataclasses.replace(
+                sc, k=k, draft_idle=idle, logprobs=logprobs, tree=tree
+            )
         return self.variants[k, logprobs]
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -708,10 +715,10 @@ def generate(
     past_eos = [ignore_eos] * n if isinstance(ignore_eos, bool) else list(ignore_eos)
     batch = math.lcm(next_power_of_two(min(n, max_batch)), row_shards(sc.mesh))  # whole rows per shard
     host_sampling = jax.tree.map(np.asarray, sampling)
-    if auto_k is not None and sc.k > 0:
+    if auto_k is not None and sc.k > 0 and sc.tree is None:
         sc = dataclasses.replace(sc, k=min(sc.k, auto_k(batch)))
     if sc.k == 0 or not np.minimum(host_sampling.max_drafts, sc.k).any():
-        sc = dataclasses.replace(sc, k=0, draft=None)  # plain decoding: no draft state at all
+        sc = dataclasses.replace(sc, k=0, draft=None, tree=None)  # plain decoding: no draft state at all
     width = next_power_of_two(max(pages_needed(len(p), m, sc) for p, m in zip(prompts, lengths, strict=True)))
     sched = Scheduler(
         params,

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.cache import localize, write_rows
 from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
-from pallas_kernels.chunks import attend_paged, gather_pages
+from pallas_kernels.chunks import QUERY_CHUNK, attend_paged, check_tree, gather_pages, visible_keys
 
 NEG_INF = float("-inf")
 
@@ -96,10 +96,13 @@ def gqa_paged_reference(
     positions: jax.Array,
     scale: float,
     layer: jax.Array | int | None = None,
+    tree: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Attention of queries q [b, t, H, d] at absolute ``positions`` [b, t] against each row's
     paged keys and values (pages [P, page, Hkv, d], or layer ``layer`` of a stack): query (b, t)
     sees positions ``s <= positions[b, t]``; a negative position sees nothing and yields zeros.
+    ``tree``: (base [b], nodes [b, t, N]), a token tree's tree attention
+    (:func:`pallas_kernels.chunks.visible_keys`).
 
     Table entries past a row's needed pages may be garbage: they are clamped into range, and the
     keys they point at are masked and zeroed (so a NaN there never reaches the output)."""
@@ -112,7 +115,7 @@ def gqa_paged_reference(
 
     keys, values = gather(k_pages), gather(v_pages)
     key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # [b, t, s]
+    visible = visible_keys(key_pos, positions, tree)  # [b, t, s]
     seen = jnp.any(visible, axis=1)[:, :, None, None]
     keys, values = jnp.where(seen, keys, 0), jnp.where(seen, values, 0)
     qg = _grouped(q, keys.shape[2])
@@ -120,20 +123,21 @@ def gqa_paged_reference(
     return _softmax_values(scores * scale, visible[:, :, None, None, :], values, q.dtype)
 
 
-def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer):
+def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tree=None):
     pages = {
         "k": write_rows(pages["k"], k, slots, layer),
         "v": write_rows(pages["v"], v, slots, layer),
     }
-    return _attend(q, positions, pages["k"], pages["v"], page_table, scale, layer), pages
+    return _attend(q, positions, pages["k"], pages["v"], page_table, scale, layer, tree), pages
 
 
-def _attend(q, positions, k_pages, v_pages, page_table, scale, layer) -> jax.Array:
+def _attend(q, positions, k_pages, v_pages, page_table, scale, layer, tree=None) -> jax.Array:
     """:func:`gqa_paged_reference` in chunks of queries (long prompts), each over the pages its
-    queries can see (:func:`pallas_kernels.chunks.attend_paged`)."""
+    queries can see (:func:`pallas_kernels.chunks.attend_paged`); a tree's queries in one chunk."""
+    check_tree(tree, q, QUERY_CHUNK)
 
     def reference(q: jax.Array, table: jax.Array, positions: jax.Array) -> jax.Array:
-        return gqa_paged_reference(q, k_pages, v_pages, table, positions, scale, layer)
+        return gqa_paged_reference(q, k_pages, v_pages, table, positions, scale, layer, tree)
 
     return attend_paged(reference, q, page_table, positions, k_pages.shape[-3])
 
@@ -161,33 +165,36 @@ def gqa_paged(
     scale: float,
     layer: jax.Array | int | None = None,
     mesh: Mesh | None = None,
+    tree: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Write k/v [b, t, Hkv, d] at flat ``slots`` [b, t] of ``pages`` {"k", "v"} (layer ``layer`` of
-    stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
-    the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
-    itself and every earlier position of its row. Returns (out [b, t, H, d], updated pages).
+        stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
+        the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
+        itself and every earlier position of its row (with ``tree`` = (base [b], nodes [b, t, N]): of a
+    token tree's node positions only those ``nodes`` marks, :func:`pallas_kernels.chunks.visible_keys`).
+    Returns (out [b, t, H, d], updated pages).
 
-    With ``mesh``: split as the module docstring says; a row's pages must lie in its shard's range
-    of page ids (:class:`mtp_jax.cache.ShardedPageAllocator` hands them out so)."""
+        With ``mesh``: split as the module docstring says; a row's pages must lie in its shard's range
+        of page ids (:class:`mtp_jax.cache.ShardedPageAllocator` hands them out so)."""
     page_dim = 0 if layer is None else 1
     heads, kv_heads = q.shape[2], k.shape[2]
     rows = () if mesh is None else split_axes(mesh, ROW_AXES, q.shape[0], pages["k"].shape[page_dim])
     tensor = () if mesh is None else split_axes(mesh, ("tensor",), heads)
     if not rows and not tensor:
-        return _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer)
+        return _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tree)
     t_size = mesh.shape["tensor"] if tensor else 1
     check_tensor_split(heads, kv_heads, t_size)
     kv_split = tensor if kv_heads % t_size == 0 else ()
     page_size = pages["k"].shape[page_dim + 1]
     layer_arg = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
 
-    def local(q, k, v, pages, slots, table, positions, layer_arg):
+    def local(q, k, v, pages, slots, table, positions, layer_arg, tree):
         idx = None if layer is None else layer_arg
         if rows:
             n = pages["k"].shape[page_dim]
             table, slots = localize(table, slots, shard_index(mesh, rows) * n, n, page_size)
         if not tensor or kv_split:
-            return _paged_local(q, k, v, pages, slots, table, positions, scale, idx)
+            return _paged_local(q, k, v, pages, slots, table, positions, scale, idx, tree)
         # KV heads replicated: write them all, attend with the one this device's query heads share
         pages = {
             "k": write_rows(pages["k"], k, slots, idx),
@@ -195,7 +202,7 @@ def gqa_paged(
         }
         shared = jax.lax.axis_index("tensor") * q.shape[2] // (heads // kv_heads)
         one = {name: jax.lax.dynamic_slice_in_dim(x, shared, 1, axis=x.ndim - 2) for name, x in pages.items()}
-        return _attend(q, positions, one["k"], one["v"], table, scale, idx), pages
+        return _attend(q, positions, one["k"], one["v"], table, scale, idx, tree), pages
 
     r, h, kv = spec_entry(rows), spec_entry(tensor), spec_entry(kv_split)
     act, kv_act = PartitionSpec(r, None, h, None), PartitionSpec(r, None, kv, None)
@@ -213,6 +220,7 @@ def gqa_paged(
             row_spec,
             row_spec,
             PartitionSpec(),
+            None if tree is None else (PartitionSpec(r), PartitionSpec(r, None, None)),
         ),
         out_specs=(act, {"k": cache, "v": cache}),
-    )(q, k, v, pages, slots, page_table, positions, layer_arg)
+    )(q, k, v, pages, slots, page_table, positions, layer_arg, tree)

@@ -139,12 +139,15 @@ def mla_paged(
     page_table: jax.Array,
     layer: jax.Array | int | None = None,
     mesh: Mesh | None = None,
+    tree: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Absorbed attention for x [b, t, d] at absolute positions [b, t] against the paged cache
     ``pages`` [P, page, c] (or layer ``layer`` of a stack [L, P, page, c], see :func:`write_rows`).
 
     Writes the new rows at ``slots`` first, so a token sees itself and every earlier position of
-    its row; cache entries at later positions (stale drafts, unused pages) are masked out.
+    its row; cache entries at later positions (stale drafts, unused pages) are masked out. With
+    ``tree`` = (base [b], nodes [b, t, N]) a token tree's node positions are seen only where
+    ``nodes`` marks them (tree attention, :func:`pallas_kernels.chunks.visible_keys`).
     Returns (out [b, t, d], updated pages).
 
     With ``mesh`` the rows and the pages are split over the row axes
@@ -155,17 +158,17 @@ def mla_paged(
     page_dim = 0 if layer is None else 1
     axes = () if mesh is None else split_axes(mesh, ROW_AXES, x.shape[0], pages.shape[page_dim])
     if not axes:  # one device, or rows / pages that no row axis divides
-        return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer)
+        return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer, tree)
     page_size = pages.shape[page_dim + 1]
     layer_arg = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
 
-    def local(p, lora, x, cos, sin, positions, slots, pages, table, layer_arg):
+    def local(p, lora, x, cos, sin, positions, slots, pages, table, layer_arg, tree):
         p = {**p, "lora": lora} if lora else p
         # global page ids -> this shard's: its pages are [base, base + n) of the global range
         n = pages.shape[page_dim]
         table, slots = localize(table, slots, shard_index(mesh, axes) * n, n, page_size)
         idx = None if layer is None else layer_arg
-        return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, table, idx)
+        return _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, table, idx, tree)
 
     rows, page_spec = axes_spec(axes), axes_spec(axes, page_dim)
     weights = {k: v for k, v in p.items() if k != "lora"}
@@ -174,12 +177,24 @@ def mla_paged(
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(PartitionSpec(), lora_spec, rows, rows, rows, rows, rows, page_spec, rows, PartitionSpec()),
+        in_specs=(
+            PartitionSpec(),
+            lora_spec,
+            rows,
+            rows,
+            rows,
+            rows,
+            rows,
+            page_spec,
+            rows,
+            PartitionSpec(),
+            None if tree is None else (rows, rows),
+        ),
         out_specs=(rows, page_spec),
-    )(weights, lora, x, cos, sin, positions, slots, pages, page_table, layer_arg)
+    )(weights, lora, x, cos, sin, positions, slots, pages, page_table, layer_arg, tree)
 
 
-def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer):
+def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, layer, tree=None):
     q_nope, q_rope = _queries(p, x, cfg, cos, sin)
     pages = write_rows(pages, latent_rows(p, x, cfg, cos, sin), slots, layer)
     # absorbed query [b, t, h, kv_lora + rope] against the cached rows, through the kernel dispatcher
@@ -201,6 +216,7 @@ def _mla_paged_local(p, x, cfg, cos, sin, positions, slots, pages, page_table, l
         scale=cfg.softmax_scale,
         value_dim=cfg.kv_lora_rank,
         layer=layer,
+        tree=tree,
     ).astype(x.dtype)
     out = jnp.einsum("bthr,rhk->bthk", out_latent, p["v_b"])
     if kv_b is not None:  # (o_latent · a) · b_v: the adapter's part of the values

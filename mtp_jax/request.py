@@ -28,6 +28,8 @@ from mtp_jax.errors import InvalidRequestError
 from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_logprobs, check_value, per_row
 from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.text import check_stops
+from mtp_jax.tree import TokenTree
+from pallas_kernels.chunks import QUERY_CHUNK
 
 # the per-row numeric settings and their types (checked by mtp_jax.sampling.CHECKS)
 _NUMBERS = {
@@ -126,6 +128,12 @@ class SpeculativeConfig:
     ``auto_k`` (``generate`` only): a table written by ``mtp-jax bench --auto-k-table`` or a
     {batch size: K} mapping that caps K by the batch size. ``think_tokens``: the (start, end) ids
     of a thinking phase, for relaxed acceptance (default: the tokenizer's <think> and </think>).
+    ``speculative_tree``: verify a token tree of drafts instead of a chain, {"depth": d, "topk": k,
+    "nodes": n} (:meth:`mtp_jax.tree.TokenTree.build`: every node's k likeliest continuations up to
+    depth d, the n drafts likeliest to be accepted; SGLang's ``speculative_num_steps`` /
+    ``speculative_eagle_topk`` / ``speculative_num_draft_tokens`` - 1), for a chained draft (mtp,
+    eagle3, draft_model). K is then the tree's nodes; a request's ``num_speculative_tokens`` caps
+    the depth it accepts.
     """
 
     draft: str | None = None
@@ -134,6 +142,7 @@ class SpeculativeConfig:
     draft_block_size: int | None = None
     auto_k: str | os.PathLike[str] | Mapping | Any | None = None
     think_tokens: tuple[int, int] | None = None
+    speculative_tree: Mapping | TokenTree | None = None
 
 
 SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
@@ -204,6 +213,25 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
             f"draft_block_size={block!r} is a {' or '.join(takers) or 'block draft'} setting; "
             f"the draft is {draft!r}"
         )
+    tree = token_tree(speculative.speculative_tree)
+    if tree is not None:
+        if method is None or not method.trees:
+            takers = ", ".join(name for name, d in DRAFTS.items() if d.trees)
+            raise InvalidRequestError(
+                f"speculative_tree needs a draft that proposes token trees ({takers}), got draft={draft!r}"
+            )
+        if k is not None and k != tree.size - 1:
+            raise InvalidRequestError(
+                f"a token tree verifies its {tree.size - 1} nodes per step: num_speculative_tokens={k} "
+                "cannot go with speculative_tree (a request's own num_speculative_tokens caps its depth)"
+            )
+        if speculative.auto_k is not None:
+            raise InvalidRequestError("auto_k chooses a chain's K; it does not go with speculative_tree")
+        if relaxed or speculative.think_tokens is not None:
+            raise InvalidRequestError(
+                "relaxed acceptance (think_tokens) is not available with token trees yet"
+            )
+        k = tree.size - 1
     if draft is None:
         if k not in (None, 0):
             raise InvalidRequestError(
@@ -225,7 +253,7 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
     if method.configure is not None:
         draft_cfg, k = method.configure(draft_cfg, k, block)
     k = method.default_k if k is None else k
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS:
+    if tree is None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS):
         raise InvalidRequestError(
             f"num_speculative_tokens must be an integer in [1, {MAX_DRAFTS}], got {k!r}"
         )
@@ -237,7 +265,32 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
     if relaxed or speculative.think_tokens is not None:
         think = thinking_markers(model, speculative.think_tokens)
     how = speculative.draft_sampling
-    return StepConfig(model.config, model.page_size, k, draft, how, model.mesh, draft_cfg, think_tokens=think)
+    return StepConfig(
+        model.config, model.page_size, k, draft, how, model.mesh, draft_cfg, think_tokens=think, tree=tree
+    )
+
+
+def token_tree(spec: Mapping | TokenTree | None) -> TokenTree | None:
+    """The :class:`~mtp_jax.tree.TokenTree` of a ``speculative_tree`` setting ({"depth", "topk",
+    "nodes"}), or None."""
+    if spec is None or isinstance(spec, TokenTree):
+        return spec
+    fields = ("depth", "topk", "nodes")
+    if not isinstance(spec, Mapping) or set(spec) - set(fields) or not {"depth", "topk"} <= set(spec):
+        raise InvalidRequestError(
+            f"speculative_tree must be {{'depth': d, 'topk': k, 'nodes': n}} (nodes optional: the whole "
+            f"tree), got {spec!r}"
+        )
+    depth, topk = spec["depth"], spec["topk"]
+    nodes = spec.get("nodes")
+    if nodes is None and all(isinstance(x, int) and not isinstance(x, bool) for x in (depth, topk)):
+        nodes = sum(topk**d for d in range(1, depth + 1))
+    tree = TokenTree.build(depth, topk, nodes)
+    if tree.size > QUERY_CHUNK:
+        raise InvalidRequestError(
+            f"a token tree has at most {QUERY_CHUNK - 1} draft nodes, got {tree.size - 1}"
+        )
+    return tree
 
 
 def thinking_markers(model, given: tuple[int, int] | None) -> tuple[int, int]:
@@ -331,6 +384,8 @@ def check_request(
             f"num_speculative_tokens must be an integer in [0, {sc.k}] (the engine's K), "
             f"got {params.num_speculative_tokens!r}"
         )
+    if params.grammar is not None and sc.tree is not None:
+        raise InvalidRequestError("grammar constraints are not available with speculative_tree yet")
     if values["relaxed_topk"] and sc.think_tokens is None:  # generate() sets them for such requests
         raise InvalidRequestError("relaxed_topk needs an engine created with think_tokens and a draft")
     stop_ids = ()

@@ -49,6 +49,8 @@ from mtp_jax.sampling import (
 )
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
+from mtp_jax.targets.base import Hidden, TreeMask
+from mtp_jax.tree import TokenTree, accept_tree, along_path, commit_path, node_mask, node_positions
 
 __all__ = ["DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "prefill_chunk", "step"]
 
@@ -81,12 +83,28 @@ class StepConfig:
     """Also return each emitted token's log-probability and the MAX_LOGPROBS most likely tokens'
     (:class:`mtp_jax.sampling.TokenLogprobs`), from the verified logits; a program of its own, run
     only while some request asks."""
+    tree: TokenTree | None = None
+    """Verify a token tree of drafts (:mod:`mtp_jax.tree`) instead of a chain: ``k`` is then its
+    draft nodes (``tree.size - 1``), the draft a chained one (:attr:`Draft.trees`)."""
 
     def __post_init__(self) -> None:
         if self.k > 0 and (self.draft is None or self.draft_idle):
             raise ValueError(f"K = {self.k} drafts need a working draft method, got draft={self.draft!r}")
         if self.draft is not None:
             draft_for(self.draft)  # a known name
+        if self.tree is not None:
+            nodes = self.tree.size - 1
+            if self.k != nodes:
+                raise ValueError(f"a token tree of {nodes} draft nodes needs k = {nodes}, got {self.k}")
+            if self.draft is not None and not draft_for(self.draft).trees:
+                raise ValueError(
+                    f"the {draft_for(self.draft).title or self.draft} draft does not propose token trees "
+                    "(chained drafts do: mtp, eagle3, draft_model)"
+                )
+            if self.think_tokens is not None:
+                raise ValueError(
+                    "relaxed acceptance in thinking phases is not available with token trees yet"
+                )
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
 
@@ -107,7 +125,8 @@ class StepConfig:
     @property
     def draft_context(self) -> DraftContext:
         """What the draft's functions are given of this configuration."""
-        return DraftContext(self.cfg, self.draft_cfg, self.k, self.sampled, self.page_size, self.mesh)
+        tree = None if self.draft_idle else self.tree
+        return DraftContext(self.cfg, self.draft_cfg, self.k, self.sampled, self.page_size, self.mesh, tree)
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -178,16 +197,20 @@ def forward_paged(
     logits: bool = True,
     capture: tuple[int, ...] = (),
     lora_slots: jax.Array | None = None,
+    tree: TreeMask | None = None,
 ):
     """Write tokens [b, t] at positions [b, t] (only where valid) and run the target of ``cfg`` over
     its cache, capturing the outputs of layers ``capture`` (``mesh`` as in the target's forward),
     each row with its LoRA adapter slot of ``lora_slots`` [b] when the parameters hold adapters.
+    ``tree``: the tokens are a token tree's nodes (:class:`mtp_jax.targets.base.TreeMask`: written
+    at its cache positions, under tree attention; ``positions`` are then rotary positions).
 
     Returns (Hidden [b, t, d] each, float32 logits [b, t, V], pages); the logits are None with
     ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
     """
     target = target_for(cfg)
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, page_size), page_table)
+    at = positions if tree is None else tree.positions
+    paged = PagedAttention(pages, slots_for(page_table, at, valid, page_size), page_table, tree)
     extra = {"lora_slots": lora_slots} if "lora" in params and lora_slots is not None else {}
     hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh, **extra)
     return hidden, target.lm_head(params, hidden.post_norm) if logits else None, pages
@@ -212,7 +235,9 @@ def _mesh_sampling(fn: Callable) -> Callable:
     return inner
 
 
-def _target_pass(params, state, sc, tokens, positions, valid, page_table, lora_slots, logits: bool):
+def _target_pass(
+    params, state, sc, tokens, positions, valid, page_table, lora_slots, logits: bool, tree=None
+):
     """:func:`forward_paged` over the state's target caches with the configuration's capture:
     (hidden, float32 logits or None, the target's pages)."""
     return forward_paged(
@@ -228,6 +253,7 @@ def _target_pass(params, state, sc, tokens, positions, valid, page_table, lora_s
         logits=logits,
         capture=sc.capture,
         lora_slots=lora_slots,
+        tree=tree,
     )
 
 
@@ -441,17 +467,19 @@ def _proposed(sc: StepConfig, new_drafts: jax.Array, cap: jax.Array, fallback: j
     return jnp.where(given, new_drafts, fallback[:, None]), jnp.minimum(count, leading)
 
 
-def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k: int | None = None):
+def _commit_and_draft(
+    params, state, sc, hidden, target_pages, emitted, n_acc, k: int | None = None, tokens=None
+):
     """Stages 4-5: advance the committed length, let the draft consume the committed rows (the k+1
-    verified ones; k: sc.k) and propose sc.k drafts."""
-    k = sc.k if k is None else k
+    verified ones, k: sc.k; or ``tokens`` [B, t], a token tree's accepted path with its ``hidden``
+    states) and propose sc.k drafts."""
+    tokens = _inputs(state, sc, sc.k if k is None else k) if tokens is None else tokens
     seq = state.seq_len
     n_emit = jnp.where(state.active, n_acc + 1, 0)
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
     draft_state, drafts, q, num_drafts = state.draft_state, state.drafts, state.draft_q, state.num_drafts
     num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.max_drafts, sc.k), num_drafts)
-    tokens = _inputs(state, sc, k)
     thinking = state.thinking
     if sc.think_tokens is not None:
         phase = think_phase(tokens, jnp.ones_like(tokens, bool), thinking, sc.think_tokens)
@@ -459,7 +487,7 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k
     if sc.drafter is not None:
         # the committed rows: the verified positions seq..seq+n_acc, each followed by the token
         # emitted after it; rows past n_acc are not consumed
-        k1 = k + 1
+        k1 = tokens.shape[1]
         positions = seq[:, None] + jnp.arange(k1, dtype=jnp.int32)
         valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
         committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
@@ -490,6 +518,42 @@ def _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k
         thinking=thinking,
     )
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
+
+
+def _tree_verified(params: dict, state: DecodeState, sc: StepConfig):
+    """The step with a token tree (``sc.tree``): the target over every node under tree attention
+    (node n at cache position seq_len + n, rotary position seq_len + its depth), the accepted path's
+    walk (:func:`mtp_jax.tree.accept_tree`, at most each row's num_drafts deep), the KV shift of
+    that path to consecutive positions (:func:`mtp_jax.tree.commit_path`), then the draft consumes
+    the path's rows and proposes the next tree. Returns (emitted [B, D+1], n_emit, state, the
+    logits along the path [B, D+1, V])."""
+    tree, seq = sc.tree, state.seq_len
+    tokens = _inputs(state, sc)
+    valid = jnp.broadcast_to(state.active[:, None], tokens.shape)
+    hidden, logits, target_pages = _target_pass(
+        params,
+        state,
+        sc,
+        tokens,
+        node_positions(tree, seq),
+        valid,
+        state.page_table,
+        state.sampling.lora_slot,
+        logits=True,
+        tree=node_mask(tree, seq),
+    )
+    q = None
+    if sc.sampled:  # the law at nodes 0..N-2 (the last node, the deepest, has no children)
+        q = jnp.concatenate([state.draft_q, jnp.zeros_like(state.draft_q[:, :1])], axis=1)
+    path, emitted, n_acc = accept_tree(logits, tokens, tree, state.sampling, seq + 1, q, state.num_drafts)
+    target_pages = commit_path(target_pages, state.page_table, seq, path, n_acc, state.active, sc.page_size)
+    hidden = Hidden(
+        *(None if x is None else along_path(x, path, axis=x.ndim - 2) for x in hidden[:3]), *hidden[3:]
+    )
+    n_emit, state = _commit_and_draft(
+        params, state, sc, hidden, target_pages, emitted, n_acc, tokens=along_path(tokens, path)
+    )
+    return emitted, n_emit, state, along_path(logits, path)
 
 
 _POOLS = ("target_pages", "draft_state")  # the state's page pools; every other leaf is per slot
@@ -552,10 +616,16 @@ def step(
             grammar_key, grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size
         )
 
+    if sc.tree is not None and bitmask is not None:
+        raise ValueError("grammar constraints are not available with token trees yet")
+
     def verified(k: int, state: DecodeState):
-        hidden, logits, target_pages = _verify(params, state, sc, k)
-        emitted, n_acc = _accept(logits, state, sc, None if bitmask is None else bitmask[:, : k + 1], k)
-        n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k)
+        if sc.tree is not None:
+            emitted, n_emit, state, logits = _tree_verified(params, state, sc)
+        else:
+            hidden, logits, target_pages = _verify(params, state, sc, k)
+            emitted, n_acc = _accept(logits, state, sc, None if bitmask is None else bitmask[:, : k + 1], k)
+            n_emit, state = _commit_and_draft(params, state, sc, hidden, target_pages, emitted, n_acc, k)
         logprobs = None
         if sc.logprobs:  # every verified position's, padded to K+1 like the tokens
             logprobs = jax.tree.map(

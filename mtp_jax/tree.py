@@ -20,8 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.cache import slots_for
 from mtp_jax.errors import InvalidRequestError
-from mtp_jax.sampling import ACCEPT, RowSampling, accept_siblings, processed_logprobs, repeat_rows, row_keys
+from mtp_jax.sampling import (
+    ACCEPT,
+    RowSampling,
+    accept_siblings,
+    processed_logprobs,
+    repeat_rows,
+    row_keys,
+    without_replacement,
+)
+from mtp_jax.targets.base import TreeMask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +112,8 @@ def accept_tree(
     tree: TokenTree,
     params: RowSampling,
     first: jax.Array,
-    draft_laws: jax.Array | None = None,
+    draft_q: jax.Array | None = None,
+    cap: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Walk ``tree`` from the root and accept the longest path the target allows.
 
@@ -110,13 +121,12 @@ def accept_tree(
     for the token after that node); ``tokens`` [B, N]: each node's token (the root's is the committed
     one); ``first`` [B]: the position of the first token emitted (the root's position + 1).
     Greedy rows (temperature 0) follow the child that is the target's argmax. Sampled rows accept
-    among each node's children by multi-draft speculative sampling, with ``draft_laws`` [B, N, c, V]
-    the law each child was drawn from given its earlier siblings (for node n, its children in rank
-    order; :func:`mtp_jax.sampling.without_replacement` of the draft's distribution at n for
-    children sampled without replacement, one-hots for fixed top-k children); the emitted tokens
-    then follow the target's (processed) law exactly. With ``draft_laws`` None every child is taken
-    as fixed (one-hot laws). A path that reaches a leaf emits one more token drawn from the target
-    at the leaf.
+    among each node's children by multi-draft speculative sampling: with ``draft_q`` [B, N, V] each
+    node's children were drawn one after another without replacement from its distribution there
+    (their laws: :func:`mtp_jax.sampling.without_replacement`); with ``draft_q`` None they are taken
+    as fixed (the draft's top ones: one-hot laws). The emitted tokens then follow the target's
+    (processed) law exactly. A path that reaches a leaf emits one more token drawn from the target
+    at the leaf. ``cap`` [B]: accept at most that many drafts (nodes deeper than it are skipped).
 
     Returns (path [B, D+1]: the accepted nodes from the root, -1 after the last; emitted
     [B, D+1]: the tokens emitted, a path's nodes' tokens after the root then the target's own at
@@ -136,12 +146,14 @@ def accept_tree(
     for d in range(tree.max_depth + 1):
         child_ids = kids[cur]  # [B, c]
         given = (child_ids >= 0) & alive[:, None]
+        if cap is not None:
+            given &= (cap > d)[:, None]
         safe = jnp.maximum(child_ids, 0)
         candidates = jnp.take_along_axis(tokens, safe, axis=1)  # [B, c]
-        if draft_laws is None:
+        if draft_q is None:
             laws = jax.nn.one_hot(candidates, v, dtype=jnp.float32)
         else:
-            laws = draft_laws[rows, cur]  # [B, c, V]
+            laws = without_replacement(draft_q[rows, cur], candidates)  # [B, c, V]
         keys = row_keys(params.seed, first + d, ACCEPT)
         chosen, token = accept_siblings(p[rows, cur], candidates, laws, keys, given)
         # greedy rows: the child whose token is the target's argmax at this node, if any
@@ -159,3 +171,58 @@ def accept_tree(
         if d < tree.max_depth:
             path.append(jnp.where(moved, nxt, -1))
     return jnp.stack(path, axis=1), jnp.stack(emitted, axis=1).astype(jnp.int32), n_acc
+
+
+def node_mask(tree: TokenTree, base: jax.Array) -> TreeMask:
+    """The tree attention of all of ``tree``'s nodes, node n at cache position ``base`` [b] + n."""
+    b, n = base.shape[0], tree.size
+    return TreeMask(
+        positions=base[:, None] + jnp.arange(n, dtype=base.dtype)[None, :],
+        base=base,
+        nodes=jnp.broadcast_to(jnp.asarray(tree.ancestors()), (b, n, n)),
+    )
+
+
+def node_positions(tree: TokenTree, base: jax.Array) -> jax.Array:
+    """The rotary positions [b, N] of ``tree``'s nodes after the root at ``base`` [b]: its depth on."""
+    return base[:, None] + jnp.asarray(tree.depth, base.dtype)[None, :]
+
+
+def along_path(x: jax.Array, path: jax.Array, axis: int = 1) -> jax.Array:
+    """x's entries at the nodes of ``path`` [b, D+1] (-1: past the path's end, read as the root)
+    along ``axis`` (the node axis; the batch axis comes right before it)."""
+    index = jnp.maximum(path, 0).reshape(path.shape + (1,) * (x.ndim - axis - 1))
+    index = jnp.broadcast_to(index, x.shape[:axis] + path.shape[1:] + x.shape[axis + 1 :])
+    return jnp.take_along_axis(x, index, axis=axis)
+
+
+def commit_path(
+    pages: dict,
+    page_table: jax.Array,
+    base: jax.Array,
+    path: jax.Array,
+    n_accepted: jax.Array,
+    active: jax.Array,
+    page_size: int,
+) -> dict:
+    """The KV shift: in a cache of leaves [L, P, page, ...] (every layer), the entries of the
+    accepted path's nodes (``path`` [b, D+1], written at cache positions base [b] + node) moved to
+    consecutive positions base + 1 .. base + n_accepted (the root already sits at base), as if the
+    path had been decoded plainly. Entries past them are stale: later steps mask and overwrite them."""
+    d = path.shape[1] - 1
+    steps = jnp.arange(1, d + 1, dtype=base.dtype)[None, :]
+    moving = active[:, None] & (steps <= n_accepted[:, None]) & (path[:, 1:] != steps)
+    src = slots_for(page_table, base[:, None] + jnp.maximum(path[:, 1:], 0), moving, page_size).reshape(-1)
+    dst = slots_for(page_table, base[:, None] + steps, moving, page_size).reshape(-1)
+
+    def shift(leaf: jax.Array) -> jax.Array:
+        layers, num_pages = leaf.shape[:2]
+        bits = leaf.dtype.itemsize == 2  # as bit patterns: XLA:CPU has no 16-bit gather or scatter
+        flat = jax.lax.bitcast_convert_type(leaf, jnp.uint16) if bits else leaf
+        flat = flat.reshape(layers, num_pages * page_size, *leaf.shape[3:])
+        rows = flat[:, jnp.minimum(src, num_pages * page_size - 1)]
+        flat = flat.at[:, dst].set(rows, mode="drop")
+        flat = flat.reshape(leaf.shape)
+        return jax.lax.bitcast_convert_type(flat, leaf.dtype) if bits else flat
+
+    return jax.tree.map(shift, pages)

@@ -32,6 +32,37 @@ def gather_pages(pages: jax.Array, table: jax.Array, layer: jax.Array | int | No
     return jax.lax.bitcast_convert_type(out, pages.dtype) if bits else out
 
 
+def visible_keys(key_pos: jax.Array, positions: jax.Array, tree: tuple[jax.Array, jax.Array] | None = None):
+    """[B, T, S] bool: which keys at cache positions ``key_pos`` [S] each query at ``positions``
+    [B, T] sees: those at or before its own position, and, with ``tree`` = (base [B], nodes
+    [B, T, N]) (a token tree's nodes at cache positions base .. base + N - 1), of those positions
+    only the ones ``nodes`` marks (the query's own node and its ancestors: tree attention)."""
+    visible = key_pos[None, None, :] <= positions[:, :, None]
+    if tree is None:
+        return visible
+    base, nodes = tree
+    count = nodes.shape[-1]
+    rel = key_pos[None, :] - base[:, None]  # [B, S]
+    inside = (rel >= 0) & (rel < count)
+    index = jnp.broadcast_to(jnp.clip(rel, 0, count - 1)[:, None, :], visible.shape)
+    seen = jnp.take_along_axis(nodes, index, axis=2)
+    return visible & (~inside[:, None, :] | seen)
+
+
+def check_tree(tree: tuple[jax.Array, jax.Array] | None, q: jax.Array, chunk: int) -> None:
+    """ValueError unless a tree mask fits the queries q [B, T, ...] in one chunk of queries."""
+    if tree is None:
+        return
+    base, nodes = tree
+    b, t = q.shape[:2]
+    if base.shape != (b,) or nodes.shape[:2] != (b, t):
+        raise ValueError(
+            f"a tree mask must be base [B={b}] and nodes [B, T={t}, N], got {base.shape}, {nodes.shape}"
+        )
+    if t > chunk:
+        raise ValueError(f"tree attention takes at most {chunk} query tokens per row, got {t}")
+
+
 def over_live_pages(
     attend: Callable[[jax.Array], jax.Array], page_table: jax.Array, positions: jax.Array, page_size: int
 ) -> jax.Array:

@@ -20,9 +20,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mtp_jax.sampling import DRAFT, RowSampling, draft_probs, sample
-from mtp_jax.targets.base import Hidden
+from mtp_jax.cache import slots_for
+from mtp_jax.sampling import DRAFT, RowSampling, draft_probs, repeat_rows, row_keys, sample
+from mtp_jax.targets.base import Hidden, PagedAttention, TreeMask
 
 
 class Rows(NamedTuple):
@@ -61,6 +63,9 @@ class DraftContext:
     """Tokens per cache page (a draft's own caches use the target's page table)."""
     mesh: Any = None
     """The step's mesh (None on one device)."""
+    tree: Any = None
+    """A :class:`mtp_jax.tree.TokenTree` to propose instead of a chain (then ``k`` is its draft
+    nodes), for drafts with :attr:`Draft.trees`; None: a chain of ``k``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +152,10 @@ class Draft:
     """Whether the draft is a model with weights of its own. A weightless one (n-gram lookup) works
     with any target, so it is asked for by name only: not listed in ``Model.drafts`` nor picked by
     ``--draft auto``."""
+    trees: bool = False
+    """Whether it proposes token trees (:class:`mtp_jax.tree.TokenTree`): a chained draft whose
+    ``extend_and_propose`` goes through :func:`chain_drafts`, whose ``advance`` then takes a level
+    of nodes under a :class:`mtp_jax.targets.base.TreeMask`."""
     cache_lookahead: int = 0
     """How many tokens after a position its entry in the draft's caches depends on: 1 for a draft
     whose row p pairs the target's state at p with token p+1 (MTP, EAGLE-3), 0 when an entry depends
@@ -198,20 +207,35 @@ def choose(logits: jax.Array, sampled: bool, sampling: RowSampling, position: ja
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
 
 
+def paged_rows(
+    pages: Any, page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int, tree=None
+) -> PagedAttention:
+    """Where a draft's rows at ``positions`` [b, t] (``valid`` [b, t]) go in its own paged cache:
+    at those positions, or with ``tree`` (:class:`TreeMask`) at the tree's cache positions under
+    its tree attention."""
+    at = positions if tree is None else tree.positions
+    return PagedAttention(pages, slots_for(page_table, at, valid, page_size), page_table, tree)
+
+
 def chain_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.Array, state, cache, advance):
     """K drafts per row, chained: the first chosen from ``logits`` [b, V] (for position first_pos
-    [b]); each next one from ``advance(draft [b], state, cache, row_position [b]) -> (logits, state,
-    cache)``, which feeds the previous draft and the recycled ``state`` back through the draft at
-    the row before it (position first_pos - 2 + j for draft j, 0-based). Returns (drafts [b, K],
-    q [b, K, V] or [b, K, 0], cache). With K = 0 nothing is proposed (the draft only kept its cache
+    [b]); each next one from ``advance(drafts [b, f], states [b, f, ...], cache, row_positions
+    [b, f], tree) -> (logits [b, f, V], states, cache)``, which feeds drafts and the recycled
+    states they were proposed with back through the draft at the rows before them (position
+    first_pos - 2 + j for draft j, 0-based); ``tree`` is None for a chain (f = 1). With
+    ``ctx.tree``, the tree's nodes instead (:func:`tree_drafts`). Returns (drafts [b, K], q
+    [b, K, V] or [b, K, 0], cache). With K = 0 nothing is proposed (the draft only kept its cache
     current, and the unused logits compile away)."""
     if ctx.k == 0:
         return no_drafts(logits.shape[0]) + (cache,)
+    if ctx.tree is not None:
+        return tree_drafts(ctx, sampling, first_pos, logits, state, cache, advance)
     d, q = choose(logits, ctx.sampled, sampling, first_pos)
 
     def link(carry, j):
         d, state, cache = carry
-        logits, state, cache = advance(d, state, cache, first_pos - 2 + j)
+        logits, state, cache = advance(d[:, None], state[:, None], cache, (first_pos - 2 + j)[:, None], None)
+        logits, state = logits[:, 0], state[:, 0]
         d_new, q_new = choose(logits, ctx.sampled, sampling, first_pos + j)
         return (d_new, state, cache), (d_new, q_new)
 
@@ -219,6 +243,79 @@ def chain_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.A
     drafts = jnp.concatenate([d[:, None], jnp.moveaxis(more_d, 0, 1)], axis=1)
     qs = jnp.concatenate([q[:, None], jnp.moveaxis(more_q, 0, 1)], axis=1)
     return drafts, qs, cache
+
+
+def tree_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.Array, state, cache, advance):
+    """A token tree's drafts (``ctx.tree``, :class:`mtp_jax.tree.TokenTree`), level by level: the
+    root's children from ``logits`` [b, V] (the draft's distribution after the committed rows, with
+    ``state`` [b, ...]); then each level's nodes that have children run through ``advance`` at once
+    (as :func:`chain_drafts` describes, with f of them and a :class:`TreeMask`: node n sits in the
+    draft's cache at row position first_pos - 2 + n, seeing the committed rows and its ancestors),
+    and each such node's children are its ``c`` likeliest tokens under the draft (argmax mode) or
+    ``c`` tokens drawn without replacement from its processed distribution (sampled mode: Gumbel
+    top-c, the draft's random stream per node). Returns (drafts [b, N-1]: nodes 1..N-1's tokens,
+    q [b, N-1, V]: in sampled mode the distribution at nodes 0..N-2 their children were drawn from
+    (node N-1, the deepest, has none), else [b, N-1, 0], cache)."""
+    tree = ctx.tree
+    b, n = logits.shape[0], tree.size
+    kids = tree.children()
+    ancestors = tree.ancestors()
+    tokens: list = [None] * n
+    q_at: list = [None] * n
+    states = {0: state}
+    row0 = first_pos - 1  # the row of node 1 (depth 1): the position before its token
+    for level in range(tree.max_depth):
+        parents = [p for p in range(n) if tree.depth[p] == level and kids[p, 0] >= 0]
+        if level == 0:
+            level_logits = logits[:, None]
+        else:
+            idx = np.asarray(parents)
+            fed = jnp.stack([tokens[p] for p in parents], axis=1)  # [b, f]
+            fed_state = jnp.stack([states[tree.parent[p]] for p in parents], axis=1)
+            mask = TreeMask(
+                positions=row0[:, None] + jnp.asarray(idx - 1, jnp.int32)[None, :],
+                base=row0,
+                nodes=jnp.broadcast_to(jnp.asarray(ancestors[idx, 1:]), (b, len(parents), n - 1)),
+            )
+            rows = jnp.broadcast_to(row0[:, None] + level - 1, (b, len(parents)))
+            level_logits, level_state, cache = advance(fed, fed_state, cache, rows, mask)
+            for i, p in enumerate(parents):
+                states[p] = level_state[:, i]
+        width = int(max((kids[p] >= 0).sum() for p in parents))
+        top, q = _children(level_logits, width, ctx.sampled, sampling, first_pos + level, parents)
+        for i, p in enumerate(parents):
+            if ctx.sampled:
+                q_at[p] = q[:, i]
+            for r, child in enumerate(kids[p]):
+                if child >= 0:
+                    tokens[child] = top[:, i, r]
+    drafts = jnp.stack(tokens[1:], axis=1)
+    if not ctx.sampled:
+        return drafts, jnp.zeros((b, n - 1, 0), jnp.float32), cache
+    v = logits.shape[-1]
+    qs = jnp.stack([jnp.zeros((b, v), jnp.float32) if x is None else x for x in q_at[: n - 1]], axis=1)
+    return drafts, qs, cache
+
+
+def _children(logits: jax.Array, width: int, sampled: bool, sampling: RowSampling, position, parents: list):
+    """Each of f nodes' ``width`` children from the draft's logits there [b, f, V]: (tokens
+    [b, f, width], q [b, f, V] or None). The likeliest tokens; in sampled mode, for rows that sample
+    (temperature > 0), tokens drawn without replacement from the processed distribution q (Gumbel
+    top-k; the draft's stream at ``position`` [b], folded with the parent node's index)."""
+    b, f, v = logits.shape
+    top = jax.lax.top_k(logits, width)[1].astype(jnp.int32)
+    if not sampled:
+        return top, None
+    per = repeat_rows(sampling, f)
+    flat = logits.reshape(b * f, v)
+    q = draft_probs(flat, per)
+    keys = row_keys(per.seed, jnp.repeat(position, f), DRAFT)
+    keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.asarray(parents, jnp.uint32), b))
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+    scores = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + gumbel, -jnp.inf)
+    drawn = jax.lax.top_k(scores, width)[1].astype(jnp.int32).reshape(b, f, width)
+    drawn = jnp.where(sampling.temperature[:, None, None] > 0, drawn, top)
+    return drawn, q.reshape(b, f, v)
 
 
 def no_drafts(b: int) -> tuple[jax.Array, jax.Array]:

@@ -27,13 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.cache import slots_for
 from mtp_jax.config import DraftModelConfig, model_types, parse_config
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes, paged_rows
 from mtp_jax.errors import ConfigError
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets import target_for
-from mtp_jax.targets.base import PagedAttention, lm_head
+from mtp_jax.targets.base import lm_head
 from mtp_jax.targets.deepseek_v3 import TARGET as DEEPSEEK_V3
 from mtp_jax.targets.llama3 import TARGET as LLAMA
 
@@ -127,9 +126,9 @@ def _logits(tree: dict, h: jax.Array, target_vocab: int) -> jax.Array:
     return jnp.concatenate([logits, pad], axis=-1)
 
 
-def _forward(tree, ctx, pages, page_table, tokens, positions, valid):
+def _forward(tree, ctx, pages, page_table, tokens, positions, valid, nodes=None):
     c = ctx.draft_cfg.model
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, ctx.page_size), page_table)
+    paged = paged_rows(pages, page_table, positions, valid, ctx.page_size, nodes)
     hidden, pages = target_for(c).forward(tree, c, tokens, positions, paged=paged, mesh=ctx.mesh)
     return hidden.post_norm, pages
 
@@ -143,12 +142,14 @@ def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, samp
     valid = jnp.concatenate([rows.valid, at_rows(rows.valid, rows.last)[:, None]], axis=1)
     h, pages = _forward(tree, ctx, pages, page_table, tokens, positions, valid)
 
-    def advance(d, state, pages, position):  # draft d sits one after the row ``position``
-        h, pages = _forward(tree, ctx, pages, page_table, d[:, None], position[:, None] + 1, active[:, None])
-        return _logits(tree, h[:, 0], vocab), state, pages
+    def advance(d, state, pages, position, nodes):  # draft d sits one after the row ``position``
+        valid = jnp.broadcast_to(active[:, None], d.shape)
+        nodes = None if nodes is None else nodes.moved(1)
+        h, pages = _forward(tree, ctx, pages, page_table, d, position + 1, valid, nodes)
+        return _logits(tree, h, vocab), state, pages
 
     return chain_drafts(
-        ctx, sampling, first_pos, _logits(tree, h[:, -1], vocab), jnp.zeros(()), pages, advance
+        ctx, sampling, first_pos, _logits(tree, h[:, -1], vocab), jnp.zeros((h.shape[0],)), pages, advance
     )
 
 
@@ -191,6 +192,7 @@ def _abstract_params(c: DraftModelConfig, shapes) -> dict:
 
 
 DRAFT = Draft(
+    trees=True,
     name="draft_model",
     available=_available,
     capture=lambda ctx: (),

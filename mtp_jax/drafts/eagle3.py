@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mtp_jax.cache import slots_for
 from mtp_jax.config import Eagle3Config
 from mtp_jax.drafts.base import (
     Draft,
@@ -52,6 +51,7 @@ from mtp_jax.drafts.base import (
     chain_drafts,
     chained_passes,
     in_target_vocab,
+    paged_rows,
 )
 from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
@@ -227,8 +227,8 @@ def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     return ("pages",) + (None,) * (rank - 1)  # MLA latent rows
 
 
-def _rows(params, ctx, pages, page_table, next_tokens, state, positions, valid, features):
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, ctx.page_size), page_table)
+def _rows(params, ctx, pages, page_table, next_tokens, state, positions, valid, features, tree=None):
+    paged = paged_rows(pages, page_table, positions, valid, ctx.page_size, tree)
     return eagle3_layer(
         params, ctx.draft_cfg, next_tokens, state, positions, features=features, paged=paged, mesh=ctx.mesh
     )
@@ -244,19 +244,10 @@ def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, samp
     )
     last_h2, last_normed = at_rows(h2, rows.last), at_rows(normed, rows.last)
 
-    def advance(d, state, pages, position):
-        h2, normed, pages = _rows(
-            params,
-            ctx,
-            pages,
-            page_table,
-            d[:, None],
-            state[:, None],
-            position[:, None],
-            active[:, None],
-            False,
-        )
-        return eagle3_logits(params, cfg, normed[:, 0]), recycled(cfg, h2[:, 0], normed[:, 0]), pages
+    def advance(d, state, pages, position, tree):
+        valid = jnp.broadcast_to(active[:, None], d.shape)
+        h2, normed, pages = _rows(params, ctx, pages, page_table, d, state, position, valid, False, tree)
+        return eagle3_logits(params, cfg, normed), recycled(cfg, h2, normed), pages
 
     first = eagle3_logits(params, cfg, last_normed)
     return chain_drafts(ctx, sampling, first_pos, first, recycled(cfg, last_h2, last_normed), pages, advance)
@@ -346,6 +337,7 @@ def _param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
 DRAFT = Draft(
     name="eagle3",
     cache_lookahead=1,
+    trees=True,
     available=_available,
     capture=lambda ctx: tuple(ctx.draft_cfg.capture),
     init_state=_init_state,

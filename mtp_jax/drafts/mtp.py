@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mtp_jax.cache import slots_for
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes, paged_rows
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
@@ -164,10 +163,11 @@ def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     return ("pages",) + (None,) * (rank - 1)
 
 
-def _layer_rows(params, ctx, pages, page_table, next_tokens, hidden, positions, valid):
-    """The MTP layer over rows written to its paged cache: (states g [b, t, d], pages). No head:
-    drafts read it at one state per row (:func:`_propose`)."""
-    paged = PagedAttention(pages, slots_for(page_table, positions, valid, ctx.page_size), page_table)
+def _layer_rows(params, ctx, pages, page_table, next_tokens, hidden, positions, valid, tree=None):
+    """The MTP layer over rows written to its paged cache (``tree``: a token tree's nodes,
+    :func:`mtp_jax.drafts.base.paged_rows`): (states g [b, t, d], pages). No head: drafts read it
+    at one state per row (:func:`_propose`)."""
+    paged = paged_rows(pages, page_table, positions, valid, ctx.page_size, tree)
     out = mtp_forward(params, ctx.cfg, next_tokens, hidden, positions, paged, mesh=ctx.mesh, logits=False)
     return out.state, out.pages
 
@@ -181,11 +181,10 @@ def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, samp
     )
     g = at_rows(g, rows.last)
 
-    def advance(d, g, pages, position):
-        g, pages = _layer_rows(
-            params, ctx, pages, page_table, d[:, None], g[:, None], position[:, None], active[:, None]
-        )
-        return mtp_logits(params, g[:, 0]), g[:, 0], pages
+    def advance(d, g, pages, position, tree):
+        valid = jnp.broadcast_to(active[:, None], d.shape)
+        g, pages = _layer_rows(params, ctx, pages, page_table, d, g, position, valid, tree)
+        return mtp_logits(params, g), g, pages
 
     return chain_drafts(ctx, sampling, first_pos, mtp_logits(params, g), g, pages, advance)
 
@@ -223,6 +222,7 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 DRAFT = Draft(
     name="mtp",
     cache_lookahead=1,
+    trees=True,
     title="MTP",
     available=_available,
     capture=lambda ctx: (),

@@ -109,17 +109,46 @@ class Hidden(NamedTuple):
     """Tokens routed to each expert of each MoE layer [n_moe_layers, e] (None without MoE layers)."""
 
 
+class TreeMask(NamedTuple):
+    """Tree attention for tokens of a token tree (:mod:`mtp_jax.tree`), whose nodes sit in a row's
+    cache at consecutive positions ``base`` .. ``base + N - 1`` in node order while their rotary
+    positions are ``base + depth``: each token is written at, and sees keys up to, its cache
+    position ``positions`` [b, t], and of the tree's positions only those ``nodes`` [b, t, N] marks
+    (its own node and its ancestors). ``base`` [b]."""
+
+    positions: jax.Array
+    base: jax.Array
+    nodes: jax.Array
+
+    def attention(self, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """(the positions attention masks by, the (base, nodes) it takes)."""
+        return self.positions, (self.base, self.nodes)
+
+    def moved(self, by: int) -> TreeMask:
+        """The same tree ``by`` cache positions further on (a draft whose cache entry for a token
+        sits at the token's own position rather than the row before it)."""
+        return TreeMask(self.positions + by, self.base + by, self.nodes)
+
+
 class PagedAttention(NamedTuple):
     """Where a forward pass reads and writes its paged KV cache.
 
     pages: the target's cache dict (leaves [L, P, page, ...]), or one layer's pages for a draft;
     slots: flat cache slot [b, t] of each new token (>= P·page: not written);
-    page_table: [b, n] page ids of each row, in position order.
+    page_table: [b, n] page ids of each row, in position order;
+    tree: a token tree's attention (:class:`TreeMask`; the tokens' ``positions`` are then rotary
+    positions only), or None: causal by position.
     """
 
     pages: Any
     slots: jax.Array
     page_table: jax.Array
+    tree: TreeMask | None = None
+
+    def attention(self, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """(the positions attention masks by, the tree mask (base, nodes) or None) for tokens at
+        rotary ``positions`` [b, t]."""
+        return (positions, None) if self.tree is None else self.tree.attention(positions)
 
 
 def head_logits(head: jax.Array, h: jax.Array) -> jax.Array:

@@ -335,7 +335,8 @@ def attention_fn(
     def attend(p: dict, x: jax.Array, pages: jax.Array | None, layer: jax.Array | int | None = None):
         if paged is None:
             return mla_dense(p, x, cfg, cos, sin), pages
-        return mla_paged(p, x, cfg, cos, sin, positions, paged.slots, pages, paged.page_table, layer, mesh)
+        seen, tree = paged.attention(positions)
+        return mla_paged(p, x, cfg, cos, sin, seen, paged.slots, pages, paged.page_table, layer, mesh, tree)
 
     return attend
 

@@ -211,7 +211,8 @@ def attention(
     if paged is None:
         out = gqa_dense(q, k, v, scale)
     else:
-        out, pages = gqa_paged(q, k, v, pages, paged.slots, paged.page_table, positions, scale, layer, mesh)
+        seen, tree = paged.attention(positions)
+        out, pages = gqa_paged(q, k, v, pages, paged.slots, paged.page_table, seen, scale, layer, mesh, tree)
     return adapted(jnp.einsum("bthk,hkd->btd", out, p["o"]), out, p.get("lora"), "o", 2), pages
 
 

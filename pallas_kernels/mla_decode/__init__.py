@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import native
-from pallas_kernels.chunks import QUERY_CHUNK, attend_paged
+from pallas_kernels.chunks import QUERY_CHUNK, attend_paged, check_tree
 from pallas_kernels.mla_decode.kernel import (
     NATIVE_DTYPES,
     check_page_size,
@@ -136,6 +136,7 @@ def mla_decode(
     value_dim: int,
     impl: str = "auto",
     layer: jax.Array | int | None = None,
+    tree: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Absorbed MLA attention of T query tokens per row against the paged latent cache.
 
@@ -146,11 +147,18 @@ def mla_decode(
     :func:`mla_decode_reference` for the full contract. ``impl``: "auto", "kernel" (compiled Mosaic
     GPU kernel), "interpret" (the kernel in Mosaic GPU interpret mode, any backend) or "reference"
     (in chunks of :data:`QUERY_CHUNK` queries, each over the pages it can see:
-    :func:`pallas_kernels.chunks.attend_paged`).
+    :func:`pallas_kernels.chunks.attend_paged`). ``tree`` (base [B], nodes [B, T, N]): a token
+    tree's attention mask (:func:`pallas_kernels.chunks.visible_keys`), at most
+    :data:`QUERY_CHUNK` queries; the kernel does not take one yet, so "auto" runs the reference.
     """
     _check_args(q, pages, page_table, positions, value_dim, layer)
+    check_tree(tree, q, QUERY_CHUNK)
     automatic = impl == "auto" and not os.environ.get(ENV_VAR, "").strip()
     impl = resolve_impl(impl, pages)
+    if tree is not None and impl != "reference":
+        if not automatic:
+            raise ValueError(f"mla_decode: tree attention runs on the reference only, got impl={impl!r}")
+        impl = "reference"
     schedule = "auto"
     if automatic and impl == "kernel":
         schedule = _compiling_schedule(q, pages, page_table, positions, scale, value_dim, layer)
@@ -158,7 +166,7 @@ def mla_decode(
     if impl == "reference":
 
         def reference(q, table, positions):
-            kw = dict(scale=scale, value_dim=value_dim, layer=layer)
+            kw = dict(scale=scale, value_dim=value_dim, layer=layer, tree=tree)
             return mla_decode_reference(q, pages, table, positions, **kw)
 
         return attend_paged(reference, q, page_table, positions, pages.shape[-2], QUERY_CHUNK)

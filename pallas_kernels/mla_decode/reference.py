@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunks import gather_pages
+from pallas_kernels.chunks import gather_pages, visible_keys
 
 
 def mla_decode_reference(
@@ -21,6 +21,7 @@ def mla_decode_reference(
     scale: float,
     value_dim: int,
     layer: jax.Array | int | None = None,
+    tree: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Attention of K+1 query tokens per row against that row's paged cache.
 
@@ -36,6 +37,9 @@ def mla_decode_reference(
       scale: softmax scale applied to q·k.
       value_dim: values are ``key[..., :value_dim]`` (the latent part, without the rope key).
       layer: which layer of a stacked ``pages`` to read (a traced scalar is fine); None for [P, S, C].
+      tree: (base [B], nodes [B, T, N]): of a token tree's node positions base .. base + N - 1,
+        each query sees only those ``nodes`` marks (tree attention,
+        :func:`pallas_kernels.chunks.visible_keys`); None: causal.
 
     Returns:
       [B, T, H, value_dim] in q.dtype; zeros for queries that see no key. Scores and softmax in
@@ -49,7 +53,7 @@ def mla_decode_reference(
     seq = gather_pages(pages, table, None if pages.ndim == 3 else layer).astype(q.dtype)
     keys = seq.reshape(seq.shape[0], -1, seq.shape[-1])  # [B, N·S, C]
     key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
-    visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, N·S]
+    visible = visible_keys(key_pos, positions, tree)  # [B, T, N·S]
     keys = jnp.where(jnp.any(visible, axis=1)[..., None], keys, 0)
     scores = jnp.einsum("bthc,bsc->bths", q, keys, preferred_element_type=f32) * scale
     scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf)
