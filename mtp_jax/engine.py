@@ -242,8 +242,10 @@ class Scheduler:
     # -- requests ----------------------------------------------------------------------------
 
     def row_k(self, req: Request) -> int:
-        """The drafts a request verifies per step: its own cap, at most the scheduler's K."""
-        return min(int(np.asarray(req.sampling.max_drafts)[0]), self.sc.k)
+        """The drafts a request verifies per step: its own cap, at most the scheduler's K (with a
+        token tree, the whole tree unless the request speculates not at all: its cap is a depth)."""
+        k = min(int(np.asarray(req.sampling.max_drafts)[0]), self.sc.k)
+        return self.sc.k if self.sc.tree is not None and k > 0 else k
 
     def submit(self, req: Request) -> Request:
         """Queue a validated request (its grammar, if any, already added to ``constraints``)."""

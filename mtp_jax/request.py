@@ -181,8 +181,12 @@ def split_settings(
             (caps[i],), _ = per_row("num_speculative_tokens", cap, 1, int)
             check_value("num_speculative_tokens", caps[i], f" (row {i})" if n > 1 else "")
         k = max(caps)
+        tree = speculative.speculative_tree
         speculative = dataclasses.replace(
-            speculative, num_speculative_tokens=k or None, draft=speculative.draft if k else None
+            speculative,
+            num_speculative_tokens=k if k and tree is None else None,  # a tree's caps are depths
+            draft=speculative.draft if k else None,
+            speculative_tree=tree if k else None,
         )
     return requests, speculative
 
@@ -375,13 +379,15 @@ def check_request(
     for name, kind in _NUMBERS.items():
         value = getattr(params, name)
         if name == "num_speculative_tokens" and value is None:
-            value = sc.k
+            value = sc.k if sc.tree is None else sc.tree.max_depth
         (value,), _ = per_row(name, value, 1, kind)
         check_value(name, value)
         values[name] = value
-    if values["num_speculative_tokens"] > sc.k:
+    most = sc.k if sc.tree is None else sc.tree.max_depth
+    if values["num_speculative_tokens"] > most:
+        kind = "the engine's K" if sc.tree is None else "the token tree's depth"
         raise InvalidRequestError(
-            f"num_speculative_tokens must be an integer in [0, {sc.k}] (the engine's K), "
+            f"num_speculative_tokens must be an integer in [0, {most}] ({kind}), "
             f"got {params.num_speculative_tokens!r}"
         )
     if params.grammar is not None and sc.tree is not None:

@@ -4,14 +4,21 @@ chi-square, with children drawn from a different draft without replacement or fi
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mtp_jax
+from mtp_jax.cache import slots_for
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.sampling import RowSampling, accept_argmax_drafts
-from mtp_jax.tree import TokenTree, accept_tree
+from mtp_jax.step import forward_paged
+from mtp_jax.targets import target_for
+from mtp_jax.tree import TokenTree, accept_tree, commit_path, node_mask, node_positions
+from tests.conftest import EMBEDDED_MODEL, REPO
 from tests.test_acceptance import assert_distribution, assert_rate, chi2_critical, pearson
 
 
@@ -176,3 +183,123 @@ def _root_acceptance(p: np.ndarray, q: np.ndarray, children: str) -> float:
             if c2 != c1:
                 total += q[c1] * q2[c2] * two(c1, c2, q, q2)
     return total
+
+
+# --- the tree inside the step --------------------------------------------------------------------
+
+LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+
+
+@pytest.fixture(scope="module", params=["deepseek", "llama"])
+def target_model(request):
+    return mtp_jax.load(EMBEDDED_MODEL if request.param == "deepseek" else LLAMA, "float32", page_size=4)
+
+
+def test_tree_attention_and_the_kv_shift(target_model):
+    """Every node of a tree verified at once over a paged cache has the logits of the model's own
+    teacher-forced forward over the prompt and that node's path (DeepSeek: expanded attention
+    there, absorbed paged attention here); after the KV shift of a path, the cache up to its end
+    holds what decoding that path plainly writes."""
+    model = target_model
+    cfg, params, page = model.config, model.params, model.page_size
+    tree = TokenTree.build(3, 2, 9)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, cfg.vocab_size, 11).tolist()
+    nodes = rng.integers(1, cfg.vocab_size, tree.size).tolist()
+    nodes[0] = int(rng.integers(1, cfg.vocab_size))  # the root: the committed, uncached token
+    table = jnp.asarray([[5, 2, 7, 0, 3, 6, 1, 4]], jnp.int32)  # pages out of order
+    target = target_for(cfg)
+
+    def fresh():
+        return target.init_cache(cfg, 8, page, jnp.float32)
+
+    def write(pages, tokens, start, tree_mask=None, rope=None):
+        t = len(tokens)
+        positions = jnp.asarray([start + np.arange(t)], jnp.int32) if rope is None else rope
+        valid = jnp.ones((1, t), bool)
+        _, logits, pages = forward_paged(
+            params,
+            pages,
+            cfg,
+            page,
+            jnp.asarray([tokens], jnp.int32),
+            positions,
+            valid,
+            table,
+            tree=tree_mask,
+        )
+        return logits[0], pages
+
+    _, pages = write(fresh(), prompt, 0)
+    seq = jnp.asarray([len(prompt)], jnp.int32)
+    got, pages = write(pages, nodes, 0, node_mask(tree, seq), node_positions(tree, seq))
+    for n in range(tree.size):
+        path = [n]
+        while tree.parent[path[-1]] >= 0:
+            path.append(tree.parent[path[-1]])
+        tokens = prompt + [nodes[i] for i in reversed(path)]
+        want = model.logits([tokens])[0, -1]
+        np.testing.assert_allclose(np.asarray(got[n]), want, atol=2e-4, rtol=2e-4, err_msg=f"node {n}")
+    # the KV shift of the path to the deepest node (every step moves) and of a path that ends early
+    for end, accepted in ((tree.size - 1, 3), (2, 1)):
+        chain = [end]
+        while tree.parent[chain[-1]] > 0:
+            chain.append(tree.parent[chain[-1]])
+        chain = [0, *reversed(chain)][: accepted + 1]
+        path = jnp.asarray([chain + [-1] * (tree.max_depth + 1 - len(chain))], jnp.int32)
+        shifted = commit_path(pages, table, seq, path, jnp.asarray([accepted]), jnp.asarray([True]), page)
+        _, plain = write(write(fresh(), prompt, 0)[1], [nodes[i] for i in chain], len(prompt))
+        slots = np.asarray(slots_for(table, jnp.arange(len(prompt) + accepted + 1)[None], True, page))[0]
+        for name in plain:
+            a, b = np.asarray(shifted[name]), np.asarray(plain[name])
+            a = a.reshape(a.shape[0], -1, *a.shape[3:])[:, slots]
+            b = b.reshape(b.shape[0], -1, *b.shape[3:])[:, slots]
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=f"{name}, path {chain}")
+
+
+def _tree_model(which: str):
+    if which == "mtp":
+        return mtp_jax.load(EMBEDDED_MODEL, "float32", page_size=4), "mtp"
+    draft = {"eagle3": "-eagle3", "draft_model": "-draft"}[which]
+    return mtp_jax.load(LLAMA, "float32", page_size=4, draft_model=LLAMA + draft), which
+
+
+SHAPES = {  # two shapes for MTP, one each for the others
+    "mtp": ({"depth": 3, "topk": 2, "nodes": 7}, {"depth": 3, "topk": 3}),
+    "eagle3": ({"depth": 3, "topk": 3},),
+    "draft_model": ({"depth": 3, "topk": 2, "nodes": 7},),
+}
+
+
+@pytest.mark.parametrize("which", ["mtp", "eagle3", "draft_model"])
+def test_greedy_trees_are_lossless_and_a_row_stays_itself(which):
+    """Every chained draft with trees: greedy rows emit exactly plain decoding's tokens (a sampled
+    row beside them changes nothing); a sampled row emits the same tokens in another slot beside
+    other requests; a tree of one child per node is its chain, step for step; a request's
+    num_speculative_tokens caps the depth it accepts."""
+    model, draft = _tree_model(which)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, model.config.vocab_size, n).tolist() for n in (5, 9, 14)]
+    kw = dict(max_new_tokens=20, ignore_eos=True, draft=draft)
+    plain = model.generate(prompts, max_new_tokens=20, ignore_eos=True).tokens
+    chain = model.generate(prompts, num_speculative_tokens=3, **kw)
+    as_tree = model.generate(prompts, speculative_tree={"depth": 3, "topk": 1}, **kw)
+    assert as_tree.tokens == plain
+    for stat in ("steps", "num_accepted_tokens_per_pos"):
+        assert as_tree.stats[stat] == chain.stats[stat], stat
+    for shape in SHAPES[which]:
+        tree = model.generate(prompts, speculative_tree=shape, **kw)
+        assert tree.tokens == plain, shape
+        mixed = model.generate(
+            prompts, speculative_tree=shape, temperature=[0.0, 0.9, 0.0], seed=[0, 5, 0], **kw
+        )
+        assert mixed.tokens[0] == plain[0] and mixed.tokens[2] == plain[2]
+        moved = [prompts[2][:3], prompts[0], prompts[1]]  # the sampled row in slot 2, others new
+        elsewhere = model.generate(
+            moved, speculative_tree=shape, temperature=[0.0, 0.7, 0.9], seed=[0, 9, 5], **kw
+        )
+        assert elsewhere.tokens[2] == mixed.tokens[1]
+    capped = model.generate(
+        prompts, speculative_tree=SHAPES[which][0], num_speculative_tokens=[1, 1, 1], **kw
+    )
+    assert capped.tokens == plain and capped.stats["num_accepted_tokens_per_pos"][1] == 0
