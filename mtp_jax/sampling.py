@@ -370,7 +370,8 @@ def accept_siblings(
     Candidate i is accepted with probability min(1, r(c_i) / q_i(c_i)), r the residual, first p;
     on rejection r becomes normalize(max(r - q_i, 0)); if every candidate is rejected the token is
     drawn from the last residual. The token then follows p exactly, whatever q is. ``given``
-    [R, m]: candidates that exist (others are skipped). ``keys`` [R]: typed PRNG keys, one per row.
+    [R, m]: candidates that exist (others are skipped, as is one its law gives no mass: a draw
+    without replacement from a distribution with fewer tokens than candidates). ``keys`` [R]: typed PRNG keys, one per row.
     Returns (index of the accepted candidate, -1 for none [R]; the token [R])."""
     r_rows, m = candidates.shape
     given = jnp.ones((r_rows, m), bool) if given is None else given
@@ -382,7 +383,7 @@ def accept_siblings(
         r_c = jnp.take_along_axis(residual, c[:, None], axis=-1)[:, 0]
         q_c = jnp.take_along_axis(q_i, c[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(split[:, i])
-        open_ = (chosen < 0) & given[:, i]
+        open_ = (chosen < 0) & given[:, i] & (q_c > 0)  # a token its law cannot draw is no candidate
         chosen = jnp.where(open_ & (u * q_c <= r_c), i, chosen)
         rest = jnp.maximum(residual - q_i, 0.0)
         mass = rest.sum(-1, keepdims=True)

@@ -765,6 +765,49 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     assert_distribution(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0).ravel(), "tokens 2 and 3")
 
 
+TREE_CASES = [
+    # (draft, draft_sampling, parameters): trees of depth 2, the root's two likeliest (or two drawn)
+    # children and the first one's two: multi-draft acceptance among siblings at every node
+    ("mtp", "argmax", "t1"),
+    ("mtp", "sampled", "truncated"),
+    ("eagle3", "sampled", "truncated"),
+    ("draft_model", "argmax", "truncated"),
+]
+TREE = {"depth": 2, "topk": 2, "nodes": 4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("draft", "draft_sampling", "which"), TREE_CASES, ids=["-".join(c) for c in TREE_CASES]
+)
+def test_token_trees_keep_the_first_three_tokens_exact(request, draft, draft_sampling, which):
+    """As :func:`test_generate_first_three_tokens_follow_the_target`, with a token tree verified
+    each step: fixed top-2 children (argmax) or two children drawn without replacement (sampled),
+    accepted by recursive rejection among siblings; the joint law of the first three tokens is the
+    target's, exactly."""
+    model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
+    params = E2E_PARAMS[which]
+    result = model.generate(
+        [PROMPT] * N_SEEDS,
+        max_new_tokens=3,
+        seed=list(range(N_SEEDS)),
+        draft=draft,
+        speculative_tree=TREE,
+        draft_sampling=draft_sampling,
+        ignore_eos=True,
+        max_batch=N_SEEDS,
+        **params,
+    )
+    at_least = result.stats["acceptance_rate_per_position"]
+    low = 0.05 if draft == "mtp" else 0.01  # random drafts are accepted less
+    assert low < at_least[1] < at_least[0] < 0.995, at_least  # not vacuous
+    tokens = np.asarray(result.tokens)
+    joint = exact_first_three(model, PROMPT, params)
+    cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
+    assert_distribution(cells, joint.ravel(), f"first three tokens, tree, {draft_sampling} drafts, {params}")
+    assert_distribution(tokens[:, 0], joint.sum((1, 2)), "first token")
+
+
 MIXED_PROMPTS = [
     [0, 6, 4],
     [0, 2, 7, 7, 3, 5, 1, 6, 2],
@@ -874,3 +917,19 @@ def test_sibling_candidates_give_the_target_law_exactly(mode, m):
     if mode == "fixed":
         dead = int(np.flatnonzero(np.asarray(candidates[0]) == v - 1)[0])
         assert not np.any(chosen == dead)
+
+
+def test_a_candidate_its_law_cannot_draw_is_skipped():
+    """Two children drawn without replacement from a draft distribution with one token in its
+    support: the second is a placeholder (its law is all zeros) and is never accepted, whatever
+    the target's residual holds, so nothing outside the target's support is emitted."""
+    rows = 4000
+    p = jnp.tile(jnp.asarray([[0.6, 0.4, 0.0]]), (rows, 1))
+    q = jnp.tile(jnp.asarray([[0.0, 1.0, 0.0]]), (rows, 1))
+    candidates = jnp.tile(jnp.asarray([[1, 2]], jnp.int32), (rows, 1))
+    laws = sampling.without_replacement(q, candidates)
+    keys = jax.random.split(jax.random.key(0), rows)
+    chosen, token = sampling.accept_siblings(p, candidates, laws, keys)
+    chosen, token = np.asarray(chosen), np.asarray(token)
+    assert (chosen != 1).all() and (token != 2).all()
+    assert_distribution(token, np.asarray([0.6, 0.4, 0.0]), "a lone draft token among two children")
