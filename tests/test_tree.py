@@ -5,6 +5,7 @@ chi-square, with children drawn from a different draft without replacement or fi
 from __future__ import annotations
 
 import os
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -303,3 +304,43 @@ def test_greedy_trees_are_lossless_and_a_row_stays_itself(which):
         prompts, speculative_tree=SHAPES[which][0], num_speculative_tokens=[1, 1, 1], **kw
     )
     assert capped.tokens == plain and capped.stats["num_accepted_tokens_per_pos"][1] == 0
+
+
+MESH_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax
+    assert len(jax.devices()) == 8
+    import mtp_jax
+
+    deepseek, llama = sys.argv[1], sys.argv[2]
+    prompts = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [10], [8, 8, 8, 8, 8, 8, 8]]
+    tree = {"depth": 3, "topk": 2, "nodes": 7}
+    spec = dict(max_new_tokens=10, ignore_eos=True, speculative_tree=tree)
+    for target, extra, draft, meshes in [
+        (deepseek, {}, "mtp", [dict(data=2, expert=4), dict(data=8)]),
+        (llama, {"draft_model": llama + "-eagle3"}, "eagle3", [dict(data=4, tensor=2), dict(data=8)]),
+    ]:
+        one = mtp_jax.load(target, "float32", page_size=4, **extra)
+        runs = {
+            "argmax": dict(spec, draft=draft),
+            "sampled": dict(spec, draft=draft, draft_sampling="sampled", temperature=0.9, seed=[1, 2, 3, 4]),
+        }
+        want = {how: one.generate(prompts, **kw).tokens for how, kw in runs.items()}
+        for axes in meshes:
+            model = mtp_jax.load(target, "float32", page_size=4, mesh=mtp_jax.make_mesh(**axes), **extra)
+            for how, kw in runs.items():
+                got = model.generate(prompts, **kw).tokens
+                assert got == want[how], (draft, axes, how, got, want[how])
+    print("TREE-MESH-OK")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.child(MESH_CHILD, EMBEDDED_MODEL, LLAMA)
+def test_trees_on_meshes_match_one_device(child_output):
+    """DeepSeek-V3 with MTP trees expert- and data-parallel, Llama with EAGLE-3 trees tensor- and
+    data-parallel: the tokens of one device, greedy and sampled (the KV shift on sharded pages)."""
+    assert "TREE-MESH-OK" in child_output
