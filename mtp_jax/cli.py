@@ -127,6 +127,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="drafts per step (default 3 when drafting)",
     )
     g.add_argument(
+        "--speculative-tree",
+        type=_tree_arg,
+        default=None,
+        metavar="DEPTH,TOPK[,NODES]",
+        help="verify a token tree each step instead of a chain of -k drafts: each node's TOPK likeliest "
+        "continuations up to DEPTH, the NODES likeliest drafts (default: all); mtp, eagle3, draft_model",
+    )
+    g.add_argument(
         "--draft-block-size",
         type=int,
         default=None,
@@ -202,6 +210,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     sv.add_argument("--draft-sampling", choices=["argmax", "sampled"], default="argmax")
+    sv.add_argument(
+        "--speculative-tree",
+        type=_tree_arg,
+        default=None,
+        metavar="DEPTH,TOPK[,NODES]",
+        help="verify a token tree each step instead of a chain (see generate --help)",
+    )
     sv.add_argument("--grammar-masks", choices=["host", "callback"], default="host")
 
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of a text")
@@ -379,6 +394,7 @@ def _generate(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=args.draft_sampling,
         draft_block_size=args.draft_block_size,
+        speculative_tree=args.speculative_tree,
         auto_k=args.auto_k,
         relaxed_topk=args.relaxed_topk,
         relaxed_delta=args.relaxed_delta,
@@ -558,6 +574,14 @@ def _lora_modules(specs: Sequence[str]) -> dict[str, str] | None:
     return out or None
 
 
+def _tree_arg(text: str) -> dict:
+    """``--speculative-tree DEPTH,TOPK[,NODES]`` as the ``speculative_tree`` setting."""
+    parts = text.split(",")
+    if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected DEPTH,TOPK or DEPTH,TOPK,NODES (integers), got {text!r}")
+    return dict(zip(("depth", "topk", "nodes"), (int(p) for p in parts), strict=False))
+
+
 def _adapter_name(path: str) -> str:
     """The name a LoRA adapter directory given on the command line goes by (its directory's name)."""
     return os.path.basename(os.path.normpath(path))
@@ -574,6 +598,7 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         draft=draft,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=getattr(args, "draft_sampling", "argmax"),
+        speculative_tree=getattr(args, "speculative_tree", None),
         max_queue=args.max_queue,
         grammar_masks=getattr(args, "grammar_masks", "host"),
         prefix_caching=getattr(args, "enable_prefix_caching", True),

@@ -72,7 +72,7 @@ class SpecCounters:
     """Speculation counters of a request or of a whole run, named as serving engines export them:
     steps (verification steps), num_drafts (steps that verified at least one draft),
     num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos[j] (steps that accepted
-    draft j, 0-based)."""
+    draft j, 0-based: with a token tree, a node of depth j + 1)."""
 
     def __init__(self, k: int) -> None:
         self.steps = self.emitted = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -233,13 +233,19 @@ class Scheduler:
         self.pages_of: dict[int, list[int]] = {}
         self.proposed = np.zeros(slots, np.int64)  # drafts standing for each slot (the state's num_drafts)
         self.pending = None
-        self.counters = SpecCounters(sc.k)
+        self.counters = SpecCounters(self.depth)
         self.counts = {"steps": 0, "prefills": 0, "prefill_chunks": 0}
         self.first_step_seconds = 0.0
         self.first_admitted: float | None = None  # when the first admission's prefill returned
         self._next_id = 0
 
     # -- requests ----------------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        """How many drafts a step can accept: K, or a token tree's depth (acceptance by position is
+        acceptance by depth)."""
+        return self.sc.k if self.sc.tree is None else self.sc.tree.max_depth
 
     def row_k(self, req: Request) -> int:
         """The drafts a request verifies per step: its own cap, at most the scheduler's K (with a
@@ -259,7 +265,7 @@ class Scheduler:
         if req.id < 0:
             req.id = self._next_id
         self._next_id = max(self._next_id, req.id + 1)
-        req.counters = SpecCounters(self.sc.k)
+        req.counters = SpecCounters(self.depth)
         req.sampling = jax.tree.map(np.asarray, req.sampling)
         self.queue.append(req)
         return req

@@ -371,7 +371,8 @@ def accept_siblings(
     on rejection r becomes normalize(max(r - q_i, 0)); if every candidate is rejected the token is
     drawn from the last residual. The token then follows p exactly, whatever q is. ``given``
     [R, m]: candidates that exist (others are skipped, as is one its law gives no mass: a draw
-    without replacement from a distribution with fewer tokens than candidates). ``keys`` [R]: typed PRNG keys, one per row.
+    without replacement from a distribution with fewer tokens than candidates). ``keys`` [R]:
+    typed PRNG keys, one per row.
     Returns (index of the accepted candidate, -1 for none [R]; the token [R])."""
     r_rows, m = candidates.shape
     given = jnp.ones((r_rows, m), bool) if given is None else given

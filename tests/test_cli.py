@@ -112,6 +112,12 @@ def test_generate_draft_choices(capsys, embedded, tmp_path):
     rc, out, err = run(capsys, *base, "--auto-k", table, "--relaxed-topk", "3", "--think-tokens", "5", "6")
     assert rc == 0 and out == want, err
     check_stats(err, 8, k=1)
+    # a token tree: plain decoding's text, acceptance by depth (3 of them)
+    rc, out, err = run(capsys, *base, "--speculative-tree", "3,2,6")
+    assert rc == 0 and out == want, err
+    check_stats(err, 8, k=3)
+    rc, _, err = run(capsys, *base, "--speculative-tree", "3,two")
+    assert rc == 2 and "DEPTH,TOPK" in err
 
 
 def test_generate_sampling_flags_reproducible(capsys, embedded):
@@ -213,6 +219,11 @@ ERRORS = [
     (["generate", "--prompt", "x", "--seed", "-1"], ["seed"]),
     (["generate", "--prompt", "x", "--relaxed-topk", "2"], ["no <think> and </think>", "think_tokens"]),
     (["generate", "--prompt", "x", "--auto-k", "no-such.json"], ["no-such.json does not exist"]),
+    (["generate", "--prompt", "x", "--speculative-tree", "2,2,9"], ["between 2 and 6", "nodes=9"]),
+    (
+        ["generate", "--prompt", "x", "--draft", "ngram", "--speculative-tree", "2,2"],
+        ["proposes token trees"],
+    ),
     (["generate", "--prompt", "x", "--regex", "("], ["grammar of prompt 0 is invalid"]),
     (["generate", "--prompt", "x", "--json-schema", "no-such.json"], ["--json-schema", "cannot read"]),
     (["generate", "--prompt", "x", "--lark", "no-such.lark"], ["--lark", "cannot read"]),

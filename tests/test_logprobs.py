@@ -67,6 +67,18 @@ def test_logprobs_are_the_raw_distribution_with_and_without_mtp(oracle_model):
     assert oracle_model.generate(PROMPTS, max_new_tokens=4).logprobs is None  # none asked: none computed
 
 
+def test_token_trees_give_the_raw_logprobs_along_the_accepted_path(oracle_model):
+    """With a token tree each emitted token's log-probabilities are the target's raw ones at its
+    position: read at the accepted path's nodes (a greedy row's tokens are plain decoding's)."""
+    kw = dict(max_new_tokens=12, ignore_eos=True, logprobs=3, temperature=[0.0, 0.8], seed=5)
+    tree = oracle_model.generate(
+        PROMPTS, draft="mtp", speculative_tree={"depth": 3, "topk": 2, "nodes": 6}, **kw
+    )
+    assert tree.tokens[0] == oracle_model.generate(PROMPTS[:1], max_new_tokens=12, ignore_eos=True).tokens[0]
+    assert tree.stats["acceptance_length"] > 1.5
+    check_against_logits(oracle_model, PROMPTS, tree.tokens, tree.logprobs, 3)
+
+
 def test_llama_drafts_give_plain_decodings_logprobs():
     """EAGLE-3, DFlash and the draft model on the embedded tiny Llama, K = 3: each emitted token's
     log-probability and alternatives equal plain decoding's."""

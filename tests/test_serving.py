@@ -166,6 +166,44 @@ def test_grammar_requests(model, engine):
         engine.submit(PROMPTS[0], grammar={"regex": "("})
 
 
+def test_an_engine_of_token_trees(model):
+    """An engine verifying a token tree each step: its warm-up compiles the tree's step and plain
+    decoding's (nothing compiles after it); greedy requests give plain decoding's tokens, capped
+    ones too (a cap is a depth: acceptance by depth stops there), one that does not speculate
+    too; acceptance statistics come by depth; what trees do not take yet is refused by name."""
+    from mtp_jax.step import prefill, step
+
+    tree = {"depth": 3, "topk": 2, "nodes": 6}
+    plain = [model.generate([p], max_new_tokens=12).tokens[0] for p in PROMPTS[:3]]
+    with mtp_jax.Engine(model, slots=2, max_len=48, draft="mtp", speculative_tree=tree) as engine:
+        engine.warmup()
+        programs = [f._cache_size() for f in (prefill, step)]
+        handles = [
+            engine.submit(p, max_new_tokens=12, num_speculative_tokens=cap)
+            for p, cap in zip(PROMPTS[:3], (None, 1, 0), strict=True)
+        ]
+        results = [h.result(timeout=120) for h in handles]
+        assert [r.tokens for r in results] == plain
+        per_depth = [r.stats["num_accepted_tokens_per_pos"] for r in results]
+        assert len(per_depth[0]) == 3 and per_depth[0][0] > 0
+        assert per_depth[1][1:] == [0, 0] and sum(per_depth[2]) == 0
+        _wait_idle(engine)
+        assert [f._cache_size() for f in (prefill, step)] == programs
+        with pytest.raises(mtp_jax.InvalidRequestError, match="the token tree's depth"):
+            engine.submit(PROMPTS[0], num_speculative_tokens=4)
+        with pytest.raises(mtp_jax.InvalidRequestError, match="not available with speculative_tree"):
+            engine.submit(PROMPTS[0], grammar={"regex": "a+"})
+    for bad, words in (
+        ({"depth": 2}, "speculative_tree must be"),
+        ({"depth": 4, "topk": 4}, "at most 63 draft nodes"),
+        ({"depth": 2, "topk": 2, "nodes": 9}, "got nodes=9"),
+    ):
+        with pytest.raises(mtp_jax.InvalidRequestError, match=words):
+            mtp_jax.Engine(model, slots=2, max_len=48, draft="mtp", speculative_tree=bad)
+    with pytest.raises(mtp_jax.InvalidRequestError, match="proposes token trees"):
+        mtp_jax.Engine(model, slots=2, max_len=48, draft="ngram", speculative_tree=tree)
+
+
 def test_warmup_compiles_every_program_requests_need(model):
     """A background warm-up serves a request that arrives in its middle, then finishes while
     idle; after it no request compiles anything: prompts of every length bucket, one and two at

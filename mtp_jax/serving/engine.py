@@ -74,6 +74,7 @@ class Engine:
         draft_sampling: str | None = None,
         draft_block_size: int | None = None,
         think_tokens: tuple[int, int] | None = None,
+        speculative_tree: dict | None = None,
         max_queue: int = 256,
         grammar_masks: str = "host",
         row_buckets: bool = True,
@@ -114,6 +115,7 @@ class Engine:
             "draft_sampling": draft_sampling,
             "draft_block_size": draft_block_size,
             "think_tokens": think_tokens,
+            "speculative_tree": speculative_tree,
         }
         speculative = speculative_config(speculative, **{k: v for k, v in given.items() if v is not None})
         if speculative.auto_k is not None:
@@ -153,7 +155,8 @@ class Engine:
         self._closed = False
         self._failure: BaseException | None = None
         self._fresh: set[RequestHandle] = set()  # handles with tokens their consumers have not seen
-        self.warming = Warmup(self.scheduler, max_len - 1, range(sc.k + 1))
+        ks = range(sc.k + 1) if sc.tree is None else (0, sc.k)  # a tree is verified whole or not at all
+        self.warming = Warmup(self.scheduler, max_len - 1, ks)
         self.replay = Replay()
         self.replay.watch(self)
         self.leader = self.replay.leader
