@@ -116,8 +116,9 @@ def test_generate_draft_choices(capsys, embedded, tmp_path):
     rc, out, err = run(capsys, *base, "--speculative-tree", "3,2,6")
     assert rc == 0 and out == want, err
     check_stats(err, 8, k=3)
-    rc, _, err = run(capsys, *base, "--speculative-tree", "3,two")
-    assert rc == 2 and "DEPTH,TOPK" in err
+    with pytest.raises(SystemExit) as exit_:  # argparse's own refusal
+        run(capsys, *base, "--speculative-tree", "3,two")
+    assert exit_.value.code == 2 and "DEPTH,TOPK" in capsys.readouterr().err
 
 
 def test_generate_sampling_flags_reproducible(capsys, embedded):
