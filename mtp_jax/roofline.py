@@ -272,6 +272,7 @@ def time_step(
     memory: dict | None = None,
     lora_slots: Any = None,
     logprobs: bool = False,
+    tree: Any = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
@@ -280,11 +281,14 @@ def time_step(
     filled with the compiled step's memory analysis (bytes of temporaries, arguments, outputs), read
     before the first call, so it is there even when running the step runs out of memory.
     ``lora_slots`` [batch]: the rows' LoRA adapter slots (params holding adapters). ``logprobs``: the
-    step's program that also returns log-probabilities (what runs while a request asks)."""
+    step's program that also returns log-probabilities (what runs while a request asks). ``tree``:
+    verify that :class:`mtp_jax.tree.TokenTree` instead (``k`` must be its draft nodes)."""
     from mtp_jax.step import StepConfig, init_state, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
-    sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None, logprobs=logprobs)
+    sc = StepConfig(
+        cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None, logprobs=logprobs, tree=tree
+    )
     width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
     state = init_state(sc, batch, batch * width, width, dtype)
     rng = np.random.default_rng(0)

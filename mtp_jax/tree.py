@@ -134,8 +134,13 @@ def accept_tree(
     D = tree.max_depth."""
     b, n, v = target_logits.shape
     kids = jnp.asarray(tree.children())  # [N, c]
-    logp = processed_logprobs(target_logits.reshape(b * n, v), repeat_rows(params, n)).reshape(b, n, v)
-    p = jnp.exp(logp)
+
+    def processed() -> jax.Array:
+        flat = processed_logprobs(target_logits.reshape(b * n, v), repeat_rows(params, n))
+        return jnp.exp(flat).reshape(b, n, v)
+
+    # an all-greedy batch skips the vocabulary sorts of the processed distributions
+    p = jax.lax.cond(jnp.any(params.temperature > 0), processed, lambda: jnp.zeros((b, n, v), jnp.float32))
     greedy_pick = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
     stochastic = params.temperature > 0
     rows = jnp.arange(b)

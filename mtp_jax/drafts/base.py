@@ -297,13 +297,25 @@ def tree_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.Ar
     return drafts, qs, cache
 
 
+def likeliest(scores: jax.Array, m: int) -> jax.Array:
+    """The indices [..., m] of the m largest of ``scores`` [..., V], largest first: m argmaxes, each
+    after masking the ones before (a few passes over the vocabulary instead of a sort of it, which
+    is what ``lax.top_k`` becomes on a CPU)."""
+    picks = []
+    for _ in range(m):
+        pick = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+        picks.append(pick)
+        scores = jnp.where(jax.nn.one_hot(pick, scores.shape[-1], dtype=bool), -jnp.inf, scores)
+    return jnp.stack(picks, axis=-1)
+
+
 def _children(logits: jax.Array, width: int, sampled: bool, sampling: RowSampling, position, parents: list):
     """Each of f nodes' ``width`` children from the draft's logits there [b, f, V]: (tokens
     [b, f, width], q [b, f, V] or None). The likeliest tokens; in sampled mode, for rows that sample
     (temperature > 0), tokens drawn without replacement from the processed distribution q (Gumbel
     top-k; the draft's stream at ``position`` [b], folded with the parent node's index)."""
     b, f, v = logits.shape
-    top = jax.lax.top_k(logits, width)[1].astype(jnp.int32)
+    top = likeliest(logits, width)
     if not sampled:
         return top, None
     per = repeat_rows(sampling, f)
@@ -313,7 +325,7 @@ def _children(logits: jax.Array, width: int, sampled: bool, sampling: RowSamplin
     keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.asarray(parents, jnp.uint32), b))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
     scores = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + gumbel, -jnp.inf)
-    drawn = jax.lax.top_k(scores, width)[1].astype(jnp.int32).reshape(b, f, width)
+    drawn = likeliest(scores, width).reshape(b, f, width)
     drawn = jnp.where(sampling.temperature[:, None, None] > 0, drawn, top)
     return drawn, q.reshape(b, f, v)
 
