@@ -208,6 +208,8 @@ class Scheduler:
         self.grammar_key = jnp.int32(constraints.key) if self.callback else None
         if self.callback and (not fused or jax.process_count() > 1):
             raise ValueError('grammar_masks="callback" runs in the fused step of a single-process run')
+        if self.callback and sc.tree is not None:
+            raise ValueError('the grammar masks of a token tree come from the host: grammar_masks="host"')
         self.shards = row_shards(sc.mesh)  # rows and their pages split over this many devices
         if slots % self.shards:
             raise ValueError(f"{slots} slots do not split over {self.shards} row devices")
@@ -358,6 +360,8 @@ class Scheduler:
             return None
         drafts = np.asarray(self.state.drafts[:, :k])
         rows = [(req.id, b * (k + 1), drafts[b]) for b, req in enumerate(running) if self._constrained(req)]
+        if k and self.sc.tree is not None:  # every node's, along its path
+            return self.constraints.tree_masks(rows, self.sc.tree, (self.slots, k + 1))
         return self.constraints.masks(rows, (self.slots, k + 1))
 
     def _release(self, rows: list[int]) -> None:

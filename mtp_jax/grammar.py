@@ -188,6 +188,24 @@ class Constraints:
         self.seconds += time.perf_counter() - t0
         return out.reshape(*shape, self.words)
 
+    def tree_masks(
+        self, rows: Sequence[tuple[int, int, Sequence[int]]], tree, shape: tuple[int, ...]
+    ) -> np.ndarray:
+        """Bitmasks [*shape, words] for rows (request, flat index of a token tree's root, the
+        tree's draft tokens [N-1]) of a :class:`mtp_jax.tree.TokenTree`: node n's row after the
+        committed text and the tokens of n's path below the root (each leaf's path at once)."""
+        t0 = time.perf_counter()
+        out = np.full((int(np.prod(shape)), self.words), -1, np.int32)
+        paths = [np.asarray(p) for p in tree.paths()]
+        for req, index, drafts in rows:
+            tokens = np.concatenate([[0], np.asarray(drafts)])  # node 0's own token is committed
+            for path in paths:
+                along = np.full((len(path), self.words), -1, np.int32)
+                self._fill_rows([(self.matchers[req], 0, tokens[path[1:]])], along)
+                out[index + path] = along
+        self.seconds += time.perf_counter() - t0
+        return out.reshape(*shape, self.words)
+
     def _fill_rows(self, rows: Sequence[tuple[Any, int, Sequence[int]]], out: np.ndarray) -> None:
         along, alone = [], []
         for m, index, drafts in rows:

@@ -520,10 +520,11 @@ def _commit_and_draft(
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
 
 
-def _tree_verified(params: dict, state: DecodeState, sc: StepConfig):
+def _tree_verified(params: dict, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None):
     """The step with a token tree (``sc.tree``): the target over every node under tree attention
     (node n at cache position seq_len + n, rotary position seq_len + its depth), the accepted path's
-    walk (:func:`mtp_jax.tree.accept_tree`, at most each row's num_drafts deep), the KV shift of
+    walk (:func:`mtp_jax.tree.accept_tree`, at most each row's num_drafts deep; with ``bitmask``
+    [B, N, words] over the grammar-masked distributions at each node), the KV shift of
     that path to consecutive positions (:func:`mtp_jax.tree.commit_path`), then the draft consumes
     the path's rows and proposes the next tree. Returns (emitted [B, D+1], n_emit, state, the
     logits along the path [B, D+1, V])."""
@@ -545,7 +546,8 @@ def _tree_verified(params: dict, state: DecodeState, sc: StepConfig):
     q = None
     if sc.sampled:  # the law at nodes 0..N-2 (the last node, the deepest, has no children)
         q = jnp.concatenate([state.draft_q, jnp.zeros_like(state.draft_q[:, :1])], axis=1)
-    path, emitted, n_acc = accept_tree(logits, tokens, tree, state.sampling, seq + 1, q, state.num_drafts)
+    judged = logits if bitmask is None else mask_logits(logits, bitmask)
+    path, emitted, n_acc = accept_tree(judged, tokens, tree, state.sampling, seq + 1, q, state.num_drafts)
     target_pages = commit_path(target_pages, state.page_table, seq, path, n_acc, state.active, sc.page_size)
     hidden = Hidden(
         *(None if x is None else along_path(x, path, axis=x.ndim - 2) for x in hidden[:3]), *hidden[3:]
@@ -609,6 +611,8 @@ def step(
         bitmask = None if bitmask is None else bitmask[:rows]
         grammar_rows = None if grammar_rows is None else grammar_rows[:rows]
     if grammar_rows is not None:
+        if sc.tree is not None:
+            raise ValueError("a token tree's grammar masks come from the host (grammar_masks='host')")
         drafts = state.drafts[:, : sc.k]
         if grammar_key is None:
             raise ValueError("grammar_rows needs grammar_key: whose constraints compute the masks")
@@ -616,12 +620,9 @@ def step(
             grammar_key, grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size
         )
 
-    if sc.tree is not None and bitmask is not None:
-        raise ValueError("grammar constraints are not available with token trees yet")
-
     def verified(k: int, state: DecodeState):
         if sc.tree is not None:
-            emitted, n_emit, state, logits = _tree_verified(params, state, sc)
+            emitted, n_emit, state, logits = _tree_verified(params, state, sc, bitmask)
         else:
             hidden, logits, target_pages = _verify(params, state, sc, k)
             emitted, n_acc = _accept(logits, state, sc, None if bitmask is None else bitmask[:, : k + 1], k)

@@ -1,4 +1,4 @@
-"""Token trees (issue 35, in progress): a static tree of drafts and the walk that accepts a path.
+"""Token trees: a static tree of drafts, the walk that accepts a path, and the KV shift after it.
 
 A chain of K drafts stops at the first wrong guess; a tree proposes several candidates per depth
 and the target verifies every node at once, each node attending to the committed context and its
@@ -7,8 +7,10 @@ depth, a branching (each node's ``topk`` most likely children) and a node budget
 likely to be accepted first. :func:`accept_tree` walks it with the target's distributions at every
 node: greedily (the child that is the target's argmax) or by multi-draft speculative sampling
 among each node's children (:func:`mtp_jax.sampling.accept_siblings`), so that the emitted tokens
-follow the target's law exactly. Not yet wired into the step: the tree attention mask, the drafts'
-expansion and the KV shift of the accepted path come next.
+follow the target's law exactly. :func:`node_mask` and :func:`node_positions` place the nodes for
+the target's tree attention; :func:`commit_path` moves the accepted path's cache entries to
+consecutive positions. The step's use of them: :func:`mtp_jax.step.step` with
+``StepConfig.tree``; docs/architecture.md, "Token trees".
 """
 
 from __future__ import annotations
@@ -92,6 +94,19 @@ class TokenTree:
         for n, k in enumerate(kids):
             ordered = sorted(k, key=lambda c: self.rank[c])
             out[n, : len(ordered)] = ordered
+        return out
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Each leaf's path from the root (node ids, the root first), leaves in node order."""
+        kids = self.children()
+        out = []
+        for leaf in range(self.size):
+            if kids[leaf, 0] >= 0:
+                continue
+            path = [leaf]
+            while self.parent[path[-1]] >= 0:
+                path.append(self.parent[path[-1]])
+            out.append(tuple(reversed(path)))
         return out
 
     def ancestors(self) -> np.ndarray:

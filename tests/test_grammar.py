@@ -96,23 +96,23 @@ def _check_schema(text: str) -> None:
     assert obj["kind"] in ("list", "dict", "set") and isinstance(obj["ok"], bool)
 
 
-@pytest.mark.parametrize("method", ["mtp", "dflash"])  # EAGLE-3: the callback delivery test below
+@pytest.mark.parametrize("method", ["mtp", "dflash", "mtp-tree"])  # EAGLE-3: the callback test below
 def test_every_output_is_valid_and_complete(targets, tok, method):
     """Sampled generations at K = 3 under a JSON schema and a regex (half the rows each, plus
     unconstrained rows): all constrained outputs complete and valid; the unconstrained rows are
     exactly what they are without any grammar in the batch (checked with MTP)."""
+    method, tree = method.removesuffix("-tree"), method.endswith("-tree")
     model = targets[method]
     texts = ["def main():\n", "import os\n", "class A:\n    x = ", "# comment\n"] * 3
     prompts = [_prompt(model, tok, t) for t in texts]
     grammars = [{"json_schema": SCHEMA}, {"regex": REGEX}, None] * 4
-    kw = dict(
-        max_new_tokens=48, temperature=1.0, seed=list(range(12)), draft=method, num_speculative_tokens=3
-    )
+    k = {"speculative_tree": {"depth": 3, "topk": 2, "nodes": 6}} if tree else {"num_speculative_tokens": 3}
+    kw = dict(max_new_tokens=48, temperature=1.0, seed=list(range(12)), draft=method, **k)
     out = model.generate(prompts, grammar=grammars, draft_sampling="sampled", max_batch=8, **kw)
     # the masks of unconstrained rows are all ones whatever the draft: one method shows it (on the
     # synchronous engine path a grammar uses, which must not change tokens either)
     free = None
-    if method == "mtp":
+    if method == "mtp":  # (with a tree, too)
         free = model.generate(prompts, draft_sampling="sampled", max_batch=8, pipelined=False, **kw)
     for i, new in enumerate(out.tokens):
         if grammars[i] is None:
@@ -164,11 +164,20 @@ def _exact_outputs(model, prompt: list[int]) -> dict[tuple[int, ...], float]:
     return out
 
 
-@pytest.mark.parametrize(("method", "draft_sampling"), [("mtp", "sampled"), ("dflash", "argmax")])
-def test_outputs_follow_the_exact_masked_distribution(targets, tok, method, draft_sampling):
+@pytest.mark.parametrize(
+    ("method", "draft_sampling", "tree"),
+    [
+        ("mtp", "sampled", None),
+        ("dflash", "argmax", None),
+        ("mtp", "sampled", {"depth": 3, "topk": 2, "nodes": 6}),
+    ],
+    ids=["mtp-sampled", "dflash-argmax", "mtp-sampled-tree"],
+)
+def test_outputs_follow_the_exact_masked_distribution(targets, tok, method, draft_sampling, tree):
     """Fifteen hundred sampled generations (K = 3, the drafts know nothing of the grammar) against
     the exact probability of each of the grammar's nine outputs: Pearson chi-square, for a
-    chained draft with sampled drafts and a block draft with argmax drafts."""
+    chained draft with sampled drafts, a block draft with argmax drafts, and a token tree (each
+    node's mask along its own path)."""
     model = targets[method]
     prompt = _prompt(model, tok, "point = ")
     exact = _exact_outputs(model, prompt)
@@ -180,10 +189,10 @@ def test_outputs_follow_the_exact_masked_distribution(targets, tok, method, draf
         temperature=1.0,
         seed=list(range(n)),
         draft=method,
-        num_speculative_tokens=3,
         draft_sampling=draft_sampling,
         grammar={"regex": TINY},
         max_batch=256,
+        **({"num_speculative_tokens": 3} if tree is None else {"speculative_tree": tree}),
     )
     seqs = list(exact)
     index = {s: i for i, s in enumerate(seqs)}
@@ -248,6 +257,14 @@ def test_callback_delivery_gives_the_host_delivery_tokens(targets, tok):
     check_outputs(model, tok, grammars, host)
     assert callback.tokens == host.tokens and callback.finish_reasons == host.finish_reasons
     assert "grammar" in host.finish_reasons
+    with pytest.raises(ValueError, match="grammar masks of a token tree come from the host"):
+        model.generate(
+            prompts[:1],
+            grammar={"regex": TINY},
+            grammar_masks="callback",
+            speculative_tree={"depth": 2, "topk": 2},
+            draft="eagle3",
+        )
     with pytest.raises(ValueError, match="grammar_masks must be one of"):
         model.generate(prompts, grammar_masks="device", **kw)
 

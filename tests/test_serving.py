@@ -170,7 +170,8 @@ def test_an_engine_of_token_trees(model):
     """An engine verifying a token tree each step: its warm-up compiles the tree's step and plain
     decoding's (nothing compiles after it); greedy requests give plain decoding's tokens, capped
     ones too (a cap is a depth: acceptance by depth stops there), one that does not speculate
-    too; acceptance statistics come by depth; what trees do not take yet is refused by name."""
+    too; acceptance statistics come by depth; bad trees and drafts without trees are refused by
+    name. (Grammars with trees: tests/test_grammar.py.)"""
     from mtp_jax.step import prefill, step
 
     tree = {"depth": 3, "topk": 2, "nodes": 6}
@@ -191,8 +192,6 @@ def test_an_engine_of_token_trees(model):
         assert [f._cache_size() for f in (prefill, step)] == programs
         with pytest.raises(mtp_jax.InvalidRequestError, match="the token tree's depth"):
             engine.submit(PROMPTS[0], num_speculative_tokens=4)
-        with pytest.raises(mtp_jax.InvalidRequestError, match="not available with speculative_tree"):
-            engine.submit(PROMPTS[0], grammar={"regex": "a+"})
     for bad, words in (
         ({"depth": 2}, "speculative_tree must be"),
         ({"depth": 4, "topk": 4}, "at most 63 draft nodes"),
