@@ -11,13 +11,15 @@ MTP layer, Llama 3 with EAGLE-3 and with a draft model. Each runs plain, chains 
 trained on), ``--new-tokens`` tokens each past any end of turn. Rates are end to end (prefill
 included), the median of ``--repeats`` timed runs after one untimed one (which compiles); the
 acceptance length is the run's mean tokens per step. A progress line per configuration goes to
-stderr; the results go to ``--json`` (written whole at the end, and after each pair, so an
-interrupted run keeps what it measured) and a table to stdout.
+stderr; the results go to ``--json`` (rewritten after each configuration; a run given an existing
+file resumes it, measuring only what it lacks) and a table to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import sys
 
@@ -124,6 +126,8 @@ def main() -> int:
     parser.add_argument("--json", required=True, help="write the results here")
     args = parser.parse_args()
 
+    import jax
+
     import mtp_jax
     from mtp_jax.bench import machine_info, write_json
 
@@ -140,6 +144,12 @@ def main() -> int:
         **machine_info(),
         "rows": [],
     }
+    done = set()
+    if os.path.isfile(args.json):  # resume: keep what an interrupted run measured
+        with open(args.json, encoding="utf-8") as f:
+            report["rows"] = json.load(f)["rows"]
+        done = {(r["pair"], r["config"], r["batch"], r["temperature"]) for r in report["rows"]}
+        print(f"resuming {args.json}: {len(done)} configurations measured", file=sys.stderr)
     for label, draft, load in _pairs(args):
         load = dict(load)
         model = mtp_jax.load(load.pop("path"), "float32", **load)
@@ -147,15 +157,19 @@ def main() -> int:
         for temperature in args.temperature:
             for batch in args.batch:
                 for name, extra in configs:
+                    if (label, name, batch, temperature) in done:
+                        continue
                     row = _measure(args, model, draft, prompts, extra, batch, temperature)
                     report["rows"].append({"pair": label, "config": name, **row})
+                    write_json(args.json, report)
+                    jax.clear_caches()  # one process compiles every configuration: release each
+                    gc.collect()
                     print(
                         f"[{label}] {name:16s} batch {batch} T={temperature}: {row['tok_s']:7.1f} tok/s, "
                         f"acceptance length {row['acceptance_length']:.2f}",
                         file=sys.stderr,
                         flush=True,
                     )
-        write_json(args.json, report)
         del model
     for r in report["rows"]:
         print(
