@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 
 import numpy as np
 import pytest
@@ -97,14 +98,13 @@ def _top_k_probs(logits: np.ndarray, k: int) -> dict[int, float]:
     return dict(zip(kept.tolist(), (p / p.sum()).tolist(), strict=True))
 
 
-@pytest.mark.slow
-def test_the_shipped_drafts_sample_exactly(smollm2_draft):
+def check_sampled_exactly(model, method: str) -> None:
     """Sampled drafts (accepted with min(1, p/q)): over many seeds the first two tokens (the first
     from prefill, the second from the first speculative step) follow the target's own joint law,
     computed exactly from its logits; and argmax drafts emit exactly what plain decoding samples."""
     from tests.test_acceptance import assert_distribution
 
-    (model, method), k, n = smollm2_draft, 4, 192
+    k, n = 4, 192
     prompt = model.text.encode("The capital of France is")
     kw = dict(temperature=1.0, top_k=k, seed=list(range(n)), ignore_eos=True, max_batch=n)
     out = model.generate(
@@ -134,3 +134,33 @@ def test_the_shipped_drafts_sample_exactly(smollm2_draft):
     plain = model.generate([prompt] * 4, **few)
     argmax = model.generate([prompt] * 4, draft=method, num_speculative_tokens=3, **few)
     assert argmax.tokens == plain.tokens
+
+
+SAMPLE_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    import mtp_jax
+    from mtp_jax.embedded import packaged_model_path
+    from tests.conftest import REPO
+    from tests.test_real_model import SHIPPED_DRAFTS, check_sampled_exactly
+
+    method = sys.argv[1]
+    draft = os.path.join(REPO, "checkpoints", SHIPPED_DRAFTS[method][0])
+    model = mtp_jax.load(packaged_model_path("smollm2-135m-instruct"), "float32", draft_model=draft)
+    check_sampled_exactly(model, method)
+    print("SAMPLED-OK")
+    """
+)
+
+
+# a child process each (the second core), beside the tests running here: the costliest checks of
+# the suite on one core, and they need no model this process holds
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.child(SAMPLE_CHILD, m)) for m in sorted(SHIPPED_DRAFTS)]
+)
+def test_the_shipped_drafts_sample_exactly(method, child_output):
+    """:func:`check_sampled_exactly` for each draft shipped for SmolLM2."""
+    require_extra("gguf")
+    real_model("smollm2-135m-instruct")
+    assert "SAMPLED-OK" in child_output
