@@ -398,6 +398,7 @@ class Scheduler:
         powers = [1 << i for i in range(self.slots.bit_length() + 1)]
         rows = [r for r in powers if r < self.slots] if self.row_buckets else []
         releases = [r for r in powers if r <= next_power_of_two(self.slots)]
+        ks = {self._variant(k).k for k in ks}  # the programs those K run (a token tree: whole or none)
         jobs = [("prefill", per, t) for per in pers for t in buckets]
         jobs += [("step", k, r) for k in sorted(ks, reverse=True) for r in [*rows, self.slots]]
         jobs += [("release", n, 0) for n in releases]

@@ -196,13 +196,18 @@ class Constraints:
         committed text and the tokens of n's path below the root (each leaf's path at once)."""
         t0 = time.perf_counter()
         out = np.full((int(np.prod(shape)), self.words), -1, np.int32)
-        paths = [np.asarray(p) for p in tree.paths()]
-        for req, index, drafts in rows:
-            tokens = np.concatenate([[0], np.asarray(drafts)])  # node 0's own token is committed
-            for path in paths:
-                along = np.full((len(path), self.words), -1, np.int32)
-                self._fill_rows([(self.matchers[req], 0, tokens[path[1:]])], along)
-                out[index + path] = along
+        nodes = [np.concatenate([[0], np.asarray(drafts)]) for _, _, drafts in rows]  # node 0: committed
+        for path in (np.asarray(p) for p in tree.paths()):
+            # one path of every row at once (each row's matcher once per call: the fill runs rows in
+            # parallel and rolls each matcher back after its drafts)
+            along = np.full((len(rows) * len(path), self.words), -1, np.int32)
+            fill = [
+                (self.matchers[req], i * len(path), tokens[path[1:]])
+                for i, ((req, _, _), tokens) in enumerate(zip(rows, nodes, strict=True))
+            ]
+            self._fill_rows(fill, along)
+            for i, (_, index, _) in enumerate(rows):
+                out[index + path] = along[i * len(path) : (i + 1) * len(path)]
         self.seconds += time.perf_counter() - t0
         return out.reshape(*shape, self.words)
 

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from mtp_jax.cache import slots_for
 from mtp_jax.drafts import Draft, Rows, draft_for
 from mtp_jax.drafts.base import DraftContext, at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
@@ -96,9 +95,10 @@ class StepConfig:
             nodes = self.tree.size - 1
             if self.k != nodes:
                 raise ValueError(f"a token tree of {nodes} draft nodes needs k = {nodes}, got {self.k}")
-            if self.draft is not None and not draft_for(self.draft).trees:
+            method = self.draft_method
+            if method is not None and not method.trees:
                 raise ValueError(
-                    f"the {draft_for(self.draft).title or self.draft} draft does not propose token trees "
+                    f"the {method.title or self.draft} draft does not propose token trees "
                     "(chained drafts do: mtp, eagle3, draft_model)"
                 )
             if self.think_tokens is not None:
@@ -209,8 +209,7 @@ def forward_paged(
     ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
     """
     target = target_for(cfg)
-    at = positions if tree is None else tree.positions
-    paged = PagedAttention(pages, slots_for(page_table, at, valid, page_size), page_table, tree)
+    paged = PagedAttention.at(pages, page_table, positions, valid, page_size, tree)
     extra = {"lora_slots": lora_slots} if "lora" in params and lora_slots is not None else {}
     hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh, **extra)
     return hidden, target.lm_head(params, hidden.post_norm) if logits else None, pages

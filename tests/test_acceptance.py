@@ -696,6 +696,19 @@ E2E_PARAMS = {
 N_SEEDS = 4096  # all in one batch: one prefill and a few steps, one compilation of each
 
 
+def first_three_of_many_seeds(model, prompt: list[int], **settings):
+    """One generate call of ``prompt`` with :data:`N_SEEDS` seeds in one batch, three new tokens
+    each (``settings``: the draft, its speculation, the sampling parameters)."""
+    return model.generate(
+        [prompt] * N_SEEDS,
+        max_new_tokens=3,
+        seed=list(range(N_SEEDS)),
+        ignore_eos=True,
+        max_batch=N_SEEDS,
+        **settings,
+    )
+
+
 E2E_CASES = [
     # (draft, K, draft_sampling, parameters)
     ("mtp", 2, "argmax", "t1"),
@@ -735,16 +748,8 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     draft = draft.split("_vocab")[0].removesuffix("_lora")
     params = dict(E2E_PARAMS[which], **({"lora": lora} if lora else {}))
     prompt = NGRAM_PROMPT if draft == "ngram" else PROMPT
-    result = model.generate(
-        [prompt] * N_SEEDS,
-        max_new_tokens=3,
-        seed=list(range(N_SEEDS)),
-        draft=draft,
-        num_speculative_tokens=k,
-        draft_sampling=draft_sampling,
-        ignore_eos=True,
-        max_batch=N_SEEDS,
-        **params,
+    result = first_three_of_many_seeds(
+        model, prompt, draft=draft, num_speculative_tokens=k, draft_sampling=draft_sampling, **params
     )
     # not vacuous: drafts are accepted at each position, but not always
     at_least = result.stats["acceptance_rate_per_position"]
@@ -787,16 +792,8 @@ def test_token_trees_keep_the_first_three_tokens_exact(request, draft, draft_sam
     target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     params = E2E_PARAMS[which]
-    result = model.generate(
-        [PROMPT] * N_SEEDS,
-        max_new_tokens=3,
-        seed=list(range(N_SEEDS)),
-        draft=draft,
-        speculative_tree=TREE,
-        draft_sampling=draft_sampling,
-        ignore_eos=True,
-        max_batch=N_SEEDS,
-        **params,
+    result = first_three_of_many_seeds(
+        model, PROMPT, draft=draft, speculative_tree=TREE, draft_sampling=draft_sampling, **params
     )
     at_least = result.stats["acceptance_rate_per_position"]
     low = 0.05 if draft == "mtp" else 0.01  # random drafts are accepted less

@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.cache import slots_for
 from mtp_jax.sampling import DRAFT, RowSampling, draft_probs, repeat_rows, row_keys, sample
-from mtp_jax.targets.base import Hidden, PagedAttention, TreeMask
+from mtp_jax.targets.base import Hidden, TreeMask
 
 
 class Rows(NamedTuple):
@@ -205,16 +204,6 @@ def choose(logits: jax.Array, sampled: bool, sampling: RowSampling, position: ja
     if sampled:
         return sample(logits, sampling, position, DRAFT), draft_probs(logits, sampling)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((logits.shape[0], 0), jnp.float32)
-
-
-def paged_rows(
-    pages: Any, page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int, tree=None
-) -> PagedAttention:
-    """Where a draft's rows at ``positions`` [b, t] (``valid`` [b, t]) go in its own paged cache:
-    at those positions, or with ``tree`` (:class:`TreeMask`) at the tree's cache positions under
-    its tree attention."""
-    at = positions if tree is None else tree.positions
-    return PagedAttention(pages, slots_for(page_table, at, valid, page_size), page_table, tree)
 
 
 def chain_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.Array, state, cache, advance):

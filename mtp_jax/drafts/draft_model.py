@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.config import DraftModelConfig, model_types, parse_config
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes, paged_rows
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.errors import ConfigError
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets import target_for
-from mtp_jax.targets.base import lm_head
+from mtp_jax.targets.base import PagedAttention, lm_head
 from mtp_jax.targets.deepseek_v3 import TARGET as DEEPSEEK_V3
 from mtp_jax.targets.llama3 import TARGET as LLAMA
 
@@ -128,7 +128,7 @@ def _logits(tree: dict, h: jax.Array, target_vocab: int) -> jax.Array:
 
 def _forward(tree, ctx, pages, page_table, tokens, positions, valid, nodes=None):
     c = ctx.draft_cfg.model
-    paged = paged_rows(pages, page_table, positions, valid, ctx.page_size, nodes)
+    paged = PagedAttention.at(pages, page_table, positions, valid, ctx.page_size, nodes)
     hidden, pages = target_for(c).forward(tree, c, tokens, positions, paged=paged, mesh=ctx.mesh)
     return hidden.post_norm, pages
 

@@ -51,7 +51,6 @@ from mtp_jax.drafts.base import (
     chain_drafts,
     chained_passes,
     in_target_vocab,
-    paged_rows,
 )
 from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
@@ -228,7 +227,7 @@ def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
 
 
 def _rows(params, ctx, pages, page_table, next_tokens, state, positions, valid, features, tree=None):
-    paged = paged_rows(pages, page_table, positions, valid, ctx.page_size, tree)
+    paged = PagedAttention.at(pages, page_table, positions, valid, ctx.page_size, tree)
     return eagle3_layer(
         params, ctx.draft_cfg, next_tokens, state, positions, features=features, paged=paged, mesh=ctx.mesh
     )

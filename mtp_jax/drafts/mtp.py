@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes, paged_rows
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
 from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
@@ -165,9 +165,9 @@ def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
 
 def _layer_rows(params, ctx, pages, page_table, next_tokens, hidden, positions, valid, tree=None):
     """The MTP layer over rows written to its paged cache (``tree``: a token tree's nodes,
-    :func:`mtp_jax.drafts.base.paged_rows`): (states g [b, t, d], pages). No head: drafts read it
+    :meth:`~mtp_jax.targets.base.PagedAttention.at`): (states g [b, t, d], pages). No head: drafts read it
     at one state per row (:func:`_propose`)."""
-    paged = paged_rows(pages, page_table, positions, valid, ctx.page_size, tree)
+    paged = PagedAttention.at(pages, page_table, positions, valid, ctx.page_size, tree)
     out = mtp_forward(params, ctx.cfg, next_tokens, hidden, positions, paged, mesh=ctx.mesh, logits=False)
     return out.state, out.pages
 

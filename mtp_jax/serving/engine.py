@@ -155,8 +155,7 @@ class Engine:
         self._closed = False
         self._failure: BaseException | None = None
         self._fresh: set[RequestHandle] = set()  # handles with tokens their consumers have not seen
-        ks = range(sc.k + 1) if sc.tree is None else (0, sc.k)  # a tree is verified whole or not at all
-        self.warming = Warmup(self.scheduler, max_len - 1, ks)
+        self.warming = Warmup(self.scheduler, max_len - 1, range(sc.k + 1))
         self.replay = Replay()
         self.replay.watch(self)
         self.leader = self.replay.leader

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.cache import slots_for
+
 
 def scan_layers(
     layer: Callable[[Any, tuple], tuple[Any, Any]], carry: Any, stack: Any, *xs: np.ndarray
@@ -120,10 +122,6 @@ class TreeMask(NamedTuple):
     base: jax.Array
     nodes: jax.Array
 
-    def attention(self, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """(the positions attention masks by, the (base, nodes) it takes)."""
-        return self.positions, (self.base, self.nodes)
-
     def moved(self, by: int) -> TreeMask:
         """The same tree ``by`` cache positions further on (a draft whose cache entry for a token
         sits at the token's own position rather than the row before it)."""
@@ -145,10 +143,27 @@ class PagedAttention(NamedTuple):
     page_table: jax.Array
     tree: TreeMask | None = None
 
+    @classmethod
+    def at(
+        cls,
+        pages: Any,
+        page_table: jax.Array,
+        positions: jax.Array,
+        valid: jax.Array,
+        page_size: int,
+        tree: TreeMask | None = None,
+    ) -> PagedAttention:
+        """New tokens at ``positions`` [b, t] (written where ``valid``) of rows with ``page_table``,
+        or, with ``tree``, at the tree's cache positions under its tree attention."""
+        written = positions if tree is None else tree.positions
+        return cls(pages, slots_for(page_table, written, valid, page_size), page_table, tree)
+
     def attention(self, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """(the positions attention masks by, the tree mask (base, nodes) or None) for tokens at
         rotary ``positions`` [b, t]."""
-        return (positions, None) if self.tree is None else self.tree.attention(positions)
+        if self.tree is None:
+            return positions, None
+        return self.tree.positions, (self.tree.base, self.tree.nodes)
 
 
 def head_logits(head: jax.Array, h: jax.Array) -> jax.Array:
