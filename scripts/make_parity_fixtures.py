@@ -25,6 +25,9 @@ generic ``MtpModel`` (see ``MTP_DOC``).
 * ``last_hidden_post_norm`` float32 [B, T, H]  ``model.model(input_ids).last_hidden_state``
 * ``layer_outputs``         float32 [L, B, T, H]  raw output (residual stream, before any final norm) of every
   decoder layer, captured with forward hooks
+* ``greedy``                int32   [B, P + N]  ``generate(input_ids[:, :P], max_new_tokens=N,
+  do_sample=False)`` (P = ``prompt_length`` = T // 2, N = ``new_tokens``; no EOS), with every routing
+  decision and every greedy choice along the generated text (checked teacher-forced) beyond its margin
 * MTP fixtures only: ``mtp_logits`` float32 [B, T-1, V], ``mtp_hidden`` float32 [B, T-1, H] (after
   ``shared_head.norm``), ``mtp_block_output`` float32 [B, T-1, H] (before it), ``mtp_doc`` str [1]: row i is
   the MTP layer on (h_i = ``last_hidden_post_norm[:, i]``, token ``input_ids[:, i+1]``), predicting token i+2
@@ -95,6 +98,10 @@ BATCH = 2
 # Minimum gap (in sigmoid-score units) between the last selected and first rejected expert / group.
 ROUTING_MARGIN = 1e-3
 MAX_INPUT_TRIES = 200
+# transformers' greedy generate appends GREEDY_NEW tokens to the first half of each fixture's input; the
+# input is re-drawn unless every greedy choice along the way beats the runner-up by GREEDY_GAP (logits).
+GREEDY_NEW = 12
+GREEDY_GAP = 1e-3
 # DeepSeek-V3 block FP8: 128x128 weight blocks, float8_e4m3fn (largest finite value 448).
 FP8_BLOCK = 128
 FP8_MAX = 448.0
@@ -977,6 +984,36 @@ def max_rel_err(got: np.ndarray, want: np.ndarray) -> float:
 # --------------------------------------------------------------------------------------------------- forward
 
 
+def run_greedy(
+    model: DeepseekV3ForCausalLM, input_ids: np.ndarray, biases: list[np.ndarray], cfg: dict[str, Any]
+) -> np.ndarray | None:
+    """transformers' greedy ``generate`` (its KV cache, no EOS) from the first half of ``input_ids``:
+    [B, P + GREEDY_NEW], or None when a routing decision or a greedy choice along the generated text
+    (recomputed teacher-forced) is too close for a correct float32 implementation to be sure of it."""
+    p = input_ids.shape[1] // 2
+    model.generation_config.eos_token_id = None  # never stop early: N tokens, nothing masked
+    with torch.no_grad():
+        out = model.generate(
+            torch.from_numpy(input_ids[:, :p].astype(np.int64)),
+            attention_mask=torch.ones((input_ids.shape[0], p), dtype=torch.long),
+            max_new_tokens=GREEDY_NEW,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    tokens = out.numpy()
+    ref = run_reference(model, tokens)
+    chosen = ref["logits"][:, p - 1 : -1]
+    if not np.array_equal(chosen.argmax(-1), tokens[:, p:]):
+        raise RuntimeError("generate's tokens are not the teacher-forced argmax of its own text")
+    top2 = np.sort(chosen, axis=-1)[..., -2:]
+    router = ref["router_logits"]  # the main layers' (an MTP layer's bias comes last in biases)
+    margins = [routing_margin(r, b, cfg) for r, b in zip(router, biases[: len(router)], strict=True)]
+    gap = float((top2[..., 1] - top2[..., 0]).min())
+    if gap < GREEDY_GAP or min(margins, default=math.inf) < ROUTING_MARGIN:
+        return None
+    return tokens
+
+
 def run_reference(model: DeepseekV3ForCausalLM, input_ids: np.ndarray) -> dict[str, Any]:
     """Teacher-forced forward; returns all reference arrays plus the router logits of every MoE layer."""
     layer_out: list[torch.Tensor] = []
@@ -1205,7 +1242,10 @@ def build_fixture(spec: FixtureSpec, out_root: Path) -> dict[str, Any]:
                 mtp_ref = run_mtp_reference(model, mtp, input_ids, ref["last_hidden_post_norm"])
                 router = router + mtp_ref["router_logits"]
             margins = [routing_margin(r, b, cfg) for r, b in zip(router, biases, strict=True)]
-            if min(margins, default=math.inf) >= ROUTING_MARGIN:
+            if min(margins, default=math.inf) < ROUTING_MARGIN:
+                continue
+            greedy = run_greedy(model, input_ids, biases, cfg)
+            if greedy is not None:
                 break
         else:
             raise RuntimeError(f"{spec.name}: no input draw with routing margin >= {ROUTING_MARGIN}")
@@ -1232,6 +1272,9 @@ def build_fixture(spec: FixtureSpec, out_root: Path) -> dict[str, Any]:
             "hidden_states_doc": np.array([HIDDEN_STATES_DOC]),
             "last_hidden_post_norm": ref["last_hidden_post_norm"],
             "layer_outputs": ref["layer_outputs"],
+            "greedy": greedy.astype(np.int32),
+            "prompt_length": np.int32(spec.seq_len // 2),
+            "new_tokens": np.int32(GREEDY_NEW),
         }
         if mtp is not None:
             arrays.update(
@@ -1314,7 +1357,10 @@ def write_readme(out_root: Path) -> None:
         "",
         "`reference.npz`: `input_ids` int32 [B,T]; `logits` float32 [B,T,V]; `hidden_states` float32",
         "[L+1,B,T,H]; `hidden_states_doc` (str); `last_hidden_post_norm` float32 [B,T,H]; `layer_outputs`",
-        "float32 [L,B,T,H] (raw residual-stream output of each decoder layer). Fixtures with an MTP layer",
+        "float32 [L,B,T,H] (raw residual-stream output of each decoder layer); `greedy` int32 [B,P+N]:",
+        "`generate(input_ids[:, :P], max_new_tokens=N, do_sample=False)` with P = `prompt_length` = T // 2,",
+        f"N = `new_tokens` = {GREEDY_NEW}, no EOS (every greedy choice at least {GREEDY_GAP} above the",
+        "runner-up, every routing decision along it beyond the margin). Fixtures with an MTP layer",
         "(`num_nextn_predict_layers: 1`) add `mtp_logits` float32 [B,T-1,V], `mtp_hidden` float32",
         "[B,T-1,H] (after `shared_head.norm`), `mtp_block_output` float32 [B,T-1,H] (before it) and",
         "`mtp_doc` (str).",

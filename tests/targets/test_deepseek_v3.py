@@ -42,6 +42,16 @@ def test_logits_match_transformers(parity):
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-5 * np.abs(ref["logits"]).max())
 
 
+def test_greedy_generation_equals_transformers(parity):
+    """Prefill, the paged cache, continuous batching and the unified step (K = 0) give the tokens of
+    transformers' own greedy ``generate`` (with its KV cache)."""
+    model, ref = parity
+    p = int(ref["prompt_length"])
+    prompts = [list(map(int, row)) for row in ref["input_ids"][:, :p]]
+    out = model.generate(prompts, max_new_tokens=int(ref["new_tokens"]), ignore_eos=True)
+    assert out.tokens == ref["greedy"][:, p:].tolist()
+
+
 @pytest.mark.parametrize("dispatch", ["sorted", "dense"])
 def test_both_expert_dispatches_match_transformers(parity, dispatch):
     """ "auto" picks one of these by size and backend; each must be the same MoE."""
