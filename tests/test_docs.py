@@ -1,6 +1,6 @@
 """The documentation in docs/ is what the code points at: every `docs/<file>.md, "<heading>"` reference
 in a docstring or comment names a file and a heading that exist, every relative Markdown link in
-the README and docs/ resolves, and nothing points at files outside the repository."""
+the README and docs/ resolves (its #anchor too), and nothing points at files outside the repository."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from tests.conftest import REPO
 
 REFERENCE = re.compile(r'docs/([\w-]+\.md),\s*"([^"]+)"')
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
+SELF_LINK = re.compile(r"\]\(()(#[^)]+)\)")
 
 
 def sources() -> list[str]:
@@ -24,6 +25,11 @@ def sources() -> list[str]:
 def headings(path: str) -> list[str]:
     with open(path, encoding="utf-8") as f:
         return [line.lstrip("#").strip() for line in f if line.startswith("#")]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
 
 
 def test_every_docs_reference_resolves():
@@ -55,3 +61,10 @@ def test_markdown_links_resolve():
             where = os.path.normpath(os.path.join(os.path.dirname(page), target))
             assert where.startswith(REPO + os.sep), f"{page} links outside the repository: {target}"
             assert os.path.exists(where), f"{page}: broken link {target}"
+        for target, anchor in LINK.findall(text) + SELF_LINK.findall(text):
+            if target.startswith(("http://", "https://")) or not anchor:
+                continue
+            where = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
+            if where.endswith(".md"):
+                slugs = [slug(h) for h in headings(where)]
+                assert anchor[1:] in slugs, f"{page}: no heading for {target}{anchor} in {where}"
