@@ -1248,7 +1248,9 @@ def build_fixture(spec: FixtureSpec, out_root: Path) -> dict[str, Any]:
             if greedy is not None:
                 break
         else:
-            raise RuntimeError(f"{spec.name}: no input draw with routing margin >= {ROUTING_MARGIN}")
+            raise RuntimeError(
+                f"{spec.name}: no input draw with routing margins >= {ROUTING_MARGIN} and clear greedy picks"
+            )
 
         checked = {"logits": ref["logits"], "last_hidden_post_norm": ref["last_hidden_post_norm"]}
         checked.update({k: v for k, v in mtp_ref.items() if k.startswith("mtp_")})
