@@ -1275,7 +1275,7 @@ def build_fixture(spec: FixtureSpec, out_root: Path) -> dict[str, Any]:
             "last_hidden_post_norm": ref["last_hidden_post_norm"],
             "layer_outputs": ref["layer_outputs"],
             "greedy": greedy.astype(np.int32),
-            "prompt_length": np.int32(spec.seq_len // 2),
+            "prompt_length": np.int32(greedy.shape[1] - GREEDY_NEW),
             "new_tokens": np.int32(GREEDY_NEW),
         }
         if mtp is not None:

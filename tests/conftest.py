@@ -345,6 +345,13 @@ def child_output(request) -> str:
     return result.stdout
 
 
+def greedy_reference(ref) -> tuple[list[list[int]], int, list[list[int]]]:
+    """(prompts, new tokens, expected tokens) of a parity fixture's ``greedy`` array: the reference's
+    greedy ``generate`` from ``input_ids[:, :prompt_length]``, ``new_tokens`` long."""
+    p, n = int(ref["prompt_length"]), int(ref["new_tokens"])
+    return [[int(t) for t in row[:p]] for row in ref["input_ids"]], n, ref["greedy"][:, p:].tolist()
+
+
 def check_lossless(model, draft: str, prompts: list, ks, plain_tokens: list | None = None, **kw) -> list:
     """Greedy speculation with ``draft`` at each K of ``ks`` (three slots, ``kw``: e.g.
     max_new_tokens) gives plain decoding's tokens (``plain_tokens``, or decoded here). Returns the

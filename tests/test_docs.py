@@ -4,14 +4,14 @@ the README and docs/ resolves (its #anchor too), and nothing points at files out
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
 from tests.conftest import REPO
 
 REFERENCE = re.compile(r'docs/([\w-]+\.md),\s*"([^"]+)"')
-LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
-SELF_LINK = re.compile(r"\]\(()(#[^)]+)\)")
+LINK = re.compile(r"\]\(([^)#\s]*)(#[^)]*)?\)")  # (target, #anchor); an empty target: this page
 
 
 def sources() -> list[str]:
@@ -52,19 +52,15 @@ def test_markdown_links_resolve():
     pages += [
         os.path.join(REPO, "docs", f) for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md")
     ]
+    anchors = functools.cache(lambda path: {slug(h) for h in headings(path)})
     for page in pages:
         with open(page, encoding="utf-8") as f:
             text = f.read()
-        for target, _ in LINK.findall(text):
-            if target.startswith(("http://", "https://", "mailto:")):
-                continue
-            where = os.path.normpath(os.path.join(os.path.dirname(page), target))
-            assert where.startswith(REPO + os.sep), f"{page} links outside the repository: {target}"
-            assert os.path.exists(where), f"{page}: broken link {target}"
-        for target, anchor in LINK.findall(text) + SELF_LINK.findall(text):
-            if target.startswith(("http://", "https://")) or not anchor:
+        for target, anchor in LINK.findall(text):
+            if target.startswith(("http://", "https://", "mailto:")) or not (target or anchor):
                 continue
             where = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
-            if where.endswith(".md"):
-                slugs = [slug(h) for h in headings(where)]
-                assert anchor[1:] in slugs, f"{page}: no heading for {target}{anchor} in {where}"
+            assert where.startswith(REPO + os.sep), f"{page} links outside the repository: {target}"
+            assert os.path.exists(where), f"{page}: broken link {target}"
+            if anchor and where.endswith(".md"):
+                assert anchor[1:] in anchors(where), f"{page}: no heading for {target}{anchor} in {where}"

@@ -17,7 +17,7 @@ import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import SafetensorsFile, save_safetensors
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.lora import AdapterError, read_adapter
-from tests.conftest import REPO
+from tests.conftest import REPO, greedy_reference
 
 LORA = os.path.join(REPO, "tests", "fixtures", "lora")
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -80,10 +80,7 @@ def test_logits_equal_peft(name):
 
 def test_greedy_equals_peft_and_speculation_stays_lossless(llama):
     for name in LLAMA_ADAPTERS:
-        ref = reference(name)
-        p, n = int(ref["prompt_length"]), int(ref["new_tokens"])
-        prompts = [[int(t) for t in row[:p]] for row in ref["input_ids"]]
-        want = ref["greedy"][:, p:].tolist()
+        prompts, n, want = greedy_reference(reference(name))
         out = llama.generate(prompts, max_new_tokens=n, ignore_eos=True, lora=name)
         assert out.tokens == want, name
         for k in (1, 3):  # the target verifies with the row's adapter: greedy stays lossless

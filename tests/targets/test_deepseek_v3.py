@@ -15,7 +15,7 @@ import pytest
 import mtp_jax
 from mtp_jax.cache import page_table_array, slots_for
 from mtp_jax.targets.deepseek_v3 import PagedAttention, forward, init_cache, lm_head
-from tests.conftest import PARITY_DIR
+from tests.conftest import PARITY_DIR, greedy_reference
 
 FIXTURES = sorted(d for d in os.listdir(PARITY_DIR) if os.path.isdir(os.path.join(PARITY_DIR, d)))
 
@@ -46,10 +46,8 @@ def test_greedy_generation_equals_transformers(parity):
     """Prefill, the paged cache, continuous batching and the unified step (K = 0) give the tokens of
     transformers' own greedy ``generate`` (with its KV cache)."""
     model, ref = parity
-    p = int(ref["prompt_length"])
-    prompts = [list(map(int, row)) for row in ref["input_ids"][:, :p]]
-    out = model.generate(prompts, max_new_tokens=int(ref["new_tokens"]), ignore_eos=True)
-    assert out.tokens == ref["greedy"][:, p:].tolist()
+    prompts, n, want = greedy_reference(ref)
+    assert model.generate(prompts, max_new_tokens=n, ignore_eos=True).tokens == want
 
 
 @pytest.mark.parametrize("dispatch", ["sorted", "dense"])

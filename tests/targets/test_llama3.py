@@ -17,7 +17,7 @@ import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader, save_safetensors
 from mtp_jax.config import Llama3Config, Llama3RopeScaling
 from mtp_jax.layers import llama3_frequencies
-from tests.conftest import REPO
+from tests.conftest import REPO, greedy_reference
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "parity_llama")
 NAMES = ["llama3_gqa42", "gqa81_tied_head_dim", "sharded_bf16_rope_parameters", "mha_fp16"]
@@ -57,10 +57,8 @@ def test_logits_and_hidden_states_match_transformers(fixtures, name):
 def test_greedy_generation_equals_transformers(fixtures, name):
     """The paged cache, continuous batching and the unified step (K = 0) give transformers' tokens."""
     model, ref = fixtures[name]
-    p = int(ref["prompt_length"])
-    prompts = [list(map(int, row)) for row in ref["input_ids"][:, :p]]
-    out = model.generate(prompts, max_new_tokens=int(ref["new_tokens"]), ignore_eos=True)
-    assert out.tokens == ref["greedy"][:, p:].tolist()
+    prompts, n, want = greedy_reference(ref)
+    assert model.generate(prompts, max_new_tokens=n, ignore_eos=True).tokens == want
 
 
 def test_tied_model_reads_the_embedding_as_its_head(fixtures):
