@@ -40,6 +40,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import target_cache  # noqa: E402
 from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
+    acceptance_setup,
     add_run_arguments,
     attach_target_cache,
     bf16_rounded,
@@ -402,7 +403,7 @@ The target is frozen.
 |---|---|
 | agreement with the target's greedy token, block rows {rows} | {agree} |{coverage}
 
-Greedy acceptance length (tokens per step; 64 new tokens on the target's held-out prompts):
+Greedy acceptance length (tokens per step; {acceptance_setup(r)}):
 
 | K | DFlash | the target's own MTP |
 |---|---|---|

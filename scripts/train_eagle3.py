@@ -303,6 +303,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--acceptance-k", type=int, nargs="*", default=[1, 2, 3, 4, 5])
     parser.add_argument(
+        "--acceptance-prompts",
+        type=int,
+        help="measure acceptance on the first N held-out prompts only (default: all; smoke: 8)",
+    )
+    parser.add_argument(
+        "--acceptance-tokens", type=int, help="new tokens per prompt for acceptance (default 64; smoke: 16)"
+    )
+    parser.add_argument(
         "--target-cache",
         metavar="DIR",
         help="compute the frozen target's features and top --cache-k next-token log-probabilities once "
@@ -408,6 +416,12 @@ def start_run(
         args.max_files, args.batch, args.seq = args.max_files or 8, 2, 32
         args.own_text_windows, args.eval_windows = min(args.own_text_windows, 2), min(args.eval_windows, 4)
         args.reply_tokens, args.eval_prompts = min(args.reply_tokens, 8), min(args.eval_prompts, 2)
+        args.acceptance_prompts = 8 if args.acceptance_prompts is None else args.acceptance_prompts
+        args.acceptance_tokens = 16 if args.acceptance_tokens is None else args.acceptance_tokens
+    if args.acceptance_tokens is None:
+        args.acceptance_tokens = ACCEPTANCE_TOKENS
+    if args.acceptance_tokens < 1 or (args.acceptance_prompts is not None and args.acceptance_prompts < 1):
+        parser.error("--acceptance-prompts and --acceptance-tokens must be at least 1")
     own = round(args.own_text * args.batch)
     if args.own_text and own == 0:
         parser.error(f"--own-text {args.own_text} of a batch of {args.batch} is not one window")
@@ -703,10 +717,19 @@ def ship(run: Run, raw: dict, tensors: dict, report: dict, method: str, render) 
         files = {}
         staged = os.path.join(tmp, "draft")
         write_hub_checkpoint(staged, raw, tensors)
+        prompts = report["prompts"][: args.acceptance_prompts]
         report["acceptance"] = acceptance_lengths(
-            args.target, staged, [run.encode_prompt(t) for t in report["prompts"]], args.acceptance_k, method
+            args.target,
+            staged,
+            [run.encode_prompt(t) for t in prompts],
+            args.acceptance_k,
+            method,
+            args.acceptance_tokens,
         )
-        if "acceptance" in run.target_eval:
+        setup = {"prompts": len(prompts), "new_tokens": args.acceptance_tokens}
+        if setup != {"prompts": len(report["prompts"]), "new_tokens": ACCEPTANCE_TOKENS}:
+            report["acceptance_setup"] = setup  # fewer prompts or tokens than the target's own eval
+        elif "acceptance" in run.target_eval:
             report["mtp_acceptance"] = run.target_eval["acceptance"]  # the target's own MTP, same prompts
         for name, text in (
             ("eval.json", json.dumps(report, indent=2) + "\n"),
@@ -861,20 +884,39 @@ def main() -> int:
     return 0
 
 
+ACCEPTANCE_TOKENS = 64  # new tokens per held-out prompt, as the targets' own eval.json measured MTP
+
+
 def acceptance_lengths(
-    target: str, draft: str, ids: list[list[int]], ks: list[int], method: str = "eagle3"
+    target: str,
+    draft: str,
+    ids: list[list[int]],
+    ks: list[int],
+    method: str = "eagle3",
+    new_tokens: int = ACCEPTANCE_TOKENS,
 ) -> dict:
-    """Greedy acceptance length of K drafts over the held-out prompts (token ids; 64 new tokens),
-    through the public API: the written draft loaded beside the target."""
+    """Greedy acceptance length of K drafts over the held-out prompts (token ids; ``new_tokens``
+    each), through the public API: the written draft loaded beside the target."""
     if not ks or not ids:
         return {}
     model = mtp_jax.load(target, "float32", draft_model=draft)
     out = {}
     for k in ks:
-        result = model.generate(ids, max_new_tokens=64, draft=method, num_speculative_tokens=k, max_batch=8)
+        result = model.generate(
+            ids, max_new_tokens=new_tokens, draft=method, num_speculative_tokens=k, max_batch=8
+        )
         out[str(k)] = result.stats["acceptance_length"]
         print(f"acceptance length K={k}: {out[str(k)]:.2f}", file=sys.stderr)
     return out
+
+
+def acceptance_setup(r: dict) -> str:
+    """What a report's acceptance was measured on, for its card."""
+    setup = r.get("acceptance_setup")
+    if setup is None:
+        return f"{ACCEPTANCE_TOKENS} new tokens on the target's held-out prompts"
+    n, first = setup["new_tokens"], setup["prompts"]
+    return f"{n} new tokens on the first {first} of the target's held-out prompts"
 
 
 def data_sentence(d: dict) -> str:
@@ -969,7 +1011,7 @@ The command (resumable: rerun it after an interruption):
 | soft cross-entropy of step 1 against the target | {h["level_loss"][0]:.3f} |
 | target probability mass on the draft vocabulary | {h["coverage"]:.3f} |
 
-Greedy acceptance length (tokens per step; 64 new tokens on the target's held-out prompts in
+Greedy acceptance length (tokens per step; {acceptance_setup(r)} in
 `eval.json`):
 
 {table}

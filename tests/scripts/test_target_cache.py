@@ -246,7 +246,9 @@ def test_training_runs_from_a_target_cache(tmp_path):
         "--save-every",
         "2",
     ]
-    base += [
+    base += [  # three modules: a cache of 2,110 tokens (the smoke preset's eight: 18,735)
+        "--max-files",
+        "3",
         "--draft-vocab",
         "700",
         "--own-text",

@@ -64,6 +64,11 @@ def test_smoke_run_writes_a_loadable_draft_and_goes_on_from_an_exported_one(tmp_
     with open(straight / "eval.json") as f:
         report = json.load(f)
     assert set(report["acceptance"]) == {"2"} and len(report["heldout"]["level_agreement"]) == 3
+    # the smoke preset measures acceptance on 8 prompts x 16 tokens, says so, and so drops the
+    # target's own MTP figures (measured on all its prompts x 64 tokens)
+    assert report["acceptance_setup"] == {"prompts": 8, "new_tokens": 16} and "mtp_acceptance" not in report
+    card = (straight / "README.md").read_text()
+    assert "16 new tokens on the first 8 of the target's held-out prompts" in card
     assert report["training"]["command"].startswith("python scripts/train_dflash.py --out")
     assert "DFlash draft for `tiny-llama3-stdlib`" in (straight / "README.md").read_text()
     prompt = [[0, 5, 9, 17, 3, 40]]
