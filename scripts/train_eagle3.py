@@ -252,8 +252,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments every draft-training script against a frozen target takes."""
     parser.add_argument(
         "--target",
-        required=True,
-        help="the frozen target: a checkpoint directory trained here, or a real model (directory or .gguf)",
+        help="the frozen target: a checkpoint directory trained here, or a real model (directory or .gguf); "
+        "required unless --card",
     )
     parser.add_argument(
         "--data",
@@ -384,6 +384,8 @@ def start_run(
     target and the data: the split it was trained on (stdlib), or its own replies (chat).
     ``check(cfg, data)`` checks the script's own arguments against the target's config before
     anything is loaded (a bad argument fails in a second)."""
+    if not args.target:
+        parser.error("--target is required")
     if not args.out:
         parser.error("--out is required")
     if os.path.exists(args.out):

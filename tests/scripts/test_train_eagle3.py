@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -123,6 +124,7 @@ def test_layer_choice_is_the_usual_one_unless_it_repeats():
         (["--draft-vocab", "5000"], "must be in [1, 2048]"),
         (["--depth", "0"], "--depth must be at least 1"),
         (["--own-text", "2"], "a fraction in [0, 1]"),
+        (["--acceptance-tokens", "0"], "--acceptance-prompts and --acceptance-tokens must be at least 1"),
     ],
 )
 def test_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, message):
@@ -143,3 +145,19 @@ def test_refuses_to_overwrite_or_a_target_that_is_not_a_trained_checkpoint(tmp_p
         with pytest.raises(SystemExit) as exit_:
             load_script().main()
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_card_is_rewritten_without_a_target_and_a_run_needs_one(tmp_path, monkeypatch, capsys):
+    script = load_script()
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for name in ("config.json", "eval.json"):
+        shutil.copy(os.path.join(f"{LLAMA}-eagle3", name), draft / name)
+    monkeypatch.setattr(sys, "argv", ["train_eagle3.py", "--card", str(draft)])
+    assert script.main() == 0
+    with open(draft / "config.json") as f, open(draft / "eval.json") as g:
+        assert (draft / "README.md").read_text() == script.card(json.load(f), json.load(g))
+    monkeypatch.setattr(sys, "argv", ["train_eagle3.py", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_:
+        script.main()
+    assert exit_.value.code == 2 and "--target is required" in capsys.readouterr().err
