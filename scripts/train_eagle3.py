@@ -65,6 +65,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import target_cache  # noqa: E402
 from train_tiny import (  # noqa: E402  (the data pipeline and optimizer the targets were trained with)
+    ACCEPTANCE_TOKENS,
     BOS,
     EOS,
     continuations_path,
@@ -884,9 +885,6 @@ def main() -> int:
     report = report_for(run, draft, training, held, start, seconds)
     ship(run, raw, tensors, report, "eagle3", card)
     return 0
-
-
-ACCEPTANCE_TOKENS = 64  # new tokens per held-out prompt, as the targets' own eval.json measured MTP
 
 
 def acceptance_lengths(

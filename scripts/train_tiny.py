@@ -94,6 +94,7 @@ SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 BOS, EOS = 0, 1
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "turtledemo"}
 HELDOUT_PERCENT = 5
+ACCEPTANCE_TOKENS = 64  # new tokens per held-out prompt when acceptance is measured (drafts compare)
 MTP_WEIGHT = 0.3  # λ of the DeepSeek-V3 report for the first 10T tokens
 BIAS_RATE = 0.001  # γ of the DeepSeek-V3 report
 # Chained MTP level j is weighted REACH^(j-1) (normalised): about the chance that decoding gets as
@@ -916,14 +917,17 @@ def prompts(held_texts: list[str], count: int = 32, chars: int = 160) -> list[st
 def acceptance_lengths(
     cfg: ModelConfig, params: dict, tok: Tokenizer, texts: list[str], ks: list[int]
 ) -> dict:
-    """Greedy acceptance length of K MTP drafts over the held-out prompts (64 new tokens)."""
+    """Greedy acceptance length of K MTP drafts over the held-out prompts (ACCEPTANCE_TOKENS new
+    tokens each)."""
     from mtp_jax.model import Model
 
     model = Model(cfg, params, dtype="float32", eos_token_ids=[EOS])
     ids = [[BOS, *tok.encode(t, add_special_tokens=False).ids] for t in texts]
     out = {}
     for k in ks:
-        result = model.generate(ids, max_new_tokens=64, draft="mtp", num_speculative_tokens=k, max_batch=8)
+        result = model.generate(
+            ids, max_new_tokens=ACCEPTANCE_TOKENS, draft="mtp", num_speculative_tokens=k, max_batch=8
+        )
         out[str(k)] = result.stats["acceptance_length"]
         print(f"acceptance length K={k}: {out[str(k)]:.2f}", file=sys.stderr)
     return out
