@@ -1,0 +1,74 @@
+"""A pytest plugin that counts the XLA programs each test compiles, by jitted function, with their
+backend compile seconds: ``python -m pytest -p tests.compile_counts --compile-counts=FILE tests/...``
+writes ``{test id: {function: [programs, seconds]}}`` as JSON and prints the ten costliest tests.
+
+The suite's time is mostly compiling (README, Tests), and counts do not vary from run to run the way
+seconds do on a shared 2-core machine: a change meant to shorten a test file shows in its counts of
+``prefill`` and ``step`` programs (one per K, slot count, page-table width, admitted-row power of
+two, prompt bucket, grammar masks and logprobs a test reaches)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import re
+
+import jax
+import pytest
+
+_FINISHED = re.compile(r"Finished XLA compilation of jit\((.*?)\) in ([0-9.e+-]+) sec")
+
+
+class _Counts(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.test = "<collection>"
+        self.counts: dict[str, dict[str, list]] = collections.defaultdict(
+            lambda: collections.defaultdict(lambda: [0, 0.0])
+        )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        m = _FINISHED.match(record.getMessage())
+        if m:
+            entry = self.counts[self.test][m[1]]
+            entry[0] += 1
+            entry[1] += float(m[2])
+
+
+_HANDLER: _Counts | None = None
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--compile-counts", metavar="FILE", help="write each test's compiled programs to FILE")
+
+
+def pytest_configure(config) -> None:
+    global _HANDLER
+    if config.getoption("compile_counts"):
+        _HANDLER = _Counts()
+        jax.config.update("jax_log_compiles", True)
+        logging.getLogger("jax").addHandler(_HANDLER)  # the compile messages propagate up to it
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _HANDLER is not None:
+        _HANDLER.test = item.nodeid
+    yield
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    if _HANDLER is None:
+        return
+    path = config.getoption("compile_counts")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_HANDLER.counts, f, indent=1)
+    costs = sorted(
+        ((sum(s for _, s in fns.values()), test, fns) for test, fns in _HANDLER.counts.items()), reverse=True
+    )
+    terminalreporter.write_sep("-", f"compiled programs per test (all in {path})")
+    for seconds, test, fns in costs[:10]:
+        n = sum(c for c, _ in fns.values())
+        main = ", ".join(f"{fn} {fns[fn][0]}" for fn in ("prefill", "step") if fn in fns)
+        terminalreporter.write_line(f"{seconds:6.1f} s {n:4d} programs ({main or 'no prefill/step'}) {test}")
