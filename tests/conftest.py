@@ -51,6 +51,8 @@ if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu" or not _gpu_plug
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+gc.set_threshold(20_000, 20, 20)  # see pytest_collection_finish
+
 from mtp_jax.checkpoint.synthetic import (  # noqa: E402
     hub_tensors,
     oracle_draft_tensors,
@@ -321,6 +323,14 @@ _CHILDREN = _ChildRunner()
 
 
 def pytest_collection_finish(session) -> None:
+    # Python's cyclic collector walks every live object on each full collection, and the suite keeps
+    # many alive (its modules, fixtures, JAX's caches): at the default thresholds it ran ~215 full
+    # collections, ~110 s of the run's main process. What exists once the tests are collected lives
+    # to the end, so leave it out of collections from here on (gc.freeze), and collect less often
+    # while tracing allocates its short-lived objects (the threshold set at import); each module's
+    # end still collects in full (_release_compiled_programs).
+    gc.collect()
+    gc.freeze()
     if not session.config.option.collectonly:
         _CHILDREN.start(session.items)
 
