@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import re
 
 import jax
@@ -62,8 +63,9 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     if _HANDLER is None:
         return
     path = config.getoption("compile_counts")
-    with open(path, "w", encoding="utf-8") as f:
+    with open(f"{path}.tmp", "w", encoding="utf-8") as f:  # whole or not at all
         json.dump(_HANDLER.counts, f, indent=1)
+    os.replace(f"{path}.tmp", path)
     costs = sorted(
         ((sum(s for _, s in fns.values()), test, fns) for test, fns in _HANDLER.counts.items()), reverse=True
     )
