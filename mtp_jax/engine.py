@@ -264,6 +264,11 @@ class Scheduler:
                 f"a prompt of {len(req.prompt)} tokens with max_new_tokens={req.max_new_tokens} needs "
                 f"{len(req.prompt) + req.max_new_tokens} tokens of cache; a slot holds {room}"
             )
+        if self.sc.greedy and bool(np.any(np.asarray(req.sampling.temperature) > 0)):
+            raise ValueError(
+                "this scheduler's programs are greedy-only (StepConfig.greedy): a request with "
+                "temperature > 0 needs a scheduler without it"
+            )
         if req.id < 0:
             req.id = self._next_id
         self._next_id = max(self._next_id, req.id + 1)
@@ -732,6 +737,8 @@ def generate(
         sc = dataclasses.replace(sc, k=min(sc.k, auto_k(batch)))
     if sc.k == 0 or not np.minimum(host_sampling.max_drafts, sc.k).any():
         sc = dataclasses.replace(sc, k=0, draft=None, tree=None)  # plain decoding: no draft state at all
+    if not np.any(host_sampling.temperature > 0):  # every row greedy: smaller programs, same tokens
+        sc = dataclasses.replace(sc, greedy=True)
     width = next_power_of_two(max(pages_needed(len(p), m, sc) for p, m in zip(prompts, lengths, strict=True)))
     sched = Scheduler(
         params,

@@ -183,6 +183,29 @@ def sort_only(on: bool = True) -> Iterator[None]:
         _SORT_ONLY.reset(token)
 
 
+_GREEDY_ONLY = contextvars.ContextVar("mtp_jax_sampling_greedy_only", default=False)
+
+
+@contextlib.contextmanager
+def greedy_only(on: bool = True) -> Iterator[None]:
+    """While tracing inside this context (``on``), every row is taken to decode greedily
+    (temperature 0): :func:`sample` is the argmax alone, :func:`draft_probs` its one-hot, and
+    sampled acceptance is argmax acceptance, with no truncation, draw or ``cond`` between the two
+    in the program. The tokens are those the general program gives such rows; only the program is
+    smaller (about 30% less to trace, lower and compile). The step sets it for a
+    :class:`mtp_jax.step.StepConfig` with ``greedy``; it is read at trace time only."""
+    token = _GREEDY_ONLY.set(on)
+    try:
+        yield
+    finally:
+        _GREEDY_ONLY.reset(token)
+
+
+def traced_greedy_only() -> bool:
+    """Whether the program being traced decodes every row greedily (:func:`greedy_only`)."""
+    return _GREEDY_ONLY.get()
+
+
 def _top_k_sizes(params: RowSampling, vocab: int) -> jax.Array:
     return jnp.where(params.top_k > 0, jnp.minimum(params.top_k, vocab), vocab)
 
@@ -309,6 +332,8 @@ def row_keys(seed: jax.Array, positions: jax.Array, stream: int = TARGET) -> jax
 def sample(logits: jax.Array, params: RowSampling, positions: jax.Array, stream: int = TARGET) -> jax.Array:
     """Next tokens [B] (int32) for logits [B, V]; ``positions`` [B] are the new tokens' positions."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if traced_greedy_only():
+        return greedy
 
     def drawn() -> jax.Array:
         logp = processed_logprobs(logits, params)
@@ -335,8 +360,10 @@ def sample_positions(
 
 def draft_probs(logits: jax.Array, params: RowSampling) -> jax.Array:
     """Processed draft distribution q [B, V] (float32); one-hot argmax for greedy rows."""
-    q = jnp.exp(processed_logprobs(logits, params))
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    if traced_greedy_only():
+        return onehot
+    q = jnp.exp(processed_logprobs(logits, params))
     return jnp.where(params.temperature[:, None] > 0, q, onehot)
 
 
@@ -472,6 +499,8 @@ def accept_sampled_drafts(
     capped at 0 is plain sampling, token for token; ``relaxed`` as in
     :func:`accept_argmax_drafts`. Returns (emitted [B, K+1], n_accepted [B]).
     """
+    if traced_greedy_only():  # what the general program gives greedy rows, alone
+        return accept_argmax_drafts(target_logits, drafts, params, first, cap, relaxed)
     b, k1, v = target_logits.shape
     k = k1 - 1
     below = _below(cap, k, b)

@@ -41,6 +41,7 @@ from mtp_jax.sampling import (
     TokenLogprobs,
     accept_argmax_drafts,
     accept_sampled_drafts,
+    greedy_only,
     relaxed_ok,
     sample,
     sort_only,
@@ -85,6 +86,11 @@ class StepConfig:
     tree: TokenTree | None = None
     """Verify a token tree of drafts (:mod:`mtp_jax.tree`) instead of a chain: ``k`` is then its
     draft nodes (``tree.size - 1``), the draft a chained one (:attr:`Draft.trees`)."""
+    greedy: bool = False
+    """Every row decodes greedily (temperature 0): sampling is traced as the argmax alone
+    (:func:`mtp_jax.sampling.greedy_only`), a smaller program giving the same tokens. For callers
+    that know every request up front (:func:`mtp_jax.engine.generate`); a scheduler with it refuses
+    requests that sample."""
 
     def __post_init__(self) -> None:
         if self.k > 0 and (self.draft is None or self.draft_idle):
@@ -222,13 +228,14 @@ forward_paged_jit = jax.jit(
 )
 
 
-def _mesh_sampling(fn: Callable) -> Callable:
-    """``fn`` (taking a ``sc``) traced with :func:`mtp_jax.sampling.sort_only` when ``sc`` has a mesh."""
+def _traced_sampling(fn: Callable) -> Callable:
+    """``fn`` (taking a ``sc``) traced with :func:`mtp_jax.sampling.sort_only` when ``sc`` has a mesh
+    and with :func:`mtp_jax.sampling.greedy_only` when ``sc.greedy``."""
 
     @functools.wraps(fn)
     def inner(*args, **kwargs):
         sc = kwargs.get("sc") or next(a for a in args if isinstance(a, StepConfig))
-        with sort_only(sc.mesh is not None):
+        with sort_only(sc.mesh is not None), greedy_only(sc.greedy):
             return fn(*args, **kwargs)
 
     return inner
@@ -273,7 +280,7 @@ def _followed_by(tokens: jax.Array, last: jax.Array, after: jax.Array) -> jax.Ar
 
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
-@_mesh_sampling
+@_traced_sampling
 def prefill(
     params: dict,
     state: DecodeState,
@@ -355,7 +362,7 @@ def prefill(
 
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
-@_mesh_sampling
+@_traced_sampling
 def prefill_chunk(
     params: dict,
     state: DecodeState,
@@ -579,7 +586,7 @@ def _merge_rows(state: DecodeState, part: DecodeState, rows: int) -> DecodeState
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "rows"), donate_argnames=("state",))
-@_mesh_sampling
+@_traced_sampling
 def step(
     params: dict,
     state: DecodeState,
@@ -654,12 +661,12 @@ def step(
 # how the benefit of fusion is measured rather than assumed.
 _verify_jit = jax.jit(_verify, static_argnames=("sc",))
 _commit_and_draft_jit = jax.jit(
-    _mesh_sampling(_commit_and_draft), static_argnames=("sc",), donate_argnames=("state",)
+    _traced_sampling(_commit_and_draft), static_argnames=("sc",), donate_argnames=("state",)
 )
 
 
 @functools.partial(jax.jit, static_argnames=("sc",))
-@_mesh_sampling
+@_traced_sampling
 def _accept_jit(
     logits: jax.Array, state: DecodeState, sc: StepConfig, bitmask: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:

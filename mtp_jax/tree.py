@@ -31,6 +31,7 @@ from mtp_jax.sampling import (
     processed_logprobs,
     repeat_rows,
     row_keys,
+    traced_greedy_only,
     without_replacement,
 )
 from mtp_jax.targets.base import TreeMask
@@ -154,8 +155,10 @@ def accept_tree(
         flat = processed_logprobs(target_logits.reshape(b * n, v), repeat_rows(params, n))
         return jnp.exp(flat).reshape(b, n, v)
 
-    # an all-greedy batch skips the vocabulary sorts of the processed distributions
-    p = jax.lax.cond(jnp.any(params.temperature > 0), processed, lambda: jnp.zeros((b, n, v), jnp.float32))
+    greedy_only = traced_greedy_only()  # a greedy program: no sampled acceptance traced at all
+    if not greedy_only:  # an all-greedy batch skips the vocabulary sorts of the processed distributions
+        nothing = lambda: jnp.zeros((b, n, v), jnp.float32)  # noqa: E731
+        p = jax.lax.cond(jnp.any(params.temperature > 0), processed, nothing)
     greedy_pick = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
     stochastic = params.temperature > 0
     rows = jnp.arange(b)
@@ -170,18 +173,20 @@ def accept_tree(
             given &= (cap > d)[:, None]
         safe = jnp.maximum(child_ids, 0)
         candidates = jnp.take_along_axis(tokens, safe, axis=1)  # [B, c]
-        if draft_q is None:
-            laws = jax.nn.one_hot(candidates, v, dtype=jnp.float32)
-        else:
-            laws = without_replacement(draft_q[rows, cur], candidates)  # [B, c, V]
-        keys = row_keys(params.seed, first + d, ACCEPT)
-        chosen, token = accept_siblings(p[rows, cur], candidates, laws, keys, given)
         # greedy rows: the child whose token is the target's argmax at this node, if any
         target_top = greedy_pick[rows, cur]
         match = given & (candidates == target_top[:, None])
-        g_chosen = jnp.where(match.any(-1), jnp.argmax(match, axis=-1), -1).astype(jnp.int32)
-        chosen = jnp.where(stochastic, chosen, g_chosen)
-        token = jnp.where(stochastic, token, target_top)
+        chosen = jnp.where(match.any(-1), jnp.argmax(match, axis=-1), -1).astype(jnp.int32)
+        token = target_top
+        if not greedy_only:
+            if draft_q is None:
+                laws = jax.nn.one_hot(candidates, v, dtype=jnp.float32)
+            else:
+                laws = without_replacement(draft_q[rows, cur], candidates)  # [B, c, V]
+            keys = row_keys(params.seed, first + d, ACCEPT)
+            s_chosen, s_token = accept_siblings(p[rows, cur], candidates, laws, keys, given)
+            chosen = jnp.where(stochastic, s_chosen, chosen)
+            token = jnp.where(stochastic, s_token, token)
         moved = alive & (chosen >= 0)
         nxt = jnp.take_along_axis(safe, jnp.maximum(chosen, 0)[:, None], axis=1)[:, 0]
         emitted.append(jnp.where(alive, token, 0))

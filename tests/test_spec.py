@@ -3,12 +3,16 @@ streaming, statistics and refusals. Exactness of stochastic acceptance is in tes
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.step import step
+from mtp_jax.engine import Request, Scheduler
+from mtp_jax.sampling import RowSampling
+from mtp_jax.step import StepConfig, init_state, step
 
 RNG = np.random.default_rng(7)
 LENGTHS = [5, 12, 3, 9, 17, 1]
@@ -87,6 +91,45 @@ def test_speculative_step_compiles_once(oracle_model):
     )
     assert result.stats["steps"] > 3
     assert step._cache_size() == seen
+
+
+def test_an_all_greedy_call_traces_no_sampling_and_keeps_every_token(oracle_model):
+    """When every row is greedy, generate runs greedy-only programs (``StepConfig.greedy``): no
+    draw, sort, truncation or greedy/sampled ``cond`` is traced into the step, and the tokens are
+    those the same rows get from the general program, in a batch where another row samples."""
+    prompts = prompts_for(oracle_model, [5, 12, 3])
+    kw = dict(max_new_tokens=10, ignore_eos=True, draft="mtp", num_speculative_tokens=2)
+    kw["draft_sampling"] = "sampled"
+    greedy = oracle_model.generate(prompts, **kw)
+    mixed = oracle_model.generate(prompts + prompts[:1], temperature=[0.0, 0.0, 0.0, 1.0], seed=3, **kw)
+    assert mixed.tokens[:3] == greedy.tokens
+    assert greedy.stats["acceptance_length"] > 1.3  # not vacuous: the sampled-mode drafts were accepted
+
+    general = StepConfig(oracle_model.config, 4, k=2, draft="mtp", draft_sampling="sampled")
+    state = init_state(general, 2, 8, 4, jnp.float32)
+
+    def primitives(jaxpr, found: set) -> set:
+        for eqn in jaxpr.eqns:
+            found.add(eqn.primitive.name)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                        primitives(getattr(sub, "jaxpr", sub), found)
+        return found
+
+    def traced(sc: StepConfig) -> set:
+        return primitives(step.trace(oracle_model.params, state, sc).jaxpr.jaxpr, set())
+
+    everything, argmax_only = traced(general), traced(dataclasses.replace(general, greedy=True))
+    for primitive in ("random_bits", "sort", "cumsum", "cond"):
+        assert primitive in everything and primitive not in argmax_only, primitive
+
+    sched = Scheduler(
+        oracle_model.params, dataclasses.replace(general, greedy=True), slots=2, width=4,
+        eos_token_ids=(), cache_dtype=jnp.float32,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="greedy-only"):
+        sched.submit(Request(prompts[0], 3, RowSampling.build(1, temperature=0.7)))
 
 
 def test_bfloat16_speculative_matches_its_plain_decoding(make_checkpoint):

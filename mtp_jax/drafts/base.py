@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.sampling import DRAFT, RowSampling, draft_probs, repeat_rows, row_keys, sample
+from mtp_jax.sampling import (
+    DRAFT,
+    RowSampling,
+    draft_probs,
+    repeat_rows,
+    row_keys,
+    sample,
+    traced_greedy_only,
+)
 from mtp_jax.targets.base import Hidden, TreeMask
 
 
@@ -310,6 +318,8 @@ def _children(logits: jax.Array, width: int, sampled: bool, sampling: RowSamplin
     per = repeat_rows(sampling, f)
     flat = logits.reshape(b * f, v)
     q = draft_probs(flat, per)
+    if traced_greedy_only():  # every row greedy: the likeliest children, as below, and no draws
+        return top, q.reshape(b, f, v)
     keys = row_keys(per.seed, jnp.repeat(position, f), DRAFT)
     keys = jax.vmap(jax.random.fold_in)(keys, jnp.tile(jnp.asarray(parents, jnp.uint32), b))
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.scripts import run_script
 
 
 def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
@@ -37,14 +34,7 @@ def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
         "materialize",
         "blocked",
     ]
-    env = dict(os.environ, PYTHONPATH=REPO)
-    run = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_kernels.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    run = run_script("bench_kernels.py", *args, timeout=300)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert report["copy_bandwidth_gb_s"] > 0
