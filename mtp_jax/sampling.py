@@ -273,13 +273,11 @@ def processed_logprobs(logits: jax.Array, params: RowSampling) -> jax.Array:
     truncates = jnp.any((params.top_k > 0) & (params.top_k < vocab)) | jnp.any(params.top_p < 1.0)
 
     def truncated(x: jax.Array, tier: int = 0) -> jax.Array:
-        if (
-            _SORT_ONLY.get()
-            or tier == len(TRUNCATION_CANDIDATES)
-            or (tier and TRUNCATION_CANDIDATES[tier - 1] >= vocab)
-        ):
+        if _SORT_ONLY.get() or tier == len(TRUNCATION_CANDIDATES):
             return sorted_thresholds(x, params)
         threshold, exact = candidate_thresholds(x, params, TRUNCATION_CANDIDATES[tier])
+        if TRUNCATION_CANDIDATES[tier] >= vocab:  # every value a candidate: exact, nothing to fall back to
+            return threshold
         return jax.lax.cond(jnp.all(exact), lambda x: threshold, lambda x: truncated(x, tier + 1), x)
 
     no_cut = lambda x: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype)  # noqa: E731
