@@ -121,8 +121,9 @@ def test_an_all_greedy_call_traces_no_sampling_and_keeps_every_token(oracle_mode
         return primitives(step.trace(oracle_model.params, state, sc).jaxpr.jaxpr, set())
 
     everything, argmax_only = traced(general), traced(dataclasses.replace(general, greedy=True))
-    for primitive in ("random_bits", "sort", "cumsum", "cond"):
+    for primitive in ("random_bits", "cumsum", "cond"):  # draws, nucleus masses, greedy/sampled
         assert primitive in everything and primitive not in argmax_only, primitive
+    assert "sort" not in argmax_only  # (top_k is the MoE router's, in both)
 
     sched = Scheduler(
         oracle_model.params, dataclasses.replace(general, greedy=True), slots=2, width=4,
