@@ -167,38 +167,38 @@ temperature 0.7 the top-p 0.9 / 0.95 nucleus has a median of 3 / 4 tokens and pa
 about 216."""
 
 
+@contextlib.contextmanager
+def _set_while(flag: contextvars.ContextVar, on: bool) -> Iterator[None]:
+    """``flag`` set to ``on`` inside the context (a trace-time switch), restored after it."""
+    token = flag.set(on)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+
+
 _SORT_ONLY = contextvars.ContextVar("mtp_jax_sampling_sort_only", default=False)
 
 
-@contextlib.contextmanager
-def sort_only(on: bool = True) -> Iterator[None]:
+def sort_only(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """While tracing inside this context (``on``), :func:`processed_logprobs` takes its top-k /
     top-p thresholds from the full sort, not the partial selection: XLA's SPMD partitioner does not
     split ``lax.top_k`` over rows, so on a mesh the selection would gather every row's logits onto
     every device. The step sets it for programs with a mesh; it is read at trace time only."""
-    token = _SORT_ONLY.set(on)
-    try:
-        yield
-    finally:
-        _SORT_ONLY.reset(token)
+    return _set_while(_SORT_ONLY, on)
 
 
 _GREEDY_ONLY = contextvars.ContextVar("mtp_jax_sampling_greedy_only", default=False)
 
 
-@contextlib.contextmanager
-def greedy_only(on: bool = True) -> Iterator[None]:
+def greedy_only(on: bool = True) -> contextlib.AbstractContextManager[None]:
     """While tracing inside this context (``on``), every row is taken to decode greedily
     (temperature 0): :func:`sample` is the argmax alone, :func:`draft_probs` its one-hot, and
     sampled acceptance is argmax acceptance, with no truncation, draw or ``cond`` between the two
     in the program. The tokens are those the general program gives such rows; only the program is
     smaller (about 30% less to trace, lower and compile). The step sets it for a
     :class:`mtp_jax.step.StepConfig` with ``greedy``; it is read at trace time only."""
-    token = _GREEDY_ONLY.set(on)
-    try:
-        yield
-    finally:
-        _GREEDY_ONLY.reset(token)
+    return _set_while(_GREEDY_ONLY, on)
 
 
 def traced_greedy_only() -> bool:

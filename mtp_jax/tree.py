@@ -155,8 +155,8 @@ def accept_tree(
         flat = processed_logprobs(target_logits.reshape(b * n, v), repeat_rows(params, n))
         return jnp.exp(flat).reshape(b, n, v)
 
-    greedy_only = traced_greedy_only()  # a greedy program: no sampled acceptance traced at all
-    if not greedy_only:  # an all-greedy batch skips the vocabulary sorts of the processed distributions
+    all_greedy = traced_greedy_only()  # a greedy program: no sampled acceptance traced at all
+    if not all_greedy:  # an all-greedy batch skips the vocabulary sorts of the processed distributions
         nothing = lambda: jnp.zeros((b, n, v), jnp.float32)  # noqa: E731
         p = jax.lax.cond(jnp.any(params.temperature > 0), processed, nothing)
     greedy_pick = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
@@ -178,7 +178,7 @@ def accept_tree(
         match = given & (candidates == target_top[:, None])
         chosen = jnp.where(match.any(-1), jnp.argmax(match, axis=-1), -1).astype(jnp.int32)
         token = target_top
-        if not greedy_only:
+        if not all_greedy:
             if draft_q is None:
                 laws = jax.nn.one_hot(candidates, v, dtype=jnp.float32)
             else:

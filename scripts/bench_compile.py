@@ -22,13 +22,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _phases(fn, args: tuple, sc) -> dict[str, float]:
-    """Seconds to trace, lower and compile ``fn(*args, sc=sc)`` once, from empty caches."""
+def _phases(fn, args: tuple) -> dict[str, float]:
+    """Seconds to trace, lower and compile ``fn(*args)`` once, from empty caches."""
     import jax
 
     jax.clear_caches()
     t0 = time.perf_counter()
-    traced = fn.trace(args[0], args[1], sc, *args[2:])
+    traced = fn.trace(*args)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
@@ -68,22 +68,22 @@ def main(argv: list[str] | None = None) -> int:
         plain = args.draft == "none" or k == 0
         spec = SpeculativeConfig() if plain else SpeculativeConfig(draft=args.draft, num_speculative_tokens=k)
         general = step_config(model, spec)
-        width = 8
+        b, width = args.batch, 8
         for mode, sc in (("general", general), ("greedy-only", dataclasses.replace(general, greedy=True))):
-            state = init_state(sc, args.batch, args.batch * width, width, jnp.float32)
-            b = args.batch
+            state = init_state(sc, b, b * width, width, jnp.float32)
             prefill_args = (
                 model.params,
                 state,
+                sc,
                 jnp.arange(b, dtype=jnp.int32),
                 np.ones((b, args.prompt_bucket), np.int32),
                 jnp.full((b,), args.prompt_bucket, jnp.int32),
                 jnp.arange(b * width, dtype=jnp.int32).reshape(b, width),
                 RowSampling.build(b),
             )
-            programs = (("prefill", prefill, prefill_args), ("step", step, (model.params, state)))
+            programs = (("prefill", prefill, prefill_args), ("step", step, (model.params, state, sc)))
             for name, fn, fargs in programs:
-                runs = [_phases(fn, fargs, sc) for _ in range(args.repeat)]
+                runs = [_phases(fn, fargs) for _ in range(args.repeat)]
                 row = {"program": name, "k": sc.k, "mode": mode}
                 row.update({p: statistics.median(r[p] for r in runs) for p in ("trace", "lower", "compile")})
                 row["total"] = row["trace"] + row["lower"] + row["compile"]
