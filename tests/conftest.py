@@ -269,8 +269,10 @@ def _release_compiled_programs():
 SECOND_LANE_MODULES = {  # seconds of tests on a 2-core machine, fresh clone of d08ecbd (60 min in all)
     "tests/test_acceptance.py",  # 366
     "tests/test_grammar.py",  # 264 (its child check runs in the worker)
+    "tests/test_embedded_drafts.py",  # 139
     "tests/test_prefill.py",  # 137
     "tests/test_serving.py",  # 129
+    "tests/test_server.py",  # 97
 }
 _LANE = SecondLane(REPO, TEST_XLA_FLAGS)
 
