@@ -54,6 +54,7 @@ class SecondLane:
         self.worker_failure = ""  # the worker's exit and output tail, where it did not report a test
         self.current: subprocess.Popen | None = None
         self.stopping = False
+        self.inline = False  # the worker's own lane: child checks run when their test asks
 
     # --- set up at collection's end ---------------------------------------------------------------
     def start(self, items: list, offload: set[str], config, background: bool = True) -> list:
