@@ -29,6 +29,13 @@ from _pytest.reports import TestReport
 
 CHILD_TIMEOUT = 600  # one child check
 WORKER_TIMEOUT = 3600  # the offloaded modules together
+WORKER_ENV = "MTP_JAX_TESTS_LANE_WORKER"  # set in the worker's environment
+
+
+def in_worker() -> bool:
+    """Whether this process is the second lane's worker (it offloads nothing and runs its child
+    checks itself)."""
+    return bool(os.environ.get(WORKER_ENV))
 
 
 @dataclasses.dataclass
@@ -114,7 +121,7 @@ class SecondLane:
             self.worker_failure = "the test session ended before the offloaded tests started"
             return
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.lane_worker", "-p", "no:cacheprovider"]
-        env = dict(os.environ, PYTHONPATH=self.repo, MTP_JAX_TESTS_LANE_WORKER="1")
+        env = dict(os.environ, PYTHONPATH=self.repo, **{WORKER_ENV: "1"})
         with tempfile.TemporaryDirectory(prefix="mtp-jax-lane-") as tmp:
             report_path, log_path = os.path.join(tmp, "reports.jsonl"), os.path.join(tmp, "output.txt")
             open(report_path, "w").close()

@@ -56,7 +56,7 @@ from mtp_jax.checkpoint.synthetic import (  # noqa: E402
     write_hub_checkpoint,
 )
 from mtp_jax.config import DeepseekV3Config  # noqa: E402
-from tests.background import SecondLane  # noqa: E402
+from tests.background import SecondLane, in_worker  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -280,7 +280,7 @@ _LANE = SecondLane(REPO, TEST_XLA_FLAGS)
 def _offload_wanted(config) -> bool:
     return not (
         os.environ.get("MTP_JAX_TESTS_ONE_PROCESS")
-        or os.environ.get("MTP_JAX_TESTS_LANE_WORKER")  # this is the worker
+        or in_worker()
         or (os.cpu_count() or 1) < 2
         or config.option.collectonly
         or config.option.usepdb
@@ -292,8 +292,7 @@ def _offload_wanted(config) -> bool:
 def pytest_collection_modifyitems(session, config, items) -> None:
     if not config.option.collectonly:
         offload = SECOND_LANE_MODULES if _offload_wanted(config) else set()
-        worker = bool(os.environ.get("MTP_JAX_TESTS_LANE_WORKER"))  # runs its child checks itself
-        items[:] = _LANE.start(items, offload, config, background=not worker)
+        items[:] = _LANE.start(items, offload, config, background=not in_worker())
 
 
 @pytest.hookimpl(tryfirst=True)
