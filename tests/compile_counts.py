@@ -1,6 +1,9 @@
 """A pytest plugin that counts the XLA programs each test compiles, by jitted function, with their
 backend compile seconds: ``python -m pytest -p tests.compile_counts --compile-counts=FILE tests/...``
-writes ``{test id: {function: [programs, seconds]}}`` as JSON and prints the ten costliest tests.
+writes ``{test id: {function: [programs, seconds]}}`` as JSON and prints the ten costliest tests and
+the run's split of JIT time. Two entries of each test are not functions: ``"(trace)"`` and
+``"(lower)"`` hold [events, seconds] of tracing to jaxprs and lowering them to MLIR (JAX's own
+duration events), the phases that come before each backend compile.
 
 The suite's time is mostly compiling (README, Tests), and counts do not vary from run to run the way
 seconds do on a shared 2-core machine: a change meant to shorten a test file shows in its counts of
@@ -17,8 +20,13 @@ import re
 
 import jax
 import pytest
+from jax._src import monitoring  # JAX's duration events (no public listener API)
 
 _FINISHED = re.compile(r"Finished XLA compilation of jit\((.*?)\) in ([0-9.e+-]+) sec")
+_PHASES = {  # JAX's event -> this plugin's entry
+    "/jax/core/compile/jaxpr_trace_duration": "(trace)",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "(lower)",
+}
 
 
 class _Counts(logging.Handler):
@@ -36,6 +44,13 @@ class _Counts(logging.Handler):
             entry[0] += 1
             entry[1] += float(m[2])
 
+    def duration(self, event: str, seconds: float, **_) -> None:
+        phase = _PHASES.get(event)
+        if phase is not None:
+            entry = self.counts[self.test][phase]
+            entry[0] += 1
+            entry[1] += seconds
+
 
 _HANDLER: _Counts | None = None
 
@@ -50,6 +65,7 @@ def pytest_configure(config) -> None:
         _HANDLER = _Counts()
         jax.config.update("jax_log_compiles", True)
         logging.getLogger("jax").addHandler(_HANDLER)  # the compile messages propagate up to it
+        monitoring.register_event_duration_secs_listener(_HANDLER.duration)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -66,11 +82,20 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     with open(f"{path}.tmp", "w", encoding="utf-8") as f:  # whole or not at all
         json.dump(_HANDLER.counts, f, indent=1)
     os.replace(f"{path}.tmp", path)
+
+    def programs(fns: dict) -> dict:
+        return {fn: v for fn, v in fns.items() if fn not in _PHASES.values()}
+
     costs = sorted(
         ((sum(s for _, s in fns.values()), test, fns) for test, fns in _HANDLER.counts.items()), reverse=True
     )
-    terminalreporter.write_sep("-", f"compiled programs per test (all in {path})")
+    terminalreporter.write_sep("-", f"compiled programs per test: trace + lower + compile (all in {path})")
     for seconds, test, fns in costs[:10]:
-        n = sum(c for c, _ in fns.values())
+        n = sum(c for c, _ in programs(fns).values())
         main = ", ".join(f"{fn} {fns[fn][0]}" for fn in ("prefill", "step") if fn in fns)
         terminalreporter.write_line(f"{seconds:6.1f} s {n:4d} programs ({main or 'no prefill/step'}) {test}")
+    totals = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
+    for fns in _HANDLER.counts.values():
+        for fn, (_, sec) in fns.items():
+            totals[fn.strip("()") if fn in _PHASES.values() else "compile"] += sec
+    terminalreporter.write_line("run: " + ", ".join(f"{k} {v:.1f} s" for k, v in totals.items()))
