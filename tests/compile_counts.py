@@ -29,6 +29,11 @@ _PHASES = {  # JAX's event -> this plugin's entry
 }
 
 
+def _programs(fns: dict) -> dict:
+    """A test's entries that are compiled functions (its phase entries left out)."""
+    return {fn: v for fn, v in fns.items() if fn not in _PHASES.values()}
+
+
 class _Counts(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -82,20 +87,18 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     with open(f"{path}.tmp", "w", encoding="utf-8") as f:  # whole or not at all
         json.dump(_HANDLER.counts, f, indent=1)
     os.replace(f"{path}.tmp", path)
-
-    def programs(fns: dict) -> dict:
-        return {fn: v for fn, v in fns.items() if fn not in _PHASES.values()}
-
     costs = sorted(
         ((sum(s for _, s in fns.values()), test, fns) for test, fns in _HANDLER.counts.items()), reverse=True
     )
     terminalreporter.write_sep("-", f"compiled programs per test: trace + lower + compile (all in {path})")
     for seconds, test, fns in costs[:10]:
-        n = sum(c for c, _ in programs(fns).values())
+        n = sum(c for c, _ in _programs(fns).values())
         main = ", ".join(f"{fn} {fns[fn][0]}" for fn in ("prefill", "step") if fn in fns)
         terminalreporter.write_line(f"{seconds:6.1f} s {n:4d} programs ({main or 'no prefill/step'}) {test}")
-    totals = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
-    for fns in _HANDLER.counts.values():
-        for fn, (_, sec) in fns.items():
-            totals[fn.strip("()") if fn in _PHASES.values() else "compile"] += sec
+    tests = _HANDLER.counts.values()
+    totals = {
+        "trace": sum(fns["(trace)"][1] for fns in tests if "(trace)" in fns),
+        "lower": sum(fns["(lower)"][1] for fns in tests if "(lower)" in fns),
+        "compile": sum(sec for fns in tests for _, sec in _programs(fns).values()),
+    }
     terminalreporter.write_line("run: " + ", ".join(f"{k} {v:.1f} s" for k, v in totals.items()))
