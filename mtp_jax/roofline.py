@@ -282,7 +282,8 @@ def time_step(
     before the first call, so it is there even when running the step runs out of memory.
     ``lora_slots`` [batch]: the rows' LoRA adapter slots (params holding adapters). ``logprobs``: the
     step's program that also returns log-probabilities (what runs while a request asks). ``tree``:
-    verify that :class:`mtp_jax.tree.TokenTree` instead (``k`` must be its draft nodes)."""
+    verify that :class:`mtp_jax.tree.TokenTree` instead (``k`` must be its draft nodes). Each
+    timed call starts with K drafts in every row (:func:`timed_call_state`)."""
     from mtp_jax.step import StepConfig, init_state, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
@@ -306,6 +307,7 @@ def time_step(
     # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
     calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
     lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(calls)]
+    counts = [jnp.full((batch,), k, jnp.int32) for _ in range(calls)]
     holder = [state]
     compiled = step.lower(params, state, sc).compile()  # compiled once, called below
     if memory is not None:
@@ -319,7 +321,7 @@ def time_step(
 
     def one() -> jax.Array:
         # feed back the new state, with the committed length reset
-        s = dataclasses.replace(holder[0], seq_len=lengths.pop())
+        s = timed_call_state(holder[0], seq_len=lengths.pop(), num_drafts=counts.pop())
         emitted, n_emit, holder[0], _logprobs = compiled(params, s)
         return n_emit
 
@@ -330,6 +332,18 @@ def time_step(
             for _ in range(PROFILED_STEPS):
                 jax.block_until_ready(one())
     return seconds
+
+
+def timed_call_state(state: Any, *, seq_len: jax.Array, num_drafts: jax.Array) -> Any:
+    """The state a timed step starts from: the previous call's, its committed length reset to
+    ``seq_len`` [b] and every row holding ``num_drafts`` [b] (K) drafts to verify. Without the
+    second, a draft that proposes per row (:attr:`mtp_jax.drafts.base.Draft.proposes_per_row`:
+    the n-gram lookup, which proposes nothing where the text so far has no match, as with random
+    weights and an empty history) would leave every timed step on the branch that verifies one
+    token per row, timing plain decoding under the draft's name. So the step is timed as one whose
+    drafts were proposed (verifying K + 1 tokens, the lookup included); a step without a match costs
+    what the K = 0 row does."""
+    return dataclasses.replace(state, seq_len=seq_len, num_drafts=num_drafts)
 
 
 PROFILED_STEPS = 3

@@ -3,9 +3,10 @@
 # kernel sweep and the unified step against its roofline (with a jax.profiler trace), for every
 # target x draft at real sizes with random weights. Logs and JSON go to OUT_DIR (default ./gpu-out).
 # Stages: env tests kernels mla dense step step_eagle3 step_dflash llama llama_eagle3 llama_dflash llama_ngram
-# step_dsf smollm2 (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf repeats step with XLA's
-# dynamic-slice fusion on; smollm2 times SmolLM2-135M's shape (random weights) plain and with its shipped EAGLE-3 draft's
-# shape at batch 1, 8 and 32 (SMOL_BATCH, SMOL_K). PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
+# step_dsf smollm2 smollm2_ngram (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf
+# repeats step with XLA's dynamic-slice fusion on; smollm2 times SmolLM2-135M's shape (random weights) plain and with its
+# shipped EAGLE-3 draft's shape at batch 1, 8 and 32 (SMOL_BATCH, SMOL_K); smollm2_ngram the same shape with n-gram
+# drafts (K = 3, 5, 8: SMOL_NGRAM_K), each step verifying K + 1 tokens as where the lookup matched. PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
 # every stage, so a run cut short still returns what it finished. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
 # hang in one leaves the others their time; a timed-out pytest is interrupted (SIGINT) so that it
 # still prints its summary.
@@ -55,7 +56,7 @@ for stage in $stages; do
         llama) run_args="--config configs/llama-3.1-8b.json --k 0" ;;
         llama_eagle3) run_args="--config configs/llama-3.1-8b.json --draft-config configs/eagle3-llama-3.1-8b.json --k 1 3" ;;
         llama_dflash) run_args="--config configs/llama-3.1-8b.json --draft-config configs/dflash-llama-3.1-8b.json --k 3 7" ;;
-        llama_ngram) run_args="--config configs/llama-3.1-8b.json --draft ngram --k 3 7" ;;  # no weights: the verify cost alone
+        llama_ngram) run_args="--config configs/llama-3.1-8b.json --draft ngram --k 3 7" ;;  # no weights: verifying K + 1 and the lookup
       esac
       [ -n "${STEP_K:-}" ] && run_args="$run_args --k $STEP_K"  # e.g. STEP_K="3": one K per stage
       timeout "${STEP_S:-300}" $PY scripts/bench_step.py $run_args ${STEP_ARGS:---context 4096 --iters 10} \
@@ -69,14 +70,18 @@ for stage in $stages; do
         --json "$OUT_DIR/step_dsf.json" >"$OUT_DIR/step_dsf.md" 2>"$OUT_DIR/step_dsf.log"
       echo "step_dsf rc=$?"; cat "$OUT_DIR/step_dsf.md"; tail -5 "$OUT_DIR/step_dsf.log"
       ;;
-    smollm2)  # item 5: the real model's shapes; tokens/s = rows x tokens per step (acceptance measured on the CPU) / step
+    smollm2|smollm2_ngram)  # item 5 and issue 32: the real model's shapes; tokens/s = rows x tokens per step
+      # (the acceptance length, measured end to end on the CPU with the real weights) / step
+      case $stage in
+        smollm2) draft_args="--draft-config checkpoints/smollm2-135m-instruct-eagle3/config.json --k ${SMOL_K:-0 2 3}" ;;
+        smollm2_ngram) draft_args="--draft ngram --k ${SMOL_NGRAM_K:-0 3 5 8}" ;;
+      esac
       for b in ${SMOL_BATCH:-1 8 32}; do
-        prof=""; [ "$b" = 1 ] && prof="--profile $OUT_DIR/prof_smollm2"
-        timeout "${STEP_S:-300}" $PY scripts/bench_step.py --config configs/smollm2-135m.json \
-          --draft-config checkpoints/smollm2-135m-instruct-eagle3/config.json --k ${SMOL_K:-0 2 3} --batch "$b" \
-          ${STEP_ARGS:---context 512 --iters 20} $prof --json "$OUT_DIR/smollm2-b$b.json" \
-          >"$OUT_DIR/smollm2-b$b.md" 2>"$OUT_DIR/smollm2-b$b.log"
-        echo "smollm2 batch $b rc=$?"; cat "$OUT_DIR/smollm2-b$b.md"; grep -vE "^\s+[0-9.]+ us" "$OUT_DIR/smollm2-b$b.log" | tail -3
+        prof=""; [ "$b" = 1 ] && prof="--profile $OUT_DIR/prof_$stage"
+        timeout "${STEP_S:-300}" $PY scripts/bench_step.py --config configs/smollm2-135m.json $draft_args --batch "$b" \
+          ${STEP_ARGS:---context 512 --iters 20} $prof --json "$OUT_DIR/$stage-b$b.json" \
+          >"$OUT_DIR/$stage-b$b.md" 2>"$OUT_DIR/$stage-b$b.log"
+        echo "$stage batch $b rc=$?"; cat "$OUT_DIR/$stage-b$b.md"; grep -vE "^\s+[0-9.]+ us" "$OUT_DIR/$stage-b$b.log" | tail -3
       done
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -4,6 +4,7 @@ the parameter tree), random parameters against the loader's structure, and a CPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -196,6 +197,47 @@ def test_bench_step_with_a_random_eagle3_draft(tmp_path):
     # --logprobs: the step with log-probabilities timed beside the one without, alternately
     assert row["logprobs_step_ms"] > 0 and row["alternated_step_ms"] > 0
     assert "with log-probabilities" in run.stderr
+
+
+def test_timed_steps_verify_their_drafts_where_a_lookup_proposes_per_row(tiny_model):
+    """bench_step times an n-gram step as one whose lookup matched: each timed call starts from
+    :func:`roofline.timed_call_state`, every row holding K drafts, so the step verifies them (here the
+    target's own greedy tokens: all accepted, K + 1 emitted) instead of taking the branch of a step
+    in which no row has a draft (one token per row, plain decoding's cost under the draft's name)."""
+    from mtp_jax.step import StepConfig, init_state, step
+
+    cfg, params = tiny_model.config, tiny_model.params
+    k, batch, context, page = 3, 2, 12, 4
+    width = -(-(context + 2 * (k + 1)) // page)
+
+    def start(sc, drafts):
+        state = init_state(sc, batch, batch * width, width, jnp.float32)
+        return dataclasses.replace(
+            state,
+            page_table=jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width),
+            next_token=jnp.asarray([5, 9], jnp.int32),
+            drafts=drafts,
+            active=jnp.ones((batch,), bool),
+            seq_len=jnp.full((batch,), context, jnp.int32),
+        )
+
+    plain = StepConfig(cfg, page, 0)
+    state, greedy = start(plain, jnp.zeros((batch, 0), jnp.int32)), []
+    for _ in range(k):
+        emitted, _, state, _ = step(params, state, plain)
+        greedy.append(np.asarray(emitted[:, 0]))
+    greedy = np.stack(greedy, axis=1)  # [batch, k]: what the target says after next_token
+
+    sc = StepConfig(cfg, page, k, "ngram")
+    for drafts_held, emits in ((0, 1), (k, k + 1)):
+        state = roofline.timed_call_state(
+            start(sc, jnp.asarray(greedy)),
+            seq_len=jnp.full((batch,), context, jnp.int32),
+            num_drafts=jnp.full((batch,), drafts_held, jnp.int32),
+        )
+        emitted, n_emit, _, _ = step(params, state, sc)
+        assert np.asarray(n_emit).tolist() == [emits] * batch
+        np.testing.assert_array_equal(np.asarray(emitted)[:, : min(emits, k)], greedy[:, : min(emits, k)])
 
 
 @pytest.mark.parametrize(
