@@ -412,12 +412,16 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[{len(new)} tokens, stopped by {reason}]{accepted}", file=sys.stderr)
     st = result.stats
     per_position = ", ".join(f"{r:.2f}" for r in st["acceptance_rate_per_position"])
+    ttft, tpot = st["mean_time_to_first_token_seconds"], st["mean_time_per_output_token_seconds"]
+    latency = f"; time to first token {ttft * 1e3:.0f} ms" if ttft is not None else ""
+    latency += f", {tpot * 1e3:.1f} ms per token after it (means over requests)" if tpot is not None else ""
     print(
         f"[steps {st['steps']}, {st['new_tokens']} new tokens in {wall:.2f}s incl. compilation; "
         f"decode {st['decode_tokens_per_second_after_first_call']:.1f} tok/s after the first step "
         f"({st['first_step_call_seconds']:.2f}s, compiling it); "
         f"acceptance length {st['acceptance_length']:.2f}"
         + (f"; acceptance by position [{per_position}]" if per_position else "")
+        + latency
         + "]",
         file=sys.stderr,
     )

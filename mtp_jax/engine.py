@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ class GenerateResult:
     with text prompts or stop strings each request's new text. ``logprobs``: per prompt that asked
     (``SamplingParams.logprobs``), one :class:`TokenLogprob` per new token (None for the others);
     ``prompt_logprobs``: per prompt that asked, one per prompt token (None for the first, which
-    follows nothing)."""
+    follows nothing). Each request's stats also hold its latencies (:meth:`Request.timings`)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
@@ -100,6 +100,17 @@ class SpecCounters:
         }
 
 
+TIMINGS = ("time_to_first_token_seconds", "time_per_output_token_seconds")
+"""The latencies :meth:`Request.timings` reports (seconds); a generate call's stats hold their means
+(``mean_time_to_first_token_seconds``, ...)."""
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    """The mean of the values that are not None (None if none is)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
 def next_power_of_two(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
@@ -114,7 +125,9 @@ class Request:
     also ``token_logprobs``, each token's before ``on_token`` is called for it. ``cache_salt``
     separates cached prefixes (:class:`mtp_jax.cache.PrefixCache`): only requests with equal salts
     (and LoRA slots) share pages; whoever builds requests changes it when the weights that
-    computed a prefix change (an adapter reloaded into the same slot)."""
+    computed a prefix change (an adapter reloaded into the same slot). ``submitted_at``,
+    ``first_token_at`` and ``finished_at`` (:func:`time.perf_counter` seconds) are filled in as the
+    scheduler queues the request, hands it its first token and finishes it: :meth:`timings`."""
 
     prompt: list[int]
     max_new_tokens: int
@@ -129,6 +142,22 @@ class Request:
     logprobs: int | None = None
     token_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     cache_salt: bytes = b""
+    submitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    def timings(self) -> dict:
+        """Its latencies as serving engines report them, in seconds (None where not reached yet):
+        ``time_to_first_token_seconds`` (queued to first token: waiting, prefill) and
+        ``time_per_output_token_seconds`` (first token to the last, over the tokens after the
+        first: decoding alone; None with fewer than two). Tokens are timed when the host reads
+        them, a step after they were dispatched."""
+        ttft = tpot = None
+        if self.first_token_at is not None and self.submitted_at is not None:
+            ttft = self.first_token_at - self.submitted_at
+        if self.first_token_at is not None and self.finished_at is not None and len(self.tokens) > 1:
+            tpot = (self.finished_at - self.first_token_at) / (len(self.tokens) - 1)
+        return dict(zip(TIMINGS, (ttft, tpot), strict=True))
 
 
 def _lora_slot(req: Request) -> int:
@@ -273,6 +302,8 @@ class Scheduler:
             req.id = self._next_id
         self._next_id = max(self._next_id, req.id + 1)
         req.counters = SpecCounters(self.depth)
+        if req.submitted_at is None:  # an engine's request is timed from its own submit
+            req.submitted_at = time.perf_counter()
         req.sampling = jax.tree.map(np.asarray, req.sampling)
         self.queue.append(req)
         return req
@@ -321,6 +352,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish = reason
+        req.finished_at = time.perf_counter()
         if self._constrained(req):
             self.constraints.finish(req.id)
         if req.on_finish is not None:
@@ -329,6 +361,8 @@ class Scheduler:
     def _emit(self, req: Request, tokens: np.ndarray, logprobs=None) -> bool:
         """Hand ``tokens`` to ``req`` (with ``logprobs``: their host TokenLogprobs arrays); True
         when that finishes it."""
+        if not req.tokens and len(tokens):
+            req.first_token_at = time.perf_counter()
         for i, tok in enumerate(tokens.tolist()):
             req.tokens.append(tok)
             if req.logprobs is not None and logprobs is not None:
@@ -770,6 +804,7 @@ def generate(
     run = sched.counters
     spec = run.as_dict()
     first_step = sched.first_step_seconds
+    timings = [req.timings() for req in requests]
     stats = {
         "prompts": n,
         "batch": batch,
@@ -790,6 +825,7 @@ def generate(
         # the first step call's wall time: its compilation when the step is not compiled yet
         "first_step_call_seconds": first_step,
         "decode_tokens_per_second_after_first_call": run.emitted / max(decode_time - first_step, 1e-9),
+        **{f"mean_{key}": _mean(t[key] for t in timings) for key in TIMINGS},
         **{k: v for k, v in spec.items() if k != "steps"},
     }
     if constraints is not None:  # host time spent in the grammars (masks, advancing the matchers)
@@ -798,7 +834,7 @@ def generate(
         tokens=out,
         finish_reasons=[req.finish for req in requests],
         stats=stats,
-        request_stats=[req.counters.as_dict() for req in requests],
+        request_stats=[{**req.counters.as_dict(), **t} for req, t in zip(requests, timings, strict=True)],
         logprobs=None
         if logprobs is None or all(n is None for n in logprobs)
         else [None if req.logprobs is None else req.token_logprobs for req in requests],

@@ -6,7 +6,8 @@ Runs of separate processes on these shared machines move +-10% between each othe
 difference being measured, so this script times plain decoding and the n-gram draft at each K with
 ``--min-n`` A and B in one process, in the order A B then B A (each after a compiling warm-up over
 the same prompts), on SmolLM2-135M-Instruct (float32) and the held-out prompts of
-``scripts/bench_real.py`` (``--kinds``), greedy, batch 1, end to end.
+``scripts/bench_real.py`` (``--kinds``), greedy, batch 1, end to end, and the time per output
+token (decoding alone: a request's first token to its last).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> int:
         seconds = time.perf_counter() - t0
         row = {"k": k, "min_n": min_n if k else None, "tok_s": len(prompts) * args.new_tokens / seconds}
         row["acceptance_length"] = r.stats["acceptance_length"]
+        row["tpot_ms"] = r.stats["mean_time_per_output_token_seconds"] * 1e3  # decoding alone
         print(row, file=sys.stderr, flush=True)
         return row
 

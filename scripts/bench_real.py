@@ -14,6 +14,9 @@ and with ``--kinds edit`` requests whose reply repeats the input (a held-out fun
 whole with a docstring added), rendered with the model's chat template; every engine gets the same
 token ids and generates ``--new-tokens`` tokens past any end of turn. Rates are end to end
 (prefill included) over the timed repeats after one untimed warm-up, median of ``--repeats``;
+mtp-jax's rows also give the time per output token (``tpot_ms``: a request's first token to its
+last over the tokens after the first, the mean over requests; what speculation changes, without the
+prefill that both columns pay);
 batch B runs B prompts at once where the engine can (llama-cpp-python has no batched API: batch
 1 only). Configurations:
 
@@ -209,7 +212,7 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
                     if owners.get(m) is not None
                 ]
             for owner, kwargs, label in todo:
-                stats = {}
+                stats, tpots = {}, []
                 method = "dflash" if owner in dflash else owner
 
                 def run(
@@ -217,6 +220,7 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
                     method=method,
                     kwargs=kwargs,
                     stats=stats,
+                    tpots=tpots,
                     batch=batch,
                     temperature=temperature,
                 ):
@@ -232,8 +236,10 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
                         **kwargs,
                     )
                     stats.update(r.stats)
+                    tpots.append(r.stats["mean_time_per_output_token_seconds"])
 
                 seconds = timed(run, args.repeats)
+                tpot = statistics.median(tpots[1:])  # the timed runs'; the first is the warm-up
                 rows.append(
                     {
                         "engine": "mtp-jax",
@@ -244,6 +250,9 @@ def ours(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
                         "top_p": args.top_p if temperature else 1.0,
                         "tok_s": len(prompts) * args.new_tokens / seconds,
                         "acceptance_length": stats.get("acceptance_length"),
+                        # decoding alone: a request's first token to its last (prefill and waiting left out)
+                        "tpot_ms": tpot * 1e3,
+                        "decode_tok_s_per_request": 1 / tpot,
                     }
                 )
                 print(rows[-1], file=sys.stderr, flush=True)
@@ -350,6 +359,7 @@ def main() -> int:
     write_json(args.json, report)
     for r in rows:
         acc = f", acceptance {r['acceptance_length']:.2f}" if r.get("acceptance_length") else ""
+        acc += f", {r['tpot_ms']:.1f} ms per token decoding" if r.get("tpot_ms") else ""
         print(
             f"{r['engine']:13s} {r['config']:18s} {r['weights']:8s} batch {r['batch']} T={r['temperature']}: "
             f"{r['tok_s']:.1f} tok/s{acc}"

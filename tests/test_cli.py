@@ -24,7 +24,8 @@ MAIN = 'if __name__ == "__main__":\n    main()\n'
 STATS = re.compile(
     r"\[steps (\d+), (\d+) new tokens in [\d.]+s .*; decode [\d.]+ tok/s after the first step "
     r"\([\d.]+s, compiling it\); acceptance length ([\d.]+)"
-    r"(?:; acceptance by position \[([\d., ]+)\])?\]"
+    r"(?:; acceptance by position \[([\d., ]+)\])?"
+    r"; time to first token (\d+) ms(?:, ([\d.]+) ms per token after it \(means over requests\))?\]"
 )
 ROW = re.compile(r"\[(\d+) tokens, stopped by (eos|length|grammar)\]")
 
@@ -66,6 +67,7 @@ def check_stats(err: str, max_new: int, prompts: int = 1, k: int = 3) -> None:
     assert m, err
     steps, new = int(m.group(1)), int(m.group(2))
     assert 1 <= steps <= max_new
+    assert (m.group(6) is not None) == (new > prompts)  # a time per token where a request decoded
     rows = ROW.findall(err)
     assert len(rows) == prompts, err
     assert new == sum(int(n) for n, _ in rows)

@@ -131,6 +131,9 @@ def test_max_new_tokens_one(tiny_model):
     prompt = random_prompts(tiny_model.config.vocab_size, [4])
     result = tiny_model.generate(prompt, max_new_tokens=1)
     assert len(result.tokens[0]) == 1 and result.stats["steps"] == 0
+    assert result.request_stats[0]["time_to_first_token_seconds"] > 0
+    assert result.request_stats[0]["time_per_output_token_seconds"] is None  # no decoding
+    assert result.stats["mean_time_per_output_token_seconds"] is None
     assert result.tokens[0][0] == int(tiny_model.logits(prompt)[0, -1].argmax())
 
 
@@ -144,6 +147,19 @@ def test_stats(tiny_model):
     assert st["tokens_per_second"] > 0 and st["acceptance_length"] == 1.0
     assert 0 < st["first_step_call_seconds"] < st["decode_seconds"]
     assert st["decode_tokens_per_second_after_first_call"] > st["decode_tokens_per_second"]
+
+
+def test_request_latencies(tiny_model):
+    """Each request's time to first token and time per output token: one slot, so the second request
+    waits for the whole of the first (its TTFT covers the first's decoding); the run's stats hold
+    their means. (One new token has no TPOT: test_max_new_tokens_one.)"""
+    prompts = random_prompts(tiny_model.config.vocab_size, [3, 5])
+    result = tiny_model.generate(prompts, max_new_tokens=7, ignore_eos=True, max_batch=1)
+    first, second = result.request_stats
+    assert first["time_to_first_token_seconds"] > 0 and first["time_per_output_token_seconds"] > 0
+    assert second["time_to_first_token_seconds"] > 6 * first["time_per_output_token_seconds"]
+    for key in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
+        assert result.stats[f"mean_{key}"] == pytest.approx((first[key] + second[key]) / 2)
 
 
 @pytest.mark.parametrize(

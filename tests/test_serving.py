@@ -76,6 +76,8 @@ def test_requests_from_many_threads_equal_offline_generate(model, engine):
         else:
             assert r.tokens == want[i] and r.finish_reason in ("eos", "length"), (i, r.finish_reason)
             assert r.stats["num_draft_tokens"] > 0
+        # latencies from the engine's submit: the first token, then the tokens after it
+        assert r.stats["time_to_first_token_seconds"] > 0 and r.stats["time_per_output_token_seconds"] > 0
     assert any(results[i].finish_reason == "cancelled" for i in cancel)
     _wait_idle(engine)
     stats = engine.stats()

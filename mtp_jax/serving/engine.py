@@ -238,6 +238,7 @@ class Engine:
             id=rid,
             ignore_eos=past_eos,
             logprobs=params.logprobs,
+            submitted_at=time.perf_counter(),  # time to first token counts the engine's queue too
         )
         request.cache_salt = b"" if params.cache_salt is None else b"salt:" + params.cache_salt.encode()
         table = self.model.lora

@@ -24,8 +24,9 @@ with finish reason "stop" (stop strings are checked this way)."""
 @dataclasses.dataclass
 class Completion:
     """A finished request: its new tokens, why it stopped ("eos", "length", "stop", "grammar",
-    "cancelled", or "error"), its speculation counters (:class:`~mtp_jax.engine.SpecCounters`),
-    its text (with a text prompt or stop strings), and with ``logprobs`` asked one
+    "cancelled", or "error"), its speculation counters (:class:`~mtp_jax.engine.SpecCounters`) and
+    latencies (:meth:`~mtp_jax.engine.Request.timings`: time to first token from the engine's
+    submit), its text (with a text prompt or stop strings), and with ``logprobs`` asked one
     :class:`~mtp_jax.TokenLogprob` per token."""
 
     tokens: list[int]
@@ -159,7 +160,7 @@ class RequestHandle:
                 raise TimeoutError(f"request {self.id} still running after {timeout} s")
             text = "".join(self._pieces) + self._tail if self._text is not None else None
         self._raise_error()
-        counters = self.request.counters.as_dict()
+        counters = {**self.request.counters.as_dict(), **self.request.timings()}
         return Completion(
             list(self._tokens), self._finish, counters, text, self.token_logprobs(0, len(self._tokens))
         )
