@@ -154,6 +154,7 @@ def test_bench_step_smoke_run(tmp_path):
     assert set(rows) == {0, 2}
     for r in rows.values():
         assert r["step_ms"] > 0 and r["bytes"] == pytest.approx(sum(r["bytes_by_part"].values()))
+        assert r["dispatch_ms"] > 0  # the host's time per call, beside the step's
         assert r["over_roofline"] == pytest.approx(r["step_ms"] / r["roofline_ms"])
         assert r["roofline_ms"] == pytest.approx(r["bytes"] / report["bandwidth_limit_gb_s"] / 1e6)
     # two layers (one dense, one MoE) read the cache, plus the two MTP passes at K = 2
