@@ -66,10 +66,12 @@ def replay(replies: list[dict], k: int, min_n: int, max_n: int) -> dict:
     from mtp_jax.drafts.ngram import lookup
 
     propose = jax.jit(functools.partial(lookup, k=k, max_n=max_n, min_n=min_n, none=-1))
+    # one history width for every reply: compiled once (the lookup reads only the first n tokens)
+    width = max(len(item["prompt"]) + len(item["reply"]) for item in replies) + k
     plain = verifying = all_accepted = tokens = 0
     for item in replies:
         prompt, reply = item["prompt"], item["reply"]
-        history = np.zeros((1, len(prompt) + len(reply) + k), np.int32)
+        history = np.zeros((1, width), np.int32)
         history[0, : len(prompt)] = prompt
         history[0, len(prompt)] = reply[0]  # the prefill's token
         length, i = len(prompt) + 1, 1
