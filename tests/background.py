@@ -62,6 +62,7 @@ class SecondLane:
         self.current: subprocess.Popen | None = None
         self.stopping = False
         self.inline = False  # the worker's own lane: child checks run when their test asks
+        self.timeline = None  # a tests.timeline.Timeline: each child check's wall time goes there
 
     # --- set up at collection's end ---------------------------------------------------------------
     def start(self, items: list, offload: set[str], config, background: bool = True) -> list:
@@ -89,11 +90,11 @@ class SecondLane:
         return dict(os.environ, PYTHONPATH=self.repo, XLA_FLAGS=self.xla_flags)  # children add their devices
 
     def _run_all(self) -> None:
-        for job in [] if self.inline else self.children.values():
+        for nodeid, job in [] if self.inline else self.children.items():
             if self.stopping:
                 job.result = subprocess.CompletedProcess(job.argv, -1, "", "the test session ended first")
             else:
-                job.result = self._run_child(job.argv, self._child_env())
+                job.result = self._run_child(job.argv, self._child_env(), nodeid)
             job.done.set()
         if self.offloaded:
             try:
@@ -102,7 +103,8 @@ class SecondLane:
                 for test in self.offloaded.values():
                     test.done.set()
 
-    def _run_child(self, argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    def _run_child(self, argv: list[str], env: dict, nodeid: str) -> subprocess.CompletedProcess:
+        started = time.time()
         proc = self.current = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
@@ -114,6 +116,8 @@ class SecondLane:
             err += f"\nchild check timed out after {CHILD_TIMEOUT}s"
         finally:
             self.current = None
+        if self.timeline is not None:
+            self.timeline.write("child", nodeid, started, time.time())
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
     def _run_worker(self) -> None:
@@ -178,7 +182,7 @@ class SecondLane:
         if job is None:
             raise pytest.UsageError(f"{nodeid} uses child_output without a child marker")
         if self.inline and not job.done.is_set():
-            job.result = self._run_child(job.argv, self._child_env())
+            job.result = self._run_child(job.argv, self._child_env(), nodeid)
             job.done.set()
         if not job.done.wait(timeout=CHILD_TIMEOUT * (len(self.children) + 1)):
             pytest.fail("the child check did not finish")

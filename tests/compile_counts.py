@@ -18,9 +18,7 @@ import logging
 import os
 import re
 
-import jax
 import pytest
-from jax._src import monitoring  # JAX's duration events (no public listener API)
 
 _FINISHED = re.compile(r"Finished XLA compilation of jit\((.*?)\) in ([0-9.e+-]+) sec")
 _PHASES = {  # JAX's event -> this plugin's entry
@@ -67,6 +65,11 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     global _HANDLER
     if config.getoption("compile_counts"):
+        # JAX is imported here, after conftest has pointed its compilation cache at the run's
+        # directory: a plugin (``-p`` comes first) importing it at its own import left the cache off
+        import jax
+        from jax._src import monitoring  # JAX's duration events (no public listener API)
+
         _HANDLER = _Counts()
         jax.config.update("jax_log_compiles", True)
         logging.getLogger("jax").addHandler(_HANDLER)  # the compile messages propagate up to it

@@ -57,6 +57,7 @@ from mtp_jax.checkpoint.synthetic import (  # noqa: E402
 )
 from mtp_jax.config import DeepseekV3Config  # noqa: E402
 from tests.background import SecondLane, in_worker  # noqa: E402
+from tests.timeline import Timeline, TimelinePlugin, summary  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -275,6 +276,7 @@ SECOND_LANE_MODULES = {  # seconds of tests on a 2-core machine, fresh clone of 
     "tests/test_server.py",  # 97
 }
 _LANE = SecondLane(REPO, TEST_XLA_FLAGS)
+_LANE.timeline = Timeline.from_env("worker" if in_worker() else "main")  # tests/timeline.py
 
 
 def _offload_wanted(config) -> bool:
@@ -309,10 +311,19 @@ def pytest_collection_finish(session) -> None:
     # end still collects in full (_release_compiled_programs).
     gc.collect()
     gc.freeze()
+    if _LANE.timeline is not None:
+        _LANE.timeline.listen()
+        replayed = lambda item: item.nodeid in _LANE.offloaded  # noqa: E731 (the worker records them)
+        session.config.pluginmanager.register(TimelinePlugin(_LANE.timeline, replayed), "timeline")
 
 
 def pytest_sessionfinish(session) -> None:
     _LANE.stop()  # an interrupted run leaves no background process behind
+    timeline = session.config.pluginmanager.get_plugin("timeline")
+    if timeline is not None:
+        timeline.finish()
+        if not in_worker():
+            print("\n" + summary(_LANE.timeline.path))
     if _JIT_CACHE is not None:
         shutil.rmtree(_JIT_CACHE, ignore_errors=True)
 
