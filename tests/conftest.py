@@ -312,7 +312,6 @@ def pytest_collection_finish(session) -> None:
     gc.collect()
     gc.freeze()
     if _LANE.timeline is not None:
-        _LANE.timeline.listen()
         replayed = lambda item: item.nodeid in _LANE.offloaded  # noqa: E731 (the worker records them)
         session.config.pluginmanager.register(TimelinePlugin(_LANE.timeline, replayed), "timeline")
 

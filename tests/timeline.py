@@ -30,8 +30,7 @@ class Timeline:
 
     def __init__(self, path: str, lane: str) -> None:
         self.path, self.lane = path, lane
-        self.lock = threading.Lock()
-        self.counts: collections.Counter = collections.Counter()
+        self.lock = threading.Lock()  # the lane's thread writes child checks beside the tests
 
     @classmethod
     def from_env(cls, lane: str) -> Timeline | None:
@@ -43,48 +42,49 @@ class Timeline:
         with self.lock, open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
 
-    # --- per test, as a pytest plugin -------------------------------------------------------------
-    def listen(self) -> None:
-        import jax.monitoring as monitoring
-
-        def duration(event: str, seconds: float, **_) -> None:
-            if event == _COMPILE:
-                self.counts["compile_s"] += seconds
-
-        def count(event: str, **_) -> None:
-            if event in (_HIT, _MISS):
-                self.counts["hits" if event == _HIT else "misses"] += 1
-
-        monitoring.register_event_duration_secs_listener(duration)
-        monitoring.register_event_listener(count)
-
 
 class TimelinePlugin:
-    """Records each test run in this process (replayed tests are the worker's to record)."""
+    """Records each test run in this process (replayed tests are the worker's to record), with the
+    backend compile seconds and cache hits and misses JAX reports while it runs. Made after conftest
+    has set up JAX's compilation cache (see the module's docstring)."""
 
     def __init__(self, timeline: Timeline, replayed) -> None:
+        import jax.monitoring as monitoring
+
         self.timeline, self.replayed = timeline, replayed
         self.started = time.time()
+        self.counts: collections.Counter = collections.Counter()
+        monitoring.register_event_duration_secs_listener(self._duration)
+        monitoring.register_event_listener(self._event)
+
+    def _duration(self, event: str, seconds: float, **_) -> None:
+        if event == _COMPILE:
+            self.counts["compile_s"] += seconds
+
+    def _event(self, event: str, **_) -> None:
+        if event in (_HIT, _MISS):
+            self.counts["hits" if event == _HIT else "misses"] += 1
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         if self.replayed(item):
             yield
             return
-        self.timeline.counts.clear()
+        self.counts.clear()
         t0 = time.time()
         yield
-        counts = {k: round(v, 3) for k, v in self.timeline.counts.items()}
+        counts = {k: round(v, 3) for k, v in self.counts.items()}
         self.timeline.write("test", item.nodeid, t0, time.time(), **counts)
 
     def finish(self) -> None:
-        """Records this process's lane (called at the session's end)."""
+        """Records this process's span, collection to the session's end (called then): in the file
+        only, since :func:`summary` counts work, not waiting."""
         self.timeline.write("lane", self.timeline.lane, self.started, time.time())
 
 
 def summary(path: str) -> str:
     """Each lane's first start, last end (minutes from the earliest record) and busy minutes, and the
-    compile minutes of its tests."""
+    compile minutes and cache hits / misses of its tests."""
     with open(path, encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     if not records:
