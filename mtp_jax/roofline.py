@@ -274,6 +274,7 @@ def time_step(
     logprobs: bool = False,
     tree: Any = None,
     host: dict | None = None,
+    drafts: int | None = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
     rows whose committed length is ``context``: every timed call starts from that length. Drafts
@@ -284,7 +285,8 @@ def time_step(
     ``lora_slots`` [batch]: the rows' LoRA adapter slots (params holding adapters). ``logprobs``: the
     step's program that also returns log-probabilities (what runs while a request asks). ``tree``:
     verify that :class:`mtp_jax.tree.TokenTree` instead (``k`` must be its draft nodes). Each
-    timed call starts with K drafts in every row (:func:`timed_call_state`). ``host``: filled with
+    timed call starts with ``drafts`` (None: K) drafts in every row (:func:`timed_call_state`); 0
+    times the step of a draft that proposes per row when no row has a proposal. ``host``: filled with
     ``dispatch_seconds``, the median host time of a timed call until it returns (the device runs on
     behind it): where it nears the step's time, the host's dispatch, not the device, sets the pace
     (it grows with the parameters' leaves: per-layer buffers have ~9 a layer)."""
@@ -311,7 +313,7 @@ def time_step(
     # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
     calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
     lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(calls)]
-    counts = [jnp.full((batch,), k, jnp.int32) for _ in range(calls)]
+    counts = [jnp.full((batch,), k if drafts is None else drafts, jnp.int32) for _ in range(calls)]
     holder = [state]
     compiled = step.lower(params, state, sc).compile()  # compiled once, called below
     if memory is not None:
@@ -351,8 +353,8 @@ def timed_call_state(state: Any, *, seq_len: jax.Array, num_drafts: jax.Array) -
     the n-gram lookup, which proposes nothing where the text so far has no match, as with random
     weights and an empty history) would leave every timed step on the branch that verifies one
     token per row, timing plain decoding under the draft's name. So the step is timed as one whose
-    drafts were proposed (verifying K + 1 tokens, the lookup included); a step without a match costs
-    what the K = 0 row does."""
+    drafts were proposed (verifying K + 1 tokens, the lookup included); ``bench_step.py`` times the
+    step without a match beside it (``no_match_step_ms``: one token per row, plus the lookup)."""
     return dataclasses.replace(state, seq_len=seq_len, num_drafts=num_drafts)
 
 
@@ -621,6 +623,15 @@ def run(args: argparse.Namespace) -> dict:
             extra = {"alternated_step_ms": plain * 1e3, "logprobs_step_ms": with_lp * 1e3}
             print(f"K = {k}: with log-probabilities {with_lp * 1e3:.3f} ms against {plain * 1e3:.3f} ms "
                   f"({with_lp / plain:.2f}x)", file=sys.stderr, flush=True)  # fmt: skip
+        if k and DRAFTS[method].proposes_per_row:  # what a step without any match costs
+            kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
+            none = time_step(params, cfg, iters=args.iters, draft_cfg=draft_cfg, draft=method, drafts=0, **kw)
+            extra["no_match_step_ms"] = none * 1e3
+            print(
+                f"K = {k}: a step in which no row has a draft {none * 1e3:.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         roofline = need.total / bandwidth
         ops = []
         if args.profile is not None:

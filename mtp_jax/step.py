@@ -645,8 +645,18 @@ def step(
         # no active row has a draft: verify one token per row, as plain decoding (the rows' tokens are
         # the same either way: a row capped at 0 drafts samples exactly as plain decoding does)
         drafting = jnp.any(state.active & (state.num_drafts > 0))
-        emitted, n_emit, state, logprobs = jax.lax.cond(
-            drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), state
+        b = state.seq_len.shape[0]
+        blank = (jnp.zeros((b, sc.k + 1), jnp.int32), jnp.zeros((b,), jnp.int32), None)
+        if sc.logprobs:
+            blank = blank[:2] + (
+                TokenLogprobs(
+                    jnp.zeros((b, sc.k + 1), jnp.float32),
+                    jnp.zeros((b, sc.k + 1, MAX_LOGPROBS), jnp.int32),
+                    jnp.zeros((b, sc.k + 1, MAX_LOGPROBS), jnp.float32),
+                ),
+            )
+        emitted, n_emit, state, logprobs = either(
+            drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), state, blank
         )
     else:
         emitted, n_emit, state, logprobs = verified(sc.k, state)
@@ -654,6 +664,27 @@ def step(
         state = _merge_rows(whole, state, rows)
     logprobs = jax.tree.map(lambda x: replicated(x, sc.mesh), logprobs)
     return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc), logprobs
+
+
+def either(pred: jax.Array, if_true: Callable, if_false: Callable, state: Any, blank: tuple) -> tuple:
+    """``if_true(state)`` where ``pred`` (a traced bool) holds, else ``if_false(state)``; each
+    returns ``(emitted, n_emit, state, extra)``, and ``blank`` holds zeros of the other three's
+    shapes and types.
+
+    What ``lax.cond`` computes, without its copies: XLA copies a buffer that a conditional's branch
+    updates in place (the KV caches here: the whole page pools, twice a step whatever
+    the context; BENCHMARKS.md, "N-gram: a step without a match"). Two loops of zero or one trip
+    each carry the state instead, and a loop's carry is updated in place."""
+
+    def once(run: jax.Array, fn: Callable, carry: tuple) -> tuple:
+        def body(c: tuple) -> tuple:
+            emitted, n_emit, state, extra = fn(c[1][2])
+            return c[0] + 1, (emitted, n_emit, state, extra)
+
+        return jax.lax.while_loop(lambda c: c[0] < run.astype(jnp.int32), body, (jnp.int32(0), carry))[1]
+
+    emitted, n_emit, extra = blank
+    return once(~pred, if_false, once(pred, if_true, (emitted, n_emit, state, extra)))
 
 
 # The host-orchestrated baseline: the same stages as separate executables with the host reading

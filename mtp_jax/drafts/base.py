@@ -127,7 +127,7 @@ class Draft:
     proposes_per_row: bool = False
     """The draft marks drafts it has no proposal for with -1 (a row's drafts count up to the first
     such); a step where no active row has a draft verifies one token per row, as plain decoding,
-    instead of K + 1 (``lax.cond`` in :func:`mtp_jax.step.step`)."""
+    instead of K + 1 (:func:`mtp_jax.step.either` in :func:`mtp_jax.step.step`)."""
     title: str = ""
     """How messages name it (e.g. "EAGLE-3"; default: its name)."""
     check_plan: Callable[[Any, Any, int], None] | None = None
