@@ -626,7 +626,7 @@ def step(
             grammar_key, grammar_rows, state.seq_len, state.next_token, drafts, sc.cfg.vocab_size
         )
 
-    def verified(k: int, state: DecodeState):
+    def verified(k: int, params: dict, state: DecodeState):
         if sc.tree is not None:
             emitted, n_emit, state, logits = _tree_verified(params, state, sc, bitmask)
         else:
@@ -656,29 +656,35 @@ def step(
                 ),
             )
         emitted, n_emit, state, logprobs = either(
-            drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), state, blank
+            drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), params, state, blank
         )
     else:
-        emitted, n_emit, state, logprobs = verified(sc.k, state)
+        emitted, n_emit, state, logprobs = verified(sc.k, params, state)
     if rows is not None:
         state = _merge_rows(whole, state, rows)
     logprobs = jax.tree.map(lambda x: replicated(x, sc.mesh), logprobs)
     return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc), logprobs
 
 
-def either(pred: jax.Array, if_true: Callable, if_false: Callable, state: Any, blank: tuple) -> tuple:
-    """``if_true(state)`` where ``pred`` (a traced bool) holds, else ``if_false(state)``; each
-    returns ``(emitted, n_emit, state, extra)``, and ``blank`` holds zeros of the other three's
-    shapes and types.
+def either(
+    pred: jax.Array, if_true: Callable, if_false: Callable, params: dict, state: Any, blank: tuple
+) -> tuple:
+    """``if_true(params, state)`` where ``pred`` (a traced bool) holds, else ``if_false(params,
+    state)``; each returns ``(emitted, n_emit, state, extra)``, and ``blank`` holds zeros of the
+    other three's shapes and types.
 
     What ``lax.cond`` computes, without its copies: XLA copies a buffer that a conditional's branch
-    updates in place (the KV caches here: the whole page pools, twice a step whatever
-    the context; BENCHMARKS.md, "N-gram: a step without a match"). Two loops of zero or one trip
-    each carry the state instead, and a loop's carry is updated in place."""
+    updates in place (the KV caches here: the whole page pools, twice a step whatever the context;
+    BENCHMARKS.md, "N-gram: the step's two widths without copying the caches"). Two loops of zero
+    or one trip each carry the state instead, and a loop's carry is updated in place. Inside each
+    loop the weights pass an optimization barrier with the state, so that XLA cannot hoist work on
+    the weights alone out of the loops (where it would run whether or not the loop does: bfloat16
+    weights converted for the CPU's dots, twice a step)."""
 
     def once(run: jax.Array, fn: Callable, carry: tuple) -> tuple:
         def body(c: tuple) -> tuple:
-            emitted, n_emit, state, extra = fn(c[1][2])
+            weights, state = jax.lax.optimization_barrier((params, c[1][2]))
+            emitted, n_emit, state, extra = fn(weights, state)
             return c[0] + 1, (emitted, n_emit, state, extra)
 
         return jax.lax.while_loop(lambda c: c[0] < run.astype(jnp.int32), body, (jnp.int32(0), carry))[1]

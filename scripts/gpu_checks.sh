@@ -6,7 +6,8 @@
 # step_dsf smollm2 smollm2_ngram (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf
 # repeats step with XLA's dynamic-slice fusion on; smollm2 times SmolLM2-135M's shape (random weights) plain and with its
 # shipped EAGLE-3 draft's shape at batch 1, 8 and 32 (SMOL_BATCH, SMOL_K); smollm2_ngram the same shape with n-gram
-# drafts (K = 3, 5, 8: SMOL_NGRAM_K), each step verifying K + 1 tokens as where the lookup matched. PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
+# drafts (K = 3, 5, 8: SMOL_NGRAM_K), each step verifying K + 1 tokens as where the lookup matched (and, beside
+# it, the step without a match), then scripts/bench_either.py (the step's two widths by loops or lax.cond). PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
 # every stage, so a run cut short still returns what it finished. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
 # hang in one leaves the others their time; a timed-out pytest is interrupted (SIGINT) so that it
 # still prints its summary.
@@ -83,6 +84,11 @@ for stage in $stages; do
           >"$OUT_DIR/$stage-b$b.md" 2>"$OUT_DIR/$stage-b$b.log"
         echo "$stage batch $b rc=$?"; cat "$OUT_DIR/$stage-b$b.md"; grep -vE "^\s+[0-9.]+ us" "$OUT_DIR/$stage-b$b.log" | tail -3
       done
+      if [ "$stage" = smollm2_ngram ]; then  # step.either's loops against lax.cond (pool copies vs predicate reads)
+        timeout "${STEP_S:-300}" $PY scripts/bench_either.py --config configs/smollm2-135m.json --k 8 --context 512 \
+          --pool-rows 32 --rounds 6 --json "$OUT_DIR/either.json" >"$OUT_DIR/either.md" 2>"$OUT_DIR/either.log"
+        echo "either rc=$?"; cat "$OUT_DIR/either.md"; tail -2 "$OUT_DIR/either.log"
+      fi
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
