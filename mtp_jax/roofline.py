@@ -613,9 +613,9 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"k": k, "error": first, "bytes": need.total, **memory})
             continue
         extra = {}
+        kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
+        kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
         if args.logprobs:  # alternated with the step without, in this process: the ratio is what counts
-            kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
-            kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
             pairs = [
                 (time_step(params, cfg, **kw), time_step(params, cfg, logprobs=True, **kw)) for _ in range(3)
             ]
@@ -624,8 +624,7 @@ def run(args: argparse.Namespace) -> dict:
             print(f"K = {k}: with log-probabilities {with_lp * 1e3:.3f} ms against {plain * 1e3:.3f} ms "
                   f"({with_lp / plain:.2f}x)", file=sys.stderr, flush=True)  # fmt: skip
         if k and DRAFTS[method].proposes_per_row:  # what a step without any match costs
-            kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
-            none = time_step(params, cfg, iters=args.iters, draft_cfg=draft_cfg, draft=method, drafts=0, **kw)
+            none = time_step(params, cfg, drafts=0, **kw)
             extra["no_match_step_ms"] = none * 1e3
             print(
                 f"K = {k}: a step in which no row has a draft {none * 1e3:.3f} ms",

@@ -684,8 +684,7 @@ def either(
     def once(run: jax.Array, fn: Callable, carry: tuple) -> tuple:
         def body(c: tuple) -> tuple:
             weights, state = jax.lax.optimization_barrier((params, c[1][2]))
-            emitted, n_emit, state, extra = fn(weights, state)
-            return c[0] + 1, (emitted, n_emit, state, extra)
+            return c[0] + 1, tuple(fn(weights, state))
 
         return jax.lax.while_loop(lambda c: c[0] < run.astype(jnp.int32), body, (jnp.int32(0), carry))[1]
 
