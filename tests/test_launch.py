@@ -241,7 +241,8 @@ def _serving_pair(port: int) -> list[subprocess.Popen]:
     """Two processes of one serving run started by hand, as on two hosts (no local launcher to
     stop the survivor): process 0 serves HTTP on ``port``; stdout and stderr merged."""
     coordinator = f"localhost:{free_port()}"
-    env = dict(ENV, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    flags = f"{ENV.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # the tests' own too
+    env = dict(ENV, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
     return [
         subprocess.Popen(
             [

@@ -91,10 +91,10 @@ def test_greedy_walk_follows_the_targets_argmax():
     logits = rng.normal(size=(b, 5, v)).astype(np.float32)
     drafts = np.where(rng.random((b, 4)) < 0.7, np.argmax(logits[:, :4], -1), rng.integers(0, v, (b, 4)))
     tokens = np.concatenate([np.zeros((b, 1), np.int32), drafts], axis=1).astype(np.int32)
-    _, emitted, n_acc = accept_tree(
+    _, emitted, n_acc = jax.jit(accept_tree, static_argnames="tree")(
         jnp.asarray(logits), jnp.asarray(tokens), chain, params, jnp.zeros(b, jnp.int32)
     )
-    want, want_n = accept_argmax_drafts(
+    want, want_n = jax.jit(accept_argmax_drafts)(
         jnp.asarray(logits), jnp.asarray(drafts, jnp.int32), params, jnp.zeros(b, jnp.int32)
     )
     assert np.array_equal(n_acc, want_n)
@@ -214,21 +214,15 @@ def test_tree_attention_and_the_kv_shift(target_model):
     def fresh():
         return target.init_cache(cfg, 8, page, jnp.float32)
 
+    @jax.jit  # as the step runs it (op by op: ~200 one-op programs)
+    def forward(params, pages, tokens, positions, tree_mask):
+        valid = jnp.ones(tokens.shape, bool)
+        return forward_paged(params, pages, cfg, page, tokens, positions, valid, table, tree=tree_mask)[1:]
+
     def write(pages, tokens, start, tree_mask=None, rope=None):
         t = len(tokens)
         positions = jnp.asarray([start + np.arange(t)], jnp.int32) if rope is None else rope
-        valid = jnp.ones((1, t), bool)
-        _, logits, pages = forward_paged(
-            params,
-            pages,
-            cfg,
-            page,
-            jnp.asarray([tokens], jnp.int32),
-            positions,
-            valid,
-            table,
-            tree=tree_mask,
-        )
+        logits, pages = forward(params, pages, jnp.asarray([tokens], jnp.int32), positions, tree_mask)
         return logits[0], pages
 
     _, pages = write(fresh(), prompt, 0)
@@ -248,7 +242,9 @@ def test_tree_attention_and_the_kv_shift(target_model):
             chain.append(tree.parent[chain[-1]])
         chain = [0, *reversed(chain)][: accepted + 1]
         path = jnp.asarray([chain + [-1] * (tree.max_depth + 1 - len(chain))], jnp.int32)
-        shifted = commit_path(pages, table, seq, path, jnp.asarray([accepted]), jnp.asarray([True]), page)
+        shifted = jax.jit(commit_path, static_argnums=6)(
+            pages, table, seq, path, jnp.asarray([accepted]), jnp.asarray([True]), page
+        )
         _, plain = write(write(fresh(), prompt, 0)[1], [nodes[i] for i in chain], len(prompt))
         slots = np.asarray(slots_for(table, jnp.arange(len(prompt) + accepted + 1)[None], True, page))[0]
         for name in plain:

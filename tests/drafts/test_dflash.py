@@ -273,18 +273,21 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
     )
     first_pos = jnp.full((b,), t)  # anchor (the last token) at t - 1, drafts from t on
     sampling = RowSampling.build(b, temperature=[0.8] * b)
+    # jitted, as the step runs them (op by op they compiled ~250 one-op programs)
+    teacher_forced = jax.jit(DRAFT.teacher_forced, static_argnums=1)
+    extend_and_propose = jax.jit(DRAFT.extend_and_propose, static_argnums=1)
     # the trained block of 4, and a block of 2 chosen at run time (generate's draft_block_size)
     full_sc = StepConfig(model.config, page, 3, "dflash", draft_cfg=cfg)
-    full = DRAFT.teacher_forced(model.params, full_sc, ids, hidden)
+    full = teacher_forced(model.params, full_sc, ids, hidden)
     np.testing.assert_allclose(np.asarray(full[:, t - 1]), want, rtol=1e-5, atol=1e-5)
     for block, k, mode in ((4, 3, "argmax"), (4, 3, "sampled"), (2, 1, "argmax"), (2, 1, "sampled")):
         bcfg = dataclasses.replace(cfg, block_size=block)
         sc = StepConfig(model.config, page, k, "dflash", mode, draft_cfg=bcfg)
-        want = np.asarray(DRAFT.teacher_forced(model.params, sc, ids, hidden)[:, t - 1])
+        want = np.asarray(teacher_forced(model.params, sc, ids, hidden)[:, t - 1])
         if block == 2:  # fewer masked rows in the bidirectional block: another proposal
             assert _rel(want[:, 0], np.asarray(full[:, t - 1, 0])) > 1e-3
         state = DRAFT.init_state(sc, b * width, jnp.float32)
-        drafts, q, state = DRAFT.extend_and_propose(
+        drafts, q, state = extend_and_propose(
             model.params, sc, state, table, rows, jnp.ones(b, bool), sampling, first_pos
         )
         if mode == "argmax":

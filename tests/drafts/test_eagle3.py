@@ -5,6 +5,7 @@ errors a bad draft gets, and speculative generation with it on both targets."""
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import textwrap
 
@@ -425,7 +426,9 @@ def test_chain_teacher_forced_matches_the_decode_chain(drafts, name):
     feats = jnp.asarray(fused_features(model.hidden_states(ref["input_ids"], cfg.capture).layers))
     depth = 3
     n = t - 1 - depth
-    levels = eagle3_chain_teacher_forced(params, cfg, ids, feats, depth)
+    # jitted, as training and decoding run them: op by op they compiled ~300 one-op programs
+    chain = jax.jit(eagle3_chain_teacher_forced, static_argnames=("cfg", "depth"))
+    levels = chain(params, cfg, ids, feats, depth)
     assert [lv.shape for lv in levels] == [(b, n, cfg.hidden_size)] * depth
     first = model.draft_logits(ref["input_ids"])[:, :n]
     assert _rel(np.asarray(eagle3_logits(params, cfg, levels[0])), first) < 1e-5
@@ -435,6 +438,7 @@ def test_chain_teacher_forced_matches_the_decode_chain(drafts, name):
     table = jnp.asarray(page_table_array([list(range(r * width, (r + 1) * width)) for r in range(b)], width))
     sc = StepConfig(model.config, page, 1, "eagle3", draft_cfg=cfg)
 
+    @functools.partial(jax.jit, static_argnames="features")
     def run(pages, tokens, state, pos, features):
         paged = PagedAttention(pages, slots_for(table, pos, jnp.ones(pos.shape, bool), page), table)
         return eagle3_layer(params, cfg, tokens, state, pos, features=features, paged=paged)

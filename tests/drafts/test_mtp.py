@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import mtp_jax
 from mtp_jax.cache import page_table_array, slots_for
-from mtp_jax.drafts.mtp import mtp_chain_teacher_forced, mtp_forward
+from mtp_jax.drafts import mtp
 from mtp_jax.targets.deepseek_v3 import PagedAttention, init_cache
 from tests.conftest import PARITY_DIR
+
+# jitted: op by op, one call compiled ~100-500 one-op programs (~17 s for this file's costliest test)
+mtp_forward = jax.jit(mtp.mtp_forward, static_argnames=("cfg", "dispatch"))
+mtp_chain_teacher_forced = jax.jit(mtp.mtp_chain_teacher_forced, static_argnames=("cfg", "depth", "dispatch"))
 
 
 def rel_err(a, b) -> float:

@@ -20,10 +20,13 @@ from pallas_kernels.mla_decode import (
     ENV_VAR,
     mla_decode,
     mla_decode_kernel,
-    mla_decode_reference,
     resolve_impl,
 )
+from pallas_kernels.mla_decode import mla_decode_reference as _reference
 from pallas_kernels.mla_decode.kernel import BLOCK_KEYS, default_splits, pick_schedule
+
+# jitted (op by op each call compiled ~30 one-op programs); ``layer`` is an index or None: static
+mla_decode_reference = jax.jit(_reference, static_argnames=("scale", "value_dim", "layer"))
 
 ON_HOPPER = jax.devices()[0].platform == "gpu" and str(
     getattr(jax.devices()[0], "compute_capability", "")

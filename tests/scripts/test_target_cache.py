@@ -79,19 +79,18 @@ def test_eagle3_losses_from_a_full_cache_equal_the_live_targets(scripts, llama, 
     starts = np.array([0, 40, 40 + 100])
     window = jnp.asarray(np.stack([stream[s : s + seq + 1] for s in starts]))
     rows = {k: jnp.asarray(v) for k, v in built.rows(starts, seq).items()}
-    live = eagle3.draft_losses(tree, params, cfg, dcfg, window, 3, 0.8)[1]
-    cached = eagle3.draft_losses(tree, params, cfg, dcfg, window, 3, 0.8, rows)[1]
+    # jitted, as training runs it (op by op it compiled ~350 one-op programs)
+    losses = jax.jit(eagle3.draft_losses, static_argnames=("cfg", "dcfg", "depth", "decay"))
+    live = losses(tree, params, cfg, dcfg, window, 3, 0.8)[1]
+    cached = losses(tree, params, cfg, dcfg, window, 3, 0.8, rows)[1]
     for key in ("loss", "level_loss", "level_agreement", "coverage"):
         np.testing.assert_allclose(np.asarray(cached[key]), np.asarray(live[key]), rtol=2e-4, err_msg=key)
     # a window that starts inside a segment reads features computed with the segment's context
     inside = jnp.asarray(stream[None, 60 : 60 + seq + 1])
-    apart = eagle3.draft_losses(tree, params, cfg, dcfg, inside, 3, 0.8)[1]["loss"]
+    apart = losses(tree, params, cfg, dcfg, inside, 3, 0.8)[1]["loss"]
     from_cache = {k: jnp.asarray(v) for k, v in built.rows(np.array([60]), seq).items()}
     assert (
-        abs(
-            float(eagle3.draft_losses(tree, params, cfg, dcfg, inside, 3, 0.8, from_cache)[1]["loss"])
-            - float(apart)
-        )
+        abs(float(losses(tree, params, cfg, dcfg, inside, 3, 0.8, from_cache)[1]["loss"]) - float(apart))
         > 1e-4
     )
 
@@ -122,8 +121,9 @@ def test_dflash_losses_from_a_full_cache_equal_the_live_targets(scripts, llama, 
     window = jnp.asarray(stream[None, : seq + 1])
     anchors = jnp.asarray(dflash.anchors_for(0, 0, 1, 4, seq, 4))
     rows = {k: jnp.asarray(v) for k, v in built.rows(np.array([0]), seq).items()}
-    live = dflash.draft_losses(tree, params, cfg, dcfg, window, anchors, 4.0)[1]
-    cached = dflash.draft_losses(tree, params, cfg, dcfg, window, anchors, 4.0, rows)[1]
+    losses = jax.jit(dflash.draft_losses, static_argnames=("cfg", "dcfg", "gamma"))
+    live = losses(tree, params, cfg, dcfg, window, anchors, 4.0)[1]
+    cached = losses(tree, params, cfg, dcfg, window, anchors, 4.0, rows)[1]
     for key in ("loss", "level_loss", "level_agreement"):
         np.testing.assert_allclose(np.asarray(cached[key]), np.asarray(live[key]), rtol=2e-4, err_msg=key)
 
