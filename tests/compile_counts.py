@@ -5,7 +5,7 @@ the run's split of JIT time. Two entries of each test are not functions: ``"(tra
 ``"(lower)"`` hold [events, seconds] of tracing to jaxprs and lowering them to MLIR (JAX's own
 duration events), the phases that come before each backend compile.
 
-The suite's time is mostly compiling (README, Tests), and counts do not vary from run to run the way
+The suite's time is mostly compiling (docs/testing.md), and counts do not vary from run to run the way
 seconds do on a shared 2-core machine: a change meant to shorten a test file shows in its counts of
 ``prefill`` and ``step`` programs (one per K, slot count, page-table width, admitted-row power of
 two, prompt bucket, grammar masks and logprobs a test reaches)."""
