@@ -42,7 +42,8 @@ def run_lookup(histories: list[list[int]], k: int, width: int = 48, **kw) -> lis
     for i, h in enumerate(histories):
         padded[i, : len(h)] = h
     n = jnp.asarray([len(h) for h in histories], jnp.int32)
-    return np.asarray(lookup(jnp.asarray(padded), n, k, **kw)).tolist()
+    jitted = jax.jit(lookup, static_argnames=("k", "max_n", "min_n", "none"))  # as the step runs it
+    return np.asarray(jitted(jnp.asarray(padded), n, k, **kw)).tolist()
 
 
 def test_lookup_by_hand():
