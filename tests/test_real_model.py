@@ -146,9 +146,10 @@ SAMPLE_CHILD = textwrap.dedent(
 
     method = sys.argv[1]
     draft = os.path.join(REPO, "checkpoints", SHIPPED_DRAFTS[method][0])
-    # the scanned layer stack: one layer to compile instead of 30 unrolled ones (138 -> 62 s a child
-    # here); the law checked is the acceptance rule's, and the unrolled layers' forward is checked
-    # against the scanned one (tests/targets/test_layer_buffers.py) and on this model in this file
+    # the scanned layer stack: one layer to compile, not 30 unrolled ones (a child alone 138 -> 62 s;
+    # in the full run it is execution-bound). The law checked is the acceptance rule's; the unrolled
+    # forward is checked against the scanned one (tests/targets/test_layer_buffers.py) and on this
+    # model in this file
     path = packaged_model_path("smollm2-135m-instruct")
     model = mtp_jax.load(path, "float32", draft_model=draft, layer_buffers=False)
     check_sampled_exactly(model, method)
