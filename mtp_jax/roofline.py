@@ -589,22 +589,11 @@ def run(args: argparse.Namespace) -> dict:
         )
         memory: dict = {}
         host: dict = {}
+        kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
+        kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
         try:
-            seconds = time_step(
-                params,
-                cfg,
-                k=k,
-                batch=args.batch,
-                context=args.context,
-                page_size=args.page_size,
-                dtype=dtype,
-                iters=args.iters,
-                draft_cfg=draft_cfg,
-                profile_dir=None if args.profile is None else os.path.join(args.profile, f"k{k}"),
-                draft=args.draft,
-                memory=memory,
-                host=host,
-            )
+            profile_dir = None if args.profile is None else os.path.join(args.profile, f"k{k}")
+            seconds = time_step(params, cfg, profile_dir=profile_dir, memory=memory, host=host, **kw)
         except jax.errors.JaxRuntimeError as e:  # out of memory: report it, go on with the next K
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -613,8 +602,6 @@ def run(args: argparse.Namespace) -> dict:
             rows.append({"k": k, "error": first, "bytes": need.total, **memory})
             continue
         extra = {}
-        kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
-        kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
         if args.logprobs:  # alternated with the step without, in this process: the ratio is what counts
             pairs = [
                 (time_step(params, cfg, **kw), time_step(params, cfg, logprobs=True, **kw)) for _ in range(3)

@@ -61,6 +61,9 @@ def _reference_greedy(logits: np.ndarray, tokens: np.ndarray, tree: TokenTree) -
         cur, acc = nxt[0], acc + 1
 
 
+accept = jax.jit(accept_tree, static_argnames="tree")  # as the step runs it
+
+
 def test_greedy_walk_follows_the_targets_argmax():
     tree = TokenTree.build(3, 3, 9)
     b, v = 64, 11
@@ -75,7 +78,7 @@ def test_greedy_walk_follows_the_targets_argmax():
                 top if rng.random() < 0.6 and tree.rank[n] == rng.integers(0, 3) else rng.integers(0, v)
             )
     params = RowSampling.build(b)
-    path, emitted, n_acc = jax.jit(accept_tree, static_argnames="tree")(
+    path, emitted, n_acc = accept(
         jnp.asarray(logits), jnp.asarray(tokens), tree, params, jnp.zeros(b, jnp.int32)
     )
     path, emitted, n_acc = np.asarray(path), np.asarray(emitted), np.asarray(n_acc)
@@ -91,7 +94,7 @@ def test_greedy_walk_follows_the_targets_argmax():
     logits = rng.normal(size=(b, 5, v)).astype(np.float32)
     drafts = np.where(rng.random((b, 4)) < 0.7, np.argmax(logits[:, :4], -1), rng.integers(0, v, (b, 4)))
     tokens = np.concatenate([np.zeros((b, 1), np.int32), drafts], axis=1).astype(np.int32)
-    _, emitted, n_acc = jax.jit(accept_tree, static_argnames="tree")(
+    _, emitted, n_acc = accept(
         jnp.asarray(logits), jnp.asarray(tokens), chain, params, jnp.zeros(b, jnp.int32)
     )
     want, want_n = jax.jit(accept_argmax_drafts)(
@@ -133,7 +136,7 @@ def test_sampled_walk_follows_the_target_law_exactly(children):
         tokens[:, kids[n]] = np.asarray(picks)
     logits = np.log(np.maximum(target[tokens], 1e-30)).astype(np.float32)
     params = RowSampling.build(b, temperature=1.0, seed=list(range(b)))
-    _, emitted, n_acc = jax.jit(accept_tree, static_argnames="tree")(
+    _, emitted, n_acc = accept(
         jnp.asarray(logits),
         jnp.asarray(tokens),
         tree,
@@ -236,15 +239,14 @@ def test_tree_attention_and_the_kv_shift(target_model):
         want = model.logits([tokens])[0, -1]
         np.testing.assert_allclose(np.asarray(got[n]), want, atol=2e-4, rtol=2e-4, err_msg=f"node {n}")
     # the KV shift of the path to the deepest node (every step moves) and of a path that ends early
+    commit = jax.jit(commit_path, static_argnums=6)
     for end, accepted in ((tree.size - 1, 3), (2, 1)):
         chain = [end]
         while tree.parent[chain[-1]] > 0:
             chain.append(tree.parent[chain[-1]])
         chain = [0, *reversed(chain)][: accepted + 1]
         path = jnp.asarray([chain + [-1] * (tree.max_depth + 1 - len(chain))], jnp.int32)
-        shifted = jax.jit(commit_path, static_argnums=6)(
-            pages, table, seq, path, jnp.asarray([accepted]), jnp.asarray([True]), page
-        )
+        shifted = commit(pages, table, seq, path, jnp.asarray([accepted]), jnp.asarray([True]), page)
         _, plain = write(write(fresh(), prompt, 0)[1], [nodes[i] for i in chain], len(prompt))
         slots = np.asarray(slots_for(table, jnp.arange(len(prompt) + accepted + 1)[None], True, page))[0]
         for name in plain:

@@ -36,14 +36,16 @@ def reference(history: list[int], k: int, max_n: int = MAX_N, min_n: int = MIN_N
     return [history[-1]] * k
 
 
+_lookup = jax.jit(lookup, static_argnames=("k", "max_n", "min_n", "none"))  # as the step runs it
+
+
 def run_lookup(histories: list[list[int]], k: int, width: int = 48, **kw) -> list[list[int]]:
     rng = np.random.default_rng(len(histories))
     padded = rng.integers(0, 50, (len(histories), width)).astype(np.int32)  # garbage past each row's end
     for i, h in enumerate(histories):
         padded[i, : len(h)] = h
     n = jnp.asarray([len(h) for h in histories], jnp.int32)
-    jitted = jax.jit(lookup, static_argnames=("k", "max_n", "min_n", "none"))  # as the step runs it
-    return np.asarray(jitted(jnp.asarray(padded), n, k, **kw)).tolist()
+    return np.asarray(_lookup(jnp.asarray(padded), n, k, **kw)).tolist()
 
 
 def test_lookup_by_hand():
