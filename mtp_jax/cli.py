@@ -698,8 +698,8 @@ def _read_config(path: str) -> dict:
 
 
 def _print_estimates(raw: dict, weights: str, args: argparse.Namespace) -> None:
-    from mtp_jax.checkpoint.estimate import format_report, stored_format
     from mtp_jax.config import parse_config
+    from mtp_jax.estimate import format_report, stored_format
 
     cfg = parse_config(raw)
     if weights == "auto":

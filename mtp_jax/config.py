@@ -20,7 +20,6 @@ from mtp_jax.errors import CheckpointNotFoundError, ConfigError
 DEEPSEEK_V3_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 LLAMA_MODEL_TYPES = ("llama",)
 QWEN_MODEL_TYPES = ("qwen2", "qwen3")
-MODEL_TYPES = DEEPSEEK_V3_MODEL_TYPES + LLAMA_MODEL_TYPES + QWEN_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +102,7 @@ class DeepseekV3Config:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> DeepseekV3Config:
-        return _parse_deepseek_v3(raw)
+        return parse_deepseek_v3(raw)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike[str]) -> DeepseekV3Config:
@@ -157,7 +156,7 @@ class Llama3Config:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Llama3Config:
-        return _parse_llama3(raw)
+        return parse_llama3(raw)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike[str]) -> Llama3Config:
@@ -167,7 +166,7 @@ class Llama3Config:
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config(Llama3Config):
     """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): the Llama family with q/k/v biases
-    (:mod:`mtp_jax.targets.qwen2`)."""
+    (:mod:`mtp_jax.targets.llama.qwen2`)."""
 
     model_type: str = "qwen2"
     qkv_bias: bool = True
@@ -176,7 +175,7 @@ class Qwen2Config(Llama3Config):
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config(Llama3Config):
     """Qwen3 (``Qwen3ForCausalLM``, dense): the Llama family with an RMSNorm over each query and
-    key head before rope (:mod:`mtp_jax.targets.qwen3`)."""
+    key head before rope (:mod:`mtp_jax.targets.llama.qwen3`)."""
 
     model_type: str = "qwen3"
     qk_norm: bool = True
@@ -187,7 +186,7 @@ ModelConfig = DeepseekV3Config | Llama3Config
 
 @dataclasses.dataclass(frozen=True)
 class DraftModelConfig:
-    """A separate draft model's configuration (:mod:`mtp_jax.drafts.draft_model`): its own parsed
+    """A separate draft model's configuration (:mod:`mtp_jax.drafts.draft_model.draft`): its own parsed
     config (any target family's) and the target's vocabulary size its proposals are in."""
 
     model: ModelConfig
@@ -204,7 +203,7 @@ def _refuse_wrapped(raw: Mapping[str, Any]) -> None:
 
 def parse_config(raw: Mapping[str, Any]) -> ModelConfig:
     """The config dataclass of ``raw`` (a parsed config.json), chosen by its ``model_type`` (the
-    built-in ones, and those a plug-in target registered: :func:`register_model_type`)."""
+    registered targets': :func:`register_model_type`)."""
     _refuse_wrapped(raw)
     model_type = raw.get("model_type")
     parse = _PARSERS.get(model_type) if isinstance(model_type, str) else None
@@ -218,15 +217,19 @@ def model_types() -> tuple[str, ...]:
     return tuple(_PARSERS)
 
 
-def register_model_type(model_type: str, parse: Callable[[Mapping[str, Any]], Any]) -> None:
-    """Make :func:`parse_config` read configs of ``model_type`` with ``parse(raw) -> config`` (a
-    plug-in target's, :func:`mtp_jax.targets.register_target`); a built-in type cannot be
-    replaced."""
+def register_model_type(
+    model_type: str, parse: Callable[[Mapping[str, Any]], Any], *, built_in: bool = False
+) -> None:
+    """Make :func:`parse_config` read configs of ``model_type`` with ``parse(raw) -> config`` (every
+    target's, through :func:`mtp_jax.targets.register_target`); a built-in type (``built_in``: the
+    package's own registrations) cannot be replaced."""
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"a model_type is a non-empty string, got {model_type!r}")
-    if model_type in MODEL_TYPES:
+    if model_type in _BUILT_IN_TYPES:
         raise ValueError(f"model_type {model_type!r} is built in")
     _PARSERS[model_type] = parse
+    if built_in:
+        _BUILT_IN_TYPES.add(model_type)
 
 
 def load_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -375,7 +378,7 @@ def _mla_widths(raw: Mapping[str, Any]) -> dict[str, int | None]:
     }
 
 
-def _parse_deepseek_v3(raw: Mapping[str, Any]) -> DeepseekV3Config:
+def parse_deepseek_v3(raw: Mapping[str, Any]) -> DeepseekV3Config:
     _refuse_wrapped(raw)
     model_type = raw.get("model_type")
     if model_type not in DEEPSEEK_V3_MODEL_TYPES:
@@ -518,7 +521,7 @@ def _parse_llama_rope(scaling: Mapping[str, Any] | None) -> Llama3RopeScaling | 
     return out
 
 
-def _parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
+def parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
     model_type = raw.get("model_type")
     if model_type not in LLAMA_MODEL_TYPES:
         raise ConfigError(f"model_type {model_type!r} is not a Llama model ({', '.join(LLAMA_MODEL_TYPES)})")
@@ -533,7 +536,7 @@ def _parse_llama3(raw: Mapping[str, Any]) -> Llama3Config:
     return parse_llama_family(raw, Llama3Config, "Llama 3")
 
 
-def _parse_qwen(raw: Mapping[str, Any]) -> Qwen2Config | Qwen3Config:
+def parse_qwen(raw: Mapping[str, Any]) -> Qwen2Config | Qwen3Config:
     """Qwen2 (q/k/v biases) or Qwen3 (q/k norms, no biases); a sliding-window layer is refused."""
     model_type = raw.get("model_type")
     family = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
@@ -969,7 +972,7 @@ def parse_draft_config(
 ) -> Any:
     """A separately trained draft's config.json (DFlash by its architecture or ``dflash_config``; a
     draft model when it is a plain causal LM a target reads, e.g. Llama 3.1 8B for 70B: a
-    :class:`mtp_jax.drafts.draft_model.DraftModelConfig` over ``target_vocab_size``, default its
+    :class:`mtp_jax.drafts.draft_model.draft.DraftModelConfig` over ``target_vocab_size``, default its
     own; else EAGLE-3, with MLA attention when it carries ``kv_lora_rank``), with the target layers
     it captures resolved for a target of ``num_target_layers`` layers (``layer_ids``: how EAGLE-3
     ids are read, :func:`eagle3_capture`)."""
@@ -987,8 +990,6 @@ def parse_draft_config(
     return dataclasses.replace(cfg, capture=capture)
 
 
-_PARSERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
-    **dict.fromkeys(DEEPSEEK_V3_MODEL_TYPES, _parse_deepseek_v3),
-    **dict.fromkeys(LLAMA_MODEL_TYPES, _parse_llama3),
-    **dict.fromkeys(QWEN_MODEL_TYPES, _parse_qwen),
-}
+_PARSERS: dict[str, Callable[[Mapping[str, Any]], Any]] = {}
+"""model_type -> parser, filled by the targets' registrations (:mod:`mtp_jax.builtin`)."""
+_BUILT_IN_TYPES: set[str] = set()

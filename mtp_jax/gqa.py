@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.cache import localize, write_rows
 from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
-from pallas_kernels.chunks import QUERY_CHUNK, attend_paged, check_tree, gather_pages, visible_keys
+from pallas_kernels.paged import QUERY_CHUNK, attend_paged, check_tree, gather_pages, visible_keys
 
 NEG_INF = float("-inf")
 
@@ -102,7 +102,7 @@ def gqa_paged_reference(
     paged keys and values (pages [P, page, Hkv, d], or layer ``layer`` of a stack): query (b, t)
     sees positions ``s <= positions[b, t]``; a negative position sees nothing and yields zeros.
     ``tree``: (base [b], nodes [b, t, N]), a token tree's tree attention
-    (:func:`pallas_kernels.chunks.visible_keys`).
+    (:func:`pallas_kernels.paged.visible_keys`).
 
     Table entries past a row's needed pages may be garbage: they are clamped into range, and the
     keys they point at are masked and zeroed (so a NaN there never reaches the output)."""
@@ -133,7 +133,7 @@ def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tre
 
 def _attend(q, positions, k_pages, v_pages, page_table, scale, layer, tree=None) -> jax.Array:
     """:func:`gqa_paged_reference` in chunks of queries (long prompts), each over the pages its
-    queries can see (:func:`pallas_kernels.chunks.attend_paged`); a tree's queries in one chunk."""
+    queries can see (:func:`pallas_kernels.paged.attend_paged`); a tree's queries in one chunk."""
     check_tree(tree, q, QUERY_CHUNK)
 
     def reference(q: jax.Array, table: jax.Array, positions: jax.Array) -> jax.Array:
@@ -171,7 +171,7 @@ def gqa_paged(
         stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
         the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
         itself and every earlier position of its row (with ``tree`` = (base [b], nodes [b, t, N]): of a
-    token tree's node positions only those ``nodes`` marks, :func:`pallas_kernels.chunks.visible_keys`).
+    token tree's node positions only those ``nodes`` marks, :func:`pallas_kernels.paged.visible_keys`).
     Returns (out [b, t, H, d], updated pages).
 
         With ``mesh``: split as the module docstring says; a row's pages must lie in its shard's range

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax import lora
+import mtp_jax.lora as lora
 from mtp_jax.autok import AutoK
 from mtp_jax.checkpoint.convert import is_converted, load_converted
 from mtp_jax.checkpoint.formats import checkpoint_format
@@ -25,7 +25,6 @@ from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, parse_config, read_json
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.embedded import resolve_model_path
-from mtp_jax.engine import GenerateResult, TokenCallback, TokenLogprob, generate
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidRequestError
 from mtp_jax.grammar import DELIVERIES, Constraints
 from mtp_jax.request import (
@@ -38,6 +37,7 @@ from mtp_jax.request import (
     step_config,
 )
 from mtp_jax.sampling import MAX_LOGPROBS, TokenLogprobs, check_logprobs, token_logprobs
+from mtp_jax.scheduler import GenerateResult, TokenCallback, TokenLogprob, generate
 from mtp_jax.sharding import replicated
 from mtp_jax.step import StepConfig
 from mtp_jax.targets import Hidden, target_for
@@ -631,7 +631,7 @@ def load(
     :func:`mtp_jax.make_mesh`) every parameter is placed with its sharding as it is read. DeepSeek-V3:
     routed experts split over the ``expert`` axis, the rest replicated; forward passes and
     generation run data-parallel over ``data`` x ``expert`` (rows, their KV pages, attention) and
-    expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`). A mesh
+    expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.targets.deepseek_v3.ep`). A mesh
     may span the processes of a multi-host run (``scripts/launch.py``): each process then reads only
     the routed experts its own devices hold. EOS ids come from generation_config.json when present,
     else from config.json.

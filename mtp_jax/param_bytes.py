@@ -9,7 +9,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight
+from mtp_jax.fp8 import Fp8Weight
 from mtp_jax.sharding import param_logical
 
 

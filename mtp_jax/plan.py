@@ -32,14 +32,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mtp_jax.checkpoint.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
 from mtp_jax.checkpoint.formats import checkpoint_format
-from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.config import DFlashConfig, Eagle3Config, ModelConfig
 from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
+from mtp_jax.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
+from mtp_jax.fp8 import Fp8Weight
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 from mtp_jax.targets import target_for
-from mtp_jax.targets.deepseek_v3 import abstract_tree, attention_leaves
+from mtp_jax.targets.deepseek_v3.model import abstract_tree, attention_leaves
 
 PLAN_WEIGHTS = ("fp8", "bf16")
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -281,7 +281,7 @@ class PlanReport:
     ones (DeepSeek-V3's routed experts, Llama's tensor-parallel slices);
     ``cache_bytes``: this device's share of the target and MTP latent caches; ``state_bytes``: the
     rest of the decode state. ``estimate_weight_bytes``: the analytic estimate of ``mtp-jax
-    inspect`` (:func:`mtp_jax.checkpoint.estimate.per_device_memory`) for comparison.
+    inspect`` (:func:`mtp_jax.estimate.per_device_memory`) for comparison.
     """
 
     model: str

@@ -29,7 +29,7 @@ from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_logprobs, check_valu
 from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.text import check_stops
 from mtp_jax.tree import TokenTree
-from pallas_kernels.chunks import QUERY_CHUNK
+from pallas_kernels.paged import QUERY_CHUNK
 
 # the per-row numeric settings and their types (checked by mtp_jax.sampling.CHECKS)
 _NUMBERS = {

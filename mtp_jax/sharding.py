@@ -11,8 +11,10 @@ state carry logical axis names mapped by :data:`RULES`:
 ``batch`` (rows of the decode state, of the hidden states at layer boundaries) and ``pages`` (the
 pages of the paged KV caches) go over :data:`ROW_AXES`, ``("data", "expert")``: DeepSeek-style
 data-parallel attention, every device attends for its own rows against its own pages, and the
-MoE layers gather each expert group's tokens and scatter the results back (:mod:`mtp_jax.ep`).
-Paged attention (:mod:`mtp_jax.mla`) and routing (:mod:`mtp_jax.ep`) run under ``shard_map``
+MoE layers gather each expert group's tokens and scatter the results back
+(:mod:`mtp_jax.targets.deepseek_v3.ep`).
+Paged attention (:mod:`mtp_jax.targets.deepseek_v3.mla`) and routing (:mod:`mtp_jax.targets.deepseek_v3.ep`)
+run under ``shard_map``
 over the row axes, so no cache page ever leaves its device. A dimension the row axes do not
 divide is split over the longest prefix of them that does (``data`` alone, or nothing: e.g. a
 batch of 1 stays replicated).
@@ -57,7 +59,7 @@ def make_mesh(
     """A (data, expert, tensor) mesh over ``devices`` (default: all), axis types set explicitly to Auto:
     the compiler propagates shardings from the parameters and the few constraints we place
     (:func:`constrain` at block boundaries, :func:`constrain_state` on the step's outputs), and
-    ``shard_map`` takes over inside the MoE (:mod:`mtp_jax.ep`).
+    ``shard_map`` takes over inside the MoE (:mod:`mtp_jax.targets.deepseek_v3.ep`).
 
     Why not ``AxisType.Explicit`` (tried with jax 0.10.2): sharding-in-types makes every op whose
     output sharding is ambiguous an error, and the model has many of them: the scatters of the
@@ -168,7 +170,8 @@ ROW_LOGICAL = ("batch", "pages")
 def state_axes(mesh: Mesh, state: Any) -> tuple[str, ...]:
     """The mesh axes a decode state's rows and pages are split over: the longest prefix of
     :data:`ROW_AXES` that divides both its batch and its page count, so that every row shard holds
-    its rows' pages (attention then needs no cache traffic, :func:`mtp_jax.mla.mla_paged`)."""
+    its rows' pages (attention then needs no cache traffic,
+    :func:`mtp_jax.targets.deepseek_v3.mla.mla_paged`)."""
     num_pages = jax.tree.leaves(state.target_pages)[0].shape[1]
     return split_axes(mesh, ROW_AXES, state.seq_len.shape[0], num_pages)
 

@@ -70,7 +70,8 @@ class StepConfig:
     draft_sampling: str = "argmax"
     mesh: Mesh | None = None
     """With a mesh: rows and KV pages split over ``data`` x ``expert`` (data-parallel attention),
-    MoE layers expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`, :mod:`mtp_jax.ep`)."""
+    MoE layers expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`,
+    :mod:`mtp_jax.targets.deepseek_v3.ep`)."""
     draft_cfg: Any = None
     """A separately loaded draft's parsed config (EAGLE-3's :class:`mtp_jax.config.Eagle3Config`), or
     None for drafts that live in the target's checkpoint (MTP)."""
@@ -89,7 +90,7 @@ class StepConfig:
     greedy: bool = False
     """Every row decodes greedily (temperature 0): sampling is traced as the argmax alone
     (:func:`mtp_jax.sampling.greedy_only`), a smaller program giving the same tokens. For callers
-    that know every request up front (:func:`mtp_jax.engine.generate`); a scheduler with it refuses
+    that know every request up front (:func:`mtp_jax.scheduler.generate`); a scheduler with it refuses
     requests that sample."""
 
     def __post_init__(self) -> None:

@@ -5,6 +5,6 @@
   for Hopper; the earlier Pallas Triton kernel for sm_80/sm_89), with jnp permute / combine.
 
 Both are verified against their references in interpret mode on CPU, lower for CUDA, and compile
-and pass their native tests on an H100. The model calls both dispatchers (``mtp_jax.mla``,
-``mtp_jax.moe``), which use the references / ``ragged_dot`` off a GPU.
+and pass their native tests on an H100. The model calls both dispatchers (``mtp_jax.targets.deepseek_v3.mla``,
+``mtp_jax.targets.deepseek_v3.moe``), which use the references / ``ragged_dot`` off a GPU.
 """

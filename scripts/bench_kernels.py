@@ -17,7 +17,7 @@ a large buffer: read + write), the physical limit for decode.
   ``kernel-shared`` / ``kernel-single`` (one schedule forced, :func:`mla_decode_kernel`) and the
   jnp ``reference`` (what XLA makes of it).
 - ``dense`` (one case per DeepSeek-V3 FP8 dense projection x row count): ``materialize``
-  (dequantise, then multiply), ``blocked`` (:func:`mtp_jax.checkpoint.fp8.dense_einsum`: the FP8
+  (dequantise, then multiply), ``blocked`` (:func:`mtp_jax.fp8.dense_einsum`: the FP8
   values read in place, what the layers run up to 32 rows) and the gmm ``kernel`` with one group.
 - ``gmm`` (one case per token count x weight format): one expert projection of DeepSeek-V3's MoE
   layer (256 experts, 7168 -> 2048, top-8 routing of ``tokens`` tokens, so 8 x tokens rows), bf16 or
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.bench import machine_info, write_json
-from mtp_jax.checkpoint.fp8 import Fp8Weight, dense_einsum, materialize
+from mtp_jax.fp8 import Fp8Weight, dense_einsum, materialize
 from mtp_jax.roofline import copy_bandwidth, device_op_times, timed_back_to_back
 from pallas_kernels.mla_decode import IMPLS as MLA_IMPLS
 from pallas_kernels.mla_decode import mla_decode, mla_decode_kernel

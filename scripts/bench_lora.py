@@ -57,8 +57,8 @@ def main() -> int:
 
     import mtp_jax
     from mtp_jax.bench import machine_info, write_json
-    from mtp_jax.checkpoint.synthetic import write_lora_adapter
     from mtp_jax.embedded import resolve_model_path
+    from mtp_jax.synthetic import write_lora_adapter
     from mtp_jax.text import TextCodec
 
     codec = TextCodec.for_path(resolve_model_path(args.model))

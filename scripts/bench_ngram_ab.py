@@ -39,7 +39,7 @@ def main() -> int:
 
     import mtp_jax
     from mtp_jax.bench import machine_info, write_json
-    from mtp_jax.drafts import ngram
+    from mtp_jax.drafts.ngram import draft as ngram
     from mtp_jax.embedded import resolve_model_path
     from mtp_jax.text import TextCodec
 

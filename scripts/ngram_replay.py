@@ -7,7 +7,7 @@ drafts a lookup rule would have proposed at each step, and how many of them the 
 follow from the greedy reply alone: this script generates SmolLM2-135M-Instruct's greedy replies
 to the held-out prompts of ``scripts/bench_real.py`` once (``--replies`` caches them), then walks
 each reply as the engine's step would (the first token from the prefill; each step proposes with
-:func:`mtp_jax.drafts.ngram.lookup`, accepts the drafts that match the reply, emits one more) for
+:func:`mtp_jax.drafts.ngram.draft.lookup`, accepts the drafts that match the reply, emits one more) for
 every K and every suffix range ``--ngram`` MIN..MAX. It prints the acceptance length, how the
 steps split (no match: a plain step; a match: a verifying step; every draft accepted) and, given
 what a verifying step costs against a plain one on some machine (``--verify-cost``, e.g. from
@@ -63,7 +63,7 @@ def replay(replies: list[dict], k: int, min_n: int, max_n: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from mtp_jax.drafts.ngram import lookup
+    from mtp_jax.drafts.ngram.draft import lookup
 
     propose = jax.jit(functools.partial(lookup, k=k, max_n=max_n, min_n=min_n, none=-1))
     # one history width for every reply: compiled once (the lookup reads only the first n tokens)

@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtp_jax  # noqa: E402
 from mtp_jax.bench import model_path  # noqa: E402
-from mtp_jax.engine import Request, Scheduler, pages_needed  # noqa: E402
 from mtp_jax.request import SpeculativeConfig, step_config  # noqa: E402
 from mtp_jax.roofline import device_op_times  # noqa: E402
 from mtp_jax.sampling import RowSampling  # noqa: E402
+from mtp_jax.scheduler import Request, Scheduler, pages_needed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

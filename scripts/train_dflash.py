@@ -7,7 +7,7 @@ DeepSeek-V3) on the Python standard library, and write it in the published layou
         --out checkpoints/tiny-deepseek-v3-stdlib-dflash
     python scripts/train_dflash.py --target DIR --out /tmp/smoke --preset smoke     # seconds
 
-The draft (docs/formats.md, "DFlash drafts"; :mod:`mtp_jax.drafts.dflash`): ``--layers`` Qwen3-style
+The draft (docs/formats.md, "DFlash drafts"; :mod:`mtp_jax.drafts.dflash.draft`): ``--layers`` Qwen3-style
 decoder layers of the target's width over the context ``hidden_norm(fc(cat(features)))`` of
 captured target layer outputs (``--layer-ids``, default: DFlash's choice for that many layers),
 the target's embedding and head; a block is ``[anchor, MASK x (block_size - 1)]`` (MASK: the
@@ -56,12 +56,12 @@ from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
 )
 from train_tiny import BOS, EOS, make_optimizer, rewrite_card  # noqa: E402
 
-from mtp_jax.checkpoint.dflash import load_dflash  # noqa: E402
-from mtp_jax.checkpoint.export import dflash_hub_tensors_from_params  # noqa: E402
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
-from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, write_hub_checkpoint  # noqa: E402
 from mtp_jax.config import DFlashConfig, ModelConfig, dflash_default_layers, parse_dflash_config  # noqa: E402
-from mtp_jax.drafts.dflash import block_forward, context_rows, dflash_features  # noqa: E402
+from mtp_jax.drafts.dflash.checkpoint import load_dflash  # noqa: E402
+from mtp_jax.drafts.dflash.draft import block_forward, context_rows, dflash_features  # noqa: E402
+from mtp_jax.export import dflash_hub_tensors_from_params  # noqa: E402
+from mtp_jax.synthetic import dflash_hub_tensors, write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
 from mtp_jax.targets.base import head_logits, lm_head  # noqa: E402
 

@@ -7,7 +7,7 @@ Python standard library, and write it in the published hub layout.
         --out checkpoints/tiny-deepseek-v3-stdlib-eagle3                             # MLA draft
     python scripts/train_eagle3.py --target DIR --out /tmp/smoke --preset smoke      # seconds
 
-The draft (docs/formats.md, "EAGLE-3 drafts"; :mod:`mtp_jax.drafts.eagle3`) is one decoder layer over
+The draft (docs/formats.md, "EAGLE-3 drafts"; :mod:`mtp_jax.drafts.eagle3.draft`) is one decoder layer over
 the concatenated residual streams of three target layers (``--layer-ids``, read as layer INPUTS as
 vLLM reads ``eagle_aux_hidden_state_layer_ids``) fused by ``fc``, and the embedding of the next
 token. Its attention is the target's kind: Llama-style GQA for a Llama target, DeepSeek's MLA
@@ -20,7 +20,7 @@ Recipe (EAGLE-3, "training-time test"): the draft is unrolled ``--depth`` steps 
 windows exactly as speculative decoding chains it: step 1 reads the target's features with the
 next token; step j > 1 reads step j-1's own recycled state with the next true token, its attention
 seeing what the decode-time cache holds (step-1 rows before it and its own chain;
-:func:`mtp_jax.drafts.eagle3.eagle3_chain_teacher_forced`). Each step's labels are the target's
+:func:`mtp_jax.drafts.eagle3.draft.eagle3_chain_teacher_forced`). Each step's labels are the target's
 own next-token distribution restricted to the draft vocabulary (soft cross-entropy:
 self-distillation, what acceptance measures); step j is weighted ``--step-decay``^(j-1)
 (normalised). ``--own-text F`` takes a fraction F of each batch from the target's own greedy
@@ -84,14 +84,14 @@ from train_tiny import (  # noqa: E402  (the data pipeline and optimizer the tar
 )
 
 import mtp_jax  # noqa: E402
-from mtp_jax.checkpoint.eagle3 import load_eagle3  # noqa: E402
-from mtp_jax.checkpoint.export import eagle3_hub_tensors_from_params  # noqa: E402
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
-from mtp_jax.checkpoint.synthetic import eagle3_hub_tensors, write_hub_checkpoint  # noqa: E402
 from mtp_jax.config import DeepseekV3Config, Eagle3Config, ModelConfig, parse_config, parse_eagle3_config  # noqa: E402
-from mtp_jax.drafts.eagle3 import draft_vocab_logits, eagle3_chain_teacher_forced, fused_features  # noqa: E402
+from mtp_jax.drafts.eagle3.checkpoint import load_eagle3  # noqa: E402
+from mtp_jax.drafts.eagle3.draft import draft_vocab_logits, eagle3_chain_teacher_forced, fused_features  # noqa: E402
 from mtp_jax.embedded import resolve_model_path  # noqa: E402
+from mtp_jax.export import eagle3_hub_tensors_from_params  # noqa: E402
 from mtp_jax.model import read_model_config  # noqa: E402
+from mtp_jax.synthetic import eagle3_hub_tensors, write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
 from mtp_jax.targets.base import Hidden, lm_head  # noqa: E402
 

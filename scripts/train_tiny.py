@@ -37,7 +37,7 @@ from the layer's own output state and draft j-1. The report's objective trains o
 and the chained drafts are accepted far less often. ``--mtp-depth D`` adds the chained uses to the
 loss: level j feeds level j-1's state back with the true token t_{i+j} and predicts t_{i+j+1}, its
 attention seeing exactly what the decode-time cache holds (the first-level rows before it and its
-own chain; :func:`mtp_jax.drafts.mtp.mtp_chain_teacher_forced`); levels are weighted REACH^(j-1).
+own chain; :func:`mtp_jax.drafts.mtp.draft.mtp_chain_teacher_forced`); levels are weighted REACH^(j-1).
 ``--mtp-labels target`` trains the levels on the main model's own distributions instead of the
 text's tokens (self-distillation): a draft is accepted when it matches the target, not the text.
 ``--init-from DIR --train mtp`` starts from a trained checkpoint and trains the MTP layer alone with
@@ -80,15 +80,15 @@ import optax
 import orbax.checkpoint as ocp
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from mtp_jax.checkpoint.export import hub_tensors_from_params
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.checkpoint.synthetic import hub_tensors, llama_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig, parse_config
-from mtp_jax.drafts.mtp import mtp_chain_teacher_forced
+from mtp_jax.drafts.mtp.draft import mtp_chain_teacher_forced
+from mtp_jax.export import hub_tensors_from_params
+from mtp_jax.synthetic import hub_tensors, llama_hub_tensors, write_hub_checkpoint
 from mtp_jax.targets import target_for
 from mtp_jax.targets.base import lm_head
-from mtp_jax.targets.deepseek_v3 import forward
+from mtp_jax.targets.deepseek_v3.model import forward
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 BOS, EOS = 0, 1
@@ -378,7 +378,7 @@ def losses(
 ) -> tuple[jax.Array, dict]:
     """Losses on windows [b, s]: main predicts window[:, 1:]; MTP level j (1..depth) predicts
     window[:, j + 1:], level 1 from the target's hidden states and level j > 1 from level j-1's
-    state, as decoding chains the layer (:func:`mtp_jax.drafts.mtp.mtp_chain_teacher_forced`).
+    state, as decoding chains the layer (:func:`mtp_jax.drafts.mtp.draft.mtp_chain_teacher_forced`).
 
     ``labels``: what the MTP levels learn: ``"data"``, the text's tokens (DeepSeek-V3's objective),
     or ``"target"``, the main model's own distribution at the same position (self-distillation,

@@ -31,9 +31,9 @@ import pytest
 
 import mtp_jax
 from mtp_jax import sampling
-from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, eagle3_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DFlashConfig, Eagle3Config
 from mtp_jax.sampling import RowSampling
+from mtp_jax.synthetic import dflash_hub_tensors, eagle3_hub_tensors, write_hub_checkpoint
 from tests.conftest import TINY_CONFIG, oracle_tensors
 
 accept_argmax = jax.jit(sampling.accept_argmax_drafts)

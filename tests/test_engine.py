@@ -13,7 +13,7 @@ from mtp_jax.cache import PageAllocator, page_table_array
 from mtp_jax.model import Model
 from mtp_jax.sampling import RowSampling
 from mtp_jax.step import StepConfig, forward_paged_jit, init_state, prefill, step
-from mtp_jax.targets.deepseek_v3 import init_cache
+from mtp_jax.targets.deepseek_v3.model import init_cache
 
 RNG = np.random.default_rng(1234)
 

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from mtp_jax import ep
 from mtp_jax.cache import ShardedPageAllocator
 from mtp_jax.sharding import make_mesh, state_logical
+from mtp_jax.targets.deepseek_v3 import ep
 from tests.conftest import EMBEDDED_MODEL
 
 PRELUDE = """
@@ -29,9 +29,9 @@ assert len(jax.devices()) == 8
 MOE_CHILD = PRELUDE + textwrap.dedent(
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from mtp_jax import ep
+    from mtp_jax.targets.deepseek_v3 import ep
     from mtp_jax.config import DeepseekV3Config
-    from mtp_jax.moe import route, routed_experts
+    from mtp_jax.targets.deepseek_v3.moe import route, routed_experts
     from mtp_jax.sharding import make_mesh
     from tests.conftest import TINY_CONFIG
 
@@ -92,7 +92,8 @@ MOE_CHILD = PRELUDE + textwrap.dedent(
 MODEL_CHILD = PRELUDE + textwrap.dedent(
     """
     import mtp_jax
-    from mtp_jax import ep, step as step_mod
+    from mtp_jax import step as step_mod
+    from mtp_jax.targets.deepseek_v3 import ep
 
     src = sys.argv[1]
     ids = [[(37 * i + 11 * j) % 2000 + 5 for j in range(16)] for i in range(2)]

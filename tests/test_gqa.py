@@ -15,7 +15,7 @@ def test_paged_attention_reads_only_the_live_pages(monkeypatch, last, width):
     """A call attends over the narrowest page-table prefix holding every key its queries see (chosen
     on device) and gives what the reference over the whole table gives; grouped heads, a layer of a
     stack, keys written by the call itself."""
-    import pallas_kernels.chunks as chunks
+    import pallas_kernels.paged as chunks
 
     monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8 and 2
     widths = []

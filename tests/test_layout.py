@@ -1,5 +1,6 @@
-"""The package layout: no import circles between modules, whether imports sit at module level or
-inside functions (a function-level import that closes a circle is a circle all the same)."""
+"""The package layout: no import circles between modules or between folders, whether imports sit at
+module level or inside functions (a function-level import that closes a circle is a circle all the
+same); imports run down the layers; the kernels and the checkpoint files import no model."""
 
 from __future__ import annotations
 
@@ -90,14 +91,155 @@ def test_the_checker_finds_a_circle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_importing_the_kernels_first_works():
-    """pallas_kernels uses mtp_jax's FP8 weight type; importing it before anything else must not
-    trip over a half-initialised mtp_jax (the package's public names load lazily)."""
+def _folder(module: str) -> str:
+    """The node a module stands for in the folder graph: its package folder (``mtp_jax.targets``,
+    ``mtp_jax.targets.llama``, ``pallas_kernels.moe``), or itself for a module at a package's top
+    level, whose folder is the whole package (a module there has one job, a folder a theme)."""
+    parts = module.split(".")
+    path = os.path.join(REPO, *parts)
+    if os.path.isdir(path):  # a package: its folder
+        return module
+    return module if len(parts) == 2 else ".".join(parts[:-1])
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder-level imports: an edge between two folders when a module of one imports a module of the
+    other, a folder's own subfolders excepted (a package imports its parts)."""
+    folders: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        a = _folder(module)
+        folders.setdefault(a, set())
+        for other in imported:
+            b = _folder(other)
+            if b != a and not b.startswith(a + ".") and not a.startswith(b + "."):
+                folders[a].add(b)
+    for targets in list(folders.values()):
+        for b in targets:
+            folders.setdefault(b, set())
+    return folders
+
+
+def test_no_import_circles_between_folders():
+    folders = folder_graph(import_graph())
+    cycle = find_cycle(folders)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_folder_graph_sees_a_folder_circle():
+    graph = {"mtp_jax.targets.base": {"mtp_jax.drafts.base"}, "mtp_jax.drafts.base": {"mtp_jax.targets"}}
+    assert find_cycle(folder_graph({**graph, "mtp_jax.targets": set()})) is not None
+
+
+# The layers of the package, lowest first: a module may import its own layer and those below. Every
+# module belongs to one (the longest matching prefix); a new module must be placed here.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("pallas_kernels",),  # kernels, the FP8 weight type they take, the paged-attention reference
+    (
+        "mtp_jax.errors",
+        "mtp_jax.progress",
+        "mtp_jax.sharding",
+        "mtp_jax.cache",
+        "mtp_jax.fp8",
+        "mtp_jax.param_bytes",
+        "mtp_jax.embedded",
+        "mtp_jax.distributed",
+        "mtp_jax.evalsets",
+    ),
+    (
+        "mtp_jax.config",
+        "mtp_jax.checkpoint",
+        "mtp_jax.sampling",
+        "mtp_jax.grammar",
+        "mtp_jax.text",
+        "mtp_jax.lora",
+        "mtp_jax.layers",
+        "mtp_jax.gqa",
+    ),
+    ("mtp_jax.targets",),
+    ("mtp_jax.tree", "mtp_jax.drafts"),
+    ("mtp_jax.step", "mtp_jax.autok", "mtp_jax.request"),
+    ("mtp_jax.scheduler", "mtp_jax.model", "mtp_jax.builtin"),
+    ("mtp_jax.serving",),
+    (  # tools and entry points
+        "mtp_jax",
+        "mtp_jax.server",
+        "mtp_jax.plugins",
+        "mtp_jax.estimate",
+        "mtp_jax.synthetic",
+        "mtp_jax.export",
+        "mtp_jax.plan",
+        "mtp_jax.bench",
+        "mtp_jax.roofline",
+        "mtp_jax.cli",
+        "mtp_jax.train",
+    ),
+)
+MAX_UPWARD_IMPORTS = 2
+
+
+def layer_of(module: str) -> int:
+    best, level = "", None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, level = prefix, i
+    if level is None:
+        raise AssertionError(f"{module} is in no layer of tests/test_layout.py's LAYERS: place it there")
+    return level
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, imported in graph.items() for b in imported if layer_of(b) > layer_of(a))
+
+
+def test_imports_run_down_the_layers():
+    upward = upward_imports(import_graph())
+    assert len(upward) <= MAX_UPWARD_IMPORTS, "imports that run up the layers:\n" + "\n".join(
+        f"{a} ({layer_of(a)}) -> {b} ({layer_of(b)})" for a, b in upward
+    )
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert upward_imports({"mtp_jax.config": {"mtp_jax.step"}, "mtp_jax.step": {"mtp_jax.config"}}) == [
+        ("mtp_jax.config", "mtp_jax.step")
+    ]
+
+
+def test_kernels_import_nothing_from_mtp_jax():
+    graph = import_graph()
+    wrong = sorted(
+        (a, b)
+        for a, imported in graph.items()
+        for b in imported
+        if a.startswith("pallas_kernels") and b.split(".")[0] == "mtp_jax"
+    )
+    assert not wrong, wrong
+
+
+def test_checkpoint_imports_no_model():
+    """``checkpoint/`` reads and writes files: no target, draft or tool above it."""
+    graph = import_graph()
+    wrong = sorted(
+        (a, b)
+        for a, imported in graph.items()
+        for b in imported
+        if a.startswith("mtp_jax.checkpoint") and layer_of(b) > layer_of("mtp_jax.checkpoint")
+    )
+    assert not wrong, wrong
+
+
+def test_importing_any_module_first_works():
+    """Importing the package registers the shipped models (:mod:`mtp_jax.builtin`); whichever module
+    a program imports first, the package initialises without tripping over itself."""
     import subprocess
     import sys
 
-    for first in ("pallas_kernels.moe", "mtp_jax.moe", "mtp_jax.ep", "mtp_jax.cli", "mtp_jax.bench"):
-        run = subprocess.run(
-            [sys.executable, "-c", f"import {first}"], capture_output=True, text=True, cwd=REPO
-        )
+    for first in (
+        "pallas_kernels.moe",
+        "mtp_jax.targets.deepseek_v3.moe",
+        "mtp_jax.config",
+        "mtp_jax.cli",
+    ):
+        code = f"import {first}; from mtp_jax.targets import TARGETS; assert len(TARGETS) >= 4"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
         assert run.returncode == 0, (first, run.stderr[-2000:])

@@ -313,7 +313,7 @@ def write_random_adapter(
 ) -> str:
     """A PEFT LoRA adapter directory for ``model`` (a loaded model) with random A and B on every
     layer's ``modules`` (the last part of hub names, e.g. "q_proj"), in the layout peft writes."""
-    from mtp_jax.checkpoint.synthetic import write_lora_adapter
+    from mtp_jax.synthetic import write_lora_adapter
 
     return write_lora_adapter(path, model.config, r, modules, seed, alpha)
 

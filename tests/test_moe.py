@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.moe import (
+from mtp_jax.targets.deepseek_v3.model import moe
+from mtp_jax.targets.deepseek_v3.moe import (
     resolve_dispatch,
     route,
     routed_experts,
     routed_experts_dense,
     routed_experts_gathered,
 )
-from mtp_jax.targets.deepseek_v3 import moe
 from tests.conftest import TINY_CONFIG
 
 
@@ -105,7 +105,7 @@ def test_routed_experts_match_loop(monkeypatch, kernels):
 def test_gathered_experts_skip_ids_out_of_range_and_take_fp8():
     """Ids >= E (expert parallelism's copies routed to another device) add nothing, whatever their
     weight; FP8 experts are dequantised after the gather, as the sorted path dequantises them all."""
-    from mtp_jax.checkpoint.fp8 import Fp8Weight
+    from mtp_jax.fp8 import Fp8Weight
 
     rng = np.random.default_rng(3)
     n, d, f, e, k = 5, 16, 8, 4, 2

@@ -29,8 +29,8 @@ CHILD = textwrap.dedent(
     import jax, jax.numpy as jnp
 
     import mtp_jax
-    from mtp_jax.checkpoint.estimate import per_device_memory
-    from mtp_jax.checkpoint.synthetic import hub_tensors, quantize_fp8, write_hub_checkpoint
+    from mtp_jax.estimate import per_device_memory
+    from mtp_jax.synthetic import hub_tensors, quantize_fp8, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config
     from mtp_jax.plan import abstract_params, plan, shard_bytes
     from mtp_jax.sharding import make_mesh
@@ -210,7 +210,7 @@ LLAMA_CHILD = textwrap.dedent(
     import jax, jax.numpy as jnp
 
     import mtp_jax
-    from mtp_jax.checkpoint.estimate import per_device_memory
+    from mtp_jax.estimate import per_device_memory
     from mtp_jax.config import load_config
     from mtp_jax.plan import abstract_params, plan
     from mtp_jax.sharding import make_mesh

@@ -18,9 +18,9 @@ import pytest
 
 import mtp_jax
 from mtp_jax.cache import PrefixCache, ShardedPageAllocator
-from mtp_jax.engine import TIMINGS, Request, Scheduler, pages_needed
 from mtp_jax.request import SpeculativeConfig, step_config
 from mtp_jax.sampling import RowSampling
+from mtp_jax.scheduler import TIMINGS, Request, Scheduler, pages_needed
 from tests.conftest import EMBEDDED_MODEL, REPO
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")

@@ -1,5 +1,5 @@
 """The step's roofline: expected experts against sampled routing, the byte count against the
-parameter counts of :mod:`mtp_jax.checkpoint.estimate` (written from the config, independently of
+parameter counts of :mod:`mtp_jax.estimate` (written from the config, independently of
 the parameter tree), random parameters against the loader's structure, and a CPU smoke run."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from mtp_jax import roofline
-from mtp_jax.checkpoint.estimate import count_parameters, weight_bytes
 from mtp_jax.config import DeepseekV3Config, parse_draft_config
+from mtp_jax.estimate import count_parameters, weight_bytes
 from mtp_jax.plan import abstract_params
 from mtp_jax.roofline import expected_experts, random_params, step_bytes
 from mtp_jax.sharding import make_mesh

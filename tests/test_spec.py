@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.engine import Request, Scheduler
 from mtp_jax.sampling import RowSampling
+from mtp_jax.scheduler import Request, Scheduler
 from mtp_jax.step import StepConfig, init_state, step
 
 RNG = np.random.default_rng(7)

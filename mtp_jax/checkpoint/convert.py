@@ -32,14 +32,13 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.formats import checkpoint_format
-from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from mtp_jax.checkpoint.gguf import GGUFCheckpoint, is_gguf
 from mtp_jax.checkpoint.loader import FLOAT32_LEAVES, host_dtype
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import ModelConfig, load_config, parse_config
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError
+from mtp_jax.fp8 import Fp8Weight, materialize
 from mtp_jax.progress import Progress
-from mtp_jax.targets import target_for
 
 log = logging.getLogger(__name__)
 
@@ -295,10 +294,11 @@ def load_converted(
             f"weights='fp8' needs a checkpoint converted with its FP8 weights kept (--weights auto or fp8); "
             f"{path} has {manifest['weights']!r} weights"
         )
-    own = target_for(cfg).own_draft(cfg)
+    key_map = checkpoint_format(cfg)
+    draft_groups = key_map.DRAFT_GROUPS
+    own = [g for g in draft_groups if key_map.group_sizes(cfg, True).get(g)]
     if mtp and own and not manifest["mtp"]:
-        log.warning("%s was converted without its own draft's weights (%s)", path, own)
-    draft_groups = checkpoint_format(cfg).DRAFT_GROUPS
+        log.warning("%s was converted without its own draft's weights (%s)", path, ", ".join(own))
     host = host_dtype(dtype)
     checkpointer = ocp.StandardCheckpointer()
 

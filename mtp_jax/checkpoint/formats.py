@@ -1,7 +1,7 @@
-"""Which key map reads a checkpoint: one module per model family, chosen by the parsed config.
+"""Which key map reads a checkpoint: one module per model family (in its folder), chosen by the parsed config.
 
 Each module provides ``param_groups(reader, cfg, dtype, *, weights, mtp, strict, skip, experts)``,
-``export_tensors(params, cfg, dtype)`` (its inverse, for :mod:`mtp_jax.checkpoint.export`),
+``export_tensors(params, cfg, dtype)`` (its inverse, for :mod:`mtp_jax.export`),
 ``group_sizes(cfg, mtp)``, ``assemble(groups, cfg, dtype, *, mtp, mesh)``, ``load_params(reader,
 cfg, dtype, *, weights, mtp, strict, mesh)``, ``STACKED_GROUPS`` and ``DRAFT_GROUPS`` (those holding the
 weights of a draft in the same checkpoint: DeepSeek-V3's MTP layers).
@@ -12,10 +12,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from mtp_jax.checkpoint import deepseek_v3, llama3
-from mtp_jax.config import DeepseekV3Config, Llama3Config
-
-_FORMATS: list[tuple[type, Any]] = [(DeepseekV3Config, deepseek_v3), (Llama3Config, llama3)]
+_FORMATS: list[tuple[type, Any]] = []
+"""(config class, key map) pairs, filled by the targets' registrations (:mod:`mtp_jax.builtin`)."""
 
 
 def checkpoint_format(cfg: Any) -> ModuleType:

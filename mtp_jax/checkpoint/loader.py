@@ -1,6 +1,6 @@
 """Reading hub checkpoints, whatever the model: shape-checked tensors, stacked layers, device placement.
 
-Each model's key map (:mod:`mtp_jax.checkpoint.deepseek_v3`, :mod:`mtp_jax.checkpoint.llama3`)
+Each model's key map (:mod:`mtp_jax.targets.deepseek_v3.checkpoint`, :mod:`mtp_jax.targets.llama.checkpoint`)
 yields its parameters one group at a time (the embedding, one decoder layer, the final norm, the
 head, ...) as host arrays through :class:`HubTensors`; :func:`assemble_groups` moves each group to
 the device and writes it into preallocated stacked arrays in place, so host memory peaks near the
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight, dequantize
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.errors import CheckpointError
+from mtp_jax.fp8 import Fp8Weight, dequantize
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Draft methods: what proposes the K tokens a speculative step verifies (:mod:`.base`).
 
-Each draft module builds one :class:`Draft`; :func:`register_draft` makes it known by name to the
-step, ``generate``, the engine and server, the CLI and ``mtp-jax bench``. The shipped drafts
-register themselves here, one line each; a draft defined elsewhere (a plug-in) registers the same
-way before it is used.
+Each draft's folder builds one :class:`Draft`; :func:`register_draft` makes it known by name to the
+step, ``generate``, the engine and server, the CLI and ``mtp-jax bench``. The registry starts
+empty: the shipped drafts register in :mod:`mtp_jax.builtin`, one line each, and a draft defined
+elsewhere (a plug-in) registers the same way before it is used.
 """
 
 from __future__ import annotations
@@ -54,14 +54,6 @@ def draft_for(name: str) -> Draft:
         raise ValueError(f"unknown draft {name!r}; available: {', '.join(DRAFTS)}")
     return DRAFTS[name]
 
-
-from mtp_jax.drafts import dflash, draft_model, eagle3, mtp, ngram  # noqa: E402  (they import base, not this module)
-
-register_draft(mtp.DRAFT)
-register_draft(eagle3.DRAFT)
-register_draft(dflash.DRAFT)
-register_draft(ngram.DRAFT)
-register_draft(draft_model.DRAFT)  # last: it recognises any target checkpoint
 
 __all__ = [
     "DRAFTS",

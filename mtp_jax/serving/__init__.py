@@ -9,7 +9,7 @@
     handle.cancel()                 # stop it now: its slot and pages are freed
     engine.close()
 
-One background thread owns the :class:`~mtp_jax.engine.Scheduler` (the device state, the page
+One background thread owns the :class:`~mtp_jax.scheduler.Scheduler` (the device state, the page
 allocator and the compiled steps) and runs it whenever a request is waiting or running; other
 threads only validate requests and pass them in, so a request never sees another's tokens. The
 waiting queue is bounded (:class:`EngineFullError` past ``max_queue``); a request that cannot fit a

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.engine import Request, Scheduler, TokenLogprob, next_power_of_two, pages_needed
 from mtp_jax.errors import AdapterError, InvalidRequestError
 from mtp_jax.request import (
     CheckedRequest,
@@ -30,6 +29,7 @@ from mtp_jax.request import (
     step_config,
 )
 from mtp_jax.sampling import check_logprobs
+from mtp_jax.scheduler import Request, Scheduler, TokenLogprob, next_power_of_two, pages_needed
 from mtp_jax.serving.errors import EngineClosedError, EngineFullError
 from mtp_jax.serving.handle import RequestHandle, StopCheck, token_hook
 from mtp_jax.serving.replay import Replay

@@ -9,8 +9,8 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING
 
-from mtp_jax.engine import Request, TokenLogprob
 from mtp_jax.request import CheckedRequest
+from mtp_jax.scheduler import Request, TokenLogprob
 from mtp_jax.text import TextStream
 
 if TYPE_CHECKING:
@@ -24,8 +24,8 @@ with finish reason "stop" (stop strings are checked this way)."""
 @dataclasses.dataclass
 class Completion:
     """A finished request: its new tokens, why it stopped ("eos", "length", "stop", "grammar",
-    "cancelled", or "error"), its speculation counters (:class:`~mtp_jax.engine.SpecCounters`) and
-    latencies (:meth:`~mtp_jax.engine.Request.timings`: time to first token from the engine's
+    "cancelled", or "error"), its speculation counters (:class:`~mtp_jax.scheduler.SpecCounters`) and
+    latencies (:meth:`~mtp_jax.scheduler.Request.timings`: time to first token from the engine's
     submit), its text (with a text prompt or stop strings), and with ``logprobs`` asked one
     :class:`~mtp_jax.TokenLogprob` per token."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mtp_jax.engine import Scheduler
+from mtp_jax.scheduler import Scheduler
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``, called on the engine's thread after each program."""

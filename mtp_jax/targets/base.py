@@ -243,12 +243,12 @@ class CapturePlan:
 @dataclasses.dataclass(frozen=True)
 class HubTensor:
     """``count`` tensors of one shape in a model's hub checkpoint, as the size estimates
-    (:mod:`mtp_jax.checkpoint.estimate`: ``mtp-jax inspect``, ``convert --dry-run``, ``plan``) count
+    (:mod:`mtp_jax.estimate`: ``mtp-jax inspect``, ``convert --dry-run``, ``plan``) count
     them. ``shape``: (out, in) for a matrix, (n,) for a vector; ``kind``: how it is stored:
     ``linear`` (a projection, FP8 with block scales in an FP8 checkpoint), ``plain`` (never
     quantised: embeddings, heads, norms, biases), ``fp32`` (float32 in every format: DeepSeek's
     router correction bias) or ``router`` (bfloat16 in the hub, float32 as loaded); ``component``:
-    its part of the model (:data:`mtp_jax.checkpoint.estimate.COMPONENTS`); ``split``: the mesh
+    its part of the model (:data:`mtp_jax.estimate.COMPONENTS`); ``split``: the mesh
     axis that splits it (``expert``, ``tensor``, or ``kv_heads``: over ``tensor`` when that divides
     the KV heads); ``absorbed``: a projection the loader keeps dense even in FP8 mode."""
 
@@ -283,7 +283,7 @@ class Target:
     check_mesh(cfg, mesh) -> None, or ValueError when the mesh cannot split this model.
     layer_stacks(cfg) -> names of the parameter groups holding its layer stacks.
     layer_leaves(cfg) -> the declared tensors of one decoder layer (Llama family:
-    :class:`mtp_jax.targets.llama3.LayerLeaf`), from which the tools derive its tree; None: the
+    :class:`mtp_jax.targets.llama.model.LayerLeaf`), from which the tools derive its tree; None: the
     tools' own description (DeepSeek-V3).
     """
 

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import native
-from pallas_kernels.chunks import QUERY_CHUNK, attend_paged, check_tree
 from pallas_kernels.mla_decode.kernel import (
     NATIVE_DTYPES,
     check_page_size,
@@ -25,6 +24,7 @@ from pallas_kernels.mla_decode.kernel import (
     pick_schedule,
 )
 from pallas_kernels.mla_decode.reference import mla_decode_reference
+from pallas_kernels.paged import QUERY_CHUNK, attend_paged, check_tree
 
 __all__ = [
     "ENV_VAR",
@@ -147,8 +147,8 @@ def mla_decode(
     :func:`mla_decode_reference` for the full contract. ``impl``: "auto", "kernel" (compiled Mosaic
     GPU kernel), "interpret" (the kernel in Mosaic GPU interpret mode, any backend) or "reference"
     (in chunks of :data:`QUERY_CHUNK` queries, each over the pages it can see:
-    :func:`pallas_kernels.chunks.attend_paged`). ``tree`` (base [B], nodes [B, T, N]): a token
-    tree's attention mask (:func:`pallas_kernels.chunks.visible_keys`), at most
+    :func:`pallas_kernels.paged.attend_paged`). ``tree`` (base [B], nodes [B, T, N]): a token
+    tree's attention mask (:func:`pallas_kernels.paged.visible_keys`), at most
     :data:`QUERY_CHUNK` queries; the kernel does not take one yet, so "auto" runs the reference.
     """
     _check_args(q, pages, page_table, positions, value_dim, layer)

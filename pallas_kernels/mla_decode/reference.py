@@ -1,6 +1,7 @@
 """Pure-jnp reference for MLA decode attention over a paged latent cache.
 
-The absorbed form of :func:`mtp_jax.mla.mla_paged` with the projections taken out: queries are
+The absorbed form of :func:`mtp_jax.targets.deepseek_v3.mla.mla_paged` with the projections taken out:
+queries are
 already in latent space, keys are the cache rows, values are their first ``value_dim`` channels.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.chunks import gather_pages, visible_keys
+from pallas_kernels.paged import gather_pages, visible_keys
 
 
 def mla_decode_reference(
@@ -39,7 +40,7 @@ def mla_decode_reference(
       layer: which layer of a stacked ``pages`` to read (a traced scalar is fine); None for [P, S, C].
       tree: (base [B], nodes [B, T, N]): of a token tree's node positions base .. base + N - 1,
         each query sees only those ``nodes`` marks (tree attention,
-        :func:`pallas_kernels.chunks.visible_keys`); None: causal.
+        :func:`pallas_kernels.paged.visible_keys`); None: causal.
 
     Returns:
       [B, T, H, value_dim] in q.dtype; zeros for queries that see no key. Scores and softmax in

@@ -22,7 +22,8 @@ comparison (the Pallas Triton backend is deprecated from JAX 0.11).
 - ``"triton"``: the Triton kernel compiled natively; ValueError off a GPU it compiles for.
 - ``"triton_interpret"``: the Triton kernel run by the generic Pallas interpreter (tests).
 - ``"reference"``: :mod:`pallas_kernels.moe.reference` (every expert on every row; slow).
-- ``"ragged_dot"``: ``jax.lax.ragged_dot`` on the dequantised weights, as :mod:`mtp_jax.moe` does.
+- ``"ragged_dot"``: ``jax.lax.ragged_dot`` on the dequantised weights, as
+:mod:`mtp_jax.targets.deepseek_v3.moe` does.
 
 When ``"auto"`` picks a compiled kernel ("kernel" or "triton"), it is first compiled alone at the
 call's shapes (once per shape, :mod:`pallas_kernels.native`); if the device's toolchain refuses it,
@@ -40,8 +41,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from pallas_kernels import native
+from pallas_kernels.fp8 import Fp8Weight, materialize
 from pallas_kernels.moe import kernel, mosaic_gpu, reference
 from pallas_kernels.moe.reference import combine, permute
 
@@ -232,7 +233,8 @@ def routed_experts(
     """Σ_k weights[n,k] · expert_{idx[n,k]}(x[n]) for x [n, d]: out [n, d] in x.dtype, dropless.
 
     weights [n, k] float32; idx [n, k] int32 in [0, E); gate/up [E, d, f], down [E, f, d], arrays or
-    :class:`Fp8Weight`. Same math as :func:`mtp_jax.moe.routed_experts`: permute, three grouped
+    :class:`Fp8Weight`. Same math as :func:`mtp_jax.targets.deepseek_v3.moe.routed_experts`: permute, three
+    grouped
     matmuls (silu(xs @ gate) * (xs @ up) @ down, each rounded to x.dtype), combine. Under ``"auto"``
     each matmul picks its implementation by its own weight (FP8 or not).
     """

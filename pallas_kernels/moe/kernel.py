@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight
+from pallas_kernels.fp8 import Fp8Weight
 from pallas_kernels.moe.reference import pad_operands
 
 LHS_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

@@ -96,7 +96,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight
+from pallas_kernels.fp8 import Fp8Weight
 from pallas_kernels.moe.reference import pad_operands
 
 NATIVE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -6,7 +6,7 @@ k experts per token, E experts; m = n * k sorted token copies.
 - :func:`permute`: x [n, d], idx [n, k] -> xs [m, d] grouped by expert, group_sizes [E], order [m].
 - :func:`gmm`: lhs [m, kdim] @ rhs [E, kdim, ndim] group by group -> [m, ndim].
 - :func:`combine`: ys [m, d] -> [n, d], each token's k rows weighted and summed.
-- :func:`routed_experts`: the three above, as :func:`mtp_jax.moe.routed_experts`.
+- :func:`routed_experts`: the three above, as :func:`mtp_jax.targets.deepseek_v3.moe.routed_experts`.
 
 :func:`gmm` here runs every expert over every row and keeps each row's own expert (E times the
 FLOPs of a grouped matmul): simple enough to be obviously right, not meant to be fast.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
+from pallas_kernels.fp8 import Fp8Weight, materialize
 
 
 def permute(x: jax.Array, idx: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -102,7 +102,7 @@ def routed_experts(
 
     weights [n, k] float32, idx [n, k] int32; gate/up [E, d, f], down [E, f, d] (arrays or
     Fp8Weight); expert_e(v) = (silu(v @ gate[e]) * (v @ up[e])) @ down[e], each matmul rounded to
-    x.dtype as in :func:`mtp_jax.moe.routed_experts`.
+    x.dtype as in :func:`mtp_jax.targets.deepseek_v3.moe.routed_experts`.
     """
     num_experts = (gate.w if isinstance(gate, Fp8Weight) else gate).shape[0]
     xs, sizes, order = permute(x, idx, num_experts)

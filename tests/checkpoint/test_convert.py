@@ -11,8 +11,8 @@ import pytest
 
 import mtp_jax
 from mtp_jax.checkpoint.convert import MANIFEST, convert
-from mtp_jax.checkpoint.fp8 import Fp8Weight
 from mtp_jax.cli import main as cli_main
+from mtp_jax.fp8 import Fp8Weight
 from tests.checkpoint.test_fp8 import IDS, fp8_pair  # noqa: F401  (module-scoped fixture)
 from tests.conftest import DEEPSEEK_V3_CONFIG, EMBEDDED_MODEL, REPO
 

@@ -15,12 +15,12 @@ import pytest
 
 import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import SafetensorsFile
-from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from mtp_jax.synthetic import hub_tensors, write_hub_checkpoint
 from tests.conftest import TINY_CONFIG
 
-LOGGER = "mtp_jax.checkpoint.deepseek_v3"
+LOGGER = "mtp_jax.targets.deepseek_v3.checkpoint"
 TOKENS = np.random.default_rng(42).integers(0, TINY_CONFIG["vocab_size"], (2, 9)).astype(np.int32)
 
 

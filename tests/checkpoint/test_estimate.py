@@ -9,15 +9,15 @@ import re
 
 import pytest
 
-from mtp_jax.checkpoint.estimate import (
+from mtp_jax.config import DeepseekV3Config
+from mtp_jax.estimate import (
     count_parameters,
     kv_cache_bytes_per_token,
     per_device_memory,
     weight_bytes,
 )
-from mtp_jax.checkpoint.estimate import format_report as report
-from mtp_jax.checkpoint.synthetic import hub_tensors
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.estimate import format_report as report
+from mtp_jax.synthetic import hub_tensors
 from tests.conftest import DEEPSEEK_V3_CONFIG, TINY_CONFIG
 
 DEEPSEEK_V3 = DEEPSEEK_V3_CONFIG
@@ -252,8 +252,8 @@ LLAMA_TINY = {
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_llama_counts_and_bytes_match_hub_tensors(tied):
-    from mtp_jax.checkpoint.synthetic import llama_hub_tensors
     from mtp_jax.config import Llama3Config
+    from mtp_jax.synthetic import llama_hub_tensors
 
     cfg = Llama3Config.from_dict({**LLAMA_TINY, "tie_word_embeddings": tied})
     tensors = llama_hub_tensors(cfg)

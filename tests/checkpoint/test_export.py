@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.checkpoint.export import hub_tensors_from_params
-from mtp_jax.checkpoint.synthetic import hub_tensors, quantize_fp8
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.export import hub_tensors_from_params
+from mtp_jax.synthetic import hub_tensors, quantize_fp8
 from tests.conftest import TINY_CONFIG
 
 

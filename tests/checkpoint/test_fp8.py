@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.checkpoint.fp8 import BLOCKED_MAX_ROWS, Fp8Weight, dense_einsum, dequantize, materialize
-from mtp_jax.checkpoint.synthetic import hub_tensors, quantize_fp8
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.fp8 import BLOCKED_MAX_ROWS, Fp8Weight, dense_einsum, dequantize, materialize
+from mtp_jax.synthetic import hub_tensors, quantize_fp8
 from tests.conftest import TINY_CONFIG
 
 BLOCK = (16, 8)  # non-square, so swapped block axes are caught; tiny dims give partial edge blocks
@@ -113,7 +113,7 @@ def test_quantize_round_trip_is_close():
 @pytest.fixture(scope="module")
 def fp8_pair(tmp_path_factory):
     """(FP8 checkpoint, float32 checkpoint of its independently dequantised weights)."""
-    from mtp_jax.checkpoint.synthetic import write_hub_checkpoint
+    from mtp_jax.synthetic import write_hub_checkpoint
 
     cfg_dict = fp8_config()
     cfg = DeepseekV3Config.from_dict(cfg_dict)
@@ -177,7 +177,7 @@ def test_fp8_weights_kept_on_device(fp8_pair):
 def test_weight_estimate_is_what_the_loader_holds(fp8_pair, weights):
     """mtp-jax inspect's byte estimate (from config.json alone) equals the bytes of the loaded tree,
     dtype by dtype: FP8 weights with their block scales, float32 routers, bfloat16 the rest."""
-    from mtp_jax.checkpoint.estimate import weight_bytes
+    from mtp_jax.estimate import weight_bytes
 
     model = mtp_jax.load(fp8_pair[0], "bfloat16", weights=weights)
     held: dict[str, int] = {}

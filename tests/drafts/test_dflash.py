@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import DFlashConfig, dflash_capture, dflash_default_layers
 from mtp_jax.errors import ConfigError, InvalidRequestError
+from mtp_jax.synthetic import dflash_hub_tensors, write_hub_checkpoint
 from tests.conftest import check_per_request_k
 from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3_DRAFT
 from tests.drafts.test_eagle3 import REF, TARGET, _inv_freq, _rms, _rope  # L = 3, d = 32, V = 128
@@ -198,7 +198,7 @@ def test_captured_layers_and_defaults(models):
 
 
 def test_export_round_trips_bit_exact(drafts, models):
-    from mtp_jax.checkpoint.export import dflash_hub_tensors_from_params
+    from mtp_jax.export import dflash_hub_tensors_from_params
 
     for name, (_, tensors, _) in drafts.items():
         back = dflash_hub_tensors_from_params(models[name].params["dflash"], models[name].draft_config)
@@ -245,7 +245,7 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
     teacher-forced block there, its sampled-mode q the processed softmax of the same logits."""
     from mtp_jax.cache import page_table_array
     from mtp_jax.drafts.base import Rows
-    from mtp_jax.drafts.dflash import DRAFT
+    from mtp_jax.drafts.dflash.draft import DRAFT
     from mtp_jax.sampling import RowSampling, draft_probs
     from mtp_jax.step import StepConfig
 
@@ -411,7 +411,7 @@ SHARDED_CHILD = textwrap.dedent(
     import jax, numpy as np
     assert len(jax.devices()) == 8
     import mtp_jax
-    from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, hub_tensors, write_hub_checkpoint
+    from mtp_jax.synthetic import dflash_hub_tensors, hub_tensors, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config, DFlashConfig
     from tests.conftest import check_per_request_k, TINY_CONFIG
     from tests.drafts.test_dflash import DRAFT_A, DRAFT_V, TARGET, VOCAB_IDS

@@ -1,4 +1,4 @@
-"""A separate draft model (mtp_jax/drafts/draft_model.py): the target as its own draft accepts every
+"""A separate draft model (mtp_jax/drafts/draft_model/draft.py): the target as its own draft accepts every
 draft (greedy, and sampled drafts whose q is the target's p); other draft models (another family,
 random weights) are lossless with per-request K; teacher-forced logits are the draft's own; the
 recognition and refusals of its loader; sharded == one device; plan and the roofline count it. Its
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.checkpoint.synthetic import llama_hub_tensors, write_hub_checkpoint
 from mtp_jax.config import Llama3Config
 from mtp_jax.request import SpeculativeConfig, step_config
+from mtp_jax.synthetic import llama_hub_tensors, write_hub_checkpoint
 from tests.conftest import EMBEDDED_MODEL, REPO, check_lossless, check_per_request_k
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")

@@ -11,8 +11,8 @@ import pytest
 
 import mtp_jax
 from mtp_jax.cache import page_table_array, slots_for
-from mtp_jax.drafts import mtp
-from mtp_jax.targets.deepseek_v3 import PagedAttention, init_cache
+from mtp_jax.drafts.mtp import draft as mtp
+from mtp_jax.targets.deepseek_v3.model import PagedAttention, init_cache
 from tests.conftest import PARITY_DIR
 
 # jitted: op by op, one call compiled ~100-500 one-op programs (~17 s for this file's costliest test)

@@ -1,4 +1,4 @@
-"""The n-gram prompt-lookup draft (mtp_jax/drafts/ngram.py): its lookup against a plain-Python
+"""The n-gram prompt-lookup draft (mtp_jax/drafts/ngram/draft.py): its lookup against a plain-Python
 reference and by hand; greedy speculation lossless on both targets with drafts accepted; a sampled
 row's output independent of its batch; teacher-forced logits; weightless (any model, never picked
 by auto); the CLI. Its exactness under sampling is in tests/test_acceptance.py."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.drafts.ngram import MAX_N, MIN_N, lookup
+from mtp_jax.drafts.ngram.draft import MAX_N, MIN_N, lookup
 from tests.conftest import EMBEDDED_MODEL, REPO, check_per_request_k
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
@@ -169,7 +169,7 @@ SHARDED_CHILD = textwrap.dedent(
     import jax
     assert len(jax.devices()) == 8
     import mtp_jax
-    from mtp_jax.checkpoint.synthetic import hub_tensors, write_hub_checkpoint
+    from mtp_jax.synthetic import hub_tensors, write_hub_checkpoint
     from mtp_jax.config import DeepseekV3Config
     from tests.conftest import TINY_CONFIG
     from tests.drafts.test_eagle3 import TARGET

@@ -374,8 +374,8 @@ def test_reference_dispatch_reads_only_the_live_pages(monkeypatch, last, width):
     """Off the kernel, a call reads the narrowest prefix of the page table (a factor 4 apart, not
     under LIVE_KEYS keys) holding every key its queries see, chosen on device, and gives what the
     reference over the whole table gives."""
-    import pallas_kernels.chunks as chunks
     import pallas_kernels.mla_decode as dispatcher
+    import pallas_kernels.paged as chunks
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8 and 2

@@ -1,6 +1,7 @@
 """MoE dispatch kernels: the Pallas grouped matmuls (the Mosaic GPU kernel and the Triton-backend
 kernel, in interpret mode) against the jnp reference, jax.lax.ragged_dot and numpy loops, and their
-native paths lowered for CUDA on this CPU; permute/combine; routed experts against mtp_jax.moe;
+native paths lowered for CUDA on this CPU; permute/combine; routed experts against
+mtp_jax.targets.deepseek_v3.moe;
 dispatcher. The ``hopper`` tests compile the Mosaic GPU kernel natively and run only on a Hopper GPU."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 
 import pallas_kernels.moe as pm
-from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
-from mtp_jax.moe import routed_experts as moe_routed_experts
+from mtp_jax.fp8 import Fp8Weight, materialize
+from mtp_jax.targets.deepseek_v3.moe import routed_experts as moe_routed_experts
 from pallas_kernels.moe import kernel, mosaic_gpu, reference
 
 SMALL_TILES = {"block_m": 16, "block_n": 32, "block_k": 32}

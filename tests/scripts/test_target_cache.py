@@ -99,7 +99,7 @@ def test_dflash_losses_from_a_full_cache_equal_the_live_targets(scripts, llama, 
     _, dflash, cache = scripts
     raw, cfg, params = llama
     from mtp_jax.config import dflash_default_layers
-    from mtp_jax.drafts.dflash import dflash_features
+    from mtp_jax.drafts.dflash.draft import dflash_features
 
     layer_ids = list(dflash_default_layers(cfg.num_hidden_layers, 1))
     draft_raw = dflash.draft_config(raw, cfg, 1, layer_ids, 4, 0)

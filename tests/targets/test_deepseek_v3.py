@@ -14,7 +14,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax.cache import page_table_array, slots_for
-from mtp_jax.targets.deepseek_v3 import PagedAttention, forward, init_cache, lm_head
+from mtp_jax.targets.deepseek_v3.model import PagedAttention, forward, init_cache, lm_head
 from tests.conftest import PARITY_DIR, greedy_reference
 
 FIXTURES = sorted(d for d in os.listdir(PARITY_DIR) if os.path.isdir(os.path.join(PARITY_DIR, d)))

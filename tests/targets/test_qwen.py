@@ -47,8 +47,8 @@ def test_each_family_is_its_own_target_with_its_own_extras(fixtures):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_draft_is_lossless(fixtures, name, tmp_path):
-    from mtp_jax.checkpoint.synthetic import dflash_hub_tensors, write_hub_checkpoint
     from mtp_jax.config import DFlashConfig
+    from mtp_jax.synthetic import dflash_hub_tensors, write_hub_checkpoint
     from tests.drafts.test_dflash import DRAFT_A as DFLASH
     from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3
     from tests.drafts.test_eagle3 import draft_tensors
@@ -68,8 +68,8 @@ def test_every_draft_is_lossless(fixtures, name, tmp_path):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_plan_estimate_and_export_follow_the_declared_tree(fixtures, name):
-    from mtp_jax.checkpoint.estimate import count_parameters, weight_bytes
-    from mtp_jax.checkpoint.export import hub_tensors_from_params
+    from mtp_jax.estimate import count_parameters, weight_bytes
+    from mtp_jax.export import hub_tensors_from_params
     from mtp_jax.plan import abstract_params
     from mtp_jax.sharding import make_mesh
 
@@ -92,7 +92,7 @@ def test_plan_estimate_and_export_follow_the_declared_tree(fixtures, name):
 def test_the_shardings_name_every_declared_leaf():
     """sharding.py's table of logical axes (it cannot import the targets) equals the declaration."""
     from mtp_jax.sharding import param_logical
-    from mtp_jax.targets.llama3 import layer_leaves
+    from mtp_jax.targets.llama.model import layer_leaves
 
     for leaf in layer_leaves(32, 4, 2, 8, 64, qkv_bias=True, qk_norm=True):
         assert param_logical("layers", leaf.path, len(leaf.shape)) == leaf.logical, leaf.path

@@ -1,7 +1,7 @@
-"""Hub-layout Llama 3 tensors -> the parameter pytree of :mod:`mtp_jax.targets.llama3`.
+"""Hub-layout Llama 3 tensors -> the parameter pytree of :mod:`mtp_jax.targets.llama.model`.
 
 Keys: ``model.embed_tokens.weight`` [V, d]; per layer ``model.layers.{i}.`` the tensors
-:func:`mtp_jax.targets.llama3.layer_leaves` declares (``input_layernorm``,
+:func:`mtp_jax.targets.llama.model.layer_leaves` declares (``input_layernorm``,
 ``post_attention_layernorm`` [d], ``self_attn.{q,k,v}_proj.weight`` ([H·hd, d], [Hkv·hd, d],
 [Hkv·hd, d]), ``self_attn.o_proj.weight`` [d, H·hd], ``mlp.{gate,up}_proj.weight`` [f, d],
 ``mlp.down_proj.weight`` [d, f]; Qwen2's ``self_attn.{q,k,v}_proj.bias``, Qwen3's
@@ -24,12 +24,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.hub_layout import as_numpy, llama_layer_tensors
+from mtp_jax.checkpoint.hub_layout import as_numpy
 from mtp_jax.checkpoint.loader import Group, GroupEmitter, HubTensors, assemble_groups, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import Llama3Config
 from mtp_jax.errors import CheckpointError
-from mtp_jax.targets.llama3 import LayerLeaf, layer_leaves, leaves_tree, target_layer_leaves
+from mtp_jax.targets.llama.model import LayerLeaf, layer_leaves, leaves_tree, target_layer_leaves
 
 log = logging.getLogger(__name__)
 
@@ -140,4 +140,25 @@ def export_tensors(params: dict, cfg: Llama3Config, dtype: np.dtype) -> dict[str
     t["model.norm.weight"] = as_numpy(params["final_norm"], dtype)
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = np.ascontiguousarray(as_numpy(params["lm_head"], dtype).T)
+    return t
+
+
+def llama_layer_tensors(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """One Llama-family layer's hub tensors, as :func:`mtp_jax.targets.llama.model.layer_leaves`
+    declares them for the layer's own shapes and extras (biases, q/k norms)."""
+    a = p["attn"]
+    d_in, h, hd = np.shape(a["q"])
+    d, f = np.shape(p["mlp"]["gate"])
+    leaves = layer_leaves(
+        d, h, np.shape(a["k"])[1], hd, f, d_in=d_in, qkv_bias="q_bias" in a, qk_norm="q_norm" in a
+    )
+    t = {}
+    for leaf in leaves:
+        x = p
+        for name in leaf.path:
+            x = x[name]
+        x = as_numpy(x, dtype)
+        if leaf.kind == "linear":  # ours is the hub's [out, in] transposed, reshaped
+            x = x.reshape(leaf.hub_shape[::-1]).T
+        t[pre + leaf.hub] = np.ascontiguousarray(x.reshape(leaf.hub_shape))
     return t

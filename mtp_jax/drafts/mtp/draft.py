@@ -24,10 +24,10 @@ from jax.sharding import Mesh
 from mtp_jax.config import DeepseekV3Config
 from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
-from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
 from mtp_jax.targets.base import head_logits
-from mtp_jax.targets.deepseek_v3 import PagedAttention, attention_fn, decoder_layer, latent_width
+from mtp_jax.targets.deepseek_v3.mla import latent_rows, mla_dense, mla_dense_chain
+from mtp_jax.targets.deepseek_v3.model import PagedAttention, attention_fn, decoder_layer, latent_width
 
 
 def has_mtp(params: dict) -> bool:
@@ -61,7 +61,7 @@ def mtp_forward(
     Without ``paged`` the rows attend causally among themselves (teacher-forced, positions
     0..t-1); with it they are written to and attend over the MTP layer's paged cache
     (``paged.pages`` is its [P, page, c] pages). ``dispatch`` and ``mesh`` as in
-    :func:`mtp_jax.targets.deepseek_v3.forward`. ``logits=False`` skips the output head: a caller
+    :func:`mtp_jax.targets.deepseek_v3.model.forward`. ``logits=False`` skips the output head: a caller
     that needs one row per sequence (the prompt's last, the last accepted) picks those states and
     applies :func:`mtp_logits` to them alone.
     """
@@ -105,7 +105,8 @@ def mtp_chain_teacher_forced(
     t_{i+2}); level j > 1 feeds level j-1's state g back with t_{i+j}, at position i + j - 1, and
     predicts t_{i+j+1}. Attention follows the decode-time cache exactly: a level-j row sees the
     level-1 rows 0..i, the rows of its own chain at levels 2..j-1, and itself
-    (:func:`mtp_jax.mla.mla_dense_chain`). Returns one :class:`MtpOutput` per level (rows [b, n],
+    (:func:`mtp_jax.targets.deepseek_v3.mla.mla_dense_chain`). Returns one :class:`MtpOutput` per level (rows
+    [b, n],
     ``pages`` None); level j's logits are for tokens[:, j + 1 : j + 1 + n].
     """
     b, s = tokens.shape

@@ -19,7 +19,8 @@ the draft's, so the draft distribution is exactly zero there.
 
 The attention is Llama-style GQA with the draft's own rope, or DeepSeek's MLA (drafts for
 DeepSeek-V3 / Kimi targets, told by their ``q_a_proj`` / ``kv_a_proj_with_mqa`` keys) with its own
-YaRN rope and a paged latent cache, exactly the target's MLA (:mod:`mtp_jax.mla`) on a 2H input.
+YaRN rope and a paged latent cache, exactly the target's MLA (:mod:`mtp_jax.targets.deepseek_v3.mla`) on a 2H
+input.
 
 Parameters (``params["eagle3"]``; weights [in, out], head axes split out)::
 
@@ -54,11 +55,11 @@ from mtp_jax.drafts.base import (
 )
 from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
-from mtp_jax.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.param_bytes import nbytes, path_names
 from mtp_jax.targets.base import Hidden, PagedAttention, head_logits
-from mtp_jax.targets.deepseek_v3 import attention_fn, latent_width
-from mtp_jax.targets.llama3 import attention, layer_logical, qkv, rope_tables
+from mtp_jax.targets.deepseek_v3.mla import latent_rows, mla_dense, mla_dense_chain
+from mtp_jax.targets.deepseek_v3.model import attention_fn, latent_width
+from mtp_jax.targets.llama.model import attention, layer_logical, qkv, rope_tables
 
 
 def fused_features(layers: jax.Array) -> jax.Array:
@@ -276,7 +277,7 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 
 
 def _abstract_params(c: Eagle3Config, shapes) -> dict:
-    """``params["eagle3"]`` as :func:`mtp_jax.checkpoint.eagle3.load_eagle3` builds it (dense: drafts
+    """``params["eagle3"]`` as :func:`mtp_jax.drafts.eagle3.checkpoint.load_eagle3` builds it (dense: drafts
     are published in bf16), using the target's embedding and with a ``draft_to_target`` map when the
     draft vocabulary is smaller than the target's."""
     h, f, plain = c.hidden_size, c.intermediate_size, shapes.plain
@@ -312,14 +313,14 @@ def _check_plan(c: Eagle3Config, target_cfg, k: int) -> None:
 
 
 def _recognises(raw: dict, reader) -> bool:
-    from mtp_jax.checkpoint.dflash import is_dflash
-    from mtp_jax.checkpoint.eagle3 import is_eagle3
+    from mtp_jax.drafts.dflash.checkpoint import is_dflash
+    from mtp_jax.drafts.eagle3.checkpoint import is_eagle3
 
     return is_eagle3(raw, reader) and not is_dflash(raw, reader)  # a DFlash draft has an fc too
 
 
 def _load(reader, raw, target_cfg, target_params, dtype, *, layer_ids="inputs", strict=False, mesh=None, **_):
-    from mtp_jax.checkpoint.eagle3 import load_eagle3
+    from mtp_jax.drafts.eagle3.checkpoint import load_eagle3
 
     return load_eagle3(
         reader, raw, target_cfg, target_params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh

@@ -1,4 +1,4 @@
-"""Hub-layout DeepSeek-V3 tensors -> the parameter pytree of :mod:`mtp_jax.targets.deepseek_v3`.
+"""Hub-layout DeepSeek-V3 tensors -> the parameter pytree of :mod:`mtp_jax.targets.deepseek_v3.model`.
 
 Hub weights are [out, in] (``nn.Linear``); ours are [in, out], with per-head axes split out and
 the layers of each stack (dense, MoE, MTP) stacked along a leading axis.
@@ -34,7 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.hub_layout import as_numpy, leaf_tensors, mla_layer_tensors
+from mtp_jax.checkpoint.hub_layout import as_numpy
 from mtp_jax.checkpoint.loader import (
     FLOAT32_LEAVES,
     WEIGHT_MODES,
@@ -50,9 +50,11 @@ from mtp_jax.checkpoint.loader import (
 )
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.targets.deepseek_v3 import (
+from mtp_jax.targets.deepseek_v3.model import (
+    KV_B,
     MlaLeaf,
     attention_leaves,
+    iter_hub,
     layer_leaves,
     layer_tree,
     mtp_leaves,
@@ -278,4 +280,36 @@ def export_tensors(params: dict, cfg: DeepseekV3Config, dtype: np.dtype) -> dict
             t[f"{pre}shared_head.head.weight"] = (
                 np.ascontiguousarray(as_numpy(mp["head"], dtype).T) if "head" in mp else head
             )
+    return t
+
+
+def mla_layer_tensors(
+    p: dict, cfg: DeepseekV3Config, pre: str, is_moe: bool, dtype: np.dtype, d_in: int | None = None
+) -> dict[str, np.ndarray]:
+    """One decoder layer's hub tensors, as :func:`~mtp_jax.targets.deepseek_v3.model.layer_leaves`
+    declares them (``d_in``: its attention's input width): a projection's ours [in..., out...] back
+    to [out, in], ``k_b`` and ``v_b`` joined into ``kv_b_proj``, routers transposed, routers and
+    biases float32."""
+    return leaf_tensors(p, f"{pre}", layer_leaves(cfg, is_moe, d_in), dtype)
+
+
+def leaf_tensors(p: dict, pre: str, leaves: tuple, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The hub tensors of one DeepSeek-V3-style layer tree ``p`` under key prefix ``pre``, as
+    ``leaves`` (:class:`mtp_jax.targets.deepseek_v3.model.MlaLeaf`) declare them."""
+    t = {}
+    for leaf, j in iter_hub(leaves):
+        node = p
+        for name in leaf.path[:-1]:
+            node = node[name]
+        if leaf.path == KV_B:
+            x = np.concatenate([as_numpy(node["k_b"], dtype), as_numpy(node["v_b"], dtype)], axis=-1)
+        else:
+            x = node[leaf.path[-1]] if j is None else node[leaf.path[-1]][j]
+        if leaf.kind in ("linear", "projection"):
+            x = as_numpy(x, dtype).reshape(leaf.hub_shape[1], leaf.hub_shape[0]).T
+        elif leaf.kind == "router":
+            x = np.asarray(x, np.float32).T
+        else:
+            x = np.asarray(x, np.float32) if leaf.kind == "bias" else as_numpy(x, dtype)
+        t[pre + leaf.hub.format(e=j)] = np.ascontiguousarray(x)
     return t

@@ -5,8 +5,9 @@ Parameters of one layer: ``router`` [d, e] (float32), ``bias`` [e] (float32 corr
 ``shared_gate``/``shared_up`` [d, f_s], ``shared_down`` [f_s, d]. Expert and shared weights may be
 :class:`Fp8Weight` (dequantised on use, or fed to the FP8 grouped matmul kernel on a GPU).
 
-This module evaluates routing and the routed experts on one device; :mod:`mtp_jax.ep` builds the
-expert-parallel version on it, and the DeepSeek-V3 target (:func:`mtp_jax.targets.deepseek_v3.moe`)
+This module evaluates routing and the routed experts on one device; :mod:`mtp_jax.targets.deepseek_v3.ep`
+builds the
+expert-parallel version on it, and the DeepSeek-V3 target (:func:`mtp_jax.targets.deepseek_v3.model.moe`)
 chooses between them and adds the shared experts.
 """
 
@@ -17,8 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.checkpoint.fp8 import Fp8Weight, materialize
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.fp8 import Fp8Weight, materialize
 from mtp_jax.layers import Weight
 from pallas_kernels.moe import routed_experts as kernel_routed_experts
 

@@ -1,5 +1,5 @@
 """DFlash draft checkpoints (``architectures: [DFlashDraftModel]``) -> ``params["dflash"]``
-(:mod:`mtp_jax.drafts.dflash`).
+(:mod:`mtp_jax.drafts.dflash.draft`).
 
 The published layout (docs/formats.md, "DFlash drafts"): no ``model.`` prefix, ``fc.weight`` [H, C·H]
 over C captured target layers, ``hidden_norm``, ``norm``, and ``layers.{i}.*`` Qwen3-style decoder
@@ -22,13 +22,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.llama3 import layer_from_leaves
 from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, read_vocab_map, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import DFlashConfig, dflash_capture, parse_dflash_config
 from mtp_jax.errors import ConfigError
 from mtp_jax.targets.base import head_columns
-from mtp_jax.targets.llama3 import layer_leaves
+from mtp_jax.targets.llama.checkpoint import layer_from_leaves
+from mtp_jax.targets.llama.model import layer_leaves
 
 log = logging.getLogger(__name__)
 

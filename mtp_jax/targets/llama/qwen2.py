@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): the Llama family with biases on the q/k/v projections.
 
-Everything else is Llama 3's (:mod:`mtp_jax.targets.llama3`: GQA, rotate-half rope, RMSNorm,
+Everything else is Llama 3's (:mod:`mtp_jax.targets.llama.model`: GQA, rotate-half rope, RMSNorm,
 SwiGLU, tied or untied embeddings); the biases are the layer tree's ``attn.{q,k,v}_bias`` [H or
 Hkv, hd], added after the projections, before rope. Its config is
 :class:`mtp_jax.config.Qwen2Config`: a checkpoint whose layers attend through a sliding window
@@ -11,6 +11,6 @@ context), as is YaRN rope scaling.
 from __future__ import annotations
 
 from mtp_jax.config import Qwen2Config
-from mtp_jax.targets.llama3 import family_target
+from mtp_jax.targets.llama.model import family_target
 
 TARGET = family_target("qwen2", Qwen2Config, title="Qwen2")

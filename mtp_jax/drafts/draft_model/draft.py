@@ -33,8 +33,8 @@ from mtp_jax.errors import ConfigError
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets import target_for
 from mtp_jax.targets.base import PagedAttention, lm_head
-from mtp_jax.targets.deepseek_v3 import TARGET as DEEPSEEK_V3
-from mtp_jax.targets.llama3 import TARGET as LLAMA
+from mtp_jax.targets.deepseek_v3.model import TARGET as DEEPSEEK_V3
+from mtp_jax.targets.llama.model import TARGET as LLAMA
 
 GROUP = "draft_model"
 VOCAB_PADDING = 256

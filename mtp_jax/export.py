@@ -17,14 +17,10 @@ import jax
 import numpy as np
 
 from mtp_jax.checkpoint.formats import checkpoint_format
-from mtp_jax.checkpoint.hub_layout import (
-    as_numpy,
-    linear_to_hub,
-    llama_layer_tensors,
-    mla_layer_tensors,
-    vocab_map_tensors,
-)
+from mtp_jax.checkpoint.hub_layout import as_numpy, linear_to_hub, vocab_map_tensors
 from mtp_jax.config import DFlashConfig, Eagle3Config, ModelConfig
+from mtp_jax.targets.deepseek_v3.checkpoint import mla_layer_tensors
+from mtp_jax.targets.llama.checkpoint import llama_layer_tensors
 
 
 def hub_tensors_from_params(params: dict, cfg: ModelConfig, dtype: Any = np.float32) -> dict[str, np.ndarray]:
@@ -38,7 +34,7 @@ def hub_tensors_from_params(params: dict, cfg: ModelConfig, dtype: Any = np.floa
 def eagle3_hub_tensors_from_params(
     tree: dict, cfg: Eagle3Config, dtype: Any = np.float32, layer_prefix: str = "layers.0."
 ) -> dict[str, np.ndarray]:
-    """An EAGLE-3 draft (``params["eagle3"]``, as :func:`mtp_jax.checkpoint.eagle3.load_eagle3` builds
+    """An EAGLE-3 draft (``params["eagle3"]``, as :func:`mtp_jax.drafts.eagle3.checkpoint.load_eagle3` builds
     it) as hub tensors in the dialect of ``layer_prefix`` ("layers.0." as vLLM and NVIDIA write it,
     "midlayer." as EAGLE and SpecForge do): ``fc``, the layer (GQA, or MLA with ``cfg.mla``), ``norm``,
     ``lm_head`` over the draft vocabulary, ``d2t`` offsets and the ``t2d`` mask when the draft
@@ -64,7 +60,7 @@ def eagle3_hub_tensors_from_params(
 def dflash_hub_tensors_from_params(
     tree: dict, cfg: DFlashConfig, dtype: Any = np.float32
 ) -> dict[str, np.ndarray]:
-    """A DFlash draft (``params["dflash"]``, as :func:`mtp_jax.checkpoint.dflash.load_dflash` builds
+    """A DFlash draft (``params["dflash"]``, as :func:`mtp_jax.drafts.dflash.checkpoint.load_dflash` builds
     it) as hub tensors in the published layout: ``fc``, ``hidden_norm``, ``norm`` and
     ``layers.{i}.*`` with ``self_attn.q_norm`` / ``k_norm``; no embedding, no head (a draft
     vocabulary: its ``d2t`` / ``t2d``, the head being the target's columns for it)."""

@@ -50,8 +50,8 @@ from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets.base import Hidden, head_logits, lm_head, scan_layers
-from mtp_jax.targets.llama3 import layer_logical, rope_tables
-from pallas_kernels.chunks import gather_pages
+from mtp_jax.targets.llama.model import layer_logical, rope_tables
+from pallas_kernels.paged import gather_pages
 
 
 def dflash_features(cfg: DFlashConfig, num_target_layers: int, hidden: Hidden) -> jax.Array:
@@ -277,7 +277,7 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 
 
 def _abstract_params(c: DFlashConfig, shapes) -> dict:
-    """``params["dflash"]`` as :func:`mtp_jax.checkpoint.dflash.load_dflash` builds it: fc, the norms
+    """``params["dflash"]`` as :func:`mtp_jax.drafts.dflash.checkpoint.load_dflash` builds it: fc, the norms
     and the draft's own layer stack [n, ...] (dense; the embedding and head are the target's)."""
     h, f, plain = c.hidden_size, c.intermediate_size, shapes.plain
     nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -319,13 +319,13 @@ def _check_plan(c: DFlashConfig, target_cfg, k: int) -> None:
 
 
 def _recognises(raw: dict, reader) -> bool:
-    from mtp_jax.checkpoint.dflash import is_dflash
+    from mtp_jax.drafts.dflash.checkpoint import is_dflash
 
     return is_dflash(raw, reader)
 
 
 def _load(reader, raw, target_cfg, target_params, dtype, *, strict=False, mesh=None, **_):
-    from mtp_jax.checkpoint.dflash import load_dflash
+    from mtp_jax.drafts.dflash.checkpoint import load_dflash
 
     return load_dflash(reader, raw, target_cfg, dtype, strict=strict, mesh=mesh, target_params=target_params)
 

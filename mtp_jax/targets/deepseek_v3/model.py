@@ -28,11 +28,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.ep import moe_sharded
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.lora import LoraSite, split_leaf
-from mtp_jax.mla import mla_dense, mla_paged
-from mtp_jax.moe import DISPATCH, resolve_dispatch, route
 from mtp_jax.sharding import ACTIVATION, constrain, expert_logical, register_group_layout
 from mtp_jax.targets.base import (
     CapturePlan,
@@ -45,6 +42,9 @@ from mtp_jax.targets.base import (
     scan_layers,
     with_lora,
 )
+from mtp_jax.targets.deepseek_v3.ep import moe_sharded
+from mtp_jax.targets.deepseek_v3.mla import mla_dense, mla_paged
+from mtp_jax.targets.deepseek_v3.moe import DISPATCH, resolve_dispatch, route
 
 __all__ = [
     "KV_B",
@@ -71,7 +71,7 @@ STACKS = ("dense", "moe")
 class MlaLeaf:
     """One tensor of a DeepSeek-V3 decoder layer, declared once: the loader, the exporter, the
     synthetic checkpoints, ``plan``'s abstract parameters and the size estimate all read
-    :func:`layer_leaves` (as the Llama family's :class:`mtp_jax.targets.llama3.LayerLeaf`).
+    :func:`layer_leaves` (as the Llama family's :class:`mtp_jax.targets.llama.model.LayerLeaf`).
 
     ``path``: where it sits in our layer tree (:data:`KV_B` stands for ``k_b`` and ``v_b``, our two
     halves of the hub's ``kv_b_proj``, split on the last axis); ``hub``: its key under the layer's
@@ -328,7 +328,7 @@ def attention_fn(
     """(attention params, normed input, pages or None, layer) -> (output, pages): expanded causal
     attention without a cache, or absorbed attention over the paged cache (one layer's pages
     [P, page, c] with layer None, else layer ``layer`` of a stack [L, P, page, c]), data-parallel
-    over ``mesh``'s row axes (:func:`mtp_jax.mla.mla_paged`)."""
+    over ``mesh``'s row axes (:func:`mtp_jax.targets.deepseek_v3.mla.mla_paged`)."""
     inv_freq, magnitude = rope_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq), magnitude)
 
@@ -371,13 +371,16 @@ def moe(
     """The MoE block for x [b, t, d]: (output [b, t, d], tokens routed to each expert [e] float32).
 
     ``dispatch`` picks how the routed experts are evaluated (same result): ``"sorted"`` (dropless
-    sort + grouped matmul), ``"dense"`` (:func:`mtp_jax.moe.routed_experts_dense`, used for
-    training), ``"gather"`` (:func:`mtp_jax.moe.routed_experts_gathered`) or ``"auto"`` (on the CPU
+    sort + grouped matmul), ``"dense"`` (:func:`mtp_jax.targets.deepseek_v3.moe.routed_experts_dense`, used
+    for
+    training), ``"gather"`` (:func:`mtp_jax.targets.deepseek_v3.moe.routed_experts_gathered`) or ``"auto"``
+    (on the CPU
     gather for fewer token copies than experts, dense for other small sizes, else sorted; see
-    :func:`mtp_jax.moe.resolve_dispatch`).
+    :func:`mtp_jax.targets.deepseek_v3.moe.resolve_dispatch`).
     The per-expert load feeds DeepSeek-V3's auxiliary-loss-free bias update during training.
     With a ``mesh`` of more than one device, routing and the routed experts run under ``shard_map``,
-    expert-parallel over its ``expert`` axis (:func:`mtp_jax.ep.moe_sharded`); ``mesh=None`` is the
+    expert-parallel over its ``expert`` axis (:func:`mtp_jax.targets.deepseek_v3.ep.moe_sharded`);
+    ``mesh=None`` is the
     single-device path.
     """
     flat = x.reshape(-1, x.shape[-1])

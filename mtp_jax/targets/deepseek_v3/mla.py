@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.cache import localize, write_rows
-from mtp_jax.checkpoint.fp8 import dense_einsum
 from mtp_jax.config import DeepseekV3Config
+from mtp_jax.fp8 import dense_einsum
 from mtp_jax.layers import adapted, apply_rope_interleaved, rms_norm
 from mtp_jax.sharding import ROW_AXES, axes_spec, shard_index, split_axes
 from pallas_kernels.mla_decode import mla_decode
@@ -147,7 +147,7 @@ def mla_paged(
     Writes the new rows at ``slots`` first, so a token sees itself and every earlier position of
     its row; cache entries at later positions (stale drafts, unused pages) are masked out. With
     ``tree`` = (base [b], nodes [b, t, N]) a token tree's node positions are seen only where
-    ``nodes`` marks them (tree attention, :func:`pallas_kernels.chunks.visible_keys`).
+    ``nodes`` marks them (tree attention, :func:`pallas_kernels.paged.visible_keys`).
     Returns (out [b, t, d], updated pages).
 
     With ``mesh`` the rows and the pages are split over the row axes

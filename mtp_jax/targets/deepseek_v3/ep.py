@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.config import DeepseekV3Config
-from mtp_jax.moe import DISPATCH, resolve_dispatch, route
 from mtp_jax.sharding import ROW_AXES, axes_spec, split_axes
+from mtp_jax.targets.deepseek_v3.moe import DISPATCH, resolve_dispatch, route
 
 # Both knobs are read when a MoE layer is traced: set them before the first compile (or clear
 # JAX's caches), as the jitted entry points are keyed on the mesh, not on these values.

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft checkpoints -> ``params["eagle3"]`` (:mod:`mtp_jax.drafts.eagle3`).
+"""EAGLE-3 draft checkpoints -> ``params["eagle3"]`` (:mod:`mtp_jax.drafts.eagle3.draft`).
 
 Published producers name the same tensors three ways (docs/formats.md, "EAGLE-3 drafts"): the decoder
 layer under ``midlayer.`` (EAGLE, SpecForge, SGLang), ``layers.0.`` (vLLM, NVIDIA) or
@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.checkpoint.deepseek_v3 import attention_tensors, swiglu_tensors
-from mtp_jax.checkpoint.llama3 import decoder_layer_tensors
 from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, read_vocab_map, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import Eagle3Config, describe_capture, eagle3_capture, parse_eagle3_config
 from mtp_jax.errors import CheckpointError, ConfigError
+from mtp_jax.targets.deepseek_v3.checkpoint import attention_tensors, swiglu_tensors
+from mtp_jax.targets.llama.checkpoint import decoder_layer_tensors
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ import numpy as np
 from mtp_jax.checkpoint.hub_layout import vocab_map_tensors
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
 from mtp_jax.config import DeepseekV3Config, DFlashConfig, Eagle3Config, Llama3Config
-from mtp_jax.targets.deepseek_v3 import iter_hub, layer_leaves, mtp_leaves
-from mtp_jax.targets.llama3 import target_layer_leaves
+from mtp_jax.targets.deepseek_v3.model import iter_hub, layer_leaves, mtp_leaves
+from mtp_jax.targets.llama.model import target_layer_leaves
 
 
 def layer_tensors(
     cfg: DeepseekV3Config, i: int, rng: np.random.Generator, std: float
 ) -> dict[str, np.ndarray]:
-    """Decoder layer ``i``'s hub tensors (as :func:`mtp_jax.targets.deepseek_v3.layer_leaves`
+    """Decoder layer ``i``'s hub tensors (as :func:`mtp_jax.targets.deepseek_v3.model.layer_leaves`
     declares them), drawn in hub order: projections and routers N(0, std), norms 1 + N(0, 0.1),
     correction biases N(0, 0.1)."""
     return _draw(f"model.layers.{i}.", layer_leaves(cfg, moe=i >= cfg.first_k_dense_replace), rng, std)
@@ -78,7 +78,7 @@ def llama_hub_tensors(
     cfg: Llama3Config, seed: int = 0, std: float = 0.1, embed_std: float = 1.0
 ) -> dict[str, np.ndarray]:
     """Every tensor of a float32 Llama-family hub checkpoint (Llama 3, Qwen2, Qwen3: the layer
-    tensors :func:`mtp_jax.targets.llama3.layer_leaves` declares; no ``lm_head.weight`` when tied),
+    tensors :func:`mtp_jax.targets.llama.model.layer_leaves` declares; no ``lm_head.weight`` when tied),
     drawn from a seeded normal (the embedding with ``embed_std``, projections and biases with
     ``std``); norms near 1."""
     rng = np.random.default_rng(seed)

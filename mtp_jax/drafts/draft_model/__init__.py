@@ -1,0 +1,1 @@
+"""A separate draft model: any checkpoint sharing the target's vocabulary (``draft``)."""

@@ -1,0 +1,1 @@
+"""MTP / NextN: DeepSeek-V3's own multi-token-prediction layer, chained K times (``draft``)."""
