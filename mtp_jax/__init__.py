@@ -7,7 +7,6 @@ exposes the public names below.
 from __future__ import annotations
 
 import mtp_jax.builtin  # noqa: F401  (registers the shipped targets and drafts)
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.errors import (
     AdapterError,
     CheckpointError,
@@ -21,6 +20,7 @@ from mtp_jax.request import SamplingParams, SpeculativeConfig
 from mtp_jax.scheduler import GenerateResult, TokenLogprob
 from mtp_jax.serving import Completion, Engine, EngineClosedError, EngineFullError, RequestHandle
 from mtp_jax.sharding import make_mesh
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 
 __version__ = "0.1.0"
 

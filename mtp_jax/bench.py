@@ -198,9 +198,10 @@ def measure(prompts, args: argparse.Namespace, batch: int, configs: list[tuple])
 
 def run(args: argparse.Namespace) -> dict:
     import mtp_jax
-    from mtp_jax.config import DeepseekV3Config
     from mtp_jax.drafts import DRAFTS
-    from mtp_jax.synthetic import hub_tensors, oracle_draft_tensors, write_hub_checkpoint
+    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+    from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors, oracle_draft_tensors
 
     if min(args.batch) < 1 or min(args.k or [0]) < 0 or args.prompts < 1 or args.repeats < 1:
         raise ValueError("--batch, --prompts and --repeats must be >= 1 and --k >= 0")

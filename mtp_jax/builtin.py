@@ -6,7 +6,6 @@ package names it. Importing :mod:`mtp_jax` runs this module."""
 
 from __future__ import annotations
 
-import mtp_jax.config as config
 from mtp_jax.drafts import register_draft
 from mtp_jax.drafts.dflash.draft import DRAFT as DFLASH
 from mtp_jax.drafts.draft_model.draft import DRAFT as DRAFT_MODEL
@@ -15,29 +14,31 @@ from mtp_jax.drafts.mtp.draft import DRAFT as MTP
 from mtp_jax.drafts.ngram.draft import DRAFT as NGRAM
 from mtp_jax.targets import register_target
 from mtp_jax.targets.deepseek_v3 import checkpoint as deepseek_v3_checkpoint
+from mtp_jax.targets.deepseek_v3.config import DEEPSEEK_V3_MODEL_TYPES, parse_deepseek_v3
 from mtp_jax.targets.deepseek_v3.model import TARGET as DEEPSEEK_V3
 from mtp_jax.targets.llama import checkpoint as llama_checkpoint
+from mtp_jax.targets.llama.config import LLAMA_MODEL_TYPES, parse_llama3, parse_qwen
 from mtp_jax.targets.llama.model import TARGET as LLAMA
 from mtp_jax.targets.llama.qwen2 import TARGET as QWEN2
 from mtp_jax.targets.llama.qwen3 import TARGET as QWEN3
 
 register_target(
     DEEPSEEK_V3,
-    model_types=config.DEEPSEEK_V3_MODEL_TYPES,
-    parse=config.parse_deepseek_v3,
+    model_types=DEEPSEEK_V3_MODEL_TYPES,
+    parse=parse_deepseek_v3,
     checkpoint_format=deepseek_v3_checkpoint,
     built_in=True,
 )
 register_target(
     LLAMA,
-    model_types=config.LLAMA_MODEL_TYPES,
-    parse=config.parse_llama3,
+    model_types=LLAMA_MODEL_TYPES,
+    parse=parse_llama3,
     checkpoint_format=llama_checkpoint,
     built_in=True,
 )
 # Qwen2 and Qwen3 are Llama-family configs: Llama's key map reads them
-register_target(QWEN2, model_types=("qwen2",), parse=config.parse_qwen, built_in=True)
-register_target(QWEN3, model_types=("qwen3",), parse=config.parse_qwen, built_in=True)
+register_target(QWEN2, model_types=("qwen2",), parse=parse_qwen, built_in=True)
+register_target(QWEN3, model_types=("qwen3",), parse=parse_qwen, built_in=True)
 
 register_draft(MTP)
 register_draft(EAGLE3)

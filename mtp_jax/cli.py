@@ -771,8 +771,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     import json
     import subprocess
 
-    from mtp_jax.config import parse_config, parse_draft_config, read_json
-    from mtp_jax.drafts import DRAFTS, draft_for_config
+    from mtp_jax.config import parse_config, read_json
+    from mtp_jax.drafts import DRAFTS, draft_for_config, parse_draft_config
     from mtp_jax.plan import check_plan, format_plan, plan, request_host_devices
     from mtp_jax.targets import target_for
 
@@ -790,7 +790,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         named = args.draft or target_for(cfg).own_draft(cfg)
         method = draft_for_config(draft_cfg) if draft_cfg is not None else DRAFTS.get(named)
         if method is not None:  # the draft's own default, as generate() takes it
-            k = method.default_k if method.configure is None else method.configure(draft_cfg, None, None)[1]
+            k = method.default_k if method.configure is None else method.configure(draft_cfg, None, {})[1]
     options = {
         "batch": args.batch,
         "max_len": args.max_len,

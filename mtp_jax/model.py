@@ -22,7 +22,7 @@ from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.gguf import GGUFCheckpoint, is_gguf
 from mtp_jax.checkpoint.loader import WEIGHT_MODES
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import EAGLE3_LAYER_READINGS, ModelConfig, load_config, parse_config, read_json
+from mtp_jax.config import ModelConfig, load_config, parse_config, read_json
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.embedded import resolve_model_path
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError, InvalidRequestError
@@ -32,7 +32,6 @@ from mtp_jax.request import (
     SamplingParams,
     SpeculativeConfig,
     check_request,
-    row_sampling,
     split_settings,
     step_config,
 )
@@ -444,11 +443,8 @@ class Model:
         result = generate(
             self.params,
             sc,
-            prompts=[c.prompt for c in checked],
-            max_new_tokens=[c.params.max_new_tokens for c in checked],
-            sampling=row_sampling(checked),
+            checked=checked,
             eos_token_ids=self.eos_token_ids,
-            ignore_eos=[c.params.ignore_eos for c in checked],
             cache_dtype=DTYPES[self.dtype],
             max_batch=max_batch,
             on_token=on_token,
@@ -458,7 +454,6 @@ class Model:
             pipelined=pipelined,
             grammar_masks=grammar_masks,
             stop_checks=_stop_checks(checked, streams),
-            logprobs=[c.params.logprobs for c in checked],
         )
         if any(s is not None for s in streams):
             result.texts = [None if s is None else s.text + s.finish() for s in streams]
@@ -482,23 +477,27 @@ class Model:
         return self.drafts[0] if self.drafts else None
 
     def with_draft(
-        self, draft_model: str | os.PathLike[str], *, layer_ids: str = "inputs", strict: bool = False
+        self,
+        draft_model: str | os.PathLike[str],
+        *,
+        layer_ids: str = "inputs",
+        options: Mapping[str, Any] | None = None,
+        strict: bool = False,
     ) -> Model:
         """This model's target with the separately trained draft in directory ``draft_model``
         (EAGLE-3, DFlash, a draft model; what ``load(..., draft_model=...)`` reads) beside it: a new
         :class:`Model` that shares the target's weights on device (nothing is copied or reloaded;
         the draft is placed like them). It replaces a separately loaded draft this model has, keeps
         the target's own (DeepSeek's MTP layer), and leaves this model as it was: several drafts
-        over one target cost one target's memory. ``layer_ids``: how EAGLE-3 layer ids are read
+        over one target cost one target's memory. ``options``: the draft's load options, which it
+        checks (:func:`load`'s ``draft_options``); ``layer_ids`` is the keyword form of EAGLE-3's
         (:func:`load`'s ``draft_layer_ids``)."""
-        if layer_ids not in EAGLE3_LAYER_READINGS:
-            raise ValueError(f"layer_ids must be one of {EAGLE3_LAYER_READINGS}, got {layer_ids!r}")
         draft_config, group, tree = load_draft(
             draft_model,
             self.config,
             self.target_params,
             DTYPES[self.dtype],
-            layer_ids=layer_ids,
+            options=draft_load_options(options, layer_ids),
             strict=strict,
             mesh=self.mesh,
             target_path=self.path,
@@ -609,6 +608,7 @@ def load(
     mesh: jax.sharding.Mesh | None = None,
     draft_model: str | os.PathLike[str] | None = None,
     draft_layer_ids: str = "inputs",
+    draft_options: Mapping[str, Any] | None = None,
     layer_buffers: bool | None = None,
     lora_adapters: Mapping[str, str | os.PathLike[str]] | None = None,
     max_loras: int | None = None,
@@ -640,7 +640,10 @@ def load(
     dtype and on the same mesh (today: EAGLE-3, any of its published key layouts; then
     ``generate(draft="eagle3")``). ``draft_layer_ids``: how its config's captured-layer ids are read:
     "inputs" (id i = the input of target layer i, as vLLM reads them) or "outputs" (the output of
-    layer i, as SGLang does); the layers chosen are printed. ``layer_buffers``: see :class:`Model`.
+    layer i, as SGLang does); the layers chosen are printed. ``draft_options``: the draft's load
+    options as one mapping, which the draft checks itself (its ``load_options``;
+    ``draft_layer_ids`` is the keyword form of EAGLE-3's ``layer_ids``). ``layer_buffers``: see
+    :class:`Model`.
 
     ``lora_adapters``: {name: directory} of PEFT LoRA adapters to load (:mod:`mtp_jax.lora`; then
     ``generate(..., lora=name)``); ``max_loras`` adapters of rank up to ``max_lora_rank`` fit on
@@ -652,8 +655,9 @@ def load(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if weights not in WEIGHT_MODES:
         raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
-    if draft_layer_ids not in EAGLE3_LAYER_READINGS:
-        raise ValueError(f"draft_layer_ids must be one of {EAGLE3_LAYER_READINGS}, got {draft_layer_ids!r}")
+    options = draft_load_options(draft_options, draft_layer_ids)
+    if options and draft_model is None:
+        raise ValueError(f"draft options {options} need a draft_model")
     gguf_file = os.path.isfile(path) and is_gguf(path)
     if not gguf_file and not os.path.isdir(path):
         if os.path.isfile(path):
@@ -711,7 +715,7 @@ def load(
     )
     del params  # with per-layer buffers, the loaded stacks are freed before the draft is read
     if draft_model is not None:
-        model = model.with_draft(draft_model, layer_ids=draft_layer_ids, strict=strict)
+        model = model.with_draft(draft_model, options=options, strict=strict)
     if lora_adapters or max_loras or max_lora_rank:
         adapters = {name: lora.read_adapter(p, name) for name, p in (lora_adapters or {}).items()}
         rank = max([16] + [a.max_rank for a in adapters.values()]) if max_lora_rank is None else max_lora_rank
@@ -721,13 +725,24 @@ def load(
     return model
 
 
+def draft_load_options(options: Mapping[str, Any] | None, layer_ids: str = "inputs") -> dict[str, Any]:
+    """A separately stored draft's load options: ``options`` with the keyword form
+    ``draft_layer_ids`` (EAGLE-3's ``layer_ids``) folded in when it is not the default."""
+    merged = dict(options or {})
+    if layer_ids != "inputs":
+        if "layer_ids" in merged and merged["layer_ids"] != layer_ids:
+            raise ValueError(f"draft_layer_ids={layer_ids!r} disagrees with draft_options {merged}")
+        merged["layer_ids"] = layer_ids
+    return merged
+
+
 def load_draft(
     path: str | os.PathLike[str],
     config: ModelConfig,
     params: dict,
     dtype: Any,
     *,
-    layer_ids: str = "inputs",
+    options: Mapping[str, Any] | None = None,
     strict: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     target_path: str | None = None,
@@ -735,7 +750,9 @@ def load_draft(
     """A separately trained draft for the target (``config``, device ``params``): (its config, the
     name of its parameter group, the group). The kind is the first registered draft whose
     ``recognises`` hook takes the directory's config.json and tensors (EAGLE-3, DFlash, then a
-    draft model: any checkpoint mtp-jax loads as a target)."""
+    draft model: any checkpoint mtp-jax loads as a target); ``options``, its load options, it checks
+    itself (a name it does not take is refused)."""
+    options = dict(options or {})
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"draft model directory not found: {path}")
@@ -743,13 +760,19 @@ def load_draft(
     reader = CheckpointReader(path)
     for draft in DRAFTS.values():
         if draft.recognises is not None and draft.load is not None and draft.recognises(raw, reader):
+            unknown = sorted(set(options) - set(draft.load_options))
+            if unknown:
+                raise ValueError(
+                    f"{path}: {draft.title or draft.name} drafts take no load option {unknown} "
+                    f"(they take: {list(draft.load_options) or 'none'})"
+                )
             cfg, tree = draft.load(
                 reader,
                 raw,
                 config,
                 params,
                 dtype,
-                layer_ids=layer_ids,
+                options=options,
                 strict=strict,
                 mesh=mesh,
                 target_path=target_path,

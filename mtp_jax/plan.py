@@ -33,8 +33,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mtp_jax.checkpoint.formats import checkpoint_format
-from mtp_jax.config import DFlashConfig, Eagle3Config, ModelConfig
+from mtp_jax.config import ModelConfig
 from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
+from mtp_jax.drafts.dflash.config import DFlashConfig
+from mtp_jax.drafts.eagle3.config import Eagle3Config
 from mtp_jax.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
 from mtp_jax.fp8 import Fp8Weight
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings

@@ -124,7 +124,9 @@ class SpeculativeConfig:
     "ngram"; None: plain decoding). ``num_speculative_tokens``: K, the most drafts a step verifies
     (None: the draft's default). ``draft_sampling``: "argmax" (propose the draft's argmax) or
     "sampled" (draw drafts from the draft's distribution, accept with min(1, p/q)); exact either
-    way. ``draft_block_size``: a block draft's block (DFlash; None: the one it was trained on).
+    way. ``draft_options``: settings of the draft's own as one mapping, which the draft checks
+    (its ``options``; DFlash: ``{"block_size": n}``, a smaller block than the one it was trained
+    on); ``draft_block_size`` is the keyword form of DFlash's.
     ``auto_k`` (``generate`` only): a table written by ``mtp-jax bench --auto-k-table`` or a
     {batch size: K} mapping that caps K by the batch size. ``think_tokens``: the (start, end) ids
     of a thinking phase, for relaxed acceptance (default: the tokenizer's <think> and </think>).
@@ -140,6 +142,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     draft_sampling: str = "argmax"
     draft_block_size: int | None = None
+    draft_options: Mapping[str, Any] | None = None
     auto_k: str | os.PathLike[str] | Mapping | Any | None = None
     think_tokens: tuple[int, int] | None = None
     speculative_tree: Mapping | TokenTree | None = None
@@ -204,19 +207,42 @@ def speculative_config(speculative: SpeculativeConfig | None, **fields: Any) -> 
     return speculative
 
 
+# keyword forms of draft options: SpeculativeConfig field -> the option it sets
+OPTION_KEYWORDS = {"draft_block_size": "block_size"}
+
+
+def draft_options(speculative: SpeculativeConfig) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the draft options ``speculative`` asks for, with their keyword forms folded in; how each was
+    written, for messages)."""
+    given = speculative.draft_options
+    if given is not None and not isinstance(given, Mapping):
+        raise InvalidRequestError(f"draft_options must be a mapping, got {type(given).__name__}")
+    options = dict(given or {})
+    forms = {name: f"draft_options[{name!r}]={value!r}" for name, value in options.items()}
+    for field, name in OPTION_KEYWORDS.items():
+        value = getattr(speculative, field)
+        if value is None:
+            continue
+        if name in options and options[name] != value:
+            raise InvalidRequestError(f"{field}={value!r} disagrees with draft_options {dict(given)}")
+        options[name], forms[name] = value, f"{field}={value!r}"
+    return options, forms
+
+
 def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False) -> StepConfig:
     """The step configuration that ``speculative`` asks of ``model`` (a loaded
     :class:`~mtp_jax.Model`): the draft checked against what the model has, K resolved (the draft's
     ``configure`` hook, else its ``default_k``) and checked, and with ``relaxed`` (some request asks
     for relaxed acceptance) or explicit ``think_tokens`` the thinking phase's markers."""
-    draft, k, block = speculative.draft, speculative.num_speculative_tokens, speculative.draft_block_size
+    draft, k = speculative.draft, speculative.num_speculative_tokens
     method = DRAFTS.get(draft) if draft is not None else None
-    if block is not None and (method is None or method.configure is None):
-        takers = [d.title or d.name for d in DRAFTS.values() if d.configure is not None]
-        raise InvalidRequestError(
-            f"draft_block_size={block!r} is a {' or '.join(takers) or 'block draft'} setting; "
-            f"the draft is {draft!r}"
-        )
+    options, forms = draft_options(speculative)
+    for name in options:
+        if method is None or name not in method.options:
+            takers = [d.title or d.name for d in DRAFTS.values() if name in d.options]
+            raise InvalidRequestError(
+                f"{forms[name]} is a {' or '.join(takers) or 'draft'} setting; the draft is {draft!r}"
+            )
     tree = token_tree(speculative.speculative_tree)
     if tree is not None:
         if method is None or not method.trees:
@@ -255,7 +281,7 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
         raise InvalidRequestError(f"{why}; {model.path or 'this model'} cannot draft with {draft!r}")
     draft_cfg = model.draft_config
     if method.configure is not None:
-        draft_cfg, k = method.configure(draft_cfg, k, block)
+        draft_cfg, k = method.configure(draft_cfg, k, options)
     k = method.default_k if k is None else k
     if tree is None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS):
         raise InvalidRequestError(
@@ -427,7 +453,7 @@ def row_sampling(requests: Sequence[CheckedRequest]) -> RowSampling:
         column["top_p"],
         column["min_p"],
         column["seed"],
-        max_drafts=column["num_speculative_tokens"],
+        num_speculative_tokens=column["num_speculative_tokens"],
         relaxed_topk=column["relaxed_topk"],
         relaxed_delta=column["relaxed_delta"],
         lora_slot=[r.lora_slot for r in requests],

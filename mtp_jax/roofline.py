@@ -138,10 +138,12 @@ def step_bytes(
 
     ``params`` is the loaded parameter tree (arrays or ShapeDtypeStructs; FP8 weights count their
     bytes and scales); ``cache_itemsize`` the bytes of one cache value. The drafts come from the
-    MTP layer, or with ``draft_cfg`` (an :class:`mtp_jax.config.Eagle3Config`) from the EAGLE-3 draft
+    MTP layer, or with ``draft_cfg`` (an :class:`mtp_jax.drafts.eagle3.config.Eagle3Config`) from the EAGLE-3
+    draft
     in ``params["eagle3"]``: its layer read once per pass, ``fc`` once (only the catch-up reads
     target features), its own head over the draft vocabulary once per draft, its paged K/V (or
-    latent) cache read by every pass; or (a :class:`mtp_jax.config.DFlashConfig`) from the DFlash
+    latent) cache read by every pass; or (a :class:`mtp_jax.drafts.dflash.config.DFlashConfig`) from the
+    DFlash
     draft in ``params["dflash"]``: ONE block forward, so every draft weight, the target's head (for
     all K rows at once) and every draft layer's paged context K/V are read once; the embedding rows
     of the anchors and the mask token. ``draft`` names a registered draft instead (e.g. "ngram",
@@ -518,7 +520,7 @@ def run(args: argparse.Namespace) -> dict:
     draft_cfg = None
     layer_buffers = {"auto": None, "on": True, "off": False}[args.layer_buffers]
     if args.config:
-        from mtp_jax.config import parse_draft_config
+        from mtp_jax.drafts import parse_draft_config
         from mtp_jax.model import resolve_layer_buffers, with_layer_buffers
 
         dtype_name = args.dtype or "bfloat16"

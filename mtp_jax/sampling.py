@@ -33,7 +33,7 @@ limit); a step that computes any computes this many (one program, whatever each 
 class RowSampling:
     """Per-row decoding parameters, each [B]: temperature (0 = greedy), top_k (0 = off),
     top_p (1 = off), min_p (0 = off), seed (uint32); and how drafts are accepted for the row:
-    max_drafts (the most drafts a step may accept; a step verifying fewer caps it), relaxed_topk
+    num_speculative_tokens (the most drafts a step may accept; a step verifying fewer caps it), relaxed_topk
     (0 = strict acceptance) and relaxed_delta (:func:`relaxed_ok`, inside a thinking phase only);
     and the row's LoRA adapter slot, lora_slot (0 = none; :mod:`mtp_jax.lora`)."""
 
@@ -42,7 +42,7 @@ class RowSampling:
     top_p: jax.Array
     min_p: jax.Array
     seed: jax.Array
-    max_drafts: jax.Array
+    num_speculative_tokens: jax.Array
     relaxed_topk: jax.Array
     relaxed_delta: jax.Array
     lora_slot: jax.Array
@@ -56,7 +56,7 @@ class RowSampling:
         top_p: float | Sequence[float] = 1.0,
         min_p: float | Sequence[float] = 0.0,
         seed: int | Sequence[int] = 0,
-        max_drafts: int | Sequence[int] = MAX_DRAFTS,
+        num_speculative_tokens: int | Sequence[int] = MAX_DRAFTS,
         relaxed_topk: int | Sequence[int] = 0,
         relaxed_delta: float | Sequence[float] = 0.0,
         lora_slot: int | Sequence[int] = 0,
@@ -67,7 +67,7 @@ class RowSampling:
         top_p = per_row("top_p", top_p, batch, float)
         min_p = per_row("min_p", min_p, batch, float)
         seed = per_row("seed", seed, batch, int)
-        max_drafts = per_row("num_speculative_tokens", max_drafts, batch, int)
+        num_speculative_tokens = per_row("num_speculative_tokens", num_speculative_tokens, batch, int)
         relaxed_topk = per_row("relaxed_topk", relaxed_topk, batch, int)
         relaxed_delta = per_row("relaxed_delta", relaxed_delta, batch, float)
         lora_slot = per_row("lora_slot", lora_slot, batch, int)
@@ -77,7 +77,7 @@ class RowSampling:
             "top_p": top_p,
             "min_p": min_p,
             "seed": seed,
-            "num_speculative_tokens": max_drafts,
+            "num_speculative_tokens": num_speculative_tokens,
             "relaxed_topk": relaxed_topk,
             "relaxed_delta": relaxed_delta,
             "lora_slot": lora_slot,
@@ -85,9 +85,17 @@ class RowSampling:
         for name, (values, given) in named.items():
             for i, v in enumerate(values):
                 check_value(name, v, f" (row {i})" if given else "")
-        temperature, top_k, top_p, min_p, seed, max_drafts, relaxed_topk, relaxed_delta, lora_slot = (
-            x[0] for x in named.values()
-        )
+        (
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            num_speculative_tokens,
+            relaxed_topk,
+            relaxed_delta,
+            lora_slot,
+        ) = (x[0] for x in named.values())
         # any k >= the vocabulary keeps everything, so huge values clamp safely into int32
         top_k = [min(k, 2**31 - 1) for k in top_k]
         return cls(
@@ -96,7 +104,7 @@ class RowSampling:
             top_p=jnp.asarray(top_p, jnp.float32),
             min_p=jnp.asarray(min_p, jnp.float32),
             seed=jnp.asarray(np.asarray(seed, np.uint32)),
-            max_drafts=jnp.asarray(max_drafts, jnp.int32),
+            num_speculative_tokens=jnp.asarray(num_speculative_tokens, jnp.int32),
             relaxed_topk=jnp.asarray(relaxed_topk, jnp.int32),
             relaxed_delta=jnp.asarray(relaxed_delta, jnp.float32),
             lora_slot=jnp.asarray(lora_slot, jnp.int32),

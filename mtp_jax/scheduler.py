@@ -14,6 +14,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ import numpy as np
 
 from mtp_jax.cache import PrefixCache, ShardedPageAllocator, page_table_array
 from mtp_jax.grammar import Constraints
+from mtp_jax.request import CheckedRequest, row_sampling
 from mtp_jax.sampling import RowSampling
 from mtp_jax.sharding import row_shards, state_shardings
 from mtp_jax.step import (
@@ -146,6 +148,26 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
 
+    @classmethod
+    def from_checked(
+        cls, checked: CheckedRequest, id: int, sampling: RowSampling | None = None, **fields: Any
+    ) -> Request:
+        """The scheduler's request for a checked one (:func:`mtp_jax.request.check_request`): the one
+        construction ``generate``, the offline :func:`generate` and the serving engine share.
+        ``sampling``: its row, when the caller built every row at once (default: its own);
+        ``fields``: the rest (hooks, timestamps)."""
+        params = checked.params
+        return cls(
+            checked.prompt,
+            params.max_new_tokens,
+            row_sampling([checked]) if sampling is None else sampling,
+            id=id,
+            ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs,
+            cache_salt=b"" if params.cache_salt is None else b"salt:" + params.cache_salt.encode(),
+            **fields,
+        )
+
     def timings(self) -> dict:
         """Its latencies as serving engines report them, in seconds (None where not reached yet):
         ``time_to_first_token_seconds`` (queued to first token: waiting, prefill) and
@@ -192,7 +214,8 @@ class Scheduler:
     the previous one); :meth:`cancel` stops a request and frees its pages at once. The caches and
     the compiled programs live as long as the scheduler.
 
-    Each request accepts at most its own ``sampling.max_drafts``; a step verifies as many drafts as
+    Each request accepts at most its own ``sampling.num_speculative_tokens``; a step verifies as many drafts
+    as
     its active rows ask for at most (one compiled step per distinct count; with none, a plain step
     that leaves the draft's state alone: a row only ever reads its own draft state, and a row that
     speculates runs only steps that do). ``constraints`` holds the requests' grammars
@@ -281,7 +304,7 @@ class Scheduler:
     def row_k(self, req: Request) -> int:
         """The drafts a request verifies per step: its own cap, at most the scheduler's K (with a
         token tree, the whole tree unless the request speculates not at all: its cap is a depth)."""
-        k = min(int(np.asarray(req.sampling.max_drafts)[0]), self.sc.k)
+        k = min(int(np.asarray(req.sampling.num_speculative_tokens)[0]), self.sc.k)
         return self.sc.k if self.sc.tree is not None and k > 0 else k
 
     def submit(self, req: Request) -> Request:
@@ -737,11 +760,8 @@ def generate(
     params: dict,
     sc: StepConfig,
     *,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int | Sequence[int],
-    sampling: RowSampling,
+    checked: Sequence[CheckedRequest],
     eos_token_ids: Sequence[int],
-    ignore_eos: bool | Sequence[bool] = False,
     cache_dtype: jnp.dtype,
     max_batch: int = 32,
     on_token: TokenCallback | None = None,
@@ -751,29 +771,24 @@ def generate(
     pipelined: bool = True,
     grammar_masks: str = "host",
     stop_checks: Sequence[Callable[[int], bool]] | None = None,
-    logprobs: Sequence[int | None] | None = None,
 ) -> GenerateResult:
-    """Decode validated prompts to the end with a :class:`Scheduler` sized for them (up to K = sc.k
-    drafts per step, 0 = plain): ``max_batch`` slots at most (a power of two, a multiple of the
-    mesh's row devices), pages for the longest request. ``auto_k(batch)`` caps K for the batch size
-    (the slots a step computes, whatever their state), e.g. from a table measured by ``mtp-jax
-    bench``. ``max_new_tokens`` and ``ignore_eos`` are one value or one per prompt;
-    ``stop_checks[i](token)`` True stops request i (finish reason "stop"); ``logprobs[i]`` (None:
-    none) asks for request i's token log-probabilities with that many alternatives. The other
-    arguments are the scheduler's."""
+    """Decode checked requests (:func:`mtp_jax.request.check_request`) to the end with a
+    :class:`Scheduler` sized for them (up to K = sc.k drafts per step, 0 = plain): ``max_batch``
+    slots at most (a power of two, a multiple of the mesh's row devices), pages for the longest
+    request. ``auto_k(batch)`` caps K for the batch size (the slots a step computes, whatever their
+    state), e.g. from a table measured by ``mtp-jax bench``. ``stop_checks[i](token)`` True stops
+    request i (finish reason "stop"). The other arguments are the scheduler's."""
     t_start = time.perf_counter()
-    n = len(prompts)
-    lengths = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    past_eos = [ignore_eos] * n if isinstance(ignore_eos, bool) else list(ignore_eos)
+    n = len(checked)
     batch = math.lcm(next_power_of_two(min(n, max_batch)), row_shards(sc.mesh))  # whole rows per shard
-    host_sampling = jax.tree.map(np.asarray, sampling)
+    host_sampling = jax.tree.map(np.asarray, row_sampling(checked))
     if auto_k is not None and sc.k > 0 and sc.tree is None:
         sc = dataclasses.replace(sc, k=min(sc.k, auto_k(batch)))
-    if sc.k == 0 or not np.minimum(host_sampling.max_drafts, sc.k).any():
+    if sc.k == 0 or not np.minimum(host_sampling.num_speculative_tokens, sc.k).any():
         sc = dataclasses.replace(sc, k=0, draft=None, tree=None)  # plain decoding: no draft state at all
     if not np.any(host_sampling.temperature > 0):  # every row greedy: smaller programs, same tokens
         sc = dataclasses.replace(sc, greedy=True)
-    width = next_power_of_two(max(pages_needed(len(p), m, sc) for p, m in zip(prompts, lengths, strict=True)))
+    width = next_power_of_two(max(pages_needed(len(c.prompt), c.params.max_new_tokens, sc) for c in checked))
     sched = Scheduler(
         params,
         sc,
@@ -787,12 +802,10 @@ def generate(
         grammar_masks=grammar_masks,
     )
     requests = []
-    for i, prompt in enumerate(prompts):
+    for i, c in enumerate(checked):
         row = jax.tree.map(lambda x, i=i: x[i : i + 1], host_sampling)
         hook = _token_hook(i, on_token, None if stop_checks is None else stop_checks[i])
-        request = Request(list(prompt), lengths[i], row, on_token=hook, id=i, ignore_eos=past_eos[i])
-        request.logprobs = None if logprobs is None else logprobs[i]
-        requests.append(sched.submit(request))
+        requests.append(sched.submit(Request.from_checked(c, i, row, on_token=hook)))
     while sched.advance():
         pass
     t_end = time.perf_counter()
@@ -811,7 +824,7 @@ def generate(
         "num_speculative_tokens": sc.k,
         "fused": fused,
         "draft": sc.draft,
-        "prompt_tokens": sum(len(p) for p in prompts),
+        "prompt_tokens": sum(len(c.prompt) for c in checked),
         "new_tokens": new_tokens,
         "steps": sched.counts["steps"],
         "step_programs": len(sched.programs),
@@ -836,7 +849,7 @@ def generate(
         stats=stats,
         request_stats=[{**req.counters.as_dict(), **t} for req, t in zip(requests, timings, strict=True)],
         logprobs=None
-        if logprobs is None or all(n is None for n in logprobs)
+        if all(req.logprobs is None for req in requests)
         else [None if req.logprobs is None else req.token_logprobs for req in requests],
     )
 

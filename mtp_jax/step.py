@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from mtp_jax.drafts import Draft, Rows, draft_for
+from mtp_jax.drafts import DRAFTS, Draft, Rows, draft_for
 from mtp_jax.drafts.base import DraftContext, at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
 from mtp_jax.sampling import (
@@ -73,7 +73,8 @@ class StepConfig:
     MoE layers expert-parallel over ``expert`` (:mod:`mtp_jax.sharding`,
     :mod:`mtp_jax.targets.deepseek_v3.ep`)."""
     draft_cfg: Any = None
-    """A separately loaded draft's parsed config (EAGLE-3's :class:`mtp_jax.config.Eagle3Config`), or
+    """A separately loaded draft's parsed config (EAGLE-3's
+    :class:`mtp_jax.drafts.eagle3.config.Eagle3Config`), or
     None for drafts that live in the target's checkpoint (MTP)."""
     draft_idle: bool = False
     """The draft's state is carried but not fed (K = 0 once no request will speculate again)."""
@@ -104,9 +105,10 @@ class StepConfig:
                 raise ValueError(f"a token tree of {nodes} draft nodes needs k = {nodes}, got {self.k}")
             method = self.draft_method
             if method is not None and not method.trees:
+                takers = ", ".join(name for name, d in DRAFTS.items() if d.trees)
                 raise ValueError(
                     f"the {method.title or self.draft} draft does not propose token trees "
-                    "(chained drafts do: mtp, eagle3, draft_model)"
+                    f"(chained drafts do: {takers})"
                 )
             if self.think_tokens is not None:
                 raise ValueError(
@@ -328,10 +330,10 @@ def prefill(
         new_drafts, q_new, draft_state = sc.drafter.extend_and_propose(
             params, sc.draft_context, draft_state, page_table, prompt, real, sampling, lengths + 1
         )
-        new_drafts, count = _proposed(sc, new_drafts, sampling.max_drafts, first)
+        new_drafts, count = _proposed(sc, new_drafts, sampling.num_speculative_tokens, first)
         drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
     else:
-        count = jnp.minimum(sampling.max_drafts, sc.k)
+        count = jnp.minimum(sampling.num_speculative_tokens, sc.k)
     thinking = jnp.zeros((r,), bool) if thinking is None else thinking
     if sc.think_tokens is not None:
         thinking = at_rows(think_phase(tokens, valid, thinking, sc.think_tokens), last)
@@ -486,7 +488,7 @@ def _commit_and_draft(
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
     draft_state, drafts, q, num_drafts = state.draft_state, state.drafts, state.draft_q, state.num_drafts
-    num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.max_drafts, sc.k), num_drafts)
+    num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.num_speculative_tokens, sc.k), num_drafts)
     thinking = state.thinking
     if sc.think_tokens is not None:
         phase = think_phase(tokens, jnp.ones_like(tokens, bool), thinking, sc.think_tokens)
@@ -508,7 +510,7 @@ def _commit_and_draft(
             state.sampling,
             new_seq + 1,
         )
-        new_drafts, count = _proposed(sc, new_drafts, state.sampling.max_drafts, new_next)
+        new_drafts, count = _proposed(sc, new_drafts, state.sampling.num_speculative_tokens, new_next)
         drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)
         num_drafts = jnp.where(state.active, count, num_drafts)
         if sc.sampled:

@@ -22,8 +22,9 @@ import ml_dtypes
 import numpy as np
 
 from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, CheckpointReader, save_safetensors
-from mtp_jax.config import DeepseekV3Config
-from mtp_jax.synthetic import layer_tensors, quantize_fp8
+from mtp_jax.synthetic import quantize_fp8
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3.synthetic import layer_tensors
 
 CONFIG = {
     "model_type": "deepseek_v3",

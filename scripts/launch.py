@@ -168,8 +168,9 @@ def run(args: argparse.Namespace) -> int:
 
     import mtp_jax
     from mtp_jax.cli import _model_dir
-    from mtp_jax.config import Llama3Config, parse_config
+    from mtp_jax.config import parse_config
     from mtp_jax.model import read_model_config
+    from mtp_jax.targets.llama.config import Llama3Config
 
     lead = jax.process_index() == 0
     n_dev = jax.device_count()

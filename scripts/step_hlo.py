@@ -8,8 +8,8 @@ identical. Run it before and after and compare the JSON files:
 
 Each program is the one ``generate`` runs (``step_config`` of the model and speculation), lowered
 and compiled for a batch of 4 at float32; its text loses the ``metadata={...}`` of each
-instruction and the tables of source files, functions and stack frames they point into (which a
-move of code changes) before it is hashed.
+instruction, the tables of source files, functions and stack frames they point into, and the
+parameters' names (which a move or a rename of a field changes) before it is hashed.
 """
 
 from __future__ import annotations
@@ -31,6 +31,27 @@ CASES = (
 _METADATA = re.compile(r",? ?metadata=\{[^{}]*\}")
 # the tables of source files, functions and stack frames that the metadata points into
 _DEBUG_TABLES = re.compile(r"\nFileNames\n.*?\nStackFrames\n.*?\n\n", re.S)
+
+
+_PARAMETER = re.compile(r"%([\w.\-]+) = [^\n]*? parameter\((\d+)\)")
+
+
+def normalise(text: str) -> str:
+    """The program without what a rename or a move changes and the math does not: instruction
+    metadata, the debug tables, and parameter names (taken from the pytree's field names: each
+    becomes ``p<its number>``)."""
+    text = _DEBUG_TABLES.sub("\n", _METADATA.sub("", text))
+    names = {}
+    for name, number in _PARAMETER.findall(text):
+        names[name] = f"p{number}"
+    if names:
+        pattern = re.compile(
+            r"(?<![\w.\-])("
+            + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+            + r")(?![\w\-]|\.\d)"
+        )
+        text = pattern.sub(lambda m: names[m.group(1)], text)
+    return text
 
 
 def fingerprints(cases: int = len(CASES), texts: str | None = None) -> dict[str, str]:
@@ -62,7 +83,7 @@ def fingerprints(cases: int = len(CASES), texts: str | None = None) -> dict[str,
             RowSampling.build(b),
         )
         for name, fn, args in (("prefill", prefill, prefill_args), ("step", step, (model.params, state, sc))):
-            text = _DEBUG_TABLES.sub("\n", _METADATA.sub("", fn.trace(*args).lower().compile().as_text()))
+            text = normalise(fn.trace(*args).lower().compile().as_text())
             out[f"{target}/{draft}/K={k}/{name}"] = hashlib.sha256(text.encode()).hexdigest()
             if texts:
                 os.makedirs(texts, exist_ok=True)

@@ -57,11 +57,13 @@ from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
 from train_tiny import BOS, EOS, make_optimizer, rewrite_card  # noqa: E402
 
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
-from mtp_jax.config import DFlashConfig, ModelConfig, dflash_default_layers, parse_dflash_config  # noqa: E402
+from mtp_jax.config import ModelConfig  # noqa: E402
 from mtp_jax.drafts.dflash.checkpoint import load_dflash  # noqa: E402
+from mtp_jax.drafts.dflash.config import DFlashConfig, dflash_default_layers, parse_dflash_config  # noqa: E402
 from mtp_jax.drafts.dflash.draft import block_forward, context_rows, dflash_features  # noqa: E402
-from mtp_jax.export import dflash_hub_tensors_from_params  # noqa: E402
-from mtp_jax.synthetic import dflash_hub_tensors, write_hub_checkpoint  # noqa: E402
+from mtp_jax.drafts.dflash.export import dflash_hub_tensors_from_params  # noqa: E402
+from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors  # noqa: E402
+from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
 from mtp_jax.targets.base import head_logits, lm_head  # noqa: E402
 

@@ -85,15 +85,18 @@ from train_tiny import (  # noqa: E402  (the data pipeline and optimizer the tar
 
 import mtp_jax  # noqa: E402
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
-from mtp_jax.config import DeepseekV3Config, Eagle3Config, ModelConfig, parse_config, parse_eagle3_config  # noqa: E402
+from mtp_jax.config import ModelConfig, parse_config  # noqa: E402
 from mtp_jax.drafts.eagle3.checkpoint import load_eagle3  # noqa: E402
+from mtp_jax.drafts.eagle3.config import Eagle3Config, parse_eagle3_config  # noqa: E402
 from mtp_jax.drafts.eagle3.draft import draft_vocab_logits, eagle3_chain_teacher_forced, fused_features  # noqa: E402
+from mtp_jax.drafts.eagle3.export import eagle3_hub_tensors_from_params  # noqa: E402
+from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors  # noqa: E402
 from mtp_jax.embedded import resolve_model_path  # noqa: E402
-from mtp_jax.export import eagle3_hub_tensors_from_params  # noqa: E402
 from mtp_jax.model import read_model_config  # noqa: E402
-from mtp_jax.synthetic import eagle3_hub_tensors, write_hub_checkpoint  # noqa: E402
+from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
 from mtp_jax.targets.base import Hidden, lm_head  # noqa: E402
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 
 LAYER_PREFIX = "layers.0."
 

@@ -82,13 +82,17 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import DeepseekV3Config, Llama3Config, ModelConfig, parse_config
+from mtp_jax.config import ModelConfig, parse_config
 from mtp_jax.drafts.mtp.draft import mtp_chain_teacher_forced
 from mtp_jax.export import hub_tensors_from_params
-from mtp_jax.synthetic import hub_tensors, llama_hub_tensors, write_hub_checkpoint
+from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets import target_for
 from mtp_jax.targets.base import lm_head
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.model import forward
+from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
+from mtp_jax.targets.llama.config import Llama3Config
+from mtp_jax.targets.llama.synthetic import llama_hub_tensors
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
 BOS, EOS = 0, 1

@@ -50,12 +50,9 @@ import pytest  # noqa: E402
 
 gc.set_threshold(20_000, 20, 20)  # see pytest_collection_finish
 
-from mtp_jax.config import DeepseekV3Config  # noqa: E402
-from mtp_jax.synthetic import (  # noqa: E402
-    hub_tensors,
-    oracle_draft_tensors,
-    write_hub_checkpoint,
-)
+from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config  # noqa: E402
+from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors, oracle_draft_tensors  # noqa: E402
 from tests.background import SecondLane, in_worker  # noqa: E402
 from tests.timeline import Timeline, TimelinePlugin, summary  # noqa: E402
 

@@ -60,8 +60,11 @@ def test_bench_on_a_model_without_a_draft_times_plain_decoding(tmp_path, capsys)
     assert [(r["draft"], r["k"]) for r in json.loads(out.read_text())["results"]] == [(None, 0), ("ngram", 2)]
     capsys.readouterr()
     # with EAGLE-3 and DFlash drafts beside it, the draft method (and DFlash's block) is an axis
-    from mtp_jax.config import DFlashConfig, Eagle3Config
-    from mtp_jax.synthetic import dflash_hub_tensors, eagle3_hub_tensors, write_hub_checkpoint
+    from mtp_jax.drafts.dflash.config import DFlashConfig
+    from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
+    from mtp_jax.drafts.eagle3.config import Eagle3Config
+    from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
+    from mtp_jax.synthetic import write_hub_checkpoint
     from tests.drafts.test_dflash import DRAFT_A as DFLASH
     from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS
 

@@ -275,13 +275,19 @@ def test_error_default_model_env_points_nowhere(capsys, monkeypatch, tmp_path):
     check_error(rc, out, err, "score", [missing])
 
 
-def test_error_huge_top_k(capsys):
-    rc, out, err = run(capsys, "generate", "--model", EMBEDDED_MODEL, "--prompt", "x", "--top-k", str(2**40))
-    # Either a clean error naming top_k, or top-k treated as off.
-    if rc == 2:
-        check_error(rc, out, err, "generate", ["top_k"])
-    else:
-        assert rc == 0
+def test_huge_top_k_keeps_every_token(capsys):
+    """A top-k beyond the vocabulary keeps every token (it is clamped, not refused): sampled text
+    equals the text with top-k off, under the same seed."""
+    argv = ["generate", "--model", EMBEDDED_MODEL, "--prompt", "x", "--temperature", "1", "--seed", "3"]
+    argv += ["--max-new-tokens", "12", "--draft", "none"]
+    rc, huge, err = run(capsys, *argv, "--top-k", str(2**40))
+    assert rc == 0, err
+    rc, off, err = run(capsys, *argv, "--top-k", "0")
+    assert rc == 0, err
+    rc, small, err = run(capsys, *argv, "--top-k", "1")  # greedy: the check can tell them apart
+    assert rc == 0, err
+    assert huge == off and huge.strip()
+    assert small != off, "top-k 1 and top-k off gave the same text: the comparison shows nothing"
 
 
 def test_console_script_subprocess(tmp_path, embedded):

@@ -64,3 +64,56 @@ def test_markdown_links_resolve():
             assert os.path.exists(where), f"{page}: broken link {target}"
             if anchor and where.endswith(".md"):
                 assert anchor[1:] in anchors(where), f"{page}: no heading for {target}{anchor} in {where}"
+
+
+def layout_listing(path: str) -> set[str]:
+    """The module paths docs/architecture.md's Layout block names: a line ``name/`` opens a folder
+    (its inline text lists modules in it as ``x.py``), a line ``x.py`` names a module of the folder
+    above it, indentation says which."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    listed: set[str] = set()
+    stack: list[tuple[int, str]] = []  # (indent, folder path)
+    for line in block.splitlines()[1:]:
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        entry = line.strip().split()[0]
+        if indent >= 12 or not re.fullmatch(r"[\w.]+/?", entry):  # a description's continuation
+            folder = stack[-1][1] if stack else ""
+            listed.update(f"{folder}{name}" for name in re.findall(r"\b(\w+\.py)\b", line))
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        folder = stack[-1][1] if stack else ""
+        if entry.endswith("/"):
+            stack.append((indent, folder + entry))
+            listed.add(f"{folder}{entry}__init__.py")
+            inner = line.strip()[len(entry) :]
+            listed.update(f"{folder}{entry}{name}" for name in re.findall(r"\b(\w+\.py)\b", inner))
+        else:
+            listed.add(folder + entry)
+    return listed
+
+
+def test_the_architecture_layout_lists_every_module():
+    listed = layout_listing(os.path.join(REPO, "docs", "architecture.md"))
+    modules = set()
+    for top in ("mtp_jax", "pallas_kernels"):
+        for root, _, files in os.walk(os.path.join(REPO, top)):
+            modules.update(os.path.relpath(os.path.join(root, f), REPO) for f in files if f.endswith(".py"))
+    missing = sorted(m.replace(os.sep, "/") for m in modules if m.replace(os.sep, "/") not in listed)
+    assert not missing, f"docs/architecture.md's Layout does not list: {missing}"
+    stale = sorted(m for m in listed if m.endswith(".py") and not os.path.exists(os.path.join(REPO, m)))
+    assert not stale, f"docs/architecture.md's Layout lists modules that do not exist: {stale}"
+
+
+def test_the_architecture_picture_names_real_modules():
+    """docs/architecture.dot (the source of docs/architecture.png) names modules that exist."""
+    with open(os.path.join(REPO, "docs", "architecture.dot"), encoding="utf-8") as f:
+        dot = "\n".join(line for line in f if not line.lstrip().startswith("//"))
+    named = set(re.findall(r"\b([\w/]+\.py)\b", dot))
+    assert named, "the picture names no module"
+    missing = sorted(n for n in named if not os.path.exists(os.path.join(REPO, "mtp_jax", n)))
+    assert not missing, missing

@@ -145,8 +145,12 @@ def test_stats(tiny_model):
     # the first token comes from the prefill, then one step per token, and no step past the end
     assert st["new_tokens"] == 18 and st["prompt_tokens"] == 12 and st["steps"] == 5
     assert st["tokens_per_second"] > 0 and st["acceptance_length"] == 1.0
+    # the decode rates count the 15 tokens the steps emitted (the 3 first tokens come from the
+    # prefill), over the decode time, and over it without the first step call
     assert 0 < st["first_step_call_seconds"] < st["decode_seconds"]
-    assert st["decode_tokens_per_second_after_first_call"] > st["decode_tokens_per_second"]
+    assert st["decode_tokens_per_second"] * st["decode_seconds"] == pytest.approx(15)
+    after = st["decode_seconds"] - st["first_step_call_seconds"]
+    assert st["decode_tokens_per_second_after_first_call"] * after == pytest.approx(15)
 
 
 def test_request_latencies(tiny_model):

@@ -30,7 +30,7 @@ MOE_CHILD = PRELUDE + textwrap.dedent(
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
     from mtp_jax.targets.deepseek_v3 import ep
-    from mtp_jax.config import DeepseekV3Config
+    from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
     from mtp_jax.targets.deepseek_v3.moe import route, routed_experts
     from mtp_jax.sharding import make_mesh
     from tests.conftest import TINY_CONFIG
@@ -199,8 +199,8 @@ def test_paths_and_capacity():
 def test_state_logical_axes():
     from jax.tree_util import DictKey, GetAttrKey
 
-    from mtp_jax.config import DeepseekV3Config
     from mtp_jax.step import StepConfig
+    from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
     from tests.conftest import TINY_CONFIG
 
     cfg = DeepseekV3Config.from_dict(TINY_CONFIG)

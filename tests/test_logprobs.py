@@ -113,9 +113,11 @@ def test_prompt_logprobs(oracle_model):
         assert [i for i, _ in rows[t].top] == list(np.argsort(-want[t - 1])[:4])
     out = oracle_model.generate(PROMPTS, max_new_tokens=2, prompt_logprobs=[1, None])
     assert out.prompt_logprobs[1] is None
-    assert [r and r.logprob for r in out.prompt_logprobs[0]] == [
-        r and r.logprob for r in oracle_model.prompt_logprobs(prompt, 1)
-    ]
+    got = out.prompt_logprobs[0]  # generate's, against the teacher-forced logits above
+    assert got[0] is None and len(got) == len(prompt)
+    for t in range(1, len(prompt)):
+        assert got[t].token == prompt[t] and [i for i, _ in got[t].top] == [int(np.argmax(want[t - 1]))]
+        assert got[t].logprob == pytest.approx(float(want[t - 1, prompt[t]]), abs=2e-5)
 
 
 @pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, True, 2.5, "3"])

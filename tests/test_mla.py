@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from mtp_jax.cache import page_table_array, slots_for
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import rope_cos_sin, rope_frequencies
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.mla import latent_rows, mla_dense, mla_paged, write_rows
 from pallas_kernels.mla_decode import ENV_VAR as KERNELS_ENV
 from tests.conftest import TINY_CONFIG

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.model import moe
 from mtp_jax.targets.deepseek_v3.moe import (
     resolve_dispatch,

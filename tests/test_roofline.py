@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from mtp_jax import roofline
-from mtp_jax.config import DeepseekV3Config, parse_draft_config
+from mtp_jax.drafts import parse_draft_config
 from mtp_jax.estimate import count_parameters, weight_bytes
 from mtp_jax.plan import abstract_params
 from mtp_jax.roofline import expected_experts, random_params, step_bytes
 from mtp_jax.sharding import make_mesh
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from tests.conftest import REPO, TINY_CONFIG
 
 

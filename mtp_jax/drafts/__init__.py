@@ -8,7 +8,11 @@ elsewhere (a plug-in) registers the same way before it is used.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from mtp_jax.drafts.base import Draft, DraftContext, Rows
+from mtp_jax.errors import ConfigError
 from mtp_jax.sharding import register_group_layout
 
 DRAFTS: dict[str, Draft] = {}
@@ -43,6 +47,29 @@ def draft_for_config(draft_cfg: object) -> Draft:
     raise TypeError(f"no registered draft takes a config of type {type(draft_cfg).__name__}")
 
 
+def parse_draft_config(
+    raw: Mapping[str, Any],
+    num_target_layers: int,
+    layer_ids: str = "inputs",
+    target_vocab_size: int | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> Any:
+    """A separately trained draft's config.json read alone (no tensors), by the first registered
+    draft whose :attr:`~Draft.parse_config` hook takes it (the shipped ones: DFlash by its
+    architecture or ``dflash_config``; a draft model when it is a plain causal LM a target reads,
+    over ``target_vocab_size``, default its own; else EAGLE-3), with the target layers it captures
+    resolved for a target of ``num_target_layers`` layers (``options``: the drafts' load options;
+    ``layer_ids``, how EAGLE-3 ids are read, is its keyword form)."""
+    options = {"layer_ids": layer_ids, **(options or {})}
+    for draft in DRAFTS.values():
+        if draft.parse_config is not None:
+            cfg = draft.parse_config(raw, num_target_layers, options, target_vocab_size)
+            if cfg is not None:
+                return cfg
+    kinds = ", ".join(d.title or d.name for d in DRAFTS.values() if d.parse_config is not None)
+    raise ConfigError(f"not a draft config any registered draft reads ({kinds})")
+
+
 def draft_methods() -> tuple[str, ...]:
     """The registered draft names, in registration order."""
     return tuple(DRAFTS)
@@ -63,6 +90,7 @@ __all__ = [
     "draft_for",
     "draft_for_config",
     "draft_methods",
+    "parse_draft_config",
     "register_draft",
     "unregister_draft",
 ]

@@ -15,7 +15,7 @@ K+1 verified rows, of which the accepted ones (and the bonus token) are valid.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -137,20 +137,34 @@ class Draft:
     """``recognises(raw_config, reader) -> bool``: whether a draft directory (its parsed config.json
     and its tensors' reader) holds this kind of draft; asked in registration order by
     :func:`mtp_jax.model.load_draft`. None: never loaded from a directory."""
+    parse_config: Callable[[Mapping[str, Any], int, Mapping[str, Any], int | None], Any] | None = None
+    """``parse_config(raw_config, num_target_layers, options, target_vocab_size) -> config | None``:
+    a separately stored draft's config.json read alone, with the target layers it reads resolved
+    for a target of that many layers (``options``: its :attr:`load_options`, e.g. how EAGLE-3 ids
+    are read), or None when the config is not this draft's. Asked in registration order by
+    :func:`mtp_jax.drafts.parse_draft_config` (planning, ``mtp-jax inspect``, the roofline), which
+    see no tensors; loading also sees them (:attr:`recognises`)."""
     load: Callable[..., tuple[Any, dict]] | None = None
-    """``load(reader, raw, target_cfg, target_params, dtype, *, layer_ids, strict, mesh,
-    target_path) -> (draft config, params[params_group])``: read a recognised draft for the target."""
+    """``load(reader, raw, target_cfg, target_params, dtype, *, options, strict, mesh, target_path)
+    -> (draft config, params[params_group])``: read a recognised draft for the target; ``options``
+    (a mapping of its :attr:`load_options`) it checks itself."""
+    load_options: tuple[str, ...] = ()
+    """The names of the options it takes when loaded (``load(..., draft_options={...})``; EAGLE-3:
+    ``layer_ids``, also given as ``draft_layer_ids``). Others are refused by name."""
     param_logical: Callable[[list[str], int], tuple[str | None, ...]] | None = None
     """``param_logical(names, rank)``: logical axes (:mod:`mtp_jax.sharding`) of the leaf at dict
     path ``names`` inside the draft's ``params_group`` (one layer: ``rank`` without a stacking
     axis). None: replicated."""
     default_k: int = 3
     """K when a request or engine names the draft without one."""
-    configure: Callable[[Any, int | None, int | None], tuple[Any, int | None]] | None = None
-    """``configure(draft_cfg, k, block_size) -> (draft_cfg, k)``: a draft with a setting of its own
-    (DFlash's block) applies ``block_size`` (None: its default) to its config and resolves K (None:
-    its default), raising InvalidRequestError for values it cannot take. None: K defaults to
-    :attr:`default_k` and a ``draft_block_size`` is refused."""
+    configure: Callable[[Any, int | None, Mapping[str, Any]], tuple[Any, int | None]] | None = None
+    """``configure(draft_cfg, k, options) -> (draft_cfg, k)``: a draft with settings of its own
+    applies ``options`` (a mapping of its :attr:`options`, from ``SpeculativeConfig.draft_options``;
+    empty: its defaults) to its config and resolves K (None: its default), raising
+    InvalidRequestError for values it cannot take. None: K defaults to :attr:`default_k`."""
+    options: tuple[str, ...] = ()
+    """The names of the per-engine or per-call settings it takes (``draft_options``; DFlash:
+    ``block_size``, also given as ``draft_block_size``). Others are refused by name."""
     block_size: Callable[[Any], int] | None = None
     """``block_size(draft_cfg)``: for a draft that proposes a block at a time (DFlash), the block it
     was trained on, the largest a request's ``draft_block_size`` may ask for (``mtp-jax bench

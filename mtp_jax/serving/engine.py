@@ -24,7 +24,6 @@ from mtp_jax.request import (
     SamplingParams,
     SpeculativeConfig,
     check_request,
-    row_sampling,
     speculative_config,
     step_config,
 )
@@ -47,7 +46,8 @@ class Engine:
     multiple of the mesh's row devices); each slot holds ``max_len`` tokens (prompt + new tokens;
     default: the model's maximum length, at most 4096); ``max_queue`` requests may wait for a slot.
     ``speculative`` (a :class:`~mtp_jax.SpeculativeConfig`), or its fields ``draft`` /
-    ``num_speculative_tokens`` / ``draft_sampling`` / ``draft_block_size`` / ``think_tokens`` as
+    ``num_speculative_tokens`` / ``draft_sampling`` / ``draft_options`` (or ``draft_block_size``) /
+    ``think_tokens`` as
     keywords, is the engine's speculation (a request may ask for fewer drafts, or none; ``auto_k``
     is ``generate``'s alone); ``think_tokens`` enables per-request relaxed acceptance between those
     markers (see :meth:`mtp_jax.Model.generate`);
@@ -73,6 +73,7 @@ class Engine:
         num_speculative_tokens: int | None = None,
         draft_sampling: str | None = None,
         draft_block_size: int | None = None,
+        draft_options: dict | None = None,
         think_tokens: tuple[int, int] | None = None,
         speculative_tree: dict | None = None,
         max_queue: int = 256,
@@ -114,6 +115,7 @@ class Engine:
             "num_speculative_tokens": num_speculative_tokens,
             "draft_sampling": draft_sampling,
             "draft_block_size": draft_block_size,
+            "draft_options": draft_options,
             "think_tokens": think_tokens,
             "speculative_tree": speculative_tree,
         }
@@ -230,21 +232,11 @@ class Engine:
         text = TextStream(self.model.text, params.stop) if checked.text else None
         if params.grammar is not None:
             self._grammar_for(rid, params.grammar)
-        sampling, past_eos = row_sampling([checked]), params.ignore_eos
-        request = Request(
-            checked.prompt,
-            params.max_new_tokens,
-            sampling,
-            id=rid,
-            ignore_eos=past_eos,
-            logprobs=params.logprobs,
-            submitted_at=time.perf_counter(),  # time to first token counts the engine's queue too
-        )
-        request.cache_salt = b"" if params.cache_salt is None else b"salt:" + params.cache_salt.encode()
+        # time to first token counts the engine's queue too
+        request = Request.from_checked(checked, rid, submitted_at=time.perf_counter())
         table = self.model.lora
         if table is not None:  # an adapter reloaded into a slot does not reuse its predecessor's prefixes
-            slot = int(np.asarray(sampling.lora_slot)[0])
-            request.cache_salt += b"|writes:%d" % table.writes.get(slot, 0)
+            request.cache_salt += b"|writes:%d" % table.writes.get(checked.lora_slot, 0)
         handle = RequestHandle(self, request, text)
         handle._checked = checked
         stop_ids = frozenset(params.stop_token_ids) or None
@@ -479,7 +471,7 @@ class Engine:
                 self.replay.publish()
             except BaseException as e:
                 log.exception("the engine could not reach the other processes")
-                self._fail(e)
+                self.fail(e)
                 return
             if not running:
                 break
@@ -488,7 +480,7 @@ class Engine:
                     self.warming.compile(job)
                 except BaseException as e:
                     log.exception("the engine's warm-up failed")
-                    self._fail(e)
+                    self.fail(e)
                     return
                 continue
             queued = len(self.scheduler.queue)
@@ -497,7 +489,7 @@ class Engine:
                 self._announce()
             except BaseException as e:  # the device state is unknown now: fail everything, stop
                 log.exception("the engine's loop failed")
-                self._fail(e)
+                self.fail(e)
                 self.replay.abort()
                 return
             admitted = queued - len(self.scheduler.queue)
@@ -505,7 +497,7 @@ class Engine:
             with self._lock:
                 self._waiting -= max(admitted, 0)
                 self._free_slots = free
-        self._fail(EngineClosedError("the engine was closed"))
+        self.fail(EngineClosedError("the engine was closed"))
 
     def _announce(self) -> None:
         fresh, self._fresh = self._fresh, set()
@@ -514,20 +506,46 @@ class Engine:
 
     # -- a follower's replay (mtp_jax.serving.replay) ---------------------------------------------
 
-    def _adopt(self, rid: int, checked: CheckedRequest) -> None:
-        """(Other processes.) Schedule the request process 0 admitted as ``rid``."""
-        handle = self._build(rid, checked, None)
-        with self._lock:
-            self._handles[rid] = handle
-        self._schedule(handle)
+    def follow(self, events: list[list]) -> bool:
+        """(Processes other than 0: their engine thread.) Apply the events process 0's loop
+        recorded before one of its steps (:class:`~mtp_jax.serving.replay.Replay` lists them: the
+        requests it admitted, cancelled, the adapters it loaded or unloaded), then run what it ran
+        next: the same step, warm-up, warm-up program or prompt scoring. False once process 0 has
+        closed the engine (this one is then closed too)."""
+        for kind, *args in events:
+            if kind == "submit":  # rebuilt from what process 0 checked, under its id
+                rid, spec = args
+                handle = self._build(rid, CheckedRequest.from_json(spec), None)
+                with self._lock:
+                    self._handles[rid] = handle
+                self._schedule(handle)
+            elif kind == "cancel":
+                handle = self._handles.get(args[0])
+                if handle is not None:
+                    self.scheduler.cancel(handle.request)
+            elif kind == "lora_load":
+                self.model.load_lora(*args)
+            elif kind == "lora_unload":
+                self.model.unload_lora(args[0])
+            elif kind == "close":
+                self.fail(EngineClosedError("process 0 closed the engine"))
+                return False
+        last = events[-1] if events else [None]
+        if last == ["warmup"]:
+            self.warming.run(None)
+        elif last[0] == "prompt_logprobs":
+            self.model.prompt_logprobs(*last[1:])
+        elif last[0] == "warmjob":
+            self.scheduler.warmup_job(*last[1:])
+        else:
+            self.scheduler.advance()
+            self._announce()
+        return True
 
-    def _drop(self, rid: int) -> None:
-        """(Other processes.) Cancel request ``rid`` as process 0 did."""
-        handle = self._handles.get(rid)
-        if handle is not None:
-            self.scheduler.cancel(handle.request)
-
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """End the engine with ``error``: every waiting and running request is closed with it (an
+        :class:`EngineClosedError`: cancelled). Its own loop calls it when a step fails; in a
+        multi-process run, the replay when process 0 closes or another process is lost."""
         with self._lock:
             self._closed = True
             if not isinstance(error, EngineClosedError):

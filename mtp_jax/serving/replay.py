@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 import jax
 
 from mtp_jax.distributed import Broadcast, Heartbeat, stream_name
-from mtp_jax.request import CheckedRequest
-from mtp_jax.serving.errors import EngineClosedError
 
 if TYPE_CHECKING:
     from mtp_jax.serving.engine import Engine
@@ -46,7 +44,7 @@ class Replay:
 
             def lost(error: BaseException) -> None:
                 log.error("%s: failing every request", error)
-                engine._fail(error)
+                engine.fail(error)
 
             self.heartbeat = Heartbeat(name, lost)
 
@@ -74,34 +72,13 @@ class Replay:
                 self.channel.send(json.dumps([["close"]]))
 
     def follow(self, engine: Engine) -> None:
-        """(Processes other than 0: the engine thread's loop.) Apply what process 0's engine did
-        before each of its steps, then run the same step, warm-up or warm-up program."""
+        """(Processes other than 0: the engine thread's loop.) Hand ``engine`` what process 0's
+        engine did before each of its steps (:meth:`~mtp_jax.serving.engine.Engine.follow` applies
+        it and runs the same step) until process 0 closes the engine."""
         try:
-            while True:
-                events = json.loads(self.channel.receive())
-                for kind, *args in events:
-                    if kind == "submit":
-                        rid, spec = args
-                        engine._adopt(rid, CheckedRequest.from_json(spec))
-                    elif kind == "cancel":
-                        engine._drop(args[0])
-                    elif kind == "lora_load":
-                        engine.model.load_lora(*args)
-                    elif kind == "lora_unload":
-                        engine.model.unload_lora(args[0])
-                    elif kind == "close":
-                        self.stop_watching()
-                        engine._fail(EngineClosedError("process 0 closed the engine"))
-                        return
-                if events and events[-1] == ["warmup"]:
-                    engine.warming.run(None)
-                elif events and events[-1][0] == "prompt_logprobs":
-                    engine.model.prompt_logprobs(*events[-1][1:])
-                elif events and events[-1][0] == "warmjob":
-                    engine.scheduler.warmup_job(*events[-1][1:])
-                else:
-                    engine.scheduler.advance()
-                    engine._announce()
+            while engine.follow(json.loads(self.channel.receive())):
+                pass
+            self.stop_watching()
         except BaseException as e:
             log.exception("the engine's follower loop failed")
-            engine._fail(e)
+            engine.fail(e)

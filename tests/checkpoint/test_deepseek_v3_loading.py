@@ -15,9 +15,10 @@ import pytest
 
 import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import SafetensorsFile
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from mtp_jax.synthetic import hub_tensors, write_hub_checkpoint
+from mtp_jax.synthetic import write_hub_checkpoint
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
 from tests.conftest import TINY_CONFIG
 
 LOGGER = "mtp_jax.targets.deepseek_v3.checkpoint"

@@ -9,7 +9,6 @@ import re
 
 import pytest
 
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.estimate import (
     count_parameters,
     kv_cache_bytes_per_token,
@@ -17,7 +16,8 @@ from mtp_jax.estimate import (
     weight_bytes,
 )
 from mtp_jax.estimate import format_report as report
-from mtp_jax.synthetic import hub_tensors
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
 from tests.conftest import DEEPSEEK_V3_CONFIG, TINY_CONFIG
 
 DEEPSEEK_V3 = DEEPSEEK_V3_CONFIG
@@ -252,8 +252,8 @@ LLAMA_TINY = {
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_llama_counts_and_bytes_match_hub_tensors(tied):
-    from mtp_jax.config import Llama3Config
-    from mtp_jax.synthetic import llama_hub_tensors
+    from mtp_jax.targets.llama.config import Llama3Config
+    from mtp_jax.targets.llama.synthetic import llama_hub_tensors
 
     cfg = Llama3Config.from_dict({**LLAMA_TINY, "tie_word_embeddings": tied})
     tensors = llama_hub_tensors(cfg)
@@ -269,7 +269,7 @@ def test_llama_counts_and_bytes_match_hub_tensors(tied):
 
 
 def test_llama_per_device_memory_splits_over_tensor():
-    from mtp_jax.config import Llama3Config
+    from mtp_jax.targets.llama.config import Llama3Config
 
     cfg = Llama3Config.from_dict(LLAMA_TINY)  # 8 heads, 2 KV heads, head_dim 6, untied
     d, f, v, n = 32, 48, 96, 3

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.export import hub_tensors_from_params
-from mtp_jax.synthetic import hub_tensors, quantize_fp8
+from mtp_jax.synthetic import quantize_fp8
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
 from tests.conftest import TINY_CONFIG
 
 

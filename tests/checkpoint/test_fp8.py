@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.fp8 import BLOCKED_MAX_ROWS, Fp8Weight, dense_einsum, dequantize, materialize
-from mtp_jax.synthetic import hub_tensors, quantize_fp8
+from mtp_jax.synthetic import quantize_fp8
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
 from tests.conftest import TINY_CONFIG
 
 BLOCK = (16, 8)  # non-square, so swapped block axes are caught; tiny dims give partial edge blocks

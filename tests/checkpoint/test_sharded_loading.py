@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.sharding import local_experts, make_mesh
 from mtp_jax.targets.deepseek_v3.checkpoint import ExpertRows, assemble, load_params, param_groups
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from tests.checkpoint.test_fp8 import fp8_pair  # noqa: F401  (module-scoped fixture)
 
 EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.config import DFlashConfig, dflash_capture, dflash_default_layers
+from mtp_jax.drafts.dflash.config import DFlashConfig, dflash_capture, dflash_default_layers
+from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
 from mtp_jax.errors import ConfigError, InvalidRequestError
-from mtp_jax.synthetic import dflash_hub_tensors, write_hub_checkpoint
+from mtp_jax.synthetic import write_hub_checkpoint
 from tests.conftest import check_per_request_k
 from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3_DRAFT
 from tests.drafts.test_eagle3 import REF, TARGET, _inv_freq, _rms, _rope  # L = 3, d = 32, V = 128
@@ -198,7 +199,7 @@ def test_captured_layers_and_defaults(models):
 
 
 def test_export_round_trips_bit_exact(drafts, models):
-    from mtp_jax.export import dflash_hub_tensors_from_params
+    from mtp_jax.drafts.dflash.export import dflash_hub_tensors_from_params
 
     for name, (_, tensors, _) in drafts.items():
         back = dflash_hub_tensors_from_params(models[name].params["dflash"], models[name].draft_config)
@@ -411,8 +412,11 @@ SHARDED_CHILD = textwrap.dedent(
     import jax, numpy as np
     assert len(jax.devices()) == 8
     import mtp_jax
-    from mtp_jax.synthetic import dflash_hub_tensors, hub_tensors, write_hub_checkpoint
-    from mtp_jax.config import DeepseekV3Config, DFlashConfig
+    from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
+    from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
+    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+    from mtp_jax.drafts.dflash.config import DFlashConfig
     from tests.conftest import check_per_request_k, TINY_CONFIG
     from tests.drafts.test_dflash import DRAFT_A, DRAFT_V, TARGET, VOCAB_IDS
     from tests.drafts.test_eagle3 import check_planned_draft

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.config import Llama3Config
 from mtp_jax.request import SpeculativeConfig, step_config
-from mtp_jax.synthetic import llama_hub_tensors, write_hub_checkpoint
+from mtp_jax.synthetic import write_hub_checkpoint
+from mtp_jax.targets.llama.config import Llama3Config
+from mtp_jax.targets.llama.synthetic import llama_hub_tensors
 from tests.conftest import EMBEDDED_MODEL, REPO, check_lossless, check_per_request_k
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
@@ -223,7 +224,9 @@ def test_the_cli_recognises_a_draft_model(capsys):
 def test_a_published_model_plans_as_another_ones_draft_model():
     """``mtp-jax plan --draft-config`` with a plain causal LM's config: Llama 3.1 8B drafting for
     70B (same vocabulary) passes the plan's checks; for DeepSeek-V3 (another vocabulary) it does not."""
-    from mtp_jax.config import DraftModelConfig, load_config, parse_draft_config, read_json
+    from mtp_jax.config import load_config, read_json
+    from mtp_jax.drafts import parse_draft_config
+    from mtp_jax.drafts.draft_model.config import DraftModelConfig
     from mtp_jax.plan import check_plan
 
     raw = read_json(os.path.join(REPO, "configs", "llama-3.1-8b.json"), what="config")

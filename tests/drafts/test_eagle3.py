@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.config import Eagle3Config, eagle3_capture, parse_eagle3_config
+from mtp_jax.drafts.eagle3.config import Eagle3Config, eagle3_capture, parse_eagle3_config
+from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
 from mtp_jax.errors import CheckpointError, ConfigError
-from mtp_jax.synthetic import eagle3_hub_tensors, write_hub_checkpoint
+from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets.base import PagedAttention
 from tests.conftest import REPO, check_per_request_k
 
@@ -385,7 +386,7 @@ def test_mla_draft_matches_the_published_math(drafts):
 def test_export_round_trips_bit_exact(drafts, name):
     """params["eagle3"] -> hub tensors (the layers.0. dialect our training script writes) gives back
     exactly the published tensors, d2t/t2d and an own embedding included."""
-    from mtp_jax.export import eagle3_hub_tensors_from_params
+    from mtp_jax.drafts.eagle3.export import eagle3_hub_tensors_from_params
 
     path, tensors, raw = drafts[name]
     target_dir = DEEPSEEK_TARGET if name == "mla" else TARGET
@@ -591,8 +592,11 @@ SHARDED_CHILD = textwrap.dedent(
     import jax, numpy as np
     assert len(jax.devices()) == 8
     import mtp_jax
-    from mtp_jax.synthetic import eagle3_hub_tensors, hub_tensors, write_hub_checkpoint
-    from mtp_jax.config import DeepseekV3Config, Eagle3Config, parse_eagle3_config
+    from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
+    from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
+    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
+    from mtp_jax.drafts.eagle3.config import Eagle3Config, parse_eagle3_config
     from tests.conftest import TINY_CONFIG
     from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS, DRAFT_MLA, TARGET, check_planned_draft
 

@@ -98,7 +98,7 @@ def test_eagle3_losses_from_a_full_cache_equal_the_live_targets(scripts, llama, 
 def test_dflash_losses_from_a_full_cache_equal_the_live_targets(scripts, llama, tmp_path):
     _, dflash, cache = scripts
     raw, cfg, params = llama
-    from mtp_jax.config import dflash_default_layers
+    from mtp_jax.drafts.dflash.config import dflash_default_layers
     from mtp_jax.drafts.dflash.draft import dflash_features
 
     layer_ids = list(dflash_default_layers(cfg.num_hidden_layers, 1))

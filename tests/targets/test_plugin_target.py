@@ -18,12 +18,12 @@ from mtp_jax import config as config_module
 from mtp_jax import targets as targets_module
 from mtp_jax.checkpoint import formats
 from mtp_jax.cli import main
-from mtp_jax.config import Llama3Config, parse_llama_family
 from mtp_jax.estimate import count_parameters, format_report
 from mtp_jax.plugins import register_target
 from mtp_jax.roofline import step_bytes
 from mtp_jax.targets import target_for
 from mtp_jax.targets.llama import checkpoint as llama3_format
+from mtp_jax.targets.llama.config import Llama3Config, parse_llama_family
 from mtp_jax.targets.llama.model import family_target
 from tests.conftest import REPO
 

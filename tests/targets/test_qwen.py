@@ -32,8 +32,8 @@ def fixtures():
 
 
 def test_each_family_is_its_own_target_with_its_own_extras(fixtures):
-    from mtp_jax.config import Qwen2Config, Qwen3Config
     from mtp_jax.targets import target_for
+    from mtp_jax.targets.llama.config import Qwen2Config, Qwen3Config
 
     qwen2, _ = fixtures["qwen2_bias_tied"]
     qwen3, _ = fixtures["qwen3_qk_norm"]
@@ -47,8 +47,9 @@ def test_each_family_is_its_own_target_with_its_own_extras(fixtures):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_draft_is_lossless(fixtures, name, tmp_path):
-    from mtp_jax.config import DFlashConfig
-    from mtp_jax.synthetic import dflash_hub_tensors, write_hub_checkpoint
+    from mtp_jax.drafts.dflash.config import DFlashConfig
+    from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
+    from mtp_jax.synthetic import write_hub_checkpoint
     from tests.drafts.test_dflash import DRAFT_A as DFLASH
     from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3
     from tests.drafts.test_eagle3 import draft_tensors

@@ -24,7 +24,7 @@ import numpy as np
 
 from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, read_vocab_map, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import DFlashConfig, dflash_capture, parse_dflash_config
+from mtp_jax.drafts.dflash.config import DFlashConfig, dflash_capture, parse_dflash_config
 from mtp_jax.errors import ConfigError
 from mtp_jax.targets.base import head_columns
 from mtp_jax.targets.llama.checkpoint import layer_from_leaves

@@ -29,13 +29,14 @@ Parameters (``params["dflash"]``; weights [in, out], head axes split out, layers
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.cache import slots_for, write_rows
-from mtp_jax.config import DFlashConfig
 from mtp_jax.drafts.base import (
     Draft,
     Rows,
@@ -45,6 +46,7 @@ from mtp_jax.drafts.base import (
     in_target_vocab,
     no_drafts,
 )
+from mtp_jax.drafts.dflash.config import DFlashConfig, parse_dflash_draft
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.gqa import NEG_INF
 from mtp_jax.layers import apply_rope_half, rms_norm, swiglu
@@ -330,9 +332,12 @@ def _load(reader, raw, target_cfg, target_params, dtype, *, strict=False, mesh=N
     return load_dflash(reader, raw, target_cfg, dtype, strict=strict, mesh=mesh, target_params=target_params)
 
 
-def _configure(draft_cfg: DFlashConfig, k: int | None, block: int | None) -> tuple[DFlashConfig, int | None]:
-    """A smaller block than the trained one (cheaper; at most block - 1 drafts); K defaults to all
-    the block proposes."""
+def _configure(
+    draft_cfg: DFlashConfig, k: int | None, options: Mapping[str, Any]
+) -> tuple[DFlashConfig, int | None]:
+    """``block_size``: a smaller block than the trained one (cheaper; at most block - 1 drafts); K
+    defaults to all the block proposes."""
+    block = options.get("block_size")
     trained = draft_cfg.block_size
     if block is not None:
         if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= trained:
@@ -377,7 +382,9 @@ DRAFT = Draft(
     config_class=DFlashConfig,
     check_plan=_check_plan,
     recognises=_recognises,
+    parse_config=parse_dflash_draft,
     load=_load,
     configure=_configure,
+    options=("block_size",),
     block_size=lambda draft_cfg: draft_cfg.block_size,
 )

@@ -27,8 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.config import DraftModelConfig, model_types, parse_config
+from mtp_jax.config import model_types, parse_config
 from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
+from mtp_jax.drafts.draft_model.config import DraftModelConfig, parse_draft_model_config
 from mtp_jax.errors import ConfigError
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets import target_for
@@ -207,5 +208,6 @@ DRAFT = Draft(
     config_class=DraftModelConfig,
     check_plan=_check_plan,
     recognises=recognises,
+    parse_config=parse_draft_model_config,
     load=load_draft_model,
 )

@@ -20,7 +20,8 @@ import numpy as np
 
 from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, read_vocab_map, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import Eagle3Config, describe_capture, eagle3_capture, parse_eagle3_config
+from mtp_jax.config import describe_capture
+from mtp_jax.drafts.eagle3.config import Eagle3Config, eagle3_capture, parse_eagle3_config
 from mtp_jax.errors import CheckpointError, ConfigError
 from mtp_jax.targets.deepseek_v3.checkpoint import attention_tensors, swiglu_tensors
 from mtp_jax.targets.llama.checkpoint import decoder_layer_tensors

@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mtp_jax.config import Eagle3Config
 from mtp_jax.drafts.base import (
     Draft,
     Rows,
@@ -53,6 +52,7 @@ from mtp_jax.drafts.base import (
     chained_passes,
     in_target_vocab,
 )
+from mtp_jax.drafts.eagle3.config import Eagle3Config, check_load_options, parse_eagle3_draft
 from mtp_jax.gqa import gqa_dense, gqa_dense_chain
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.param_bytes import nbytes, path_names
@@ -319,9 +319,10 @@ def _recognises(raw: dict, reader) -> bool:
     return is_eagle3(raw, reader) and not is_dflash(raw, reader)  # a DFlash draft has an fc too
 
 
-def _load(reader, raw, target_cfg, target_params, dtype, *, layer_ids="inputs", strict=False, mesh=None, **_):
+def _load(reader, raw, target_cfg, target_params, dtype, *, options, strict=False, mesh=None, **_):
     from mtp_jax.drafts.eagle3.checkpoint import load_eagle3
 
+    layer_ids = check_load_options(options)
     return load_eagle3(
         reader, raw, target_cfg, target_params, dtype, layer_ids=layer_ids, strict=strict, mesh=mesh
     )
@@ -354,5 +355,7 @@ DRAFT = Draft(
     config_class=Eagle3Config,
     check_plan=_check_plan,
     recognises=_recognises,
+    parse_config=parse_eagle3_draft,
     load=_load,
+    load_options=("layer_ids",),
 )

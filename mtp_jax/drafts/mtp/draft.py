@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, chain_drafts, chained_passes
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies
 from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
 from mtp_jax.targets.base import head_logits
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.mla import latent_rows, mla_dense, mla_dense_chain
 from mtp_jax.targets.deepseek_v3.model import PagedAttention, attention_fn, decoder_layer, latent_width
 

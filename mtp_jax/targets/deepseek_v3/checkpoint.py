@@ -49,7 +49,7 @@ from mtp_jax.checkpoint.loader import (
     stack_rows,
 )
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import DeepseekV3Config
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.model import (
     KV_B,
     MlaLeaf,

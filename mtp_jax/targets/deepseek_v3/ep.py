@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.sharding import ROW_AXES, axes_spec, split_axes
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.moe import DISPATCH, resolve_dispatch, route
 
 # Both knobs are read when a MoE layer is traced: set them before the first compile (or clear

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from mtp_jax.cache import localize, write_rows
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.fp8 import dense_einsum
 from mtp_jax.layers import adapted, apply_rope_interleaved, rms_norm
 from mtp_jax.sharding import ROW_AXES, axes_spec, shard_index, split_axes
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from pallas_kernels.mla_decode import mla_decode
 
 # DeepSeek's reference code builds q_a/kv_a norms with RMSNorm's default eps, not rms_norm_eps.

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.lora import LoraSite, split_leaf
 from mtp_jax.sharding import ACTIVATION, constrain, expert_logical, register_group_layout
@@ -42,6 +41,7 @@ from mtp_jax.targets.base import (
     scan_layers,
     with_lora,
 )
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.ep import moe_sharded
 from mtp_jax.targets.deepseek_v3.mla import mla_dense, mla_paged
 from mtp_jax.targets.deepseek_v3.moe import DISPATCH, resolve_dispatch, route

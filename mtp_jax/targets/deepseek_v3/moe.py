@@ -18,9 +18,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.config import DeepseekV3Config
 from mtp_jax.fp8 import Fp8Weight, materialize
 from mtp_jax.layers import Weight
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from pallas_kernels.moe import routed_experts as kernel_routed_experts
 
 

@@ -27,8 +27,8 @@ import numpy as np
 from mtp_jax.checkpoint.hub_layout import as_numpy
 from mtp_jax.checkpoint.loader import Group, GroupEmitter, HubTensors, assemble_groups, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
-from mtp_jax.config import Llama3Config
 from mtp_jax.errors import CheckpointError
+from mtp_jax.targets.llama.config import Llama3Config
 from mtp_jax.targets.llama.model import LayerLeaf, layer_leaves, leaves_tree, target_layer_leaves
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from mtp_jax.config import Llama3Config
 from mtp_jax.gqa import check_tensor_split, gqa_dense, gqa_paged
 from mtp_jax.layers import adapted, apply_rope_half, llama3_frequencies, rms_norm, rope_cos_sin, swiglu
 from mtp_jax.lora import LoraSite, split_leaf
@@ -45,6 +44,7 @@ from mtp_jax.targets.base import (
     scan_layers,
     with_lora,
 )
+from mtp_jax.targets.llama.config import Llama3Config
 
 __all__ = [
     "TARGET",
