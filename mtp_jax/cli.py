@@ -260,6 +260,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench", help="plain vs speculative decode throughput and acceptance (mtp-jax bench --help)"
     )
+    sub.add_parser(
+        "bench-acceptance",
+        help="drafts on MT-Bench, HumanEval, MBPP, GSM8K or your prompt files: accepted length per step, "
+        "per position, speed against plain (mtp-jax bench-acceptance --help)",
+    )
     _add_plan_parser(sub)
     return parser
 
@@ -840,6 +845,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mtp_jax.bench import main as bench_main
 
         return bench_main(argv[1:], prog="mtp-jax bench")
+    if argv[:1] == ["bench-acceptance"]:  # its own parser too
+        from mtp_jax.acceptance import main as acceptance_main
+
+        return acceptance_main(argv[1:])
     args = _build_parser().parse_args(argv)
     from mtp_jax.errors import MtpJaxError
 

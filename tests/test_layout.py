@@ -169,6 +169,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "mtp_jax.export",
         "mtp_jax.plan",
         "mtp_jax.bench",
+        "mtp_jax.acceptance",
         "mtp_jax.roofline",
         "mtp_jax.cli",
         "mtp_jax.train",
