@@ -11,6 +11,7 @@ the field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +19,31 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mtp_jax.errors import CheckpointNotFoundError, ConfigError
+
+
+# Rope scalings several families share (the math: mtp_jax.layers)
+@dataclasses.dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN rope scaling as DeepSeek-V3 configures it (``rope_scaling.type == "yarn"``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency scaling (``rope_type: llama3``): long wavelengths divided by
+    ``factor``, short ones kept, a smooth blend between (:func:`mtp_jax.layers.llama3_frequencies`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
 
 ModelConfig = Any
 """A registered target's parsed config (each family's frozen dataclass, in its folder:

@@ -13,10 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.config import yarn_mscale
+from mtp_jax.config import Llama3RopeScaling, YarnRopeScaling, yarn_mscale
 from mtp_jax.fp8 import Fp8Weight, dense_einsum
-from mtp_jax.targets.deepseek_v3.config import YarnRopeScaling
-from mtp_jax.targets.llama.config import Llama3RopeScaling
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

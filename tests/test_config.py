@@ -10,8 +10,9 @@ import re
 
 import pytest
 
+from mtp_jax.config import YarnRopeScaling
 from mtp_jax.errors import ConfigError, MtpJaxError
-from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config, QuantizationConfig, YarnRopeScaling
+from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config, QuantizationConfig
 from tests.conftest import DEEPSEEK_V3_CONFIG
 
 # moonshotai/Kimi-K2 (same architecture under its own model_type; one group, one dense layer, no MTP).

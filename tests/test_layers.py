@@ -7,8 +7,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.config import YarnRopeScaling
 from mtp_jax.layers import apply_rope_interleaved, rms_norm, rope_cos_sin, rope_frequencies
-from mtp_jax.targets.deepseek_v3.config import YarnRopeScaling
 
 
 def test_interleaved_rope_is_complex_rotation():

@@ -15,8 +15,9 @@ import pytest
 
 import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader, save_safetensors
+from mtp_jax.config import Llama3RopeScaling
 from mtp_jax.layers import llama3_frequencies
-from mtp_jax.targets.llama.config import Llama3Config, Llama3RopeScaling
+from mtp_jax.targets.llama.config import Llama3Config
 from tests.conftest import REPO, greedy_reference
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "parity_llama")

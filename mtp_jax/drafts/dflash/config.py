@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtp_jax.config import (
+    Llama3RopeScaling,
     check_draft_layers,
     check_layer_ids,
     get_field,
@@ -17,7 +18,7 @@ from mtp_jax.config import (
     rope_settings,
 )
 from mtp_jax.errors import ConfigError
-from mtp_jax.targets.llama.config import Llama3RopeScaling, parse_llama_rope
+from mtp_jax.targets.llama.config import parse_llama_rope
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtp_jax.config import (
+    Llama3RopeScaling,
     check_draft_layers,
     check_layer_ids,
     get_field,
@@ -20,7 +21,7 @@ from mtp_jax.drafts.dflash.config import is_dflash_config
 from mtp_jax.drafts.draft_model.config import is_plain_lm
 from mtp_jax.errors import ConfigError
 from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config, mla_widths, parse_yarn_rope
-from mtp_jax.targets.llama.config import Llama3RopeScaling, parse_llama_rope
+from mtp_jax.targets.llama.config import parse_llama_rope
 
 EAGLE3_LAYER_READINGS = ("inputs", "outputs")
 

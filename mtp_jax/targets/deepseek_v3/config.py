@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtp_jax.config import (
+    YarnRopeScaling,
     check_special_tokens,
     get_field,
     parse_eos,
@@ -23,18 +24,6 @@ from mtp_jax.errors import ConfigError
 
 # Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type.
 DEEPSEEK_V3_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-
-
-@dataclasses.dataclass(frozen=True)
-class YarnRopeScaling:
-    """YaRN rope scaling as DeepSeek-V3 configures it (``rope_scaling.type == "yarn"``)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtp_jax.config import (
+    Llama3RopeScaling,
     check_special_tokens,
     get_field,
     parse_eos,
@@ -21,17 +22,6 @@ from mtp_jax.config import (
 from mtp_jax.errors import ConfigError
 
 LLAMA_MODEL_TYPES = ("llama",)
-
-
-@dataclasses.dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's frequency scaling (``rope_type: llama3``): long wavelengths divided by
-    ``factor``, short ones kept, a smooth blend between (:func:`mtp_jax.layers.llama3_frequencies`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True)
