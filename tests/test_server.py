@@ -601,7 +601,7 @@ def test_a_failed_engine_ends_streams_with_an_error_and_stops_the_server(served)
             if line:
                 lines.append(line)
             if len(lines) == 2:
-                engine._fail(RuntimeError("device lost"))
+                engine.fail(RuntimeError("device lost"))
     assert lines[-1] == "data: [DONE]"
     error = json.loads(lines[-2][6:])["error"]
     assert "device lost" in error["message"] and error["type"] == "server_error"
