@@ -1,0 +1,270 @@
+"""The self-distillation corpus pipeline (mtp_jax.train): the ShareGPT reader on a file cut off
+mid-record, decontamination at exactly 13 tokens / 50 characters, the mix, and a tiny regeneration
+run killed after its first shard and resumed (from its shards and its staged conversations), which
+must write the same shards as one uninterrupted run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mtp_jax.train import (
+    Decontaminator,
+    Plan,
+    Prompt,
+    Settings,
+    build_plan,
+    code_prompts,
+    finished_shards,
+    generate_corpus,
+    iter_conversations,
+    mix,
+    parse_sharegpt,
+    read_shard,
+)
+from mtp_jax.train.corpus import follow_plan, window_hashes
+from tests.conftest import REPO
+
+TINY = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+
+
+# --- (a) ShareGPT ---------------------------------------------------------------------------
+
+
+def test_sharegpt_keeps_whole_records_and_drops_the_truncated_tail(tmp_path):
+    records = [
+        {
+            "id": "a_0",
+            "conversations": [
+                {"from": "human", "value": "  first question  "},
+                {"from": "gpt", "value": "an answer"},
+                {"from": "human", "value": "second question"},
+                {"from": "gpt", "value": "another"},
+            ],
+        },
+        {
+            "id": "b_0",  # starts with the assistant, has a system turn and an empty user turn
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "gpt", "value": "hello"},
+                {"from": "human", "value": "   "},
+                {"from": "user", "value": "only question"},
+                {"from": "chatgpt", "value": "reply"},
+            ],
+        },
+        {"id": "c_0", "conversations": [{"from": "gpt", "value": "nobody asked"}]},
+        {"id": "a_0", "conversations": [{"from": "human", "value": "a duplicate id"}]},
+    ]
+    text = json.dumps(records, indent=2)
+    tail = ',\n  {\n    "id": "d_0",\n    "conversations": [\n      {"from": "human", "value": "cut o'
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.rindex("]")].rstrip() + tail, encoding="utf-8")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(path.read_text(encoding="utf-8"))  # what the packaged file does too
+
+    prompts, stats = parse_sharegpt(str(path))
+    assert [p.id for p in prompts] == ["chat:a_0", "chat:b_0"]
+    assert prompts[0].turns == ("first question", "second question")
+    assert prompts[1].turns == ("only question",)
+    assert {p.source for p in prompts} == {"chat"}
+    assert stats["records_whole"] == 4
+    assert stats["dropped_without_user_turns"] == 1 and stats["dropped_duplicate_ids"] == 1
+    assert stats["truncated_tail_chars"] == len(tail) - len(",\n  ")  # from the record's "{" on
+    assert stats["turns_by_role"]["system"] == 1 and stats["user_turns"] == 3
+
+
+# --- (b) decontamination --------------------------------------------------------------------
+
+
+def _word_encoder():
+    """A word-level tokenizer (one token per whitespace-separated word), so that spans are counted
+    exactly; the pipeline passes the target's tokenizer instead."""
+    vocabulary: dict[str, int] = {}
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [[vocabulary.setdefault(w, len(vocabulary)) for w in t.split()] for t in texts]
+
+    return encode
+
+
+def test_window_hashes_match_a_direct_count():
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 5, n) for n in (0, 3, 4, 9, 1, 7)]
+    hashes, owner = window_hashes(seqs, 4)
+    direct = [(i, tuple(s[j : j + 4])) for i, s in enumerate(seqs) for j in range(len(s) - 3)]
+    assert owner.tolist() == [i for i, _ in direct]
+    by_window: dict[tuple, set[int]] = {}
+    for h, (_, w) in zip(hashes.tolist(), direct, strict=True):
+        by_window.setdefault(w, set()).add(h)
+    assert all(len(v) == 1 for v in by_window.values())  # equal windows, equal hashes
+    assert len({next(iter(v)) for v in by_window.values()}) == len(by_window)  # and distinct ones differ
+
+
+def test_decontamination_13_tokens_removed_12_kept():
+    words = [f"w{i}" for i in range(30)]  # 2-3 characters each: 13 words stay under 50 characters
+    eval_sets = {"toy": [[" ".join(words[:20])], ["an unrelated second prompt", "and its second turn"]]}
+    d = Decontaminator(eval_sets, _word_encoder())
+    shared13 = Prompt("chat:x", "chat", ("hello there", "x y " + " ".join(words[3:16]) + " z"))
+    shared12 = Prompt("chat:y", "chat", ("x y " + " ".join(words[3:15]) + " z",))
+    assert len(" ".join(words[3:16])) < 50
+    second_turn = Prompt("math:z", "math", ("q and its second turn",))  # 4 words, 19 characters: kept
+    chars = Prompt("code:c", "code", ("Write " + "abcdefghij" * 5 + "!",))  # one long word
+    d2 = Decontaminator({"toy": [["a prompt that says " + "abcdefghij" * 5]]}, _word_encoder())
+    kept, removed = d.filter([shared13, shared12, second_turn])
+    assert [p.id for p in kept] == ["chat:y", "math:z"]
+    assert removed == {"chat": 1}
+    # 50 characters of whitespace-normalised text, whatever the tokens
+    spaced = Prompt("code:d", "code", ("Write:" + "abcdefghij" * 4 + "abcdefghi",))  # 49 shared
+    kept, removed = d2.filter([chars, spaced])
+    assert [p.id for p in kept] == ["code:d"] and removed == {"code": 1}
+
+
+def test_build_plan_reports_counts_and_mixes_in_proportion():
+    encode = _word_encoder()
+    d = Decontaminator(
+        {"toy": [["one two three four five six seven eight nine ten eleven twelve thirteen"]]}, encode
+    )
+    chat = [Prompt(f"chat:{i}", "chat", (f"chat prompt {i}",)) for i in range(40)]
+    chat.append(
+        Prompt(
+            "chat:bad", "chat", ("one two three four five six seven eight nine ten eleven twelve thirteen",)
+        )
+    )
+    math = [Prompt(f"math:{i}", "math", (f"math prompt {i}",)) for i in range(20)]
+    code, _ = code_prompts([f"code prompt {i}" for i in range(5)] + ["code prompt 0"])
+    long = Prompt("chat:long", "chat", ("word " * 50,))
+    plan = build_plan(
+        {"chat": chat + [long], "math": math, "code": code}, d, seed=3, max_first_turn_tokens=40
+    )
+    rec = plan.record["sources"]
+    assert rec["chat"]["decontaminated_removed"] == 1 and rec["chat"]["first_turn_over_cap"] == 1
+    assert rec["chat"]["in_mix"] == 40 and rec["math"]["in_mix"] == 20 and rec["code"]["in_mix"] == 5
+    sources = [p.source for p in plan.prompts]
+    assert sources[:8] == ["chat", "math", "code", "chat"] * 2  # 50 / 25 / 25 in every prefix
+    assert sources[:20].count("code") == 5 and sources[20:].count("code") == 0  # then code ran out
+    again = build_plan(
+        {"chat": chat + [long], "math": math, "code": code}, d, seed=3, max_first_turn_tokens=40
+    )
+    assert again.digest == plan.digest
+    assert mix({"chat": chat, "math": math}, {"chat": 0.5, "math": 0.5}, seed=4) != mix(
+        {"chat": chat, "math": math}, {"chat": 0.5, "math": 0.5}, seed=5
+    )
+
+
+def test_a_changed_source_follows_the_stored_plan():
+    old = [Prompt(f"chat:{i}", "chat", (f"q{i}",)) for i in range(4)]
+    new = [Prompt("chat:9", "chat", ("q9",)), old[3], old[0], Prompt("chat:2", "chat", ("q2 changed",))]
+    stored = Plan(old, {"old": True})
+    followed, missing = follow_plan(Plan(new, {}), stored.ids, stored.digest, stored.record)
+    assert followed.digest == stored.digest and followed.record == {"old": True}
+    assert followed.ids == ["chat:0", None, "chat:2", "chat:3"] and missing == 1
+    assert followed.prompts[2].turns == ("q2 changed",)
+
+
+# --- (d) evaluation sets ----------------------------------------------------------------------
+
+
+# --- (c) regeneration: atomic shards, resumable -----------------------------------------------
+
+
+def _tiny_plan() -> Plan:
+    prompts = [
+        Prompt("chat:0", "chat", ("def add(a, b):", "class Stack:", "import os")),
+        Prompt("code:1", "code", ("def parse(text):",)),
+        Prompt("math:2", "math", ("x = 1 + 2",)),
+        Prompt("chat:3", "chat", ("for i in range(10):", "while True:")),
+        Prompt("code:4", "code", ("# a comment\n" * 17, "more", "and more")),  # the cap ends it
+        Prompt("math:5", "math", ("y = x * 3",)),
+        Prompt("chat:6", "chat", ("try:", "except ValueError:")),
+    ]
+    return Plan(prompts, {"test": True})
+
+
+def _shard_arrays(directory: str) -> dict[str, dict[str, np.ndarray]]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".npz"):
+            with np.load(os.path.join(directory, name)) as z:
+                out[name] = {k: z[k] for k in z.files}
+    return out
+
+
+@pytest.mark.slow
+def test_regeneration_killed_and_resumed_equals_one_run(tmp_path):
+    import mtp_jax
+
+    model = mtp_jax.load(TINY, "float32")
+    assert model.text.chat_template is None  # plain completions
+    plan = _tiny_plan()
+    settings = Settings(max_new_tokens=10, context_cap=96, min_reply_tokens=4, seed=7)
+    kwargs = {"target": "tiny", "slots": 2, "shard_size": 3, "log": None, "stage_every": 0}
+
+    whole = str(tmp_path / "whole")
+    result = generate_corpus(model, plan, whole, settings, **kwargs)
+    assert result["shards_done"] == 3 and result["conversations_done"] == 7
+    assert sorted(os.listdir(whole)) == [
+        "CARD.md",
+        "manifest.json",
+        "plan-ids.json.gz",
+        "progress.json",
+        "shard-00000.npz",
+        "shard-00001.npz",
+        "shard-00002.npz",
+        "staging.json.gz",
+    ]
+
+    killed = str(tmp_path / "killed")
+
+    class Killed(Exception):
+        pass
+
+    def kill(record):
+        assert not [n for n in os.listdir(killed) if ".tmp" in n]  # renamed whole, nothing half there
+        raise Killed
+
+    with pytest.raises(Killed):
+        generate_corpus(model, plan, killed, settings, on_shard=kill, **kwargs)
+    assert len(finished_shards(killed)) == 1
+    with gzip.open(tmp_path / "killed" / "staging.json.gz", "rt") as f:
+        staged = json.load(f)  # the work past the shard: resumed from, not redone
+    assert staged["finished"] or any(row["turn"] >= 1 for row in staged["running"])
+    (tmp_path / "killed" / "shard-00002.npz.tmp999").write_bytes(b"half a shard")  # a killed writer's
+    generate_corpus(model, plan, killed, settings, **kwargs)
+    assert not [n for n in os.listdir(killed) if ".tmp" in n]
+    a, b = _shard_arrays(whole), _shard_arrays(killed)
+    assert a.keys() == b.keys()
+    for name in a:
+        for key in a[name]:
+            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name}: {key}")
+    progress = json.loads((tmp_path / "killed" / "progress.json").read_text())
+    assert len(progress["runs"]) == 2 and progress["reply_tokens"] == result["reply_tokens"]
+
+    conversations = list(iter_conversations(whole))
+    assert [c.index for c in conversations] == list(range(7))
+    first = conversations[0]
+    head = model.text.encode("def add(a, b):")
+    assert first.tokens[: len(head)].tolist() == head and not first.reply_mask[: len(head)].any()
+    assert first.reply_mask[len(head)]  # the reply follows the prompt
+    assert len(first.finish) >= 1 and first.reply_tokens == int(first.reply_mask.sum())
+    assert all(len(c.tokens) <= settings.context_cap for c in conversations)
+    assert {c.end for c in conversations} <= {"done", "cap"} and conversations[4].end == "cap"
+    assert {c.source for c in read_shard(os.path.join(whole, "shard-00000.npz"))} == {"chat", "code", "math"}
+    card = (tmp_path / "whole" / "CARD.md").read_text()
+    assert "reply tokens/s" in card and "No chat template" in card
+
+    # sources that changed since (another package version): the stored plan's order is followed
+    changed = Plan([Prompt("math:new", "math", ("z = 4",)), *reversed(plan.prompts[1:])], {})
+    again = generate_corpus(model, changed, whole, settings, **kwargs)
+    assert again["runs"][-1]["note"] == "nothing to do" and again["reply_tokens"] == result["reply_tokens"]
+
+    # other settings are refused; a token target stops after the shards already started
+    with pytest.raises(ValueError, match="settings"):
+        generate_corpus(model, plan, whole, Settings(max_new_tokens=11, context_cap=96), **kwargs)
+    early = str(tmp_path / "early")
+    result = generate_corpus(model, plan, early, settings, target_tokens=1, **kwargs)
+    assert 1 <= result["shards_done"] < 3
+    assert _shard_arrays(early).keys() <= a.keys()
