@@ -637,8 +637,9 @@ def load(
     else from config.json.
 
     ``draft_model``: a separately trained draft's directory, loaded beside the target in the same
-    dtype and on the same mesh (today: EAGLE-3, any of its published key layouts; then
-    ``generate(draft="eagle3")``). ``draft_layer_ids``: how its config's captured-layer ids are read:
+    dtype and on the same mesh: any registered draft that recognises the directory (EAGLE-3 in its
+    published key layouts, DFlash, a separate draft model; then ``generate(draft="eagle3")`` and so
+    on). ``draft_layer_ids``: how its config's captured-layer ids are read:
     "inputs" (id i = the input of target layer i, as vLLM reads them) or "outputs" (the output of
     layer i, as SGLang does); the layers chosen are printed. ``draft_options``: the draft's load
     options as one mapping, which the draft checks itself (its ``load_options``;

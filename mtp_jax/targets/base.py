@@ -283,8 +283,10 @@ class Target:
     check_mesh(cfg, mesh) -> None, or ValueError when the mesh cannot split this model.
     layer_stacks(cfg) -> names of the parameter groups holding its layer stacks.
     layer_leaves(cfg) -> the declared tensors of one decoder layer (Llama family:
-    :class:`mtp_jax.targets.llama.model.LayerLeaf`), from which the tools derive its tree; None: the
-    tools' own description (DeepSeek-V3).
+    :class:`mtp_jax.targets.llama.model.LayerLeaf`), from which the tools derive its tree; None when
+    its layers differ by kind and the family's own key map and ``abstract_groups`` read its
+    declarations (DeepSeek-V3: :func:`mtp_jax.targets.deepseek_v3.model.layer_leaves` per dense or
+    MoE layer).
     """
 
     name: str
