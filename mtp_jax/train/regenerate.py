@@ -241,6 +241,7 @@ def generate_corpus(
 
     if missing:
         run["missing_prompts"] = missing
+    save()  # the card and progress exist from the start
     renderer = Renderer(model.text)
     queue = [i for n in pending for i in range(*expected[n])]
     shard_of = {i: n for n in pending for i in range(*expected[n])}
