@@ -104,8 +104,9 @@ def gqa_paged_reference(
     ``tree``: (base [b], nodes [b, t, N]), a token tree's tree attention
     (:func:`pallas_kernels.paged.visible_keys`).
 
-    Table entries past a row's needed pages may be garbage: they are clamped into range, and the
-    keys they point at are masked and zeroed (so a NaN there never reaches the output)."""
+    Table entries past a row's needed pages may be garbage: they are clamped into range, the keys
+    they point at are masked (a select, so a NaN score there becomes -inf) and their values zeroed
+    (so a NaN there never reaches the output through a zero probability)."""
     num_pages = k_pages.shape[-4]
     table = jnp.clip(page_table, 0, num_pages - 1)
 
@@ -117,7 +118,7 @@ def gqa_paged_reference(
     key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
     visible = visible_keys(key_pos, positions, tree)  # [b, t, s]
     seen = jnp.any(visible, axis=1)[:, :, None, None]
-    keys, values = jnp.where(seen, keys, 0), jnp.where(seen, values, 0)
+    values = jnp.where(seen, values, 0)
     qg = _grouped(q, keys.shape[2])
     scores = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
     return _softmax_values(scores * scale, visible[:, :, None, None, :], values, q.dtype)

@@ -10,14 +10,35 @@ import pytest
 import mtp_jax.gqa as gqa
 
 
-@pytest.mark.parametrize("last, width", [([3, 12], 2), ([3, 50], 8)])
+def test_paged_attention_ignores_nan_pages_past_the_needed_ones():
+    """Table entries past a row's needed pages are garbage; when one names a NaN-filled page the
+    output is still finite and equals the output with those entries naming clean pages."""
+    rng = np.random.default_rng(1)
+    b, t, heads, kv, d, page, per_row = 2, 2, 4, 2, 8, 4, 4
+    pool = rng.standard_normal((2, b * per_row + 1, page, kv, d)).astype(np.float32)
+    pool[:, -1] = np.nan  # the last page: never needed
+    pages = {n: jnp.asarray(pool) for n in "kv"}
+    clean = np.arange(b * per_row).reshape(b, per_row)
+    dirty = clean.copy()
+    dirty[:, 2:] = b * per_row  # positions below 8 need two pages of 4; the rest name the NaN page
+    positions = jnp.asarray([[5, 6], [6, 7]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, t, heads, d)), jnp.float32)
+    attend = jax.jit(
+        lambda table: gqa.gqa_paged_reference(q, pages["k"], pages["v"], table, positions, 0.3, 1)
+    )
+    got, want = (np.asarray(attend(jnp.asarray(x, jnp.int32))) for x in (dirty, clean))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("last, width", [([3, 12], 2), ([3, 25], 4), ([3, 50], 8)])
 def test_paged_attention_reads_only_the_live_pages(monkeypatch, last, width):
     """A call attends over the narrowest page-table prefix holding every key its queries see (chosen
     on device) and gives what the reference over the whole table gives; grouped heads, a layer of a
     stack, keys written by the call itself."""
     import pallas_kernels.paged as chunks
 
-    monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8 and 2
+    monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8, 4 and 2
     widths = []
     reference = gqa.gqa_paged_reference
 

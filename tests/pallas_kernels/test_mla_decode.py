@@ -369,16 +369,18 @@ def test_reference_dispatch_in_query_chunks_equals_one_call(monkeypatch, stacked
     assert_close(got, expected, jnp.float32)
 
 
-@pytest.mark.parametrize("last, width", [([5, 9, 12], 2), ([5, 40, 12], 8), ([-1, -1, -1], 2)])
+@pytest.mark.parametrize(
+    "last, width", [([5, 9, 12], 2), ([5, 30, 12], 4), ([5, 40, 12], 8), ([-1, -1, -1], 2)]
+)
 def test_reference_dispatch_reads_only_the_live_pages(monkeypatch, last, width):
-    """Off the kernel, a call reads the narrowest prefix of the page table (a factor 4 apart, not
+    """Off the kernel, a call reads the narrowest prefix of the page table (a factor 2 apart, not
     under LIVE_KEYS keys) holding every key its queries see, chosen on device, and gives what the
     reference over the whole table gives."""
     import pallas_kernels.mla_decode as dispatcher
     import pallas_kernels.paged as chunks
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8 and 2
+    monkeypatch.setattr(chunks, "LIVE_KEYS", 16)  # 8 pages of 8 keys: widths 8, 4 and 2
     widths = []
 
     def spy(q, pages, table, positions, **kw):
