@@ -180,7 +180,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'mtp-jax[serve]')")
     _add_common(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument(
+        "--port", type=int, default=8000, help="0: a free port, reported in the 'listening on' line"
+    )
     sv.add_argument("--served-model-name", help="the model's name in the API (default: the directory's)")
     add_server_args(sv)
     sv.add_argument("--slots", type=int, default=8, help="requests decoded at once")
@@ -556,6 +558,9 @@ def server_kwargs(args: argparse.Namespace) -> dict:
         "max_request_bytes": args.max_request_bytes,
         "request_timeout": args.request_timeout,
         "shutdown_timeout": args.shutdown_timeout,
+        "ready": lambda port: print(
+            f"listening on http://{args.host}:{port}/v1", file=sys.stderr, flush=True
+        ),
     }
 
 

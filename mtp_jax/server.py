@@ -38,9 +38,10 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.request import SamplingParams
@@ -800,8 +801,12 @@ def serve(
     max_request_bytes: int = MAX_REQUEST_BYTES,
     request_timeout: float | None = None,
     shutdown_timeout: float | None = 60.0,
+    ready: Callable[[int], None] | None = None,
 ) -> None:
-    """Run the server until interrupted (uvicorn). ``runtime_lora``: enable the routes that load and
+    """Run the server until interrupted (uvicorn). ``port`` 0: a free port the system picks (the
+    server binds it itself, so no other process can take it between a choice and the bind);
+    ``ready(port)`` is called, from another thread, once the server accepts connections on
+    ``port``. ``runtime_lora``: enable the routes that load and
     unload LoRA adapters while serving. ``api_key``: every ``/v1`` request must carry it as a bearer
     token (401 otherwise). ``max_request_bytes``: larger request bodies get 413 unread.
     ``request_timeout``: a request body must arrive within it (408) and a request running longer is
@@ -818,6 +823,12 @@ def serve(
         raise InvalidRequestError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
     app = Server(engine, model_name, runtime_lora, api_key, max_request_bytes, request_timeout).app()
     level = os.environ.get("MTP_JAX_LOG_LEVEL", "info")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    bound = sock.getsockname()[1]
     # uvicorn drains on SIGTERM, then raises it again under the handler it found: with the default
     # one the process would die of it after draining; with this one serve() returns and the caller
     # closes the engine and exits normally
@@ -830,7 +841,11 @@ def serve(
     stop = threading.Event()
 
     def watch() -> None:  # a failed engine answers nothing more: stop serving, so the caller exits
-        while not stop.wait(0.2):
+        waiting = ready is not None
+        while not stop.wait(0.01 if waiting else 0.2):
+            if waiting and server.started:
+                waiting = False
+                ready(bound)
             if engine.failed:
                 log.error("the engine failed (%s): the server stops", engine.failure)
                 stop.wait(1.0)  # the requests it failed get their error bodies and events out first
@@ -840,8 +855,9 @@ def serve(
     watcher = threading.Thread(target=watch, name="mtp-jax-engine-watch", daemon=True)
     watcher.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         stop.set()
+        sock.close()
         if main:
             signal.signal(signal.SIGTERM, previous)

@@ -91,7 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("serving (process 0 serves HTTP; the others follow its engine)")
     s.add_argument("--serve", action="store_true", help="run `mtp-jax serve` over the run's mesh")
     s.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on")
-    s.add_argument("--port", type=int, default=8000, help="--serve: port")
+    s.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="--serve: port (0: a free one, reported in the 'listening on' line)",
+    )
     s.add_argument("--served-model-name", help="--serve: the model's name in the API")
     s.add_argument("--slots", type=int, default=8, help="--serve: requests decoded at once")
     s.add_argument("--max-len", type=int, default=None, help="--serve: tokens per request, prompt included")

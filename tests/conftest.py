@@ -53,6 +53,7 @@ gc.set_threshold(20_000, 20, 20)  # see pytest_collection_finish
 from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors, oracle_draft_tensors  # noqa: E402
+from tests import spawns  # noqa: E402
 from tests.background import SecondLane, in_worker  # noqa: E402
 from tests.timeline import Timeline, TimelinePlugin, summary  # noqa: E402
 
@@ -299,6 +300,24 @@ def pytest_runtest_protocol(item, nextitem):
     return True if _LANE.replay(item) else None
 
 
+spawns.install()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    spawns.enter(item.nodeid)  # before its fixtures: a server fixture set up for it counts too
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown":
+        problem = spawns.leave(item)
+        report = outcome.get_result()
+        if problem is not None and report.passed:
+            report.outcome, report.longrepr = "failed", problem
+
+
 def pytest_collection_finish(session) -> None:
     # Python's cyclic collector walks every live object on each full collection, and the suite keeps
     # many alive (its modules, fixtures, JAX's caches): at the default thresholds it ran ~215 full
@@ -338,10 +357,20 @@ def greedy_reference(ref) -> tuple[list[list[int]], int, list[list[int]]]:
     return [[int(t) for t in row[:p]] for row in ref["input_ids"]], n, ref["greedy"][:, p:].tolist()
 
 
+def assert_speculated(stats: dict, label: object = None) -> None:
+    """Drafts were proposed and some accepted (``stats``: a result's ``stats`` or one request's):
+    a losslessness check over a run that never proposed, or rejected every draft, proves nothing
+    about the acceptance path."""
+    assert stats["num_draft_tokens"] > 0, ("no draft was proposed", label)
+    assert stats["num_accepted_tokens"] > 0, ("no draft was accepted", label)
+    assert stats["acceptance_length"] > 1, label
+
+
 def check_lossless(model, draft: str, prompts: list, ks, plain_tokens: list | None = None, **kw) -> list:
     """Greedy speculation with ``draft`` at each K of ``ks`` (three slots, ``kw``: e.g.
-    max_new_tokens) gives plain decoding's tokens (``plain_tokens``, or decoded here). Returns the
-    speculative results, in ``ks`` order."""
+    max_new_tokens) gives plain decoding's tokens (``plain_tokens``, or decoded here), with drafts
+    accepted at every K (:func:`assert_speculated`). Returns the speculative results, in ``ks``
+    order."""
     kw = {"max_new_tokens": 14, "ignore_eos": True, "max_batch": 3, **kw}
     if plain_tokens is None:
         plain_tokens = model.generate(prompts, **kw).tokens
@@ -349,17 +378,19 @@ def check_lossless(model, draft: str, prompts: list, ks, plain_tokens: list | No
     for k in ks:
         out = model.generate(prompts, draft=draft, num_speculative_tokens=k, **kw)
         assert out.tokens == plain_tokens, (draft, k)
+        assert_speculated(out.stats, (draft, k))
         outs.append(out)
     return outs
 
 
 def check_per_request_k(model, draft: str, prompts: list, plain_tokens: list) -> None:
     """Requests with their own K (one of them 0: plain) sharing three slots (the batch the callers'
-    other runs compile) give plain decoding's tokens, and only the K = 0 request verifies no
-    drafts."""
+    other runs compile) give plain decoding's tokens, only the K = 0 request verifies no drafts,
+    and the others' drafts are accepted."""
     ks = [3, 0, 1, 2][: len(prompts)]
     mixed = model.generate(
         prompts, max_new_tokens=14, ignore_eos=True, max_batch=3, draft=draft, num_speculative_tokens=ks
     )
     assert mixed.tokens == plain_tokens
     assert [r["num_draft_tokens"] == 0 for r in mixed.request_stats] == [k == 0 for k in ks]
+    assert_speculated(mixed.stats, (draft, ks))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from tests.conftest import REPO
 
 CONFTEST = """
@@ -102,6 +104,7 @@ def test_child_check_here(child_output):
 """
 
 
+@pytest.mark.spawns
 def test_offloaded_tests_are_reported_in_the_main_process(tmp_path):
     project = tmp_path / "project"
     project.mkdir()

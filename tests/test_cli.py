@@ -290,6 +290,7 @@ def test_huge_top_k_keeps_every_token(capsys):
     assert small != off, "top-k 1 and top-k off gave the same text: the comparison shows nothing"
 
 
+@pytest.mark.spawns
 def test_console_script_subprocess(tmp_path, embedded):
     script = os.path.join(os.path.dirname(sys.executable), "mtp-jax")
     if not os.path.isfile(script):

@@ -8,9 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
+@pytest.mark.spawns
 def test_counts_the_programs_a_test_compiles(tmp_path):
     out = tmp_path / "counts.json"
     test = "tests/test_config.py::test_config_works_as_a_jit_static_arg"

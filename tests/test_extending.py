@@ -35,6 +35,7 @@ def test_the_document_has_both_walkthroughs():
         assert any(b.startswith("# run") for b in blocks) and any(b.startswith("# file: ") for b in blocks)
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 @pytest.mark.parametrize("section", ["Add a target", "Add a draft"])
 def test_walkthrough_runs_as_written(section, tmp_path):

@@ -34,6 +34,7 @@ def _launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_two_processes_generate_the_tokens_of_one():
     """Rows and pages split over data x expert (half the rows per process), experts over expert: greedy MTP
@@ -61,6 +62,7 @@ def test_two_processes_generate_the_tokens_of_one():
     assert got["tokens"] == want.tokens
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_two_processes_run_a_tensor_parallel_llama_like_one():
     """Llama with a separately trained EAGLE-3 draft (--draft-model) over 2 processes x 4 devices,
@@ -90,6 +92,7 @@ def test_two_processes_run_a_tensor_parallel_llama_like_one():
     assert got["tokens"] == want.tokens
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_two_processes_serve_what_one_generates(tmp_path):
     """--serve over 2 processes: process 0 serves HTTP, process 1 replays its engine's steps;
@@ -107,25 +110,17 @@ def test_two_processes_serve_what_one_generates(tmp_path):
 
     import mtp_jax
 
-    port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, LAUNCH, "--local", "2", "--mesh", "data=2,expert=4", "--serve", "--port", str(port),
+        [sys.executable, LAUNCH, "--local", "2", "--mesh", "data=2,expert=4", "--serve", "--port", "0",
          "--slots", "2", "--max-len", "64", "--warmup", "none", "--timeout", "500", "--max-loras", "1",
          "--allow-runtime-lora-updating", "--chunked-prefill-size", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        base = _listening(lines, [proc], 400)
+        assert httpx.get(base + "/health", timeout=30).status_code == 200
         prompts = ["import os", "def main():", "class A:"]
         texts: dict[int, str] = {}
 
@@ -237,9 +232,22 @@ def test_two_processes_serve_what_one_generates(tmp_path):
             proc.kill()
 
 
-def _serving_pair(port: int) -> list[subprocess.Popen]:
+def _listening(lines: list[str], procs: list[subprocess.Popen], seconds: float) -> str:
+    """The base URL of a server started with ``--port 0``, from the 'listening on' line its process
+    writes once it accepts connections (``lines``: its output, read by another thread)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = [line for line in list(lines) if line.startswith("listening on http://")]
+        if found:
+            return found[0].split()[2].removesuffix("/v1")
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "".join(lines)[-4000:]
+        time.sleep(0.2)
+
+
+def _serving_pair() -> list[subprocess.Popen]:
     """Two processes of one serving run started by hand, as on two hosts (no local launcher to
-    stop the survivor): process 0 serves HTTP on ``port``; stdout and stderr merged."""
+    stop the survivor): process 0 serves HTTP on a port it picks (``--port 0``); stdout and stderr
+    merged."""
     coordinator = f"localhost:{free_port()}"
     flags = f"{ENV.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # the tests' own too
     env = dict(ENV, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
@@ -258,7 +266,7 @@ def _serving_pair(port: int) -> list[subprocess.Popen]:
                 "data=2,expert=4",
                 "--serve",
                 "--port",
-                str(port),
+                "0",
                 "--slots",
                 "2",
                 "--max-len",
@@ -275,6 +283,7 @@ def _serving_pair(port: int) -> list[subprocess.Popen]:
     ]
 
 
+@pytest.mark.spawns
 @pytest.mark.slow
 def test_a_lost_process_ends_the_requests_and_stops_the_other():
     """Two processes serving, each killed in turn mid-stream (SIGKILL, as a crash or a lost host):
@@ -287,22 +296,13 @@ def test_a_lost_process_ends_the_requests_and_stops_the_other():
     import threading
 
     for victim in (1, 0):
-        port = free_port()
-        procs = _serving_pair(port)
+        procs = _serving_pair()
         logs: list[list[str]] = [[], []]
         for i, p in enumerate(procs):
             threading.Thread(target=lambda out=logs[i], p=p: out.extend(p.stdout), daemon=True).start()
-        base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 300
-            while True:
-                assert all(p.poll() is None for p in procs), "".join(logs[0] + logs[1])[-4000:]
-                assert time.monotonic() < deadline
-                try:
-                    if httpx.get(base + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.5)
+            base = _listening(logs[0], procs, 300)
+            assert httpx.get(base + "/health", timeout=30).status_code == 200
             lines: list[str] = []
 
             def stream(lines=lines, base=base) -> None:
@@ -341,6 +341,7 @@ def test_a_lost_process_ends_the_requests_and_stops_the_other():
                     p.kill()
 
 
+@pytest.mark.spawns
 def test_bench_mode_times_decoding():
     """--bench: a compiling run, then timed ones; one process is enough to run the same code."""
     model_dir = os.path.join(REPO, "tests", "fixtures", "parity_llama", "mha_fp16")
@@ -402,6 +403,7 @@ PER_HOST_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.spawns
 def test_each_process_reads_only_its_experts(tmp_path):
     from mtp_jax.checkpoint.convert import convert
 
@@ -476,6 +478,7 @@ BROADCAST_CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.spawns
 def test_broadcast_and_follower_engines():
     stdout, stderr = io.StringIO(), io.StringIO()
     rc = spawn_local(
@@ -561,6 +564,7 @@ def test_bad_cluster_descriptions(kwargs, message):
 # --- error paths ------------------------------------------------------------------------------------
 
 
+@pytest.mark.spawns
 def test_unreachable_coordinator_is_a_clear_error():
     from mtp_jax.distributed import free_port
 
@@ -574,12 +578,14 @@ def test_unreachable_coordinator_is_a_clear_error():
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.spawns
 def test_mesh_must_cover_every_device():
     out = _launch("--mesh", "data=1,expert=2", "--prompt-ids", "1,2")
     assert out.returncode == 2
     assert "needs 2 devices, but the run has 1" in out.stderr
 
 
+@pytest.mark.spawns
 def test_a_failing_process_stops_the_others():
     # only process 1 fails early (after 3 s, so that process 0 has printed its line even on a loaded
     # machine); the others would sleep a minute, so which failure is reported first is deterministic
@@ -593,6 +599,7 @@ def test_a_failing_process_stops_the_others():
     assert "process 1 exited with status 3; stopped the others" in stderr.getvalue()
 
 
+@pytest.mark.spawns
 def test_the_launch_times_out():
     stderr = io.StringIO()
     rc = spawn_local(
@@ -625,6 +632,7 @@ def test_local_mode_passes_everything_but_its_own_flags():
     assert _without_launcher_flags(argv) == ["--mesh", "data=1,expert=8", "-k", "3"]
 
 
+@pytest.mark.spawns
 def test_processes_exit_when_the_launcher_is_killed(tmp_path):
     pid_file = tmp_path / "child.pid"
     child = (

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import os
 
+import pytest
+
 from tests.conftest import REPO
 
 PACKAGES = ("mtp_jax", "pallas_kernels")
@@ -229,6 +231,7 @@ def test_checkpoint_imports_no_model():
     assert not wrong, wrong
 
 
+@pytest.mark.spawns
 def test_importing_any_module_first_works():
     """Importing the package registers the shipped models (:mod:`mtp_jax.builtin`); whichever module
     a program imports first, the package initialises without tripping over itself."""

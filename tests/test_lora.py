@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import SafetensorsFile, save_safetensors
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.lora import AdapterError, read_adapter
-from tests.conftest import REPO, greedy_reference
+from tests.conftest import REPO, assert_speculated, greedy_reference
 
 LORA = os.path.join(REPO, "tests", "fixtures", "lora")
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -88,6 +89,7 @@ def test_greedy_equals_peft_and_speculation_stays_lossless(llama):
                 prompts, max_new_tokens=n, ignore_eos=True, lora=name, draft="ngram", num_speculative_tokens=k
             )
             assert spec.tokens == want, (name, k)
+            assert_speculated(spec.stats, (name, k))
 
 
 def test_a_mixed_batch_equals_each_row_alone(llama):
@@ -176,9 +178,14 @@ def test_an_adapter_loaded_while_serving_changes_only_its_own_requests(llama, tm
         with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'extra'"):
             engine.submit(prompts[1], max_new_tokens=8, lora="extra")
         running = [engine.submit(prompts[0], max_new_tokens=48, ignore_eos=True, lora=name) for name in alone]
+        go = threading.Event()
+        go.set()
+        engine.step_gate = go.is_set
         next(iter(running[0]))  # decoding
+        go.clear()  # no step from here until the adapter is loaded (at most 3 tokens a step ran on)
         engine.load_lora("extra", extra)
         assert not running[0].done  # loaded between two of its steps
+        go.set()
         new = engine.submit(prompts[1], max_new_tokens=8, ignore_eos=True, lora="extra")
         with pytest.raises(InvalidRequestError, match="'extra' is in use by 1 waiting or running"):
             engine.unload_lora("extra")

@@ -21,7 +21,7 @@ from mtp_jax.cache import PrefixCache, ShardedPageAllocator
 from mtp_jax.request import SpeculativeConfig, step_config
 from mtp_jax.sampling import RowSampling
 from mtp_jax.scheduler import TIMINGS, Request, Scheduler, pages_needed
-from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.conftest import EMBEDDED_MODEL, REPO, assert_speculated
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
 MAX_LEN = 128  # the engines' and schedulers' (the same programs: compiled once)
@@ -125,6 +125,7 @@ def check_shared_prefixes(engine, lookahead: int, think: int | None = None) -> N
         assert _hits(engine) - before == want_hits[i], i
         assert cached.tokens == whole.tokens, i
         assert counters(cached) == counters(whole), i  # the same drafts proposed and accepted
+        assert_speculated(counters(whole), i)  # and there were some: the equality is not vacuous
         np.testing.assert_allclose(
             [e.logprob for e in cached.logprobs], [e.logprob for e in whole.logprobs], atol=2e-5
         )

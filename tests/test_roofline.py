@@ -137,6 +137,7 @@ def _run(*args: str, cwd: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.spawns
 def test_bench_step_smoke_run(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(TINY_CONFIG))
@@ -172,6 +173,7 @@ def test_bench_step_smoke_run(tmp_path):
     assert "costliest operations per step" in run.stderr
 
 
+@pytest.mark.spawns
 def test_bench_step_with_a_random_eagle3_draft(tmp_path):
     """--draft-config: the shipped tiny EAGLE-3 draft's config over the tiny Llama's, random weights,
     the Llama's layers in buffers of their own (--layer-buffers on)."""
@@ -242,6 +244,7 @@ def test_timed_steps_verify_their_drafts_where_a_lookup_proposes_per_row(tiny_mo
         np.testing.assert_array_equal(np.asarray(emitted)[:, : min(emits, k)], greedy[:, : min(emits, k)])
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import queue
 import shutil
 import socket
 import threading
@@ -16,6 +17,8 @@ import pytest
 
 import mtp_jax
 from tests.conftest import EMBEDDED_MODEL, REPO, require_extra
+
+pytestmark = pytest.mark.spawns  # an HTTP server for the module (the served fixture)
 
 require_extra("starlette")
 require_extra("uvicorn")
@@ -58,10 +61,11 @@ def running_server(engine, name: str, runtime_lora: bool = False, close: bool = 
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    for _ in range(200):
-        if server.started:
+    for _ in range(2400):  # at most 2 minutes
+        if server.started or not thread.is_alive():
             break
         time.sleep(0.05)
+    assert server.started, "the test server did not start"
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -372,21 +376,36 @@ def test_load_many_streaming_clients_some_cancelling(served):
 def test_overload_far_beyond_slots_and_queue(served, monkeypatch):
     """96 concurrent requests (half streaming) on 8 slots and a queue of 4: each gets exactly one
     answer, offline generate's text or a 429 body (never a 5xx, never a dropped connection); the
-    server stays healthy, every page comes back, and it serves again at once."""
+    server stays healthy, every page comes back, and it serves again at once. The engine runs no
+    step until the burst is answered or waiting, so exactly the free slots and the queue's worth are
+    taken, on any machine."""
     model, engine, base = served
     monkeypatch.setattr(engine, "max_queue", 4)
+    taken = 4 + engine.slots - engine.stats()["running"]
+    assert taken == 12
+    go = threading.Event()
+    monkeypatch.setattr(engine, "step_gate", go.is_set)
+    refused = []
     prompts = [f"def g{i % 6}(y):" for i in range(96)]
     want = dict(zip(prompts, model.generate(prompts[:6], max_new_tokens=12, max_batch=8).texts, strict=False))
+
+    def refuse(status: int) -> None:  # the last refusal: every request is answered or waiting
+        if status == 429:
+            refused.append(1)
+            if len(refused) == 96 - taken:
+                go.set()
 
     async def one(http: httpx.AsyncClient, i: int) -> tuple[int, str]:
         body = {"prompt": prompts[i], "max_tokens": 12, "temperature": 0, "stream": bool(i % 2)}
         if not i % 2:
             r = await http.post(base + "/v1/completions", json=body)
+            refuse(r.status_code)
             payload = r.json()
             return r.status_code, payload["choices"][0]["text"] if r.status_code == 200 else payload["error"][
                 "type"
             ]
         async with http.stream("POST", base + "/v1/completions", json=body) as r:
+            refuse(r.status_code)
             if r.status_code != 200:
                 return r.status_code, json.loads(await r.aread())["error"]["type"]
             text = ""
@@ -402,9 +421,8 @@ def test_overload_far_beyond_slots_and_queue(served, monkeypatch):
     results = asyncio.run(run())
     assert len(results) == 96 and {status for status, _ in results} <= {200, 429}
     served_ok = [i for i, (status, _) in enumerate(results) if status == 200]
-    # a burst fills the queue before the engine's thread admits any of it into slots: at least the
-    # queue's worth is answered, and the rest of the burst is refused
-    assert 4 <= len(served_ok) < 96
+    # the burst fills the free slots and the queue before the engine admits any of it
+    assert len(served_ok) == taken
     for i in served_ok:
         assert results[i][1] == want[prompts[i]], i
     assert all(text == "rate_limit_error" for status, text in results if status == 429)
@@ -537,23 +555,35 @@ def test_request_timeout_frees_the_slot_and_refuses_a_slow_body(served):
     """--request-timeout: a request still running then is cancelled (finish reason "abort", its
     pages freed) and a body that has not all arrived gets 408; the server goes on serving."""
     _, engine, _ = served
-    with running_server(engine, NAME, close=False, request_timeout=0.2) as base:
-        body = {"prompt": "def f():", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
-        r = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
-        assert r["choices"][0]["finish_reason"] == "abort" and r["usage"]["completion_tokens"] < 240
-        host, port = base.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=30) as sock:
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
-            sock.sendall((head + "content-length: 50\r\n\r\n" + '{"prompt": "x"').encode())
-            reply = sock.recv(4096).decode()  # the rest never comes
-        assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.2 s" in reply
-        for _ in range(100):
-            if engine.stats()["running"] == 0:
-                break
-            time.sleep(0.05)
-        assert engine.stats()["running"] == 0
-        ok = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
-        assert ok.status_code == 200
+    go = threading.Event()  # closed: the engine takes the request but runs no step, on any machine
+    engine.step_gate = go.is_set
+    try:
+        with running_server(engine, NAME, close=False, request_timeout=0.2) as base:
+            body = {"prompt": "def f():", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+            r = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+            assert r["choices"][0]["finish_reason"] == "abort" and r["usage"]["completion_tokens"] == 0
+            go.set()
+            _check_timeouts_go_on(engine, base)
+    finally:
+        engine.step_gate = None
+
+
+def _check_timeouts_go_on(engine, base: str) -> None:
+    """The aborted request left nothing running; a body that has not all arrived gets 408; the
+    server goes on serving."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
+        sock.sendall((head + "content-length: 50\r\n\r\n" + '{"prompt": "x"').encode())
+        reply = sock.recv(4096).decode()  # the rest never comes
+    assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.2 s" in reply
+    for _ in range(100):
+        if engine.stats()["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert engine.stats()["running"] == 0
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
 
 
 def test_a_prompt_too_long_for_any_tokenisation_is_refused_untokenised(served, monkeypatch):
@@ -581,19 +611,15 @@ def test_a_failed_engine_ends_streams_with_an_error_and_stops_the_server(served)
     """The engine's loop fails mid-stream (here: failed by hand, as a lost device or process would):
     the stream ends with an OpenAI-style error event and [DONE] rather than a cut connection, and
     serve() returns so that the process can exit non-zero."""
-    from mtp_jax.distributed import free_port
     from mtp_jax.server import serve
 
     engine = mtp_jax.Engine(served[0], slots=1, max_len=64)
-    port = free_port()
-    thread = threading.Thread(target=serve, args=(engine, NAME), kwargs={"port": port}, daemon=True)
+    ports: queue.SimpleQueue = queue.SimpleQueue()
+    kwargs = {"port": 0, "ready": ports.put}  # the server binds a free port itself and reports it
+    thread = threading.Thread(target=serve, args=(engine, NAME), kwargs=kwargs, daemon=True)
     thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        time.sleep(0.05)
+    base = f"http://127.0.0.1:{ports.get(timeout=120)}"
+    assert httpx.get(base + "/health", timeout=30).status_code == 200
     lines: list[str] = []
     body = {"prompt": "import os", "max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:

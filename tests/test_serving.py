@@ -236,7 +236,14 @@ def test_warmup_compiles_every_program_requests_need(model):
         h.result(timeout=60)
         _wait_idle(engine)
         assert [f._cache_size() for f in (prefill, step, deactivate)] == programs
+        go = threading.Event()
+        go.set()
+        engine.step_gate = go.is_set
+        long = engine.submit(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
+        next(iter(long))
+        go.clear()  # it stays running (a step at most after this one) until the refusal
         with pytest.raises(mtp_jax.InvalidRequestError, match="before requests run"):
-            long = engine.submit(PROMPTS[0], max_new_tokens=40, ignore_eos=True)
-            next(iter(long))
             engine.warmup()
+        assert not long.done
+        go.set()
+        assert len(long.result(timeout=60).tokens) == 40

@@ -157,6 +157,12 @@ class Engine:
         self._closed = False
         self._failure: BaseException | None = None
         self._fresh: set[RequestHandle] = set()  # handles with tokens their consumers have not seen
+        self.step_gate: Callable[[], bool] | None = None
+        """Consulted by the engine's thread before each iteration of work (prefill, step, warm-up
+        program): while it returns False the engine does none, but still takes submissions,
+        cancellations and jobs (a LoRA load, a warm-up call). For tests and diagnostics that must
+        act between two steps whatever the machine's speed; None (the default): never held. One
+        process only."""
         self.warming = Warmup(self.scheduler, max_len - 1, range(sc.k + 1))
         self.replay = Replay()
         self.replay.watch(self)
@@ -453,16 +459,18 @@ class Engine:
     def _loop(self) -> None:
         running = True
         while running:
+            held = self.step_gate is not None and not self.step_gate()
             block = not self.scheduler.busy and not self.warming.jobs
             try:
-                item = self._inbox.get(block=block)
+                # held: wait for a submission or job a little, then ask the gate again
+                item = self._inbox.get(timeout=0.005) if held and not block else self._inbox.get(block=block)
                 running = self._take(item)
                 while running:
                     running = self._take(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             job = None
-            if running and not self.scheduler.busy:
+            if running and not held and not self.scheduler.busy:
                 # idle: one program of a background warm-up instead of a step (the followers too)
                 job = self.warming.next_job()
                 if job is not None:
@@ -475,6 +483,8 @@ class Engine:
                 return
             if not running:
                 break
+            if held:
+                continue
             if job is not None:
                 try:
                     self.warming.compile(job)

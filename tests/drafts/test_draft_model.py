@@ -21,7 +21,7 @@ from mtp_jax.request import SpeculativeConfig, step_config
 from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets.llama.config import Llama3Config
 from mtp_jax.targets.llama.synthetic import llama_hub_tensors
-from tests.conftest import EMBEDDED_MODEL, REPO, check_lossless, check_per_request_k
+from tests.conftest import EMBEDDED_MODEL, REPO, assert_speculated, check_lossless, check_per_request_k
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
 PROMPTS = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [100], [8, 8, 8, 8, 8, 8, 8]]
@@ -119,6 +119,7 @@ def test_a_smaller_draft_vocabulary_is_never_proposed_past_its_end(tmp_path):
     plain = model.generate(PROMPTS, max_new_tokens=8, ignore_eos=True, max_batch=3)
     out = model.generate(PROMPTS, max_new_tokens=8, ignore_eos=True, max_batch=3, draft="draft_model")
     assert out.tokens == plain.tokens
+    assert_speculated(out.stats)
 
 
 def test_what_is_not_a_draft_model_is_refused_by_name(tmp_path, small_draft):

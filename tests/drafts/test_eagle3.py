@@ -20,7 +20,7 @@ from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
 from mtp_jax.errors import CheckpointError, ConfigError
 from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets.base import PagedAttention
-from tests.conftest import REPO, check_per_request_k
+from tests.conftest import REPO, assert_speculated, check_per_request_k
 
 TARGET = os.path.join(REPO, "tests", "fixtures", "parity_llama", "llama3_gqa42")  # L = 3, d = 32, V = 128
 REF = dict(np.load(os.path.join(TARGET, "reference.npz")))  # transformers' hidden_states [L + 1, b, T, d]
@@ -380,6 +380,7 @@ def test_mla_draft_matches_the_published_math(drafts):
             PROMPTS, max_new_tokens=10, ignore_eos=True, draft="eagle3", num_speculative_tokens=k
         )
         assert spec.tokens == plain.tokens, k
+        assert_speculated(spec.stats, k)
 
 
 @pytest.mark.parametrize("name", ["a_midlayer", "b", "mla"])
@@ -689,7 +690,9 @@ def test_k16_is_lossless_compiles_once_and_rows_ignore_the_batch(drafts, target)
     model = _with_draft(drafts["a_midlayer"][0])
     spec = dict(max_new_tokens=20, ignore_eos=True, draft="eagle3", num_speculative_tokens=16)
     plain = target.generate(PROMPTS[:2], max_new_tokens=20, ignore_eos=True)
-    assert model.generate(PROMPTS[:2], **spec).tokens == plain.tokens
+    out = model.generate(PROMPTS[:2], **spec)
+    assert out.tokens == plain.tokens
+    assert_speculated(out.stats)
     seen = step._cache_size()
     again = model.generate(PROMPTS[:2], **{**spec, "max_new_tokens": 25})
     assert again.stats["steps"] > 3 and step._cache_size() == seen

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.scripts import run_script
+
+pytestmark = pytest.mark.spawns  # the scripts run as processes
 
 
 def test_smoke_run_times_every_phase_of_both_programs(tmp_path):

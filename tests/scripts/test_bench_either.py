@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.scripts import run_script
+
+pytestmark = pytest.mark.spawns  # the scripts run as processes
 
 
 def test_times_both_forms_and_finds_the_copies_only_in_lax_cond(tmp_path):

@@ -8,6 +8,8 @@ import pytest
 
 from tests.scripts import run_script
 
+pytestmark = pytest.mark.spawns  # the scripts run as processes
+
 
 def test_smoke_run_reports_bandwidth_and_skips_what_cannot_run(tmp_path):
     out = tmp_path / "kernels.json"

@@ -18,6 +18,8 @@ import pytest
 from tests.conftest import REPO
 from tests.scripts.test_train_tiny import finish, import_script
 
+pytestmark = pytest.mark.spawns  # the scripts run as processes
+
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
 SCRIPTS = os.path.join(REPO, "scripts")
 

@@ -17,6 +17,8 @@ from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from tests.conftest import EMBEDDED_MODEL, REPO
 from tests.scripts.test_train_tiny import finish, import_script
 
+pytestmark = pytest.mark.spawns  # the scripts run as processes
+
 SCRIPT = os.path.join(REPO, "scripts", "train_dflash.py")
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
 SMOKE = ["--target", LLAMA, "--preset", "smoke", "--steps", "4", "--save-every", "2", "--acceptance-k"]

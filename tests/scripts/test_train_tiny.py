@@ -14,6 +14,8 @@ import pytest
 import mtp_jax
 from tests.conftest import EMBEDDED_MODEL, REPO
 
+pytestmark = pytest.mark.spawns  # the scripts run as processes
+
 SCRIPT = os.path.join(REPO, "scripts", "train_tiny.py")
 SMOKE = ["--preset", "smoke", "--max-files", "12", "--vocab", "300", "--batch", "2", "--seq", "32"]
 SMOKE += ["--steps", "4", "--save-every", "2", "--eval-windows", "4", "--acceptance-k", "2"]
