@@ -169,14 +169,14 @@ def gqa_paged(
     tree: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Write k/v [b, t, Hkv, d] at flat ``slots`` [b, t] of ``pages`` {"k", "v"} (layer ``layer`` of
-        stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
-        the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
-        itself and every earlier position of its row (with ``tree`` = (base [b], nodes [b, t, N]): of a
+    stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
+    the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
+    itself and every earlier position of its row (with ``tree`` = (base [b], nodes [b, t, N]): of a
     token tree's node positions only those ``nodes`` marks, :func:`pallas_kernels.paged.visible_keys`).
     Returns (out [b, t, H, d], updated pages).
 
-        With ``mesh``: split as the module docstring says; a row's pages must lie in its shard's range
-        of page ids (:class:`mtp_jax.cache.ShardedPageAllocator` hands them out so)."""
+    With ``mesh``: split as the module docstring says; a row's pages must lie in its shard's range
+    of page ids (:class:`mtp_jax.cache.ShardedPageAllocator` hands them out so)."""
     page_dim = 0 if layer is None else 1
     heads, kv_heads = q.shape[2], k.shape[2]
     rows = () if mesh is None else split_axes(mesh, ROW_AXES, q.shape[0], pages["k"].shape[page_dim])
