@@ -355,7 +355,7 @@ def test_embedding_equal_to_the_target_is_stored_once(drafts, target, tmp_path):
     assert _rel(model.draft_logits(REF["input_ids"]), want) < 1e-5
 
 
-def test_mla_draft_matches_the_published_math(drafts):
+def test_mla_draft_matches_the_published_math(drafts, tmp_path):
     """An MLA draft on a DeepSeek-V3 target: transformers' hidden states, ids [1, 2, 0] read as
     layer inputs (a repeat-free but unordered choice: concatenated in the order written)."""
     path, tensors, raw = drafts["mla"]
@@ -373,8 +373,26 @@ def test_mla_draft_matches_the_published_math(drafts):
         fin = np.isfinite(got) & np.isfinite(wrong)
         err = np.linalg.norm(got[fin] - wrong[fin]) / np.linalg.norm(wrong[fin])
         assert (np.isinf(got) != np.isinf(wrong)).any() or err > 1e-2, perturb
-    # its cache is MLA's latent rows, and speculation with it is lossless
+    # its cache is MLA's latent rows, and speculation with it is lossless. This target never
+    # accepts the random draft, so that runs on a copy that always proposes a token the target
+    # emits often: its head zeroed, every draft logit ties and the lowest target id of its draft
+    # vocabulary wins; the vocabulary made the 48 ids from that token up
     plain = model.generate(PROMPTS, max_new_tokens=10, ignore_eos=True)
+    size, vocab = raw["draft_vocab_size"], raw["vocab_size"]
+    emitted = np.bincount(np.concatenate(plain.tokens), minlength=vocab)[: vocab - size + 1]
+    favourite = int(np.argmax(emitted))
+    assert emitted[favourite] >= 3
+    ids = favourite + np.arange(size)
+    t2d = np.zeros(vocab, bool)
+    t2d[ids] = True
+    proposing = {
+        **tensors,
+        "lm_head.weight": np.zeros_like(tensors["lm_head.weight"]),
+        "d2t": ids - np.arange(size),
+        "t2d": t2d,
+    }
+    write_hub_checkpoint(tmp_path / "proposing", raw, proposing)
+    model = mtp_jax.load(DEEPSEEK_TARGET, "float32", strict=True, draft_model=str(tmp_path / "proposing"))
     for k in (1, 4):
         spec = model.generate(
             PROMPTS, max_new_tokens=10, ignore_eos=True, draft="eagle3", num_speculative_tokens=k
