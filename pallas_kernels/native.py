@@ -50,3 +50,17 @@ def compiles_natively(name: str, fn: Callable[..., Any], args: tuple, key: Hasha
         else:
             _RESULTS[cache_key] = True
     return _RESULTS[cache_key]
+
+
+def settled(out: Any) -> Any:
+    """``out`` waited for, when it is a concrete result (not a tracer): for the interpret modes.
+
+    An interpreted kernel runs through host callbacks that dispatch JAX operations of their own. If
+    the caller dispatches anything while those callbacks run (the next eager operation after an
+    asynchronous call returns), XLA:CPU deadlocks: both wait for the one device. The suite hung so
+    in ``test_moe`` (a callback in ``unstack``, the test in ``jnp.repeat``; faulthandler's stacks),
+    once on CI. Inside ``jit`` there is nothing to wait for here: whoever calls the compiled
+    function must not dispatch until it has finished."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(out)):
+        return out
+    return jax.block_until_ready(out)

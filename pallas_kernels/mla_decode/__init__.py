@@ -175,7 +175,7 @@ def mla_decode(
             f"mla_decode: the compiled kernel takes {[str(d) for d in NATIVE_DTYPES]}, got {q.dtype} "
             "(use impl='reference' or 'interpret')"
         )
-    return mla_decode_kernel(
+    out = mla_decode_kernel(
         q,
         pages,
         page_table,
@@ -186,3 +186,4 @@ def mla_decode(
         layer=layer,
         schedule=schedule,
     )
+    return native.settled(out) if impl == "interpret" else out

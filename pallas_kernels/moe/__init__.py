@@ -205,10 +205,12 @@ def gmm(
             impl = "ragged_dot"
     if impl in ("kernel", "interpret"):
         options = _options("mosaic_gpu", kernel_options)
-        return mosaic_gpu.gmm(lhs, rhs, group_sizes, interpret=impl == "interpret", **options)
+        out = mosaic_gpu.gmm(lhs, rhs, group_sizes, interpret=impl == "interpret", **options)
+        return native.settled(out) if impl == "interpret" else out
     if impl in ("triton", "triton_interpret"):
         options = _options("triton", kernel_options)
-        return kernel.gmm(lhs, rhs, group_sizes, interpret=impl == "triton_interpret", **options)
+        out = kernel.gmm(lhs, rhs, group_sizes, interpret=impl == "triton_interpret", **options)
+        return native.settled(out) if impl == "triton_interpret" else out
     if impl == "reference":
         return reference.gmm(lhs, rhs, group_sizes)
     dense = materialize(rhs, lhs.dtype).astype(lhs.dtype)
