@@ -64,7 +64,10 @@ def test_every_draft_is_lossless(fixtures, name, tmp_path):
     path = os.path.join(FIXTURES, name)
     for draft in ("eagle3", "dflash"):
         drafted = mtp_jax.load(path, "float32", strict=True, draft_model=str(tmp_path / draft))
-        check_lossless(drafted, draft, PROMPTS, (1, 3), plain, max_new_tokens=12)
+        # random drafts made for the Llama fixtures: Qwen's verification is exercised with accepted
+        # drafts by the n-gram check above; these check that foreign drafts plug in losslessly
+        why = "a random draft of another target's fixtures"
+        check_lossless(drafted, draft, PROMPTS, (1, 3), plain, max_new_tokens=12, unaccepted=why)
 
 
 @pytest.mark.parametrize("name", NAMES)
