@@ -169,6 +169,7 @@ def test_device_count_flag_is_set_or_replaced():
     assert with_device_count(flags, 8) == "--xla_foo=1 --xla_bar --xla_force_host_platform_device_count=8"
 
 
+@pytest.mark.spawns  # the CLI reruns itself in a child process
 @pytest.mark.slow
 def test_cli_reruns_itself_with_simulated_devices_and_prints_the_report(tmp_path, capfd):
     import jax
