@@ -806,8 +806,8 @@ def serve(
     """Run the server until interrupted (uvicorn). ``port`` 0: a free port the system picks (the
     server binds it itself, so no other process can take it between a choice and the bind);
     ``ready(port)`` is called, from another thread, once the server accepts connections on
-    ``port``. ``runtime_lora``: enable the routes that load and
-    unload LoRA adapters while serving. ``api_key``: every ``/v1`` request must carry it as a bearer
+    ``port``. ``runtime_lora``: enable the routes that load and unload LoRA adapters while
+    serving. ``api_key``: every ``/v1`` request must carry it as a bearer
     token (401 otherwise). ``max_request_bytes``: larger request bodies get 413 unread.
     ``request_timeout``: a request body must arrive within it (408) and a request running longer is
     cancelled (finish reason "abort"), its slot freed, whether or not its client reads. On SIGTERM or
