@@ -469,6 +469,8 @@ class Engine:
                     running = self._take(self._inbox.get_nowait())
             except queue.Empty:
                 pass
+            # asked again: a gate closed while the loop waited on an empty inbox holds this submission
+            held = self.step_gate is not None and not self.step_gate()
             job = None
             if running and not held and not self.scheduler.busy:
                 # idle: one program of a background warm-up instead of a step (the followers too)
