@@ -418,7 +418,8 @@ def accept_siblings(
         q_c = jnp.take_along_axis(q_i, c[:, None], axis=-1)[:, 0]
         u = jax.vmap(jax.random.uniform)(split[:, i])
         open_ = (chosen < 0) & given[:, i] & (q_c > 0)  # a token its law cannot draw is no candidate
-        chosen = jnp.where(open_ & (u * q_c <= r_c), i, chosen)
+        # strict: u is drawn from [0, 1) and can be 0.0, which must not accept a token r gives no mass
+        chosen = jnp.where(open_ & (u * q_c < r_c), i, chosen)
         rest = jnp.maximum(residual - q_i, 0.0)
         mass = rest.sum(-1, keepdims=True)
         rest = jnp.where(mass > 0, rest / jnp.maximum(mass, 1e-30), residual)  # r == q_i: never rejected
@@ -521,7 +522,9 @@ def accept_sampled_drafts(
     u = jax.vmap(jax.random.uniform)(
         row_keys(jnp.repeat(params.seed, k), positions[:, :k].reshape(-1), ACCEPT)
     )
-    accepted = u.reshape(b, k) * q_d <= p_d
+    # P(u q < p) = min(1, p / q) for u uniform on [0, 1); strict, since u can be 0.0 and a draft the
+    # target gives no mass must never be accepted
+    accepted = u.reshape(b, k) * q_d < p_d
     if relaxed is not None:
         accepted = accepted | relaxed
     n_acc = _leading_true(accepted & below)

@@ -43,7 +43,7 @@ accept_argmax = jax.jit(sampling.accept_argmax_drafts)
 accept_sampled = jax.jit(sampling.accept_sampled_drafts)
 processed_logprobs = jax.jit(sampling.processed_logprobs)
 
-N_ROWS = 20_000  # rows per unit-level call (one shape per K: few compilations)
+N_ROWS = 200_000  # rows per unit-level call (one shape per K: few compilations)
 
 # --- the independent numpy reference ----------------------------------------------------------
 
@@ -95,43 +95,142 @@ def chi2_critical(dof: int, z: float = 3.7190) -> float:
     return dof * (1.0 - c + z * math.sqrt(c)) ** 3
 
 
-def pearson(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, int]:
-    """(statistic, dof, draws outside the support) of counts against exact probabilities.
+def pooling(probs: np.ndarray, n: float) -> tuple[np.ndarray, np.ndarray]:
+    """(group of each cell, expected count of each group) of Pearson's test of ``n`` draws.
 
-    Cells with expected count < 5 are pooled into one cell; if that pool is still below 5 it is
-    merged into the smallest regular cell. Zero-probability cells are not cells: any draw there is
-    returned as ``outside`` (an immediate failure for the callers).
+    Cells with expected count >= 5 are groups of their own; the others with positive probability are
+    pooled into one group, merged into the smallest regular group if that pool is still below 5.
+    Zero-probability cells are in no group (-1): any draw there is outside the support.
     """
-    counts = np.asarray(counts, np.float64).ravel()
     probs = np.asarray(probs, np.float64).ravel()
-    assert counts.shape == probs.shape
     assert abs(probs.sum() - 1.0) < 1e-9, probs.sum()
-    n = counts.sum()
-    outside = int(counts[probs == 0].sum())
     expected = n * probs
     big = expected >= 5
     small = ~big & (probs > 0)
-    obs, exp = list(counts[big]), list(expected[big])
+    group = np.full(len(probs), -1)
+    group[big] = np.arange(int(big.sum()))
+    exp = list(expected[big])
     if small.any():
-        pool_o, pool_e = counts[small].sum(), expected[small].sum()
-        if pool_e >= 5 or not exp:
-            obs.append(pool_o)
-            exp.append(pool_e)
+        pool = float(expected[small].sum())
+        if pool >= 5 or not exp:
+            group[small] = len(exp)
+            exp.append(pool)
         else:
             i = int(np.argmin(exp))
-            obs[i] += pool_o
-            exp[i] += pool_e
-    obs_a, exp_a = np.asarray(obs), np.asarray(exp)
-    return float(((obs_a - exp_a) ** 2 / exp_a).sum()), len(exp) - 1, outside
+            group[small] = i
+            exp[i] += pool
+    return group, np.asarray(exp)
 
 
-def assert_distribution(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
+def pearson_many(counts: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+    """(statistics, dof, draws outside the support) of each row of ``counts`` [runs, cells], all
+    of the same total, against exact probabilities, pooled as :func:`pooling` says."""
+    counts = np.asarray(counts, np.float64)
+    group, exp = pooling(probs, counts[0].sum())
+    inside = group >= 0
+    onehot = np.zeros((len(group), len(exp)))
+    onehot[np.flatnonzero(inside), group[inside]] = 1.0
+    obs = counts @ onehot
+    return ((obs - exp) ** 2 / exp).sum(-1), len(exp) - 1, counts[:, ~inside].sum(-1)
+
+
+def pearson(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, int]:
+    """(statistic, dof, draws outside the support) of counts against exact probabilities
+    (:func:`pooling` says how small cells are pooled)."""
+    counts = np.asarray(counts, np.float64).ravel()
+    assert counts.shape == np.asarray(probs).ravel().shape
+    stat, dof, outside = pearson_many(counts[None], probs)
+    return float(stat[0]), dof, int(outside[0])
+
+
+def rejection_rate(probs: np.ndarray, law: np.ndarray, n: int, runs: int = 2000, seed: int = 0) -> float:
+    """The fraction of ``runs`` seeded samples of ``n`` draws from ``law`` that
+    :func:`assert_distribution` rejects as not following ``probs``: its power against ``law`` at
+    that sample size and cell count (its pooling, support check and critical value)."""
+    law = np.asarray(law, np.float64).ravel()
+    counts = np.random.default_rng(seed).multinomial(n, law / law.sum(), size=runs)
+    stat, dof, outside = pearson_many(counts, probs)
+    rejected = (outside > 0) | (stat >= (chi2_critical(dof) if dof > 0 else math.inf))
+    return float(rejected.mean())
+
+
+def even_bias(probs: np.ndarray, tv: float = 0.04) -> np.ndarray:
+    """A law at total variation ``tv`` from ``probs`` whose change at every cell of the support is
+    in proportion to its probability (p(1 + delta s), s = +1 / -1 alternating down the sorted
+    cells, renormalised): of all biases of that size, the one with the least chi-square
+    noncentrality (sum (p' - p)^2 / p >= (2 tv)^2, equal when |p' - p| is proportional to p), so the
+    hardest for Pearson's test. A law too concentrated for that pattern to reach ``tv`` moves mass
+    from its largest cell to all the others instead."""
+    p = np.asarray(probs, np.float64).ravel()
+    support = np.flatnonzero(p > 0)
+    assert len(support) > 1, "a single-cell law has no bias"
+    order = support[np.argsort(-p[support], kind="stable")]
+    alternating = np.zeros_like(p)
+    alternating[order] = np.where(np.arange(len(order)) % 2 == 0, 1.0, -1.0)
+    drain = np.where(p > 0, 1.0, 0.0)
+    drain[order[0]] = -1.0
+
+    def law(signs: np.ndarray, delta: float) -> np.ndarray:
+        x = p * (1.0 + delta * signs)
+        return x / x.sum()
+
+    def distance(signs: np.ndarray, delta: float) -> float:
+        return 0.5 * float(np.abs(law(signs, delta) - p).sum())
+
+    signs = alternating if distance(alternating, 0.999) >= tv else drain
+    assert distance(signs, 0.999) >= tv, f"no bias of total variation {tv} of this shape"
+    lo, hi = 0.0, 0.999
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if distance(signs, mid) < tv else (lo, mid)
+    return law(signs, hi)
+
+
+POWER = 0.99  # every law check catches a bias of total variation TV_BIAS at least this often
+TV_BIAS = 0.04
+
+
+def assert_power(probs: np.ndarray, n: int, what: str, against: dict[str, np.ndarray] | None = None) -> None:
+    """A check of ``n`` draws against ``probs`` rejects the hardest bias of total variation
+    :data:`TV_BIAS` (:func:`even_bias`), and each named law in ``against``, in at least
+    :data:`POWER` of seeded simulated runs: the check has power at its own size and cells."""
+    probs = np.asarray(probs, np.float64).ravel()
+    laws = dict(against or {})
+    if (probs > 0).sum() > 1:
+        laws[f"a bias of total variation {TV_BIAS}"] = even_bias(probs, TV_BIAS)
+    for name, law in laws.items():
+        rate = rejection_rate(probs, law, n)
+        assert rate >= POWER, f"{what}: {n} draws catch {name} in only {rate:.1%} of runs (< {POWER:.0%})"
+
+
+def has_power(n: int, probs: np.ndarray) -> bool:
+    """Whether ``n`` draws are enough for :func:`assert_power` against ``probs`` (for checks of
+    subsets whose sizes the draws decide)."""
+    try:
+        assert_power(probs, n, "")
+    except AssertionError:
+        return False
+    return True
+
+
+def assert_distribution(
+    samples: np.ndarray,
+    probs: np.ndarray,
+    what: str,
+    *,
+    against: dict[str, np.ndarray] | None = None,
+    power: bool = True,
+) -> None:
     """Samples (token ids, or flat cell indices) follow ``probs`` exactly: nothing outside the
-    support, and Pearson chi-square below its 1e-4 critical value."""
+    support, and Pearson chi-square below its 1e-4 critical value. First (``power``) the check
+    shows it would have caught a bias of total variation 0.04, and each law in ``against``, at this
+    sample size (:func:`assert_power`)."""
     samples = np.asarray(samples).ravel()
     assert samples.size >= 100, f"{what}: only {samples.size} samples"
     counts = np.bincount(samples, minlength=len(probs))
     assert len(counts) == len(probs), f"{what}: token ids beyond the distribution"
+    if power:
+        assert_power(probs, samples.size, what, against)
     stat, dof, outside = pearson(counts, probs)
     assert outside == 0, f"{what}: {outside} draws outside the support {np.flatnonzero(probs)}"
     if dof == 0:  # a single-token support: the support check is the whole test
@@ -175,17 +274,48 @@ def test_chi2_critical_values_have_the_intended_tail():
         assert 5e-5 <= _chi2_sf(chi2_critical(dof), dof) <= 1e-4, dof
 
 
+def residual_bug(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The law of a verified draft position when a rejected draft is replaced by a draw from p
+    instead of the residual max(p - q, 0) (the classic rejection bug): min(p, q) + (1 - sum min) p."""
+    kept = np.minimum(p, q)
+    return kept + (1.0 - kept.sum()) * p
+
+
 def test_checks_reject_wrong_distributions():
-    """The helpers have teeth at the sample sizes used below."""
+    """The helpers have teeth, and :func:`rejection_rate` measures them: its simulated runs agree
+    with the scalar check and with the noncentral chi-square law; the null is rejected at the
+    1e-4 level, the hardest bias of total variation 0.04 and the residual bug at 99% or more."""
     rng = np.random.default_rng(0)
     p = np.array([0.4, 0.25, 0.2, 0.1, 0.05])
-    assert_distribution(rng.choice(5, size=4000, p=p), p, "exact")
-    off = np.array([0.37, 0.27, 0.2, 0.11, 0.05])  # a few percent off
+    n = 10_000
+    assert_distribution(rng.choice(5, size=n, p=p), p, "exact")
+    biased = even_bias(p)
+    assert abs(0.5 * np.abs(biased - p).sum() - TV_BIAS) < 1e-9
+    assert np.all(np.sign(biased - p) != 0) and ((biased - p) ** 2 / p).sum() >= (2 * TV_BIAS) ** 2 - 1e-12
     with pytest.raises(AssertionError, match="chi2"):
-        assert_distribution(rng.choice(5, size=20_000, p=off), p, "off")
+        assert_distribution(rng.choice(5, size=n, p=biased), p, "off")
+    assert rejection_rate(p, p, n) <= 2 / 2000  # the level: about 1e-4
+    assert rejection_rate(p, biased, n) >= POWER
+    # the scalar check rejects the same share of the same seeded runs
+    counts = np.random.default_rng(0).multinomial(n, biased, size=200)
+    scalar = [pearson(c, p)[0] >= chi2_critical(4) for c in counts]
+    assert abs(np.mean(scalar) - rejection_rate(p, biased, n, runs=200)) < 1e-12
+    # Pearson's statistic under a fixed alternative: noncentral chi-square with
+    # lambda = n sum (p' - p)^2 / p (many cells, large counts: the approximation holds)
+    wide = np.random.default_rng(1).dirichlet(np.full(64, 20.0))
+    away = even_bias(wide, 0.03)
+    lam = 20_000 * ((away - wide) ** 2 / wide).sum()
+    draws = np.random.default_rng(2).noncentral_chisquare(63, lam, size=200_000)
+    theory = (draws >= chi2_critical(63)).mean()
+    assert abs(rejection_rate(wide, away, 20_000, runs=4000) - theory) < 0.04, theory
+    # the residual bug with a uniform draft: caught at the same size
+    bug = residual_bug(p, np.full(5, 0.2))
+    assert 0.5 * np.abs(bug - p).sum() > 0.04 and rejection_rate(p, bug, n) >= POWER
+    with pytest.raises(AssertionError, match="only"):  # a check without power is refused
+        assert_distribution(rng.choice(5, size=2000, p=p), p, "too few")
     with pytest.raises(AssertionError, match="outside the support"):
         assert_distribution(
-            np.r_[rng.choice(4, size=4000, p=[0.4, 0.3, 0.2, 0.1]), 4], [0.4, 0.3, 0.2, 0.1, 0], "x"
+            np.r_[rng.choice(4, size=n, p=[0.4, 0.3, 0.2, 0.1]), 4], [0.4, 0.3, 0.2, 0.1, 0], "x"
         )
     with pytest.raises(AssertionError, match="rate"):
         assert_rate(rng.random(20_000) < 0.53, 0.5, "biased coin")
@@ -339,6 +469,34 @@ def test_sampled_drafts_k1_reproduce_p(case):
         assert (n_acc[drafts[:, 0] == 0] == 1).all()  # p > q: always accepted
 
 
+# (seed, position) whose ACCEPT stream draws exactly 0.0, and a key whose first of three splits
+# does (found by search: about one draw in 2^23 is 0.0)
+ZERO_ACCEPT_DRAW = (0, 612_944)
+ZERO_SIBLING_KEY = 3_353_848
+
+
+def test_a_uniform_draw_of_zero_does_not_accept_a_token_without_mass():
+    """The acceptance test is u q < p with u on [0, 1): a draw of exactly 0.0 (one in 2^23, so
+    about once per ten million drafts) must not accept a draft whose target probability is 0."""
+    seed, position = ZERO_ACCEPT_DRAW
+    key = sampling.row_keys(jnp.asarray([seed]), jnp.asarray([position]), sampling.ACCEPT)[0]
+    u = jax.random.uniform(key)
+    assert float(u) == 0.0
+    params = RowSampling.build(1, seed=seed, temperature=1.0, top_k=2)  # p(token 4) = 0 after top-k
+    drafts = jnp.asarray([[4]], jnp.int32)
+    q = jnp.asarray(np.broadcast_to(P_B, (1, 1, 5)).astype(np.float32))
+    emitted, n_acc = accept_sampled(_logits([P_A, P_B], 1), drafts, q, params, jnp.asarray([position]))
+    assert int(n_acc[0]) == 0 and int(emitted[0, 0]) in (0, 1)
+    # a tree node: the first candidate has no mass under the target, its uniform is 0.0
+    keys = jnp.asarray([jax.random.key(ZERO_SIBLING_KEY)])
+    assert float(jax.random.uniform(jax.random.split(keys[0], 3)[0])) == 0.0
+    p = jnp.asarray([[0.6, 0.4, 0.0]])
+    candidates = jnp.asarray([[2, 0]], jnp.int32)
+    laws = jnp.asarray([[[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
+    chosen, token = sampling.accept_siblings(p, candidates, laws, keys)
+    assert int(chosen[0]) != 0 and int(token[0]) != 2
+
+
 def test_sampled_drafts_with_q_equal_p_always_accept():
     rng = np.random.default_rng(7)
     emitted, n_acc, drafts, q = _sampled_case(
@@ -361,10 +519,13 @@ def test_sampled_drafts_k2(randomness):
     a0, a1 = np.minimum(P_A, q0).sum(), np.minimum(P_B, q1).sum()
     assert_distribution(n_acc, np.array([1 - a0, a0 * (1 - a1), a0 * a1]), "n_acc")
     # independence: given n_acc >= 1, emitted[1] follows p_1 whatever emitted[0] was
+    checked = 0
     for t in range(5):
         rows = (n_acc >= 1) & (emitted[:, 0] == t)
-        if rows.sum() >= 1000:
+        if has_power(int(rows.sum()), P_B):  # the likelier first tokens
             assert_distribution(emitted[rows, 1], P_B, f"emitted[1] given emitted[0] = {t}")
+            checked += 1
+    assert checked >= 3, checked
 
 
 @pytest.mark.parametrize("draft_sampling", ["argmax", "sampled"])
@@ -373,7 +534,7 @@ def test_a_per_row_cap_keeps_acceptance_exact(draft_sampling):
     verifies): no row accepts past its cap, accepted drafts follow the uncapped law below it, and
     every emitted position, the one at the cap included, still follows p exactly."""
     rng = np.random.default_rng(11)
-    n = 3 * N_ROWS // 2
+    n = 3 * N_ROWS
     params, first = _params(n, "seeds", temperature=1.0)
     logits = _logits([P_A, P_B, P_C], n)
     cap = np.arange(n) % 3
@@ -449,11 +610,13 @@ PROCESSED_CASES = [
 def test_processed_target_distribution_is_reproduced(draft_sampling):
     """Temperature / top-k / top-p / min-p: the processed distribution (computed here in numpy)
     is what the emitted tokens follow; drafts outside its support are never accepted."""
-    n_case = 5000
+    # rows per case: enough reach the last position for the check's power (the first case's drafts
+    # are accepted least)
+    sizes = [120_000, 100_000, 120_000, 100_000]
     cases = PROCESSED_CASES
-    n = n_case * len(cases)
+    n = sum(sizes)
     cols = {
-        key: [c.get(key, d) for c in cases for _ in range(n_case)]
+        key: [c.get(key, d) for c, size in zip(cases, sizes, strict=True) for _ in range(size)]
         for key, d in [("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)]
     }
     params = RowSampling.build(n, seed=list(range(n)), **cols)
@@ -473,7 +636,7 @@ def test_processed_target_distribution_is_reproduced(draft_sampling):
         emitted, n_acc = accept_argmax(logits, jnp.asarray(drafts), params, first)
     emitted, n_acc = np.asarray(emitted), np.asarray(n_acc)
     for i, case in enumerate(cases):
-        rows = slice(i * n_case, (i + 1) * n_case)
+        rows = slice(sum(sizes[:i]), sum(sizes[: i + 1]))
         p = []
         for lg in PROCESSED_LOGITS:
             probs, margin = reference_probs(lg, **case)
@@ -923,7 +1086,7 @@ def test_a_candidate_its_law_cannot_draw_is_skipped():
     """Two children drawn without replacement from a draft distribution with one token in its
     support: the second is a placeholder (its law is all zeros) and is never accepted, whatever
     the target's residual holds, so nothing outside the target's support is emitted."""
-    rows = 4000
+    rows = 10_000
     p = jnp.tile(jnp.asarray([[0.6, 0.4, 0.0]]), (rows, 1))
     q = jnp.tile(jnp.asarray([[0.0, 1.0, 0.0]]), (rows, 1))
     candidates = jnp.tile(jnp.asarray([[1, 2]], jnp.int32), (rows, 1))
