@@ -45,7 +45,9 @@ LAYER_NAMES = {
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows: each head's two rope halves interleaved."""
+    """What llama.cpp's converter does to q/k rows: each head's two rope halves interleaved. Written
+    here to make files of many tensor types; that our reader undoes what llama.cpp itself writes is
+    proven on files its converter made (tests/checkpoint/test_gguf_llamacpp.py)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
