@@ -117,6 +117,14 @@ def next_power_of_two(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
+def shortest_prompt_bucket(rows: int) -> int:
+    """The shortest prompt bucket of a prefill of ``rows`` rows (a power of two): 16 tokens, so that
+    few programs cover short prompts, down to 1 for prefills so wide that padding every row to 16
+    costs more than a program (at most 4,096 padded tokens; 16,384 rows of 3-token prompts
+    prefilled 2.9x faster)."""
+    return max(1, min(16, 4096 // max(rows, 1)))
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One request in a :class:`Scheduler`: its prompt, how many new tokens at most, its sampling
@@ -447,7 +455,8 @@ class Scheduler:
     def warmup_jobs(self, max_prompt_len: int, ks: Sequence[int]) -> list[tuple[str, int, int]]:
         """Every program requests without a grammar can make the scheduler run, smallest first:
         admissions ("prefill", rows per shard, prompt bucket) of 1, 2, 4 ... rows per shard with
-        prompts padded to 16, 32 ... up to ``max_prompt_len`` tokens; steps ("step", K, rows) for
+        prompts padded to 16, 32 ... up to ``max_prompt_len`` tokens (from fewer than 16 for very
+        wide admissions: :func:`shortest_prompt_bucket`); steps ("step", K, rows) for
         each K in ``ks`` over each row bucket; slot releases ("release", n, 0); with chunked prefill
         prompt buckets up to the chunk only, and the chunk's own program ("chunk", 1, chunk)."""
         per_shard = next_power_of_two(self.slots // self.shards)
@@ -455,13 +464,17 @@ class Scheduler:
         chunked = self.chunk is not None and max_prompt_len > self.chunk
         if chunked:  # longer prompts arrive in chunks: their rest fits one
             max_prompt_len = self.chunk
-        top = next_power_of_two(max_prompt_len, minimum=16)
-        buckets = [16 << i for i in range(top.bit_length()) if 16 << i <= top]
+
+        def buckets(per: int) -> list[int]:
+            low = shortest_prompt_bucket(per * self.shards)
+            top = next_power_of_two(max_prompt_len, minimum=low)
+            return [low << i for i in range(top.bit_length()) if low << i <= top]
+
         powers = [1 << i for i in range(self.slots.bit_length() + 1)]
         rows = [r for r in powers if r < self.slots] if self.row_buckets else []
         releases = [r for r in powers if r <= next_power_of_two(self.slots)]
         ks = {self._variant(k).k for k in ks}  # the programs those K run (a token tree: whole or none)
-        jobs = [("prefill", per, t) for per in pers for t in buckets]
+        jobs = [("prefill", per, t) for per in pers for t in buckets(per)]
         jobs += [("step", k, r) for k in sorted(ks, reverse=True) for r in [*rows, self.slots]]
         jobs += [("release", n, 0) for n in releases]
         if chunked:
@@ -623,7 +636,7 @@ class Scheduler:
             self.proposed[b] = self.row_k(req)
         # prompt lengths (after their cached prefixes) padded to a power of two per admission (one
         # long prompt does not make every later prefill pay for its length); a few programs at most
-        bucket = next_power_of_two(int(np.max(lengths - starts)), minimum=16)
+        bucket = next_power_of_two(int(np.max(lengths - starts)), minimum=shortest_prompt_bucket(r))
         tokens = np.zeros((r, bucket), np.int32)
         for i, req in reqs:
             tokens[i, : lengths[i] - starts[i]] = req.prompt[starts[i] :]

@@ -203,14 +203,22 @@ def assert_power(probs: np.ndarray, n: int, what: str, against: dict[str, np.nda
         assert rate >= POWER, f"{what}: {n} draws catch {name} in only {rate:.1%} of runs (< {POWER:.0%})"
 
 
-def has_power(n: int, probs: np.ndarray) -> bool:
+def has_power(n: int, probs: np.ndarray, against: dict[str, np.ndarray] | None = None) -> bool:
     """Whether ``n`` draws are enough for :func:`assert_power` against ``probs`` (for checks of
     subsets whose sizes the draws decide)."""
     try:
-        assert_power(probs, n, "")
+        assert_power(probs, n, "", against)
     except AssertionError:
         return False
     return True
+
+
+def powered_size(probs: np.ndarray, against: dict[str, np.ndarray] | None = None, step: int = 4096) -> int:
+    """The smallest multiple of ``step`` draws at which a check against ``probs`` has its power."""
+    n = step
+    while not has_power(n, probs, against):
+        n += step
+    return n
 
 
 def assert_distribution(
@@ -859,20 +867,43 @@ E2E_PARAMS = {
     "t1": dict(temperature=1.0),
     "truncated": dict(temperature=1.0, top_k=5, top_p=0.9, min_p=0.05),
 }
-N_SEEDS = 4096  # all in one batch: one prefill and a few steps, one compilation of each
 
 
-def first_three_of_many_seeds(model, prompt: list[int], **settings):
-    """One generate call of ``prompt`` with :data:`N_SEEDS` seeds in one batch, three new tokens
-    each (``settings``: the draft, its speculation, the sampling parameters)."""
+def first_three_of_many_seeds(model, prompt: list[int], n: int, **settings):
+    """One generate call of ``prompt`` with ``n`` seeds in one batch, three new tokens each
+    (``settings``: the draft, its speculation, the sampling parameters)."""
     return model.generate(
-        [prompt] * N_SEEDS,
+        [prompt] * n,
         max_new_tokens=3,
-        seed=list(range(N_SEEDS)),
+        seed=list(range(n)),
         ignore_eos=True,
-        max_batch=N_SEEDS,
+        max_batch=n,
         **settings,
     )
+
+
+def first_three_laws(joint: np.ndarray) -> dict[str, np.ndarray]:
+    """Laws of the first three tokens that a wrong acceptance rule gives: the classic residual
+    bug (a rejected draft replaced by a draw from p, not from max(p - q, 0)) at both speculative
+    positions, with a uniform draft and with the target's argmax as the draft."""
+    v = joint.shape[0]
+    drafts = {
+        "a uniform draft": lambda p: np.full(v, 1 / v),
+        "the argmax draft": lambda p: np.eye(v)[np.argmax(p)],
+    }
+    first = joint.sum((1, 2))
+    laws = {}
+    for name, q_of in drafts.items():
+        law = np.zeros_like(joint)
+        for a in np.flatnonzero(first):
+            second = joint[a].sum(1) / first[a]
+            second = residual_bug(second, q_of(second))
+            for b in np.flatnonzero(second):
+                mass = joint[a, b].sum()  # 0: a second token only the bug emits; any third law
+                third = joint[a, b] / mass if mass > 0 else np.full(v, 1 / v)
+                law[a, b] = first[a] * second[b] * residual_bug(third, q_of(third))
+        laws[f"the residual bug with {name}"] = law.ravel()
+    return laws
 
 
 E2E_CASES = [
@@ -907,15 +938,30 @@ E2E_CASES = [
     ("draft", "k", "draft_sampling", "which"), E2E_CASES, ids=["-".join(map(str, c)) for c in E2E_CASES]
 )
 def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_sampling, which):
-    """4096 seeds of one prompt in one generate call: the joint law of the first three tokens (the
-    first from prefill, the others from the speculative steps) is the target's, exactly."""
+    """Many seeds of one prompt in one generate call (as many as the check's power needs): the
+    joint law of the first three tokens (the first from prefill, the others from the speculative
+    steps) is the target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     lora = "lora" if draft.endswith("_lora") else None
     draft = draft.split("_vocab")[0].removesuffix("_lora")
-    params = dict(E2E_PARAMS[which], **({"lora": lora} if lora else {}))
+    params = E2E_PARAMS[which]
     prompt = NGRAM_PROMPT if draft == "ngram" else PROMPT
+    joint = exact_first_three(model, prompt, params, lora)
+    if lora:  # not vacuous: the adapted law is far from the base model's
+        assert np.abs(joint - exact_first_three(model, prompt, params)).sum() > 0.2
+    if which == "truncated":
+        assert (joint == 0).sum() > 100  # the truncation removes something at every step
+    wrong = first_three_laws(joint)
+    n = powered_size(joint.ravel(), wrong)
     result = first_three_of_many_seeds(
-        model, prompt, draft=draft, num_speculative_tokens=k, draft_sampling=draft_sampling, **params
+        model,
+        prompt,
+        n,
+        draft=draft,
+        num_speculative_tokens=k,
+        draft_sampling=draft_sampling,
+        **params,
+        **({"lora": lora} if lora else {}),
     )
     # not vacuous: drafts are accepted at each position, but not always
     at_least = result.stats["acceptance_rate_per_position"]
@@ -923,15 +969,10 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     low = 0.2 if draft == "mtp" else 0.05  # random drafts (EAGLE-3, DFlash, a model) are accepted less
     assert all(low < a < 0.9 for a in per_position), per_position
     tokens = np.asarray(result.tokens)
-    assert tokens.shape == (N_SEEDS, 3)
-    params.pop("lora", None)
-    joint = exact_first_three(model, prompt, params, lora)
-    if lora:  # not vacuous: the adapted law is far from the base model's
-        assert np.abs(joint - exact_first_three(model, prompt, params)).sum() > 0.2
-    if which == "truncated":
-        assert (joint == 0).sum() > 100  # the truncation removes something at every step
+    assert tokens.shape == (n, 3)
     cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
-    assert_distribution(cells, joint.ravel(), f"first three tokens, {draft_sampling} drafts, {params}")
+    what = f"first three tokens, {draft_sampling} drafts, {params}"
+    assert_distribution(cells, joint.ravel(), what, against=wrong)
     assert_distribution(tokens[:, 0], joint.sum((1, 2)), "first token")
     assert_distribution(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0).ravel(), "tokens 2 and 3")
 
@@ -958,16 +999,19 @@ def test_token_trees_keep_the_first_three_tokens_exact(request, draft, draft_sam
     target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     params = E2E_PARAMS[which]
+    joint = exact_first_three(model, PROMPT, params)
+    wrong = first_three_laws(joint)
+    n = powered_size(joint.ravel(), wrong)
     result = first_three_of_many_seeds(
-        model, PROMPT, draft=draft, speculative_tree=TREE, draft_sampling=draft_sampling, **params
+        model, PROMPT, n, draft=draft, speculative_tree=TREE, draft_sampling=draft_sampling, **params
     )
     at_least = result.stats["acceptance_rate_per_position"]
     low = 0.05 if draft == "mtp" else 0.01  # random drafts are accepted less
     assert low < at_least[1] < at_least[0] < 0.995, at_least  # not vacuous
     tokens = np.asarray(result.tokens)
-    joint = exact_first_three(model, PROMPT, params)
     cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
-    assert_distribution(cells, joint.ravel(), f"first three tokens, tree, {draft_sampling} drafts, {params}")
+    what = f"first three tokens, tree, {draft_sampling} drafts, {params}"
+    assert_distribution(cells, joint.ravel(), what, against=wrong)
     assert_distribution(tokens[:, 0], joint.sum((1, 2)), "first token")
 
 

@@ -98,10 +98,17 @@ def _top_k_probs(logits: np.ndarray, k: int) -> dict[int, float]:
     return dict(zip(kept.tolist(), (p / p.sum()).tolist(), strict=True))
 
 
-def check_sampled_exactly(model, method: str) -> None:
-    """Sampled drafts (accepted with min(1, p/q)): over many seeds the first two tokens (the first
-    from prefill, the second from the first speculative step) follow the target's own joint law,
-    computed exactly from its logits; and argmax drafts emit exactly what plain decoding samples."""
+def check_sampled_within_the_law(model, method: str) -> None:
+    """Sampled drafts (accepted with min(1, p/q)) on the real model and its shipped draft: over 192
+    seeds the first two tokens (the first from prefill, the second from the first speculative step)
+    never leave the support of the target's own joint law, computed from its logits, and do not
+    stray far from it; argmax drafts emit exactly what plain decoding samples.
+
+    This is the integration check (real shapes, the draft's vocabulary map, tied embeddings), not
+    the law's proof: catching a bias of total variation 0.04 at 99% takes about 8,000 seeds whatever
+    the cells, hours of this model on a CPU. The acceptance rule's law is proven with that power on
+    an 8-token model for every draft kind, the EAGLE-3 and DFlash draft vocabularies included
+    (tests/test_acceptance.py, test_generate_first_three_tokens_follow_the_target)."""
     from tests.test_acceptance import assert_distribution
 
     k, n = 4, 192
@@ -127,9 +134,8 @@ def check_sampled_exactly(model, method: str) -> None:
     outside = [tuple(t) for t in out.tokens if tuple(t) not in index]
     assert not outside, f"token pairs the target's top-{k} law cannot produce: {outside[:5]}"
     samples = np.asarray([index[tuple(t)] for t in out.tokens])
-    assert_distribution(
-        samples, np.asarray(list(cells.values())), f"first two tokens, sampled {method} drafts"
-    )
+    law = np.asarray(list(cells.values()))
+    assert_distribution(samples, law, f"first two tokens, sampled {method} drafts", power=False)
     few = dict(temperature=0.8, top_p=0.9, seed=[1, 2, 3, 4], ignore_eos=True, max_new_tokens=12)
     plain = model.generate([prompt] * 4, **few)
     argmax = model.generate([prompt] * 4, draft=method, num_speculative_tokens=3, **few)
@@ -142,7 +148,7 @@ SAMPLE_CHILD = textwrap.dedent(
     import mtp_jax
     from mtp_jax.embedded import packaged_model_path
     from tests.conftest import REPO
-    from tests.test_real_model import SHIPPED_DRAFTS, check_sampled_exactly
+    from tests.test_real_model import SHIPPED_DRAFTS, check_sampled_within_the_law
 
     method = sys.argv[1]
     draft = os.path.join(REPO, "checkpoints", SHIPPED_DRAFTS[method][0])
@@ -152,7 +158,7 @@ SAMPLE_CHILD = textwrap.dedent(
     # model in this file
     path = packaged_model_path("smollm2-135m-instruct")
     model = mtp_jax.load(path, "float32", draft_model=draft, layer_buffers=False)
-    check_sampled_exactly(model, method)
+    check_sampled_within_the_law(model, method)
     print("SAMPLED-OK")
     """
 )
@@ -164,8 +170,8 @@ SAMPLE_CHILD = textwrap.dedent(
 @pytest.mark.parametrize(
     "method", [pytest.param(m, marks=pytest.mark.child(SAMPLE_CHILD, m)) for m in sorted(SHIPPED_DRAFTS)]
 )
-def test_the_shipped_drafts_sample_exactly(method, child_output):
-    """:func:`check_sampled_exactly` for each draft shipped for SmolLM2."""
+def test_the_shipped_drafts_sample_within_the_target_law(method, child_output):
+    """:func:`check_sampled_within_the_law` for each draft shipped for SmolLM2."""
     require_extra("gguf")
     real_model("smollm2-135m-instruct")
     assert "SAMPLED-OK" in child_output
