@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -324,13 +325,12 @@ def test_a_lost_process_ends_the_requests_and_stops_the_other():
             while not any(ln.startswith("data: {") for ln in lines):
                 assert reader.is_alive(), lines
                 time.sleep(0.02)
-            killed = time.monotonic()
             procs[victim].send_signal(signal.SIGKILL)
             survivor = procs[1 - victim]
-            rc = survivor.wait(60)
-            took = time.monotonic() - killed
+            # JAX's heartbeat would stop it only after 100 s: a survivor left to that raises here
+            rc = survivor.wait(90)
             reader.join(60)
-            assert rc != 0 and took < 30, (rc, took)
+            assert rc != 0, rc
             if victim == 1:
                 assert rc == 1, "".join(logs[0])[-3000:]
                 assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-3:]
@@ -566,16 +566,16 @@ def test_bad_cluster_descriptions(kwargs, message):
 
 @pytest.mark.spawns
 def test_unreachable_coordinator_is_a_clear_error():
-    from mtp_jax.distributed import free_port
-
-    t0 = time.monotonic()
-    out = _launch(
-        "--coordinator", f"localhost:{free_port()}", "--num-processes", "2", "--process-id", "1",
-        "--init-timeout", "2", "--prompt-ids", "1,2",
-    )  # fmt: skip
+    # a port this test holds bound and never listens on: refused, whatever else runs on the machine
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        out = _launch(
+            "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", "1",
+            "--init-timeout", "2", "--prompt-ids", "1,2",
+        )  # fmt: skip
     assert out.returncode == 2
     assert "coordinator localhost:" in out.stderr and "unreachable for 2s" in out.stderr
-    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.spawns
@@ -587,13 +587,13 @@ def test_mesh_must_cover_every_device():
 
 @pytest.mark.spawns
 def test_a_failing_process_stops_the_others():
-    # only process 1 fails early (after 3 s, so that process 0 has printed its line even on a loaded
-    # machine); the others would sleep a minute, so which failure is reported first is deterministic
-    code = "import os, sys, time; pid = int(os.environ['JAX_PROCESS_ID']); print('hi', pid, flush=True); time.sleep(3 if pid == 1 else 60); sys.exit(3)"  # noqa: E501
+    # only process 1 fails (after 3 s, so that process 0 has printed its line even on a loaded
+    # machine); the others would sleep for an hour, so the launcher returning 3 at all (its own
+    # timeout would say otherwise) shows it stopped them, and which failure is reported is certain
+    code = "import os, sys, time; pid = int(os.environ['JAX_PROCESS_ID']); print('hi', pid, flush=True); time.sleep(3 if pid == 1 else 3600); sys.exit(3)"  # noqa: E501
     stdout, stderr = io.StringIO(), io.StringIO()
-    t0 = time.monotonic()
     rc = spawn_local([sys.executable, "-c", code], 3, timeout_s=120, stdout=stdout, stderr=stderr)
-    assert rc == 3 and time.monotonic() - t0 < 30
+    assert rc == 3
     assert stdout.getvalue() == "hi 0\n"  # the others' output is shown only when they fail
     assert "--- process 1 (last lines) ---\nhi 1" in stderr.getvalue()
     assert "process 1 exited with status 3; stopped the others" in stderr.getvalue()
