@@ -35,13 +35,10 @@ from jax.sharding import Mesh
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.config import ModelConfig
 from mtp_jax.drafts import DRAFTS, draft_for, draft_for_config
-from mtp_jax.drafts.dflash.config import DFlashConfig
-from mtp_jax.drafts.eagle3.config import Eagle3Config
 from mtp_jax.estimate import GB, _check_mesh, format_bytes, fp8_block, per_device_memory
 from mtp_jax.fp8 import Fp8Weight
 from mtp_jax.sharding import group_shardings, make_mesh, row_shards, state_shardings
 from mtp_jax.targets import target_for
-from mtp_jax.targets.deepseek_v3.model import abstract_tree, attention_leaves
 
 PLAN_WEIGHTS = ("fp8", "bf16")
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -92,8 +89,8 @@ class _AbstractParams:
     """The builder a target's :attr:`~mtp_jax.targets.base.Target.abstract_groups` and a draft's
     ``abstract_params`` make the loader's parameter pytree with, as ShapeDtypeStructs: ``plain``
     tensors in the planned dtype, ``linear`` projections (with ``fp8``, a hub-FP8 projection kept
-    as an :class:`Fp8Weight` with its block scales), ``stacked`` trees, an ``mla_attention`` block
-    and a ``whole_model`` (a draft that is a model of its own)."""
+    as an :class:`Fp8Weight` with its block scales), ``stacked`` trees, a ``dense`` builder for
+    another config's tensors and a ``whole_model`` (a draft that is a model of its own)."""
 
     def __init__(self, cfg: ModelConfig, dtype: Any, fp8: bool, mesh: Mesh | None = None) -> None:
         self.cfg = cfg
@@ -126,11 +123,10 @@ class _AbstractParams:
             block=(b_in, b_out),
         )
 
-    def mla_attention(self, mla: Any, d_in: int) -> dict:
-        """An MLA attention block of ``mla`` (a DeepSeek-V3-shaped config) over inputs of width
-        ``d_in``, dense (drafts are published in bf16)."""
-        dense = _AbstractParams(mla, self.dtype, False)
-        return abstract_tree(mla, attention_leaves(mla, d_in), dense)["attn"]
+    def dense(self, cfg: ModelConfig) -> _AbstractParams:
+        """This builder for ``cfg``'s tensors, every projection dense in this dtype (drafts are
+        published in bf16, whatever the target stores)."""
+        return _AbstractParams(cfg, self.dtype, False, self.mesh)
 
     def stacked(self, tree: Any, n: int) -> Any:
         """``tree``'s leaves with a leading layer axis of ``n``."""
@@ -158,7 +154,7 @@ def abstract_params(
     *,
     weights: str = "fp8",
     mtp: bool = True,
-    draft_cfg: Eagle3Config | DFlashConfig | None = None,
+    draft_cfg: Any = None,
 ) -> dict:
     """The parameter pytree of ``mtp_jax.load(..., dtype, weights=, mtp=, mesh=mesh)`` as
     ShapeDtypeStructs carrying the loader's shardings (:func:`mtp_jax.sharding.group_shardings`):
@@ -355,7 +351,7 @@ def check_plan(
     k: int,
     weights: str,
     prefill_len: int,
-    draft_cfg: Eagle3Config | DFlashConfig | None = None,
+    draft_cfg: Any = None,
     draft: str | None = None,
 ) -> dict[str, int]:
     """Validate :func:`plan`'s arguments before anything is compiled (ValueError with the reason);
@@ -413,7 +409,7 @@ def plan(
     model: str = "",
     log: TextIO | None = None,
     cpu_as_is: bool = False,
-    draft_cfg: Eagle3Config | DFlashConfig | None = None,
+    draft_cfg: Any = None,
     draft: str | None = None,
 ) -> PlanReport:
     """Lower and compile the unified step for ``cfg`` on a mesh of ``mesh_axes`` (data, expert,

@@ -247,3 +247,40 @@ def test_importing_any_module_first_works():
         code = f"import {first}; from mtp_jax.targets import TARGETS; assert len(TARGETS) >= 4"
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
         assert run.returncode == 0, (first, run.stderr[-2000:])
+
+
+# modules outside the model and draft folders that still import one, and why
+NAMED_FROM_OUTSIDE = {
+    "mtp_jax": "the public API re-exports DeepseekV3Config",
+    "mtp_jax.bench": "the synthetic DeepSeek-V3 that mtp-jax bench times when given no model",
+    "mtp_jax.builtin": "the registration of the shipped targets and drafts",
+}
+
+
+def _family(module: str) -> str | None:
+    """The model or draft folder ``module`` belongs to (mtp_jax.targets.llama, ...), if any."""
+    parts = module.split(".")
+    if (
+        len(parts) >= 3
+        and parts[:2] in (["mtp_jax", "targets"], ["mtp_jax", "drafts"])
+        and parts[2] != "base"
+    ):
+        return ".".join(parts[:3])
+    return None
+
+
+def test_no_module_outside_a_model_or_draft_folder_imports_one():
+    """A model or a draft lives in its folder: the core, the tools and the other folders reach it
+    through the registries (a draft may build on a target's pieces: EAGLE-3 with MLA attention)."""
+    graph = import_graph()
+    wrong = sorted(
+        (a, b)
+        for a, imported in graph.items()
+        for b in imported
+        if _family(b) is not None and _family(a) is None and a not in NAMED_FROM_OUTSIDE
+    )
+    assert not wrong, "modules that import a model's or a draft's folder:\n" + "\n".join(
+        f"{a} -> {b}" for a, b in wrong
+    )
+    for module in NAMED_FROM_OUTSIDE:
+        assert any(_family(b) for b in graph[module]), f"{module} imports no model folder any more: drop it"

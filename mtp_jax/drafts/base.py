@@ -116,7 +116,8 @@ class Draft:
     abstract_params: Callable[[Any, Any], dict] | None = None
     """``abstract_params(draft_cfg, shapes) -> tree``: a separately loaded draft's parameter tree as
     the loader builds it, as ShapeDtypeStructs made with ``shapes`` (:mod:`mtp_jax.plan`'s builder:
-    ``plain(*shape, dtype=None)``, ``mla_attention(mla_cfg, d_in)``, ``stacked(tree, n)``,
+    ``plain(*shape, dtype=None)``, ``dense(cfg)`` (a dense builder for another config's tensors),
+    ``stacked(tree, n)``,
     ``whole_model(cfg)``), for
     ``mtp-jax plan`` and random-weight timings."""
     params_group: str | None = None

@@ -418,6 +418,28 @@ def test_export_round_trips_bit_exact(drafts, name):
         assert back[key].dtype == value.dtype and np.array_equal(back[key], value), key
 
 
+@pytest.mark.parametrize("name", ["b", "mla"])
+def test_plan_builds_the_loaded_drafts_tree(drafts, name):
+    """``mtp-jax plan``'s abstract tree of the draft (from its config alone: the draft's own
+    ``abstract_params``, MLA attention through DeepSeek-V3's declarations) has the loaded tree's
+    structure, shapes and dtypes, on one device."""
+    from mtp_jax.plan import abstract_params
+    from mtp_jax.sharding import make_mesh
+
+    path = drafts[name][0]
+    model = mtp_jax.load(
+        DEEPSEEK_TARGET if name == "mla" else TARGET, "float32", strict=True, draft_model=path
+    )
+    mesh = make_mesh(devices=jax.devices()[:1])
+    planned = abstract_params(
+        model.config, mesh, jnp.float32, weights="bf16", mtp=False, draft_cfg=model.draft_config
+    )
+    real = model.params["eagle3"]
+    assert jax.tree.structure(real) == jax.tree.structure(planned["eagle3"])
+    for r, a in zip(jax.tree.leaves(real), jax.tree.leaves(planned["eagle3"]), strict=True):
+        assert (r.shape, r.dtype) == (a.shape, a.dtype)
+
+
 # --- training's chained levels -------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["a_midlayer", "b", "mla"])
 def test_chain_teacher_forced_matches_the_decode_chain(drafts, name):

@@ -58,7 +58,7 @@ from mtp_jax.layers import rms_norm, rope_cos_sin, rope_frequencies, swiglu
 from mtp_jax.param_bytes import nbytes, path_names
 from mtp_jax.targets.base import Hidden, PagedAttention, head_logits
 from mtp_jax.targets.deepseek_v3.mla import latent_rows, mla_dense, mla_dense_chain
-from mtp_jax.targets.deepseek_v3.model import attention_fn, latent_width
+from mtp_jax.targets.deepseek_v3.model import abstract_tree, attention_fn, attention_leaves, latent_width
 from mtp_jax.targets.llama.model import attention, layer_logical, qkv, rope_tables
 
 
@@ -278,15 +278,16 @@ def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cach
 
 def _abstract_params(c: Eagle3Config, shapes) -> dict:
     """``params["eagle3"]`` as :func:`mtp_jax.drafts.eagle3.checkpoint.load_eagle3` builds it (dense: drafts
-    are published in bf16), using the target's embedding and with a ``draft_to_target`` map when the
-    draft vocabulary is smaller than the target's."""
+    are published in bf16): the target's embedding, or its own when the draft is narrower or wider
+    than the target, and a ``draft_to_target`` map when the draft vocabulary is smaller than the
+    target's."""
     h, f, plain = c.hidden_size, c.intermediate_size, shapes.plain
     if c.mla is None:
         nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         attn = {"q": plain(2 * h, nh, hd), "k": plain(2 * h, nkv, hd), "v": plain(2 * h, nkv, hd)}
         attn["o"] = plain(nh, hd, h)
     else:
-        attn = shapes.mla_attention(c.mla, 2 * h)
+        attn = abstract_tree(c.mla, attention_leaves(c.mla, 2 * h), shapes.dense(c.mla))["attn"]
     tree = {
         "fc": plain(len(c.capture) * c.target_hidden_size, h),
         "hidden_norm": plain(h),
@@ -297,6 +298,9 @@ def _abstract_params(c: Eagle3Config, shapes) -> dict:
         "norm": plain(h),
         "lm_head": plain(h, c.draft_vocab_size),
     }
+    if c.hidden_size != c.target_hidden_size:  # an embedding of its own width (one of the target's
+        # width is kept only when its values differ from the target's: not known from the config)
+        tree["embed"] = plain(c.vocab_size, h)
     if c.draft_vocab_size < c.vocab_size:
         tree["draft_to_target"] = plain(c.draft_vocab_size, dtype=jnp.int32)
     return tree
