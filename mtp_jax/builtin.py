@@ -18,6 +18,7 @@ from mtp_jax.targets.deepseek_v3.config import DEEPSEEK_V3_MODEL_TYPES, parse_de
 from mtp_jax.targets.deepseek_v3.model import TARGET as DEEPSEEK_V3
 from mtp_jax.targets.llama import checkpoint as llama_checkpoint
 from mtp_jax.targets.llama.config import LLAMA_MODEL_TYPES, parse_llama3, parse_qwen
+from mtp_jax.targets.llama.gguf import LLAMA_GGUF
 from mtp_jax.targets.llama.model import TARGET as LLAMA
 from mtp_jax.targets.llama.qwen2 import TARGET as QWEN2
 from mtp_jax.targets.llama.qwen3 import TARGET as QWEN3
@@ -34,6 +35,7 @@ register_target(
     model_types=LLAMA_MODEL_TYPES,
     parse=parse_llama3,
     checkpoint_format=llama_checkpoint,
+    gguf=LLAMA_GGUF,  # llama, qwen2 and qwen3 GGUF files
     built_in=True,
 )
 # Qwen2 and Qwen3 are Llama-family configs: Llama's key map reads them

@@ -279,7 +279,7 @@ def write_f32_gguf(src: str, dst: str) -> None:
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)
     for name in ckpt.tensor_names():
-        writer.add_tensor(name, np.ascontiguousarray(ckpt._array(name).astype(np.float32)))
+        writer.add_tensor(name, np.ascontiguousarray(ckpt.array(name).astype(np.float32)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -12,21 +12,21 @@ chat template) and its tensors, many of them block-quantised. :class:`GGUFCheckp
   tokenizer.json and its chat template, BOS/EOS tokens and ``add_bos_token`` rule.
 
 Tensor types read: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (any other is
-refused by name). Architectures: ``llama`` (Llama 2/3 layouts and relatives such as SmolLM2),
-``qwen2`` and ``qwen3`` (with their q/k/v biases and q/k norms). For ``llama`` llama.cpp's converter
-reorders the query and key rows of each head for its interleaved rope; they are put back in the
-rotate-half order of hub checkpoints here (Qwen GGUFs keep the hub order: llama.cpp runs them with
-rotate-half rope).
+refused by name). What a GGUF architecture means (its config from the metadata, llama.cpp's tensor
+names, tensors llama.cpp reorders) is the model folder's: a :class:`GGUFLayout` its target
+registers (``register_target(..., gguf=)``; the Llama family's is
+:mod:`mtp_jax.targets.llama.gguf`). This module reads the file.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -37,33 +37,42 @@ from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 log = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_HUB_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 MAGIC = b"GGUF"
-
-# llama.cpp tensor names -> hub names (per-layer ones under blk.{i}.).
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",  # Qwen2
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFLayout:
+    """What GGUF files of some architectures hold, as the model folder that reads them declares it.
+
+    ``hf_config(ckpt) -> dict``: the config.json of the same model from the file's metadata
+    (``ckpt.meta(key)`` reads ``{architecture}.{key}``); ``global_names`` / ``layer_names``:
+    llama.cpp tensor names -> hub names (layer ones under ``blk.{i}.`` -> ``model.layers.{i}.``);
+    ``fixup(ckpt, hub_name, array) -> array``: a tensor put back in hub layout (llama.cpp reorders
+    some); ``consumed``: tensors read into the config, not weights."""
+
+    architectures: tuple[str, ...]
+    hf_config: Callable[[GGUFCheckpoint], dict]
+    global_names: Mapping[str, str]
+    layer_names: Mapping[str, str]
+    fixup: Callable[[GGUFCheckpoint, str, np.ndarray], np.ndarray] | None = None
+    consumed: tuple[str, ...] = ()
+
+
+_LAYOUTS: dict[str, GGUFLayout] = {}
+
+
+def register_gguf_layout(layout: GGUFLayout) -> None:
+    """Read GGUF files of ``layout.architectures`` with ``layout`` (a target's registration does
+    this: ``register_target(..., gguf=)``)."""
+    for arch in layout.architectures:
+        _LAYOUTS[arch] = layout
+
+
+def gguf_architectures() -> tuple[str, ...]:
+    """The GGUF architectures some registered target reads."""
+    return tuple(sorted(_LAYOUTS))
+
 
 # Pre-tokenizers (tokenizer.ggml.pre) we can express as a tokenizers pipeline. All are byte-level BPE.
 _GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
@@ -151,14 +160,17 @@ class GGUFCheckpoint:
                 )
             self._tensors[t.name] = t
         self.architecture = self.metadata.get("general.architecture")
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in _LAYOUTS:
             raise ConfigError(
                 f"{self.path}: GGUF architecture {self.architecture!r} is not supported; supported: "
-                f"{', '.join(ARCHITECTURES)}"
+                f"{', '.join(gguf_architectures())}"
             )
+        self.layout = _LAYOUTS[self.architecture]
 
     # --- metadata -----------------------------------------------------------------------------
-    def _meta(self, key: str, default: Any = ...) -> Any:
+    def meta(self, key: str, default: Any = ...) -> Any:
+        """Metadata field ``{architecture}.{key}`` (``general.*`` and ``tokenizer.*`` as named);
+        without ``default``, a missing field is a :class:`ConfigError` naming it."""
         full = f"{self.architecture}.{key}" if not key.startswith(("general.", "tokenizer.")) else key
         if full not in self.metadata:
             if default is ...:
@@ -177,82 +189,16 @@ class GGUFCheckpoint:
         return tuple(int(n) for n in reversed(self._tensors[name].shape.tolist()))
 
     def hf_config(self) -> dict:
-        """The Hugging Face config.json equivalent of this GGUF's metadata."""
-        heads = int(self._meta("attention.head_count"))
-        hidden = int(self._meta("embedding_length"))
-        head_dim = int(self._meta("attention.key_length", hidden // heads if heads else 0))
-        rope_dims = int(self._meta("rope.dimension_count", head_dim))
-        if rope_dims != head_dim:
-            raise ConfigError(
-                f"{self.path}: rope over {rope_dims} of {head_dim} head dimensions (partial rope) is not "
-                "supported"
-            )
-        tokens = self.metadata.get("tokenizer.ggml.tokens")
-        vocab = int(self._meta("vocab_size", len(tokens) if tokens else 0))
-        if "token_embd.weight" in self._tensors:
-            vocab = self.tensor_shape("token_embd.weight")[0]
-        kv = self._meta("attention.head_count_kv", heads)
-        if isinstance(kv, list):
-            raise ConfigError(f"{self.path}: per-layer key/value head counts are not supported")
-        raw: dict[str, Any] = {
-            "architectures": [_HUB_ARCHITECTURES[self.architecture]],
-            "model_type": self.architecture,
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": int(self._meta("feed_forward_length")),
-            "num_hidden_layers": int(self._meta("block_count")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(kv),
-            "head_dim": head_dim,
-            "rms_norm_eps": float(self._meta("attention.layer_norm_rms_epsilon", 1e-5)),
-            "rope_theta": float(self._meta("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(self._meta("context_length", 2048)),
-            "tie_word_embeddings": "output.weight" not in self._tensors,
-            "hidden_act": "silu",
-        }
-        for key, out in (
-            ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-            ("tokenizer.ggml.eos_token_id", "eos_token_id"),
-        ):
-            if key in self.metadata:
-                raw[out] = int(self.metadata[key])
-        scaling = self._rope_scaling(head_dim, raw["rope_theta"])
-        if scaling is not None:
-            raw["rope_scaling"] = scaling
-        return raw
+        """The Hugging Face config.json equivalent of this GGUF's metadata (its layout's)."""
+        return self.layout.hf_config(self)
 
-    def _rope_scaling(self, head_dim: int, theta: float) -> dict | None:
-        kind = self._meta("rope.scaling.type", None)
-        if kind not in (None, "none"):
-            raise ConfigError(f"{self.path}: rope scaling {kind!r} is not supported for GGUF Llama models")
-        if "rope_freqs.weight" not in self._tensors:
-            return None
-        # Llama 3.1-3.3 GGUFs carry llama3 rope scaling as per-frequency divisors (rope_freqs); find
-        # the parameters that produce them (the published low 1 / high 4, the original context
-        # solved from a divisor between the two limits, or a power of two), or refuse.
-        freqs = self._array("rope_freqs.weight").astype(np.float64)
-        factor, low, high = float(freqs.max()), 1.0, 4.0
-        candidates = {2**k for k in range(6, 18)}
-        if factor > 1:
-            inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-            for f, w in zip(freqs, 2 * math.pi / inv, strict=False):
-                if 1 < f < factor:
-                    smooth = (1 / f - 1 / factor) / (1 - 1 / factor)
-                    candidates.add(round(w * (smooth * (high - low) + low)))
-        for original in sorted(candidates):
-            want = llama3_rope_divisors(head_dim, theta, factor, low, high, original)
-            if want.shape == freqs.shape and np.allclose(want, freqs, rtol=1e-4, atol=1e-4):
-                return {
-                    "rope_type": "llama3",
-                    "factor": factor,
-                    "low_freq_factor": low,
-                    "high_freq_factor": high,
-                    "original_max_position_embeddings": original,
-                }
-        raise ConfigError(
-            f"{self.path}: its rope_freqs tensor matches no llama3 rope scaling (factor {factor:g}, low "
-            "frequency factor 1, high 4, any original context)"
-        )
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def array(self, name: str) -> np.ndarray:
+        """A tensor by its GGUF name, as stored (F16/BF16 kept, quantised types dequantised to
+        float32), numpy shape."""
+        return self._array(name)
 
     # --- tensors ------------------------------------------------------------------------------
     def _array(self, name: str) -> np.ndarray:
@@ -407,21 +353,10 @@ class GGUFCheckpoint:
             os.replace(tmp, os.path.join(directory, name))
 
 
-def llama3_rope_divisors(
-    head_dim: int, theta: float, factor: float, low: float, high: float, original: int
-) -> np.ndarray:
-    """Per-frequency divisors of llama3 rope scaling (what llama.cpp stores as ``rope_freqs``)."""
-    inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv
-    smooth = (original / wavelen - low) / (high - low)
-    mid = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
-
-
 class GGUFTensors:
     """A GGUF's tensors under hub names, in hub layouts: the reader interface of
     :class:`mtp_jax.checkpoint.safetensors_io.CheckpointReader` (``keys``, ``shape``, ``dtype``,
-    ``get``). Query/key projections get their rows back in rotate-half order."""
+    ``get``), each put back in hub layout by its :class:`GGUFLayout`."""
 
     def __init__(self, ckpt: GGUFCheckpoint, progress: bool = False) -> None:
         self.ckpt = ckpt
@@ -430,14 +365,14 @@ class GGUFTensors:
         if progress:
             from mtp_jax.progress import Progress
 
-            names = [n for n in ckpt.tensor_names() if n != "rope_freqs.weight"]
+            names = [n for n in ckpt.tensor_names() if n not in ckpt.layout.consumed]
             total = sum(ckpt.stored_bytes(n) for n in names)
             self._bar = Progress(f"load {os.path.basename(ckpt.path)}", len(names), total)
         self._names: dict[str, str] = {}  # hub name -> GGUF name
         for name in ckpt.tensor_names():
-            if name == "rope_freqs.weight":  # read into the config (llama3 rope scaling)
+            if name in ckpt.layout.consumed:  # read into the config
                 continue
-            self._names[_hub_name(name)] = name
+            self._names[_hub_name(ckpt.layout, name)] = name
 
     def keys(self) -> list[str]:
         return list(self._names)
@@ -465,25 +400,18 @@ class GGUFTensors:
         x = self.ckpt._array(self._gguf(key))
         if self._bar is not None:
             self._bar.update(1, self.ckpt.stored_bytes(self._gguf(key)), key)
-        proj = key.rsplit(".", 2)[-2] if key.endswith("_proj.weight") else None
-        if (
-            proj in ("q_proj", "k_proj") and self.ckpt.architecture == "llama"
-        ):  # undo llama.cpp's per-head interleaving of the rope halves
-            heads = int(self.ckpt._meta("attention.head_count"))
-            n = heads if proj == "q_proj" else int(self.ckpt._meta("attention.head_count_kv", heads))
-            rows, cols = x.shape
-            x = np.ascontiguousarray(x.reshape(n, rows // n // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
-        return x
+        fixup = self.ckpt.layout.fixup
+        return x if fixup is None else fixup(self.ckpt, key, x)
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         for key in self._names:
             yield key, self.get(key)
 
 
-def _hub_name(name: str) -> str:
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+def _hub_name(layout: GGUFLayout, name: str) -> str:
+    if name in layout.global_names:
+        return layout.global_names[name]
     m = _LAYER.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layout.layer_names:
+        return f"model.layers.{m.group(1)}.{layout.layer_names[m.group(2)]}"
     return name  # kept under its own name: reported as unused (refused with strict)

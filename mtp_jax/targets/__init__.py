@@ -38,6 +38,7 @@ def register_target(
     model_types: tuple[str, ...] = (),
     parse: Callable[[Mapping[str, Any]], Any] | None = None,
     checkpoint_format: Any = None,
+    gguf: Any = None,
     built_in: bool = False,
 ) -> Target:
     """Add a target model: ``target`` then runs with every draft through the step, the engine,
@@ -45,7 +46,9 @@ def register_target(
     config.json ``model_type`` values whose configs ``parse`` reads (into an instance of
     ``target.config_class``); ``checkpoint_format``: the key map that reads and writes its hub
     checkpoints (a module like :mod:`mtp_jax.targets.llama.checkpoint`; None: the one of a
-    registered base class of its config). A target of the same config class is replaced; a built-in
+    registered base class of its config); ``gguf``: a
+    :class:`~mtp_jax.checkpoint.gguf.GGUFLayout`, the GGUF architectures it reads (llama.cpp's
+    single-file checkpoints). A target of the same config class is replaced; a built-in
     one (``built_in``: the package's own registrations) cannot be."""
     if model_types and parse is None:
         raise ValueError("model_types need parse, the function that reads such a config")
@@ -54,6 +57,10 @@ def register_target(
         register_model_type(model_type, parse, built_in=built_in)
     if checkpoint_format is not None:
         register_checkpoint_format(target.config_class, checkpoint_format)
+    if gguf is not None:
+        from mtp_jax.checkpoint.gguf import register_gguf_layout
+
+        register_gguf_layout(gguf)
     if built_in:
         _BUILT_IN.add(target.config_class)
     return target

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.checkpoint.gguf import SUPPORTED_TYPES, GGUFCheckpoint, llama3_rope_divisors
+from mtp_jax.checkpoint.gguf import SUPPORTED_TYPES, GGUFCheckpoint
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.errors import CheckpointError, ConfigError
+from mtp_jax.targets.llama.gguf import llama3_rope_divisors, rope_scaling
 from mtp_jax.text import TextCodec
 from tests.conftest import REPO, require_extra
 
@@ -284,7 +285,7 @@ def test_malformed_gguf_files_are_refused_by_name(damage, tiny_gguf, tmp_path):
         w.write_tensors_to_file()
         w.close()
         with pytest.raises(ConfigError, match="rope_freqs tensor matches no llama3 rope scaling"):
-            GGUFCheckpoint(str(path))._rope_scaling(4, 10000.0)
+            rope_scaling(GGUFCheckpoint(str(path)), 4, 10000.0)
 
 
 def test_llama3_rope_divisors_follow_the_published_formula():
