@@ -284,3 +284,50 @@ def test_no_module_outside_a_model_or_draft_folder_imports_one():
     )
     for module in NAMED_FROM_OUTSIDE:
         assert any(_family(b) for b in graph[module]), f"{module} imports no model folder any more: drop it"
+
+
+# comparisons with a model's or a draft's name outside its folder that stay, and why
+NAME_COMPARED_OUTSIDE = {
+    ("mtp_jax.estimate", "mtp"): "a hub tensor component (the target's own draft layers), not the draft",
+}
+
+
+def _compared_names(tree: ast.AST, names: set[str]) -> set[str]:
+    """String constants among ``names`` that a comparison (==, !=, in) tests against."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                found |= {x.value for x in items if isinstance(x, ast.Constant) and x.value in names}
+    return found
+
+
+def test_no_model_or_draft_name_is_compared_outside_its_folder():
+    """The core branches on no model or draft: ``x == "eagle3"`` or ``arch in ("llama", ...)`` belong
+    in that model's or draft's folder (registered names: every draft, every config model_type)."""
+    import mtp_jax  # noqa: F401  (the shipped registrations)
+    from mtp_jax.config import model_types
+    from mtp_jax.drafts import DRAFTS
+
+    names = set(DRAFTS) | set(model_types())
+    wrong, seen = [], set()
+    for package in PACKAGES:
+        for root, _, files in os.walk(os.path.join(REPO, package)):
+            for file in files:
+                path = os.path.join(root, file)
+                module = _module_name(path)
+                if not file.endswith(".py") or _family(module) or module == "mtp_jax.builtin":
+                    continue
+                with open(path, encoding="utf-8") as f:
+                    for name in _compared_names(ast.parse(f.read()), names):
+                        seen.add((module, name))
+                        if (module, name) not in NAME_COMPARED_OUTSIDE:
+                            wrong.append(f"{module} compares {name!r}")
+    assert not wrong, "\n".join(sorted(wrong))
+    assert set(NAME_COMPARED_OUTSIDE) <= seen, set(NAME_COMPARED_OUTSIDE) - seen
+
+
+def test_the_name_check_sees_a_comparison():
+    tree = ast.parse("if draft == 'eagle3' or arch in ('llama', 'x'): pass")
+    assert _compared_names(tree, {"eagle3", "llama", "ngram"}) == {"eagle3", "llama"}
