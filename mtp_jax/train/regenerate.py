@@ -162,47 +162,97 @@ def generate_corpus(
     the work not yet in a shard is staged (``staging.json.gz``: finished conversations of
     unfinished shards, and every running conversation up to its last whole reply), so that a
     killed run resumes from there instead of from its last shard (0: after every reply)."""
-    os.makedirs(directory, exist_ok=True)
-    manifest_path = os.path.join(directory, "manifest.json")
-    manifest = _read_json(manifest_path)
-    plan, missing = _pin_plan(directory, plan, manifest, log)
-    identity = _identity(model, target, plan, settings, shard_size)
-    if manifest:
-        differs = [k for k, v in identity.items() if manifest.get("identity", {}).get(k) != v]
-        if differs:
-            raise ValueError(
-                f"{directory} holds a corpus made with other {', '.join(differs)} "
-                f"({ {k: manifest.get('identity', {}).get(k) for k in differs} } there, "
-                f"{ {k: identity[k] for k in differs} } now): use another --out or the same settings"
-            )
-    manifest = {**(manifest or {}), "identity": identity, "plan": plan.record, **(extra or {})}
-    shards.write_json(manifest_path, manifest)
-
-    total = len(plan.prompts) if limit is None else min(limit, len(plan.prompts))
-    done = shards.finished_shards(directory, plan.digest)
-    numbers = range((total + shard_size - 1) // shard_size)
-    expected = {n: (n * shard_size, min((n + 1) * shard_size, total)) for n in numbers}
-    pending = [n for n in numbers if n not in done or done[n].stop < expected[n][1]]
-    progress = _read_json(os.path.join(directory, "progress.json")) or {}
-    runs: list[dict] = progress.get("runs", [])
+    job = _CorpusJob(model, plan, directory, settings, target, shard_size, limit, target_tokens, extra, log)
     options = dict(ENGINE_OPTIONS if engine_options is None else engine_options)
-    run: dict[str, Any] = {
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-        "slots": slots,
-        "speculative": None if speculative is None else str(speculative),
-        "engine_options": options,
-        "conversations": 0,
-        "reply_tokens": 0,
-        "seconds": 0.0,
-    }
-    runs.append(run)
+    job.start_run(command, slots, speculative, options)
+    if job.nothing_to_do():
+        job.run["note"] = "nothing to do"
+        return job.save()
+    job.begin()
+    engine = mtp_jax.Engine(
+        model, slots=slots, max_len=settings.context_cap, speculative=speculative, **options
+    )
+    try:
+        job.regenerate(engine, on_shard, progress_every, max_seconds, stage_every)
+    finally:
+        engine.close()
+    return job.finish(staged=max_seconds is None)
 
-    def finished_tokens() -> int:
-        return sum(r.reply_tokens for n, r in done.items() if n in expected)
 
-    def record() -> dict:
-        kept = {n: r for n, r in done.items() if n in expected}
+class _CorpusDirectory:
+    """A corpus directory's state for one run of :func:`generate_corpus`: its manifest (checked
+    against this run's identity), the shards done and pending, the progress record and card."""
+
+    def __init__(
+        self,
+        model: Any,
+        plan: Plan,
+        directory: str,
+        settings: Settings,
+        target: str,
+        shard_size: int,
+        limit: int | None,
+        target_tokens: int | None,
+        extra: dict | None,
+        log: TextIO | None,
+    ) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.model, self.directory, self.settings, self.log = model, directory, settings, log
+        self.target_tokens = target_tokens
+        manifest_path = os.path.join(directory, "manifest.json")
+        manifest = _read_json(manifest_path)
+        self.plan, self.missing = _pin_plan(directory, plan, manifest, log)
+        identity = _identity(model, target, self.plan, settings, shard_size)
+        if manifest:
+            had = manifest.get("identity", {})
+            differs = [k for k, v in identity.items() if had.get(k) != v]
+            if differs:
+                raise ValueError(
+                    f"{directory} holds a corpus made with other {', '.join(differs)} "
+                    f"({ {k: had.get(k) for k in differs} } there, "
+                    f"{ {k: identity[k] for k in differs} } now): use another --out or the same settings"
+                )
+        self.manifest = {**(manifest or {}), "identity": identity, "plan": self.plan.record, **(extra or {})}
+        shards.write_json(manifest_path, self.manifest)
+        n_prompts = len(self.plan.prompts)
+        self.total = n_prompts if limit is None else min(limit, n_prompts)
+        self.done = shards.finished_shards(directory, self.plan.digest)
+        numbers = range((self.total + shard_size - 1) // shard_size)
+        self.expected = {n: (n * shard_size, min((n + 1) * shard_size, self.total)) for n in numbers}
+        self.pending = [n for n in numbers if n not in self.done or self.done[n].stop < self.expected[n][1]]
+        progress = _read_json(os.path.join(directory, "progress.json")) or {}
+        self.runs: list[dict] = progress.get("runs", [])
+        self.run: dict[str, Any] = {}
+
+    def start_run(self, command: str | None, slots: int, speculative: Any, options: dict) -> None:
+        self.run = {
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command,
+            "slots": slots,
+            "speculative": None if speculative is None else str(speculative),
+            "engine_options": options,
+            "conversations": 0,
+            "reply_tokens": 0,
+            "seconds": 0.0,
+        }
+        self.runs.append(self.run)
+
+    def begin(self) -> None:
+        """The card and the progress record exist from the start of a run."""
+        if self.missing:
+            self.run["missing_prompts"] = self.missing
+        self.save()
+
+    def nothing_to_do(self) -> bool:
+        return not self.pending or (
+            self.target_tokens is not None and self.finished_tokens() >= self.target_tokens
+        )
+
+    def finished_tokens(self) -> int:
+        return sum(r.reply_tokens for n, r in self.done.items() if n in self.expected)
+
+    def record(self) -> dict:
+        kept = {n: r for n, r in self.done.items() if n in self.expected}
         by_source: dict[str, dict[str, int]] = {}
         ends: dict[str, int] = {}
         finishes: dict[str, int] = {}
@@ -216,52 +266,171 @@ def generate_corpus(
             for k, v in r.finishes.items():
                 finishes[k] = finishes.get(k, 0) + v
         return {
-            "conversations_planned": total,
+            "conversations_planned": self.total,
             "shards_done": len(kept),
-            "shards_planned": len(expected),
-            "conversations_done": sum(min(r.stop, expected[n][1]) - r.start for n, r in kept.items()),
+            "shards_planned": len(self.expected),
+            "conversations_done": sum(min(r.stop, self.expected[n][1]) - r.start for n, r in kept.items()),
             "tokens": sum(r.tokens for r in kept.values()),
             "reply_tokens": sum(r.reply_tokens for r in kept.values()),
             "by_source": dict(sorted(by_source.items(), key=lambda kv: _source_key(kv[0]))),
             "conversation_ends": dict(sorted(ends.items())),
             "reply_finishes": dict(sorted(finishes.items())),
-            "target_tokens": target_tokens,
-            "runs": runs,
+            "target_tokens": self.target_tokens,
+            "runs": self.runs,
         }
 
-    def save() -> dict:
-        current = record()
-        shards.write_json(os.path.join(directory, "progress.json"), current)
-        shards.write_text(os.path.join(directory, "CARD.md"), card(manifest, current))
+    def save(self) -> dict:
+        current = self.record()
+        shards.write_json(os.path.join(self.directory, "progress.json"), current)
+        shards.write_text(os.path.join(self.directory, "CARD.md"), card(self.manifest, current))
         return current
 
-    if not pending or (target_tokens is not None and finished_tokens() >= target_tokens):
-        run["note"] = "nothing to do"
-        return save()
 
-    if missing:
-        run["missing_prompts"] = missing
-    save()  # the card and progress exist from the start
-    renderer = Renderer(model.text)
-    queue = [i for n in pending for i in range(*expected[n])]
-    shard_of = {i: n for n in pending for i in range(*expected[n])}
-    waiting = {n: expected[n][1] - expected[n][0] for n in pending}  # conversations not yet done
-    buffers: dict[int, list[shards.Conversation]] = {n: [] for n in pending}
-    started_shards: set[int] = set()
-    live: dict[int, _Live] = {}
-    engine = mtp_jax.Engine(
-        model, slots=slots, max_len=settings.context_cap, speculative=speculative, **options
-    )
-    slots_used = engine.slots
-    run["slots"] = slots_used
-    t0 = last_log = time.perf_counter()
-    engine_tokens = 0
-    steady: list[tuple[float, int]] = []  # (time, engine tokens): first reply, batch no longer full
-    ticks: list[tuple[float, int]] = []  # (time, reply tokens produced so far, running ones included)
-    open_tokens = 0  # reply tokens of finished conversations whose shards are not written yet
-    stopping = False
+class _CorpusJob(_CorpusDirectory):
+    """One run of :func:`generate_corpus`: the conversations in flight through one engine, turn by
+    turn, and the shards, staging and progress lines they make."""
 
-    def submit(c: _Live, ids: list[int]) -> bool:
+    def regenerate(
+        self,
+        engine: Any,
+        on_shard: Callable[[shards.ShardRecord], None] | None,
+        progress_every: float,
+        max_seconds: float | None,
+        stage_every: float,
+    ) -> None:
+        """Every pending conversation through ``engine``, turn by turn, shards written as they fill."""
+        self.engine, self.on_shard = engine, on_shard
+        self.renderer = Renderer(self.model.text)
+        spans = [(n, range(*self.expected[n])) for n in self.pending]
+        self.shard_of = {i: n for n, indices in spans for i in indices}
+        self.waiting = {n: len(indices) for n, indices in spans}  # conversations not yet done
+        self.buffers: dict[int, list[shards.Conversation]] = {n: [] for n in self.pending}
+        self.started_shards: set[int] = set()
+        self.live: dict[int, _Live] = {}
+        self.slots = self.run["slots"] = engine.slots
+        self.t0 = last_log = last_stage = time.perf_counter()
+        self.engine_tokens = self.open_tokens = 0  # open: reply tokens in shards not written yet
+        self.steady: list[tuple[float, int]] = []  # (time, engine tokens): first reply, batch not full
+        self.ticks: list[tuple[float, int]] = []  # (time, reply tokens so far, running ones included)
+        queue = self._restore_staged([i for _, indices in spans for i in indices])
+        position, stopping = 0, False
+        while position < len(queue) or self.live:
+            # keep the engine's queue a little longer than its slots; once stopping, only finish
+            # the shards already started
+            while (
+                position < len(queue)
+                and len(self.live) < self.slots + self.slots // 2
+                and (not stopping or self.shard_of[queue[position]] in self.started_shards)
+            ):
+                self._start(queue[position])
+                position += 1
+            if not self.live:
+                break
+            if len(self.steady) == 1 and position == len(queue) and len(self.live) < self.slots:
+                self.steady.append((time.perf_counter(), self.engine_tokens))
+            finished = self._collect()
+            if finished and time.perf_counter() - last_stage >= stage_every:
+                self.stage()
+                last_stage = time.perf_counter()
+            if (
+                self.target_tokens is not None
+                and self.finished_tokens() + self.open_tokens >= self.target_tokens
+            ):
+                stopping = True
+            now = time.perf_counter()
+            if max_seconds is not None and now - self.t0 >= max_seconds:
+                break
+            if now - last_log >= progress_every:
+                last_log = now
+                self._tick(now)
+
+    def _restore_staged(self, queue: list[int]) -> list[int]:
+        """Put back what an earlier run staged: finished conversations into their shards' buffers
+        (whole shards written), running ones kept for :meth:`_start`. Returns the queue left."""
+        staged_finished, self.staged_running = _read_staging(self.directory, self.plan.digest)
+        for row in staged_finished:  # conversations an earlier run finished but wrote no shard for
+            n = self.shard_of.get(row["index"])
+            if n is None or any(x.index == row["index"] for x in self.buffers[n]):
+                continue
+            conv = _conversation_from_json(row)
+            self.buffers[n].append(conv)
+            self.waiting[n] -= 1
+            self.open_tokens += conv.reply_tokens
+            self.started_shards.add(n)
+        staged_indices = {x.index for rows in self.buffers.values() for x in rows}
+        for n in [n for n in self.pending if self.waiting[n] == 0]:  # every conversation was staged
+            self._write(n)
+        return [i for i in queue if i not in staged_indices]
+
+    def _collect(self) -> list[_Live]:
+        """Take the replies that finished (each conversation then asks its next turn, or ends)."""
+        finished = [c for c in self.live.values() if c.handle is not None and c.handle.done]
+        if not finished:
+            time.sleep(0.01)
+        elif not self.steady:
+            self.steady.append((time.perf_counter(), self.engine_tokens))
+        for c in finished:
+            result = c.handle.result()
+            if result.finish_reason in ("error", "cancelled"):
+                raise RuntimeError(f"conversation {c.prompt.id}: the engine ended a reply with {result}")
+            self.engine_tokens += len(result.tokens)
+            c.stream += result.tokens
+            c.mask += [True] * len(result.tokens)
+            c.finish.append(result.finish_reason)
+            reply_text = self.model.text.decode(result.tokens, skip_special_tokens=True)
+            c.messages += [
+                {"role": "user", "content": c.prompt.turns[c.turn]},
+                {"role": "assistant", "content": reply_text},
+            ]
+            c.turn += 1
+            c.handle = None
+            self._advance(c)
+        return finished
+
+    def _tick(self, now: float) -> None:
+        running = sum(_tokens_so_far(c.handle) for c in self.live.values())
+        self.ticks.append((now, self.engine_tokens + running))
+        if self.log is not None:
+            _progress_line(
+                self.log,
+                self.record(),
+                self.open_tokens,
+                self.engine_tokens,
+                running,
+                now - self.t0,
+                len(self.live),
+                self.slots,
+            )
+
+    def finish(self, staged: bool) -> dict:
+        """Stage what is unfinished (``staged``), record the run's rates, save, say what was made."""
+        if staged:
+            self.stage()  # what a stop at the token target left unfinished (nothing, after a whole run)
+        run = self.run
+        _timing(run, self.engine_tokens, time.perf_counter() - self.t0)
+        if len(self.steady) == 2 and self.steady[1][0] > self.steady[0][0]:
+            # the batch's rate while it was full: after the first reply (compilations mostly done),
+            # until fewer conversations than slots were left (the last ones drain a half-empty batch)
+            (t1, n1), (t2, n2) = self.steady
+            run["full_batch_reply_tokens_per_second"] = round((n2 - n1) / (t2 - t1), 2)
+        if len(self.ticks) >= 4:
+            # the second half of the run: past the first compilations (a measurement's figure)
+            (t1, n1), (t2, n2) = self.ticks[len(self.ticks) // 2], self.ticks[-1]
+            run["second_half_reply_tokens_per_second"] = round((n2 - n1) / (t2 - t1), 2)
+        current = self.save()
+        if self.log is not None:
+            print(
+                f"corpus: {current['conversations_done']}/{self.total} conversations, "
+                f"{current['reply_tokens']:,} reply tokens; this run {run['reply_tokens_per_second']:.1f} "
+                f"reply tokens/s at {self.slots} slots",
+                file=self.log,
+                flush=True,
+            )
+        return current
+
+    # --- one conversation ------------------------------------------------------------------------
+    def _submit(self, c: _Live, ids: list[int]) -> bool:
+        settings = self.settings
         budget = settings.context_cap - len(c.stream) - len(ids)
         if budget < settings.min_reply_tokens:
             return False
@@ -275,13 +444,12 @@ def generate_corpus(
             min_p=settings.min_p,
             seed=c.seed,
         )
-        c.handle = engine.submit(list(c.stream), params)
+        c.handle = self.engine.submit(list(c.stream), params)
         return True
 
-    def close(c: _Live, end: str) -> None:
-        nonlocal open_tokens
-        del live[c.index]
-        n = shard_of[c.index]
+    def _close(self, c: _Live, end: str) -> None:
+        del self.live[c.index]
+        n = self.shard_of[c.index]
         conv = shards.Conversation(
             c.prompt.id,
             c.prompt.source,
@@ -291,70 +459,69 @@ def generate_corpus(
             tuple(c.finish),
             end,
         )
-        buffers[n].append(conv)
-        open_tokens += conv.reply_tokens
-        waiting[n] -= 1
-        if waiting[n] == 0:
-            write(n)
+        self.buffers[n].append(conv)
+        self.open_tokens += conv.reply_tokens
+        self.waiting[n] -= 1
+        if self.waiting[n] == 0:
+            self._write(n)
 
-    def write(n: int) -> None:
-        nonlocal open_tokens
-        rows = sorted(buffers.pop(n), key=lambda x: x.index)
+    def _write(self, n: int) -> None:
+        rows = sorted(self.buffers.pop(n), key=lambda x: x.index)
         shards.write_shard(
-            directory,
+            self.directory,
             n,
-            expected[n][0],
+            self.expected[n][0],
             rows,
-            plan_digest=plan.digest,
-            vocab_size=int(model.config.vocab_size),
+            plan_digest=self.plan.digest,
+            vocab_size=int(self.model.config.vocab_size),
         )
-        done[n] = shards.summarise_shard(shards.shard_path(directory, n))
-        open_tokens -= done[n].reply_tokens
-        run["conversations"] += len(rows)
-        run["reply_tokens"] += done[n].reply_tokens
-        _timing(run, engine_tokens, time.perf_counter() - t0)
-        save()
-        if log is not None:
+        record = self.done[n] = shards.summarise_shard(shards.shard_path(self.directory, n))
+        self.open_tokens -= record.reply_tokens
+        self.run["conversations"] += len(rows)
+        self.run["reply_tokens"] += record.reply_tokens
+        _timing(self.run, self.engine_tokens, time.perf_counter() - self.t0)
+        self.save()
+        if self.log is not None:
             print(
-                f"shard {n:05d} written: {len(rows)} conversations, {done[n].reply_tokens:,} reply tokens",
-                file=log,
+                f"shard {n:05d} written: {len(rows)} conversations, {record.reply_tokens:,} reply tokens",
+                file=self.log,
                 flush=True,
             )
-        if on_shard is not None:
-            on_shard(done[n])
+        if self.on_shard is not None:
+            self.on_shard(record)
 
-    def advance(c: _Live) -> None:
+    def _advance(self, c: _Live) -> None:
         """Ask a conversation's next user turn after its last reply (or end it)."""
         c.kept = len(c.stream)
         if c.turn == len(c.prompt.turns):
-            close(c, "done")
+            self._close(c, "done")
             return
-        ids = renderer.extend(c.stream, c.messages, c.prompt.turns[c.turn])
+        ids = self.renderer.extend(c.stream, c.messages, c.prompt.turns[c.turn])
         if ids is None:
-            close(c, "template")
-        elif not submit(c, ids):
-            close(c, "cap")
+            self._close(c, "template")
+        elif not self._submit(c, ids):
+            self._close(c, "cap")
 
-    def start(index: int) -> None:
-        prompt = plan.prompts[index]
-        started_shards.add(shard_of[index])
+    def _start(self, index: int) -> None:
+        prompt = self.plan.prompts[index]
+        self.started_shards.add(self.shard_of[index])
         if prompt is None:  # gone from the sources since the corpus was started
             prompt = Prompt(f"missing:{index}", "missing", ("",))
-            live[index] = _Live(index, prompt, 0, [], [], [])
-            close(live[index], "missing")
+            self.live[index] = _Live(index, prompt, 0, [], [], [])
+            self._close(self.live[index], "missing")
             return
-        c = _Live(index, prompt, settings.conversation_seed(prompt.id), [], [], [])
-        live[index] = c
-        state = staged_running.pop(index, None)
+        c = _Live(index, prompt, self.settings.conversation_seed(prompt.id), [], [], [])
+        self.live[index] = c
+        state = self.staged_running.pop(index, None)
         if state is not None and state["id"] == prompt.id:  # resumed after its last whole reply
             c.stream, c.mask = list(state["stream"]), list(state["mask"])
             c.messages, c.finish, c.turn = list(state["messages"]), list(state["finish"]), state["turn"]
-            advance(c)
-        elif not submit(c, renderer.first(prompt.turns[0])):
-            close(c, "cap")
+            self._advance(c)
+        elif not self._submit(c, self.renderer.first(prompt.turns[0])):
+            self._close(c, "cap")
 
-    def stage() -> None:
-        finished_rows = [_conversation_json(x) for rows in buffers.values() for x in rows]
+    def stage(self) -> None:
+        finished_rows = [_conversation_json(x) for rows in self.buffers.values() for x in rows]
         running = [
             {
                 "index": c.index,
@@ -365,103 +532,10 @@ def generate_corpus(
                 "finish": c.finish,
                 "turn": c.turn,
             }
-            for c in live.values()
+            for c in self.live.values()
             if c.turn > 0
         ]
-        _write_staging(directory, plan.digest, finished_rows, running)
-
-    staged_finished, staged_running = _read_staging(directory, plan.digest)
-    last_stage = time.perf_counter()
-    try:
-        for row in staged_finished:  # conversations an earlier run finished but wrote no shard for
-            n = shard_of.get(row["index"])
-            if n is None or any(x.index == row["index"] for x in buffers[n]):
-                continue
-            conv = _conversation_from_json(row)
-            buffers[n].append(conv)
-            waiting[n] -= 1
-            open_tokens += conv.reply_tokens
-            started_shards.add(n)
-        staged_indices = {x.index for rows in buffers.values() for x in rows}
-        queue = [i for i in queue if i not in staged_indices]
-        for n in [n for n in pending if waiting[n] == 0]:  # every conversation of a shard was staged
-            write(n)
-        position = 0
-        while position < len(queue) or live:
-            # keep the engine's queue a little longer than its slots; once stopping, only finish
-            # the shards already started
-            while (
-                position < len(queue)
-                and len(live) < slots_used + slots_used // 2
-                and (not stopping or shard_of[queue[position]] in started_shards)
-            ):
-                start(queue[position])
-                position += 1
-            if not live:
-                break
-            if len(steady) == 1 and position == len(queue) and len(live) < slots_used:
-                steady.append((time.perf_counter(), engine_tokens))
-            finished = [c for c in live.values() if c.handle is not None and c.handle.done]
-            if not finished:
-                time.sleep(0.01)
-            elif not steady:
-                steady.append((time.perf_counter(), engine_tokens))
-            for c in finished:
-                result = c.handle.result()
-                if result.finish_reason in ("error", "cancelled"):
-                    raise RuntimeError(f"conversation {c.prompt.id}: the engine ended a reply with {result}")
-                engine_tokens += len(result.tokens)
-                c.stream += result.tokens
-                c.mask += [True] * len(result.tokens)
-                c.finish.append(result.finish_reason)
-                reply_text = model.text.decode(result.tokens, skip_special_tokens=True)
-                c.messages += [
-                    {"role": "user", "content": c.prompt.turns[c.turn]},
-                    {"role": "assistant", "content": reply_text},
-                ]
-                c.turn += 1
-                c.handle = None
-                advance(c)
-            if finished and time.perf_counter() - last_stage >= stage_every:
-                stage()
-                last_stage = time.perf_counter()
-            if target_tokens is not None and finished_tokens() + open_tokens >= target_tokens:
-                stopping = True
-            now = time.perf_counter()
-            if max_seconds is not None and now - t0 >= max_seconds:
-                break
-            if now - last_log >= progress_every:
-                last_log = now
-                running = sum(_tokens_so_far(c.handle) for c in live.values())
-                ticks.append((now, engine_tokens + running))
-                if log is not None:
-                    _progress_line(
-                        log, record(), open_tokens, engine_tokens, running, now - t0, len(live), slots_used
-                    )
-    finally:
-        engine.close()
-    if max_seconds is None:
-        stage()  # what a stop at the token target left unfinished (nothing, after a whole run)
-    _timing(run, engine_tokens, time.perf_counter() - t0)
-    if len(steady) == 2 and steady[1][0] > steady[0][0]:
-        # the batch's rate while it was full: after the first reply (compilations mostly done),
-        # until fewer conversations than slots were left (the last ones drain a half-empty batch)
-        (t1, n1), (t2, n2) = steady
-        run["full_batch_reply_tokens_per_second"] = round((n2 - n1) / (t2 - t1), 2)
-    if len(ticks) >= 4:
-        # the second half of the run: past the first compilations (a measurement's figure)
-        (t1, n1), (t2, n2) = ticks[len(ticks) // 2], ticks[-1]
-        run["second_half_reply_tokens_per_second"] = round((n2 - n1) / (t2 - t1), 2)
-    current = save()
-    if log is not None:
-        print(
-            f"corpus: {current['conversations_done']}/{total} conversations, "
-            f"{current['reply_tokens']:,} reply tokens; this run {run['reply_tokens_per_second']:.1f} "
-            f"reply tokens/s at {slots_used} slots",
-            file=log,
-            flush=True,
-        )
-    return current
+        _write_staging(self.directory, self.plan.digest, finished_rows, running)
 
 
 PLAN_FILE = "plan-ids.json.gz"
