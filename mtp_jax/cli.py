@@ -80,6 +80,14 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_generate_parser(sub)
+    _add_serve_parser(sub)
+    _add_tool_parsers(sub)
+    _add_plan_parser(sub)
+    return parser
+
+
+def _add_generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt")
     _add_common(g)
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
@@ -98,6 +106,17 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    _add_generate_speculation_args(g)
+    gram = g.add_mutually_exclusive_group()
+    gram.add_argument(
+        "--json-schema", metavar="FILE", help="constrain every output to this JSON schema (needs llguidance)"
+    )
+    gram.add_argument("--regex", metavar="PATTERN", help="constrain every output to this regular expression")
+    gram.add_argument("--lark", metavar="FILE", help="constrain every output to this Lark grammar")
+
+
+def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
+    """generate's draft, speculation and relaxed-acceptance flags."""
     g.add_argument(
         "--draft",
         metavar=_draft_metavar(),
@@ -170,13 +189,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar=("START", "END"),
         help="ids that open and close a thinking phase (default: the tokenizer's <think> and </think>)",
     )
-    gram = g.add_mutually_exclusive_group()
-    gram.add_argument(
-        "--json-schema", metavar="FILE", help="constrain every output to this JSON schema (needs llguidance)"
-    )
-    gram.add_argument("--regex", metavar="PATTERN", help="constrain every output to this regular expression")
-    gram.add_argument("--lark", metavar="FILE", help="constrain every output to this Lark grammar")
 
+
+def _add_serve_parser(sub) -> None:
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (pip install 'mtp-jax[serve]')")
     _add_common(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -221,6 +236,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--grammar-masks", choices=["host", "callback"], default="host")
 
+
+def _add_tool_parsers(sub) -> None:
+    """score, convert, inspect, and the bench commands (their own parsers parse them)."""
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of a text")
     _add_common(s)
     s.add_argument("--text", required=True)
@@ -267,8 +285,6 @@ def _build_parser() -> argparse.ArgumentParser:
         help="drafts on MT-Bench, HumanEval, MBPP, GSM8K or your prompt files: accepted length per step, "
         "per position, speed against plain (mtp-jax bench-acceptance --help)",
     )
-    _add_plan_parser(sub)
-    return parser
 
 
 def _add_plan_parser(sub) -> None:
