@@ -723,7 +723,11 @@ def card(manifest: dict, progress: dict) -> str:
     """The data card (CARD.md): sources and licences, the mix, decontamination, sampling, sizes,
     throughput, the commands that built it."""
     ident, plan = manifest["identity"], manifest["plan"]
-    s = ident["settings"]
+    lines = _card_sources(ident, plan) + _card_method(ident, plan) + _card_sizes(ident, progress)
+    return "\n".join(lines + _card_runs(manifest, progress))
+
+
+def _card_sources(ident: dict, plan: dict) -> list[str]:
     lines = [
         f"# Self-distillation corpus for {ident['target']}",
         "",
@@ -761,9 +765,14 @@ def card(manifest: dict, progress: dict) -> str:
         }
         if details:
             lines += ["", f"`{name}`: `{json.dumps(details, ensure_ascii=False)}`"]
+    return lines
+
+
+def _card_method(ident: dict, plan: dict) -> list[str]:
+    s = ident["settings"]
     d = plan.get("decontamination", {})
     eval_sets = ", ".join(f"{k}: {v}" for k, v in d.get("eval_sets", {}).items())
-    lines += [
+    return [
         "",
         "## Decontamination",
         "",
@@ -794,6 +803,11 @@ def card(manifest: dict, progress: dict) -> str:
         "turn by turn: each next user turn follows the target's own reply. "
         + ("Chat template: the target's." if ident.get("chat_template") else "No chat template: plain text."),
         "",
+    ]
+
+
+def _card_sizes(ident: dict, progress: dict) -> list[str]:
+    lines = [
         "## Sizes",
         "",
         f"{progress['conversations_done']:,} of {progress['conversations_planned']:,} conversations "
@@ -808,7 +822,11 @@ def card(manifest: dict, progress: dict) -> str:
     ]
     for name, row in progress["by_source"].items():
         lines.append(f"| {name} | {row['conversations']:,} | {row['tokens']:,} | {row['reply_tokens']:,} |")
-    lines += [
+    return lines
+
+
+def _card_runs(manifest: dict, progress: dict) -> list[str]:
+    lines = [
         "",
         f"Conversation ends: {progress['conversation_ends']}; reply finishes: {progress['reply_finishes']}.",
         "",
@@ -850,4 +868,4 @@ def card(manifest: dict, progress: dict) -> str:
         "`mtp_jax.train.iter_conversations(directory)`.",
         "",
     ]
-    return "\n".join(lines)
+    return lines
