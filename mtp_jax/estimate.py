@@ -363,7 +363,15 @@ def format_report(
     mem = per_device_memory(cfg, weights, mesh, kv_tokens, kv_dtype_bytes=kv_dtype_bytes)
     by_expert = target_for(cfg).split_axis == "expert"  # else heads, MLP columns and vocabulary
     split_label = "routed experts" if by_expert else "tensor-split params"
-    lines = [*_summary(cfg), "", "Parameters"]
+    lines = [*_summary(cfg), "", "Parameters", *_report_parameters(cfg, pc)]
+    lines += _report_weight_bytes(cfg, weights)
+    lines += _report_memory(mem, kv_tokens, by_expert, split_label)
+    if device_memory_gb is not None:
+        lines += _report_fit(mem, device_memory_gb)
+    return "\n".join(lines)
+
+
+def _report_parameters(cfg: ModelConfig, pc: ParamCount) -> list[str]:
     labels = {
         "embedding": "embedding",
         "attention": "attention",
@@ -388,8 +396,11 @@ def format_report(
             ("total (hub files)", pc.hub_total),
             ("active per token", pc.active_per_token),
         ]
-    lines += [f"  {name:<24}{format_count(n):>10}" for name, n in rows]
-    lines += ["", f"Weight bytes ({weights})"]
+    return [f"  {name:<24}{format_count(n):>10}" for name, n in rows]
+
+
+def _report_weight_bytes(cfg: ModelConfig, weights: str) -> list[str]:
+    lines = ["", f"Weight bytes ({weights})"]
     loaded, hub = weight_bytes(cfg, weights), weight_bytes(cfg, weights, hub_layout=True)
     lines.append(f"  {'dtype':<16}{'as loaded':>14}{'hub files':>14}")
     for dtype in ("float8_e4m3fn", "bfloat16", "float32"):
@@ -405,8 +416,12 @@ def format_report(
             "  (as loaded: kv_b_proj dequantised to bf16, router gates float32, "
             "MTP embed/head copies stored once)"
         )
+    return lines
+
+
+def _report_memory(mem: DeviceMemory, kv_tokens: int, by_expert: bool, split_label: str) -> list[str]:
     mesh_txt = " ".join(f"{k}={v}" for k, v in mem.mesh)
-    lines += [
+    return [
         "",
         f"Per-device memory (mesh {mesh_txt}: {mem.devices} devices, "
         + (
@@ -420,22 +435,24 @@ def format_report(
         f"{mem.kv_bytes_per_token} B; {kv_tokens} tokens in total)",
         f"  {'total':<24}{format_bytes(mem.total_bytes):>14}",
     ]
-    if device_memory_gb is not None:
-        capacity = int(device_memory_gb * GB)
-        fits = mem.total_bytes <= capacity
-        verdict = "fits" if fits else "does NOT fit"
-        lines += [
-            "",
-            f"Device memory {device_memory_gb:g} GB: {verdict} ({format_bytes(mem.total_bytes)} needed)",
-        ]
-        if mem.weight_bytes > capacity:
-            lines.append(
-                f"  the weights alone ({format_bytes(mem.weight_bytes)}) exceed it: no room for KV cache"
-            )
-        else:
-            fit = mem.kv_tokens_that_fit(capacity)
-            lines.append(
-                f"  KV tokens that fit beside the weights: {fit} per device, {fit * mem.row_shards} in total "
-                f"({format_bytes(capacity - mem.weight_bytes)} free; activations not counted)"
-            )
-    return "\n".join(lines)
+
+
+def _report_fit(mem: DeviceMemory, device_memory_gb: float) -> list[str]:
+    capacity = int(device_memory_gb * GB)
+    fits = mem.total_bytes <= capacity
+    verdict = "fits" if fits else "does NOT fit"
+    lines = [
+        "",
+        f"Device memory {device_memory_gb:g} GB: {verdict} ({format_bytes(mem.total_bytes)} needed)",
+    ]
+    if mem.weight_bytes > capacity:
+        lines.append(
+            f"  the weights alone ({format_bytes(mem.weight_bytes)}) exceed it: no room for KV cache"
+        )
+    else:
+        fit = mem.kv_tokens_that_fit(capacity)
+        lines.append(
+            f"  KV tokens that fit beside the weights: {fit} per device, {fit * mem.row_shards} in total "
+            f"({format_bytes(capacity - mem.weight_bytes)} free; activations not counted)"
+        )
+    return lines
