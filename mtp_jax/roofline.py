@@ -507,6 +507,36 @@ def run(args: argparse.Namespace) -> dict:
     from mtp_jax.bench import machine_info
     from mtp_jax.model import DTYPES
 
+    _check_args(args)
+    cfg, params, draft_cfg, buffered, name, dtype_name = _roofline_model(args)
+    method = _check_draft(args, cfg, params, draft_cfg, name)
+    dtype = DTYPES[dtype_name]
+    copy = copy_bandwidth(args.copy_mb, min(args.iters, 20))
+    read = read_bandwidth(args.copy_mb, min(args.iters, 20))
+    bandwidth = max(copy, read)
+    print(
+        f"device {jax.devices()[0]}: copy {copy / 1e9:.1f} GB/s, matrix-vector read {read / 1e9:.1f} GB/s",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = [_time_k(args, params, cfg, k, dtype, draft_cfg, method, bandwidth) for k in args.k]
+    return {
+        "model": name,
+        "dtype": dtype_name,
+        "batch": args.batch,
+        "context": args.context,
+        "page_size": args.page_size,
+        "iters": args.iters,
+        "copy_bandwidth_gb_s": copy / 1e9,
+        "read_bandwidth_gb_s": read / 1e9,
+        "bandwidth_limit_gb_s": bandwidth / 1e9,
+        "layer_buffers": buffered,
+        **machine_info(),
+        "results": rows,
+    }
+
+
+def _check_args(args: argparse.Namespace) -> None:
     if min(args.batch, args.context, args.iters, args.page_size, args.copy_mb) < 1 or min(args.k) < 0:
         raise ValueError("--batch, --context, --iters, --page-size and --copy-mb must be >= 1, --k >= 0")
     if args.set and not args.config:
@@ -517,6 +547,13 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--draft-config goes with --config (random weights for both)")
     if args.draft_set and not args.draft_config:
         raise ValueError("--draft-set changes a --draft-config")
+
+
+def _roofline_model(args: argparse.Namespace) -> tuple:
+    """(config, params, draft config, layer buffers on, name, dtype name): random weights for a
+    --config, or a checkpoint loaded (with its --draft-model)."""
+    from mtp_jax.model import DTYPES
+
     draft_cfg = None
     layer_buffers = {"auto": None, "on": True, "off": False}[args.layer_buffers]
     if args.config:
@@ -549,6 +586,11 @@ def run(args: argparse.Namespace) -> dict:
         if args.draft_model:
             draft_cfg = model.draft_config
             name += f" + {os.path.basename(os.path.abspath(args.draft_model))}"
+    return cfg, params, draft_cfg, buffered, name, dtype_name
+
+
+def _check_draft(args: argparse.Namespace, cfg: Any, params: Any, draft_cfg: Any, name: str) -> str | None:
+    """The draft method timed (None: no draft); refuses a K > 0 no draft can run."""
     from mtp_jax.drafts import DRAFTS
 
     if args.draft is not None:
@@ -567,101 +609,94 @@ def run(args: argparse.Namespace) -> dict:
             f"--context {args.context} plus the step's rows exceeds max_position_embeddings "
             f"{cfg.max_position_embeddings}"
         )
-    dtype = DTYPES[dtype_name]
-    copy = copy_bandwidth(args.copy_mb, min(args.iters, 20))
-    read = read_bandwidth(args.copy_mb, min(args.iters, 20))
-    bandwidth = max(copy, read)
-    print(
-        f"device {jax.devices()[0]}: copy {copy / 1e9:.1f} GB/s, matrix-vector read {read / 1e9:.1f} GB/s",
-        file=sys.stderr,
-        flush=True,
+    return method
+
+
+def _time_k(
+    args: argparse.Namespace,
+    params: Any,
+    cfg: Any,
+    k: int,
+    dtype: Any,
+    draft_cfg: Any,
+    method: str | None,
+    bandwidth: float,
+) -> dict:
+    """One K's row: the step timed (with log-probabilities, and with no draft, when asked), its
+    bytes against the roofline, the profile's costliest operations."""
+    from mtp_jax.drafts import DRAFTS
+
+    print(f"K = {k}: compiling and timing ...", file=sys.stderr, flush=True)
+    need = step_bytes(
+        params,
+        cfg,
+        k=k,
+        batch=args.batch,
+        context=args.context,
+        cache_itemsize=jnp.dtype(dtype).itemsize,
+        draft_cfg=draft_cfg,
+        draft=args.draft,
     )
-    rows = []
-    for k in args.k:
-        print(f"K = {k}: compiling and timing ...", file=sys.stderr, flush=True)
-        need = step_bytes(
-            params,
-            cfg,
-            k=k,
-            batch=args.batch,
-            context=args.context,
-            cache_itemsize=jnp.dtype(dtype).itemsize,
-            draft_cfg=draft_cfg,
-            draft=args.draft,
+    memory: dict = {}
+    host: dict = {}
+    kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
+    kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
+    try:
+        profile_dir = None if args.profile is None else os.path.join(args.profile, f"k{k}")
+        seconds = time_step(params, cfg, profile_dir=profile_dir, memory=memory, host=host, **kw)
+    except jax.errors.JaxRuntimeError as e:  # out of memory: report it, go on with the next K
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        first = str(e).strip().splitlines()[0][:300]
+        print(f"K = {k}: {first}", file=sys.stderr, flush=True)
+        return {"k": k, "error": first, "bytes": need.total, **memory}
+    extra = {}
+    if args.logprobs:  # alternated with the step without, in this process: the ratio is what counts
+        pairs = [
+            (time_step(params, cfg, **kw), time_step(params, cfg, logprobs=True, **kw)) for _ in range(3)
+        ]
+        plain, with_lp = (float(np.median(x)) for x in zip(*pairs, strict=True))
+        extra = {"alternated_step_ms": plain * 1e3, "logprobs_step_ms": with_lp * 1e3}
+        print(f"K = {k}: with log-probabilities {with_lp * 1e3:.3f} ms against {plain * 1e3:.3f} ms "
+              f"({with_lp / plain:.2f}x)", file=sys.stderr, flush=True)  # fmt: skip
+    if k and DRAFTS[method].proposes_per_row:  # what a step without any match costs
+        none = time_step(params, cfg, drafts=0, **kw)
+        extra["no_match_step_ms"] = none * 1e3
+        print(
+            f"K = {k}: a step in which no row has a draft {none * 1e3:.3f} ms",
+            file=sys.stderr,
+            flush=True,
         )
-        memory: dict = {}
-        host: dict = {}
-        kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
-        kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
-        try:
-            profile_dir = None if args.profile is None else os.path.join(args.profile, f"k{k}")
-            seconds = time_step(params, cfg, profile_dir=profile_dir, memory=memory, host=host, **kw)
-        except jax.errors.JaxRuntimeError as e:  # out of memory: report it, go on with the next K
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            first = str(e).strip().splitlines()[0][:300]
-            print(f"K = {k}: {first}", file=sys.stderr, flush=True)
-            rows.append({"k": k, "error": first, "bytes": need.total, **memory})
-            continue
-        extra = {}
-        if args.logprobs:  # alternated with the step without, in this process: the ratio is what counts
-            pairs = [
-                (time_step(params, cfg, **kw), time_step(params, cfg, logprobs=True, **kw)) for _ in range(3)
-            ]
-            plain, with_lp = (float(np.median(x)) for x in zip(*pairs, strict=True))
-            extra = {"alternated_step_ms": plain * 1e3, "logprobs_step_ms": with_lp * 1e3}
-            print(f"K = {k}: with log-probabilities {with_lp * 1e3:.3f} ms against {plain * 1e3:.3f} ms "
-                  f"({with_lp / plain:.2f}x)", file=sys.stderr, flush=True)  # fmt: skip
-        if k and DRAFTS[method].proposes_per_row:  # what a step without any match costs
-            none = time_step(params, cfg, drafts=0, **kw)
-            extra["no_match_step_ms"] = none * 1e3
-            print(
-                f"K = {k}: a step in which no row has a draft {none * 1e3:.3f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
-        roofline = need.total / bandwidth
-        ops = []
-        if args.profile is not None:
-            ops = device_op_times(os.path.join(args.profile, f"k{k}"))[:PROFILE_TOP]
-            print(f"K = {k}: costliest operations per step (of {seconds * 1e6:.0f} us):", file=sys.stderr)
-            for op in ops:
-                print(
-                    f"  {op['us_per_step']:9.1f} us {100 * op['share']:5.1f}% x{op['calls_per_step']:<4g} "
-                    f"{op['name'][:100]}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        rows.append(
-            {
-                "k": k,
-                "draft": None if not k else (args.draft or draft_method(cfg, draft_cfg)),
-                "step_ms": seconds * 1e3,
-                "dispatch_ms": host["dispatch_seconds"] * 1e3,
-                "bytes": need.total,
-                "bytes_by_part": dataclasses.asdict(need),
-                "roofline_ms": roofline * 1e3,
-                "over_roofline": seconds / roofline,
-                "achieved_gb_s": need.total / seconds / 1e9,
-                **memory,
-                **extra,
-                **({"profile_top": ops} if ops else {}),
-            }
-        )
+    roofline = need.total / bandwidth
+    ops = [] if args.profile is None else _profile_top(args.profile, k, seconds)
     return {
-        "model": name,
-        "dtype": dtype_name,
-        "batch": args.batch,
-        "context": args.context,
-        "page_size": args.page_size,
-        "iters": args.iters,
-        "copy_bandwidth_gb_s": copy / 1e9,
-        "read_bandwidth_gb_s": read / 1e9,
-        "bandwidth_limit_gb_s": bandwidth / 1e9,
-        "layer_buffers": buffered,
-        **machine_info(),
-        "results": rows,
+        "k": k,
+        "draft": None if not k else (args.draft or draft_method(cfg, draft_cfg)),
+        "step_ms": seconds * 1e3,
+        "dispatch_ms": host["dispatch_seconds"] * 1e3,
+        "bytes": need.total,
+        "bytes_by_part": dataclasses.asdict(need),
+        "roofline_ms": roofline * 1e3,
+        "over_roofline": seconds / roofline,
+        "achieved_gb_s": need.total / seconds / 1e9,
+        **memory,
+        **extra,
+        **({"profile_top": ops} if ops else {}),
     }
+
+
+def _profile_top(profile: str, k: int, seconds: float) -> list[dict]:
+    """The costliest operations of K's profiled steps, printed and returned."""
+    ops = device_op_times(os.path.join(profile, f"k{k}"))[:PROFILE_TOP]
+    print(f"K = {k}: costliest operations per step (of {seconds * 1e6:.0f} us):", file=sys.stderr)
+    for op in ops:
+        print(
+            f"  {op['us_per_step']:9.1f} us {100 * op['share']:5.1f}% x{op['calls_per_step']:<4g} "
+            f"{op['name'][:100]}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ops
 
 
 def table(report: dict) -> str:

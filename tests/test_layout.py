@@ -340,7 +340,6 @@ OVERSIZE = {
     "mtp_jax.server.Server": 585,
     "mtp_jax.scheduler.Scheduler": 553,
     "mtp_jax.model.Model": 434,
-    "mtp_jax.roofline.run": 159,
     "mtp_jax.checkpoint.convert.convert": 131,
     "mtp_jax.model.load": 127,
     "mtp_jax.server.Server._handle": 123,
