@@ -292,26 +292,13 @@ def time_step(
     ``dispatch_seconds``, the median host time of a timed call until it returns (the device runs on
     behind it): where it nears the step's time, the host's dispatch, not the device, sets the pace
     (it grows with the parameters' leaves: per-layer buffers have ~9 a layer)."""
-    from mtp_jax.step import StepConfig, init_state, step
+    from mtp_jax.step import StepConfig, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
     sc = StepConfig(
         cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None, logprobs=logprobs, tree=tree
     )
-    width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
-    state = init_state(sc, batch, batch * width, width, dtype)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(2, cfg.vocab_size, (batch, k + 1)).astype(np.int32)
-    state = dataclasses.replace(
-        state,
-        page_table=jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width),
-        next_token=jnp.asarray(ids[:, 0]),
-        drafts=jnp.asarray(ids[:, 1:]),
-        active=jnp.ones((batch,), bool),
-    )
-    if lora_slots is not None:
-        slots = jnp.asarray(lora_slots, jnp.int32)
-        state = dataclasses.replace(state, sampling=dataclasses.replace(state.sampling, lora_slot=slots))
+    state = _timed_state(sc, batch, context, dtype, lora_slots)
     # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
     calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
     lengths = [jnp.full((batch,), context, jnp.int32) for _ in range(calls)]
@@ -346,6 +333,29 @@ def time_step(
             for _ in range(PROFILED_STEPS):
                 jax.block_until_ready(one())
     return seconds
+
+
+def _timed_state(sc: Any, batch: int, context: int, dtype: Any, lora_slots: Any) -> Any:
+    """The state :func:`time_step` starts from: ``batch`` active rows with pages for ``context``
+    tokens and the step's K + 1 more, random next tokens and drafts, the rows' LoRA slots."""
+    from mtp_jax.step import init_state
+
+    k, page_size = sc.k, sc.page_size
+    width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
+    state = init_state(sc, batch, batch * width, width, dtype)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(2, sc.cfg.vocab_size, (batch, k + 1)).astype(np.int32)
+    state = dataclasses.replace(
+        state,
+        page_table=jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width),
+        next_token=jnp.asarray(ids[:, 0]),
+        drafts=jnp.asarray(ids[:, 1:]),
+        active=jnp.ones((batch,), bool),
+    )
+    if lora_slots is not None:
+        slots = jnp.asarray(lora_slots, jnp.int32)
+        state = dataclasses.replace(state, sampling=dataclasses.replace(state.sampling, lora_slot=slots))
+    return state
 
 
 def timed_call_state(state: Any, *, seq_len: jax.Array, num_drafts: jax.Array) -> Any:

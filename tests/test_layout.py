@@ -347,7 +347,6 @@ OVERSIZE = {
     "mtp_jax.model.Model.generate": 106,
     "mtp_jax.bench.run": 101,
     "mtp_jax.scheduler.generate": 96,
-    "mtp_jax.roofline.time_step": 88,
 }
 
 
