@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -228,63 +229,10 @@ def run(args: argparse.Namespace) -> dict:
         if max(args.k) and not drafts:
             raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
         prompts, prompt_note = held_out_prompts(model, None if args.synthetic else path, args)
-        # (draft, K, block) triples: plain decoding once, every draft at every K > 0 (a draft that
-        # proposes blocks, as DFlash, at every block size that holds K drafts)
-        triples = [(None, 0, None)] * (0 in args.k)
-        trained_blocks = {}  # draft -> the block size it was trained on (block drafts only)
-        for d in drafts:
-            blocks = [None]
-            if DRAFTS[d].block_size is not None:
-                trained = trained_blocks[d] = DRAFTS[d].block_size(owners[d].draft_config)
-                blocks = args.block_size or [trained]
-                if max(blocks) > trained:
-                    raise ValueError(
-                        f"--block-size {max(blocks)}: the {DRAFTS[d].title} draft was trained on blocks "
-                        f"of {trained}"
-                    )
-            triples += [(d, k, b) for b in blocks for k in args.k if k and (b is None or k < b)]
-        if args.auto_k:  # K "auto": the table picks it, up to the largest K asked for
-            triples += [(d, "auto", None) for d in drafts]
+        triples, trained_blocks = _bench_triples(drafts, owners, args)
         rows = []
         for batch in args.batch:
-            print(f"batch {batch}: K = {args.k}, drafts {drafts} ...", file=sys.stderr, flush=True)
-            configs, keys = [], []
-            for draft, k, block in triples:
-                spec = {"temperature": args.temperature, "draft_sampling": args.draft_sampling}
-                if k == "auto":
-                    spec.update(draft=draft, num_speculative_tokens=max(args.k), auto_k=args.auto_k)
-                elif k:
-                    spec.update(draft=draft, num_speculative_tokens=k)
-                if block is not None and args.block_size:
-                    spec["draft_block_size"] = block
-                configs.append((owners.get(draft, model), spec))
-                keys.append((draft, k, block, True))
-                if k and k != "auto" and not args.no_baseline:
-                    configs.append((owners[draft], {**spec, "fused": False}))
-                    keys.append((draft, k, block, False))
-            measured = dict(zip(keys, measure(prompts, args, batch, configs), strict=True))
-            plain = (None, 0, None, True)
-            base = measured[plain]["decode_tok_s"] if plain in measured else None
-            for draft, k, block in triples:
-                fused = measured[(draft, k, block, True)]
-                row = {
-                    "batch": batch,
-                    "draft": draft,
-                    "k": fused["stats"]["num_speculative_tokens"] if k == "auto" else k,
-                    "acceptance_length": fused["stats"]["acceptance_length"],
-                    "acceptance_by_position": fused["stats"]["acceptance_rate_per_position"],
-                    "decode_tok_s": fused["decode_tok_s"],
-                    "speedup_vs_plain": fused["decode_tok_s"] / base if base else None,
-                }
-                if block is not None:
-                    row["block_size"] = block
-                    row["trained_block_size"] = trained_blocks[draft]
-                if k == "auto":
-                    row["auto_k"] = True
-                if (draft, k, block, False) in measured:
-                    row["host_orchestrated_tok_s"] = measured[(draft, k, block, False)]["decode_tok_s"]
-                    row["fused_over_host"] = fused["decode_tok_s"] / row["host_orchestrated_tok_s"]
-                rows.append(row)
+            rows += _bench_batch(batch, triples, trained_blocks, drafts, owners, model, prompts, args)
     return {
         "model": name,
         "dtype": args.dtype,
@@ -297,6 +245,83 @@ def run(args: argparse.Namespace) -> dict:
         **machine_info(),
         "results": rows,
     }
+
+
+def _bench_triples(drafts: list[str], owners: dict, args: argparse.Namespace) -> tuple[list[tuple], dict]:
+    """The (draft, K, block) configurations timed: plain decoding once, every draft at every K > 0
+    (a draft that proposes blocks, as DFlash, at every block size that holds K drafts), K "auto"
+    with --auto-k; and each block draft's trained block size."""
+    from mtp_jax.drafts import DRAFTS
+
+    triples = [(None, 0, None)] * (0 in args.k)
+    trained_blocks = {}  # draft -> the block size it was trained on (block drafts only)
+    for d in drafts:
+        blocks = [None]
+        if DRAFTS[d].block_size is not None:
+            trained = trained_blocks[d] = DRAFTS[d].block_size(owners[d].draft_config)
+            blocks = args.block_size or [trained]
+            if max(blocks) > trained:
+                raise ValueError(
+                    f"--block-size {max(blocks)}: the {DRAFTS[d].title} draft was trained on blocks "
+                    f"of {trained}"
+                )
+        triples += [(d, k, b) for b in blocks for k in args.k if k and (b is None or k < b)]
+    if args.auto_k:  # K "auto": the table picks it, up to the largest K asked for
+        triples += [(d, "auto", None) for d in drafts]
+    return triples, trained_blocks
+
+
+def _bench_batch(
+    batch: int,
+    triples: list[tuple],
+    trained_blocks: dict,
+    drafts: list[str],
+    owners: dict,
+    model: Any,
+    prompts: Any,
+    args: argparse.Namespace,
+) -> list[dict]:
+    """One batch size's rows: every configuration measured interleaved, each against plain."""
+    rows = []
+    print(f"batch {batch}: K = {args.k}, drafts {drafts} ...", file=sys.stderr, flush=True)
+    configs, keys = [], []
+    for draft, k, block in triples:
+        spec = {"temperature": args.temperature, "draft_sampling": args.draft_sampling}
+        if k == "auto":
+            spec.update(draft=draft, num_speculative_tokens=max(args.k), auto_k=args.auto_k)
+        elif k:
+            spec.update(draft=draft, num_speculative_tokens=k)
+        if block is not None and args.block_size:
+            spec["draft_block_size"] = block
+        configs.append((owners.get(draft, model), spec))
+        keys.append((draft, k, block, True))
+        if k and k != "auto" and not args.no_baseline:
+            configs.append((owners[draft], {**spec, "fused": False}))
+            keys.append((draft, k, block, False))
+    measured = dict(zip(keys, measure(prompts, args, batch, configs), strict=True))
+    plain = (None, 0, None, True)
+    base = measured[plain]["decode_tok_s"] if plain in measured else None
+    for draft, k, block in triples:
+        fused = measured[(draft, k, block, True)]
+        row = {
+            "batch": batch,
+            "draft": draft,
+            "k": fused["stats"]["num_speculative_tokens"] if k == "auto" else k,
+            "acceptance_length": fused["stats"]["acceptance_length"],
+            "acceptance_by_position": fused["stats"]["acceptance_rate_per_position"],
+            "decode_tok_s": fused["decode_tok_s"],
+            "speedup_vs_plain": fused["decode_tok_s"] / base if base else None,
+        }
+        if block is not None:
+            row["block_size"] = block
+            row["trained_block_size"] = trained_blocks[draft]
+        if k == "auto":
+            row["auto_k"] = True
+        if (draft, k, block, False) in measured:
+            row["host_orchestrated_tok_s"] = measured[(draft, k, block, False)]["decode_tok_s"]
+            row["fused_over_host"] = fused["decode_tok_s"] / row["host_orchestrated_tok_s"]
+        rows.append(row)
+    return rows
 
 
 def _load_drafted(mtp_jax, path: str, args: argparse.Namespace) -> tuple[object, dict]:

@@ -345,7 +345,6 @@ OVERSIZE = {
     "mtp_jax.server.Server._handle": 123,
     "mtp_jax.serving.engine.Engine.__init__": 108,
     "mtp_jax.model.Model.generate": 106,
-    "mtp_jax.bench.run": 101,
     "mtp_jax.scheduler.generate": 96,
 }
 
