@@ -521,6 +521,8 @@ class _CorpusJob(_CorpusDirectory):
             self._close(c, "cap")
 
     def stage(self) -> None:
+        """Stage the work not yet in a shard (finished conversations of unfinished shards, running
+        ones up to their last whole reply) and the run's row so far."""
         finished_rows = [_conversation_json(x) for rows in self.buffers.values() for x in rows]
         running = [
             {
@@ -536,6 +538,9 @@ class _CorpusJob(_CorpusDirectory):
             if c.turn > 0
         ]
         _write_staging(self.directory, self.plan.digest, finished_rows, running)
+        # the run's row says what it did so far, so a killed run's row in the card is not empty
+        _timing(self.run, self.engine_tokens, time.perf_counter() - self.t0)
+        self.save()
 
 
 PLAN_FILE = "plan-ids.json.gz"

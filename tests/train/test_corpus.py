@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -194,9 +195,11 @@ def _shard_arrays(directory: str) -> dict[str, dict[str, np.ndarray]]:
 
 
 @pytest.mark.slow
-def test_regeneration_killed_and_resumed_equals_one_run(tmp_path):
+def test_regeneration_killed_and_resumed_equals_one_run(tmp_path, monkeypatch):
     import mtp_jax
+    from mtp_jax.train import regenerate
 
+    write_staging = regenerate._write_staging
     model = mtp_jax.load(TINY, "float32")
     assert model.text.chat_template is None  # plain completions
     plan = _tiny_plan()
@@ -242,6 +245,23 @@ def test_regeneration_killed_and_resumed_equals_one_run(tmp_path):
             np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"{name}: {key}")
     progress = json.loads((tmp_path / "killed" / "progress.json").read_text())
     assert len(progress["runs"]) == 2 and progress["reply_tokens"] == result["reply_tokens"]
+
+    # killed before any shard: its row in the card still says what it did (written with each stage)
+    early = str(tmp_path / "early-kill")
+    stages = []
+
+    def stage_then_die(*args, **kw):
+        stages.append(1)
+        if len(stages) == 2:
+            raise Killed
+        write_staging(*args, **kw)
+
+    monkeypatch.setattr(regenerate, "_write_staging", stage_then_die)
+    with pytest.raises(Killed):
+        generate_corpus(model, plan, early, settings, **kwargs)
+    progress = json.loads(Path(early, "progress.json").read_text())
+    assert progress["shards_done"] == 0
+    assert progress["runs"][-1]["engine_reply_tokens"] > 0 and progress["runs"][-1]["seconds"] > 0
 
     conversations = list(iter_conversations(whole))
     assert [c.index for c in conversations] == list(range(7))
