@@ -195,13 +195,8 @@ class GGUFCheckpoint:
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
 
-    def array(self, name: str) -> np.ndarray:
-        """A tensor by its GGUF name, as stored (F16/BF16 kept, quantised types dequantised to
-        float32), numpy shape."""
-        return self._array(name)
-
     # --- tensors ------------------------------------------------------------------------------
-    def _array(self, name: str) -> np.ndarray:
+    def array(self, name: str) -> np.ndarray:
         """A tensor as stored (F16/BF16 kept, quantised types dequantised to float32), numpy shape."""
         t = self._tensors[name]
         kind = t.tensor_type.name
@@ -397,7 +392,7 @@ class GGUFTensors:
         return np.dtype(np.float32)
 
     def get(self, key: str) -> np.ndarray:
-        x = self.ckpt._array(self._gguf(key))
+        x = self.ckpt.array(self._gguf(key))
         if self._bar is not None:
             self._bar.update(1, self.ckpt.stored_bytes(self._gguf(key)), key)
         fixup = self.ckpt.layout.fixup
