@@ -9,6 +9,7 @@ from __future__ import annotations
 from mtp_jax.drafts import register_draft
 from mtp_jax.drafts.dflash.draft import DRAFT as DFLASH
 from mtp_jax.drafts.draft_model.draft import DRAFT as DRAFT_MODEL
+from mtp_jax.drafts.dspark.draft import DRAFT as DSPARK
 from mtp_jax.drafts.eagle3.draft import DRAFT as EAGLE3
 from mtp_jax.drafts.mtp.draft import DRAFT as MTP
 from mtp_jax.drafts.ngram.draft import DRAFT as NGRAM
@@ -43,6 +44,7 @@ register_target(QWEN2, model_types=("qwen2",), parse=parse_qwen, built_in=True)
 register_target(QWEN3, model_types=("qwen3",), parse=parse_qwen, built_in=True)
 
 register_draft(MTP)
+register_draft(DSPARK)  # before EAGLE-3, which reads any other draft config with an fc
 register_draft(EAGLE3)
 register_draft(DFLASH)
 register_draft(NGRAM)

@@ -809,6 +809,42 @@ def small_vocab_dflash_vocab(small_vocab_model, tmp_path_factory):
     return mtp_jax.load(small_vocab_model.path, "float32", page_size=4, draft_model=str(path))
 
 
+SMALL_DSPARK = {
+    **{k: v for k, v in SMALL_DFLASH.items() if k != "dflash_config"},
+    "architectures": ["Qwen3DSparkModel"],
+    "mask_token_id": 5,
+    "num_target_layers": 3,
+    "target_layer_ids": [-1, 1],
+    "markov_rank": 4,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+}
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dspark(small_vocab_model, tmp_path_factory):
+    """The same target with a random DSpark draft: a block of 4 from one forward, then each slot's
+    logits biased by the token drawn at the slot before (a Markov head strong enough that the law
+    of the second draft depends on the first), so acceptance must use each slot's distribution
+    given the drafts actually drawn."""
+    from mtp_jax.drafts.dspark.config import DSparkConfig
+    from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
+
+    model = small_vocab_model
+    embed = np.asarray(model.params["embed"])
+    head = np.asarray(model.params["lm_head"]).T
+    tensors = dspark_hub_tensors(DSparkConfig.from_dict(SMALL_DSPARK), embed, head, 7, 0.3, head_std=1.0)
+    path = tmp_path_factory.mktemp("vocab8-dspark") / "draft"
+    write_hub_checkpoint(path, SMALL_DSPARK, tensors)
+    drafted = mtp_jax.load(model.path, "float32", page_size=4, draft_model=str(path))
+    # the block at the prompt's last token, its second slot given each first draft: far apart laws
+    logits = drafted.draft_logits([PROMPT + [a] for a in range(VOCAB)])[:, len(PROMPT) - 1, 1]
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    assert 0.5 * np.abs(probs[:, None] - probs[None]).sum(-1).max() > 0.3
+    return drafted
+
+
 @pytest.fixture(scope="module")
 def small_vocab_draft_model(small_vocab_model, tmp_path_factory):
     """The same target drafted by a separate model: its own checkpoint with the head's scale
@@ -924,6 +960,8 @@ E2E_CASES = [
     ("dflash", 2, "sampled", "truncated"),
     # ... over a draft vocabulary (the target head's columns for 6 of the 8 ids)
     ("dflash_vocab", 2, "sampled", "truncated"),
+    # a block with a sequential head: the second draft's law depends on the first one drawn
+    ("dspark", 2, "sampled", "truncated"),
     # deterministic drafts copied from the row's own text (q one-hot in sampled mode)
     ("ngram", 2, "argmax", "truncated"),
     ("ngram", 2, "sampled", "truncated"),

@@ -89,6 +89,12 @@ def require(module: str, package: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
+        missing = getattr(e, "name", None)
+        if missing and missing.split(".")[0] != module.split(".")[0]:  # installed, but not its dependencies
+            raise ImportError(
+                f"the {package!r} package is installed but its dependency {missing!r} is not "
+                f"(pip install {package}, without --no-deps)"
+            ) from e
         raise ImportError(f"this corpus source needs the {package!r} package: pip install {package}") from e
 
 

@@ -108,6 +108,14 @@ def reference_block_logits(t, raw, hidden_states, tokens, ids, embed, head, pert
     """float64 [b, T, B-1, V] by the published recipe, one anchor at a time. ``perturb`` makes one
     mistake: "causal_block" (a causal mask inside the block), "see_anchor" (the context includes
     the anchor's own position), "inputs" (captured ids read as layer inputs)."""
+    states = reference_block_states(t, raw, hidden_states, tokens, ids, embed, perturb)
+    return states[:, :, 1:] @ np.asarray(head, np.float64).T
+
+
+def reference_block_states(t, raw, hidden_states, tokens, ids, embed, perturb=None) -> np.ndarray:
+    """float64 norm(x) [b, T, B, d] of the block anchored at each token (see
+    :func:`reference_block_logits`; captured id i reads ``hidden_states[i + 1]``, -1 the
+    embedding)."""
     f64 = np.float64
     t = {k: np.asarray(v, f64) for k, v in t.items()}
     eps, bs = raw["rms_norm_eps"], raw.get("block_size") or raw["dflash_config"]["block_size"]
@@ -118,7 +126,7 @@ def reference_block_logits(t, raw, hidden_states, tokens, ids, embed, head, pert
     feats = np.concatenate([np.asarray(hidden_states[i + shift], f64) for i in ids], -1)
     c = _rms(feats @ t["fc.weight"].T, t["hidden_norm.weight"], eps)
     b, n = tokens.shape
-    out = np.zeros((b, n, bs - 1, head.shape[0]))
+    out = np.zeros((b, n, bs, t["norm.weight"].shape[0]))
 
     def heads(x, w, norm, width, pos):
         y = _rms((x @ w.T).reshape(len(x), width, hd), norm, eps)
@@ -152,7 +160,7 @@ def reference_block_logits(t, raw, hidden_states, tokens, ids, embed, head, pert
                 y = _rms(x, t[f"layers.{layer}.post_attention_layernorm.weight"], eps)
                 gate, up = y @ t[f"{m}gate_proj.weight"].T, y @ t[f"{m}up_proj.weight"].T
                 x = x + (gate / (1 + np.exp(-gate)) * up) @ t[f"{m}down_proj.weight"].T
-            out[r, i] = _rms(x, t["norm.weight"], eps)[1:] @ np.asarray(head, f64).T
+            out[r, i] = _rms(x, t["norm.weight"], eps)
     return out
 
 
@@ -239,23 +247,16 @@ def test_a_draft_vocabulary_restricts_the_target_head(drafts, models):
     assert all(len(t) == 6 for t in out.tokens)
 
 
-# --- in the unified step --------------------------------------------------------------------------
-def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(models):
-    """extend_and_propose on a whole prompt (as prefill runs it): the context written to the paged
-    cache, one block anchored at the last token; its greedy drafts are the argmax of the
-    teacher-forced block there, its sampled-mode q the processed softmax of the same logits."""
+def prompt_rows(model, ids):
+    """extend_and_propose's inputs for whole prompts ids [b, t] (as prefill hands them to a block
+    draft): the rows 0..t-2 with the target's hidden states, a page table, the first draft's
+    position (the anchor, the last token, at t - 1), the page size and the number of pages."""
     from mtp_jax.cache import page_table_array
     from mtp_jax.drafts.base import Rows
-    from mtp_jax.drafts.dflash.draft import DRAFT
-    from mtp_jax.sampling import RowSampling, draft_probs
-    from mtp_jax.step import StepConfig
 
-    model = models["a"]
     cfg = model.draft_config
-    ids = jnp.asarray(REF["input_ids"])
     b, t = ids.shape
-    hidden = model.hidden_states(REF["input_ids"], cfg.capture)
-    want = model.draft_logits(REF["input_ids"])[:, t - 1]  # the block anchored at the last token
+    hidden = model.hidden_states(np.asarray(ids), cfg.capture)
     page = 4
     width = -(-(t + cfg.block_size) // page)
     table = jnp.asarray(page_table_array([list(range(r * width, (r + 1) * width)) for r in range(b)], width))
@@ -272,7 +273,25 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
         hidden=cut,
         last=jnp.full((b,), t - 2),
     )
-    first_pos = jnp.full((b,), t)  # anchor (the last token) at t - 1, drafts from t on
+    return rows, table, jnp.full((b,), t), page, b * width
+
+
+# --- in the unified step --------------------------------------------------------------------------
+def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(models):
+    """extend_and_propose on a whole prompt (as prefill runs it): the context written to the paged
+    cache, one block anchored at the last token; its greedy drafts are the argmax of the
+    teacher-forced block there, its sampled-mode q the processed softmax of the same logits."""
+    from mtp_jax.drafts.dflash.draft import DRAFT
+    from mtp_jax.sampling import RowSampling, draft_probs
+    from mtp_jax.step import StepConfig
+
+    model = models["a"]
+    cfg = model.draft_config
+    ids = jnp.asarray(REF["input_ids"])
+    b, t = ids.shape
+    hidden = model.hidden_states(REF["input_ids"], cfg.capture)
+    want = model.draft_logits(REF["input_ids"])[:, t - 1]  # the block anchored at the last token
+    rows, table, first_pos, page, pages = prompt_rows(model, ids)
     sampling = RowSampling.build(b, temperature=[0.8] * b)
     # jitted, as the step runs them (op by op they compiled ~250 one-op programs)
     teacher_forced = jax.jit(DRAFT.teacher_forced, static_argnums=1)
@@ -287,7 +306,7 @@ def test_decode_block_over_the_paged_context_matches_the_teacher_forced_block(mo
         want = np.asarray(teacher_forced(model.params, sc, ids, hidden)[:, t - 1])
         if block == 2:  # fewer masked rows in the bidirectional block: another proposal
             assert _rel(want[:, 0], np.asarray(full[:, t - 1, 0])) > 1e-3
-        state = DRAFT.init_state(sc, b * width, jnp.float32)
+        state = DRAFT.init_state(sc, pages, jnp.float32)
         drafts, q, state = extend_and_propose(
             model.params, sc, state, table, rows, jnp.ones(b, bool), sampling, first_pos
         )
@@ -397,7 +416,7 @@ def test_bad_drafts_are_refused_by_name(tmp_path, models):
         models["a"].generate([[1, 2]], draft="dflash", num_speculative_tokens=3, draft_block_size=3)
     with pytest.raises(InvalidRequestError, match=r"draft_block_size must be an integer in \[2, 4\].*got 5"):
         models["a"].generate([[1, 2]], draft="dflash", draft_block_size=5)
-    with pytest.raises(InvalidRequestError, match="draft_block_size=2 is a DFlash setting; the draft is No"):
+    with pytest.raises(InvalidRequestError, match="draft_block_size=2 is a DSpark or DFlash setting"):
         models["a"].generate([[1, 2]], draft_block_size=2)
     assert jax.tree.leaves(models["a"].params["dflash"]["layers"])[0].shape[0] == 2  # stacked layers
 

@@ -288,3 +288,16 @@ def test_regeneration_killed_and_resumed_equals_one_run(tmp_path, monkeypatch):
     result = generate_corpus(model, plan, early, settings, target_tokens=1, **kwargs)
     assert 1 <= result["shards_done"] < 3
     assert _shard_arrays(early).keys() <= a.keys()
+
+
+def test_a_missing_source_package_or_its_dependency_is_named(tmp_path, monkeypatch):
+    """An uninstalled source names its package; one installed without its dependencies (pip
+    --no-deps) names the missing dependency instead of claiming the package itself is absent."""
+    from mtp_jax.train.corpus import require
+
+    with pytest.raises(ImportError, match="needs the 'no-such-source' package: pip install no-such-source"):
+        require("no_such_source_module", "no-such-source")
+    (tmp_path / "half_installed_source.py").write_text("import no_such_dependency_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="its dependency 'no_such_dependency_here' is not"):
+        require("half_installed_source", "half-installed-source")

@@ -29,7 +29,7 @@ Parameters (``params["dflash"]``; weights [in, out], head axes split out, layers
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -67,9 +67,10 @@ def dflash_features(cfg: DFlashConfig, num_target_layers: int, hidden: Hidden) -
     return jnp.concatenate(parts, axis=-1)
 
 
-def context_rows(params: dict, cfg: DFlashConfig, features: jax.Array) -> jax.Array:
-    """The draft's context c [b, t, H] from fused target features [b, t, C·H]."""
-    p = params["dflash"]
+def context_rows(params: dict, cfg: DFlashConfig, features: jax.Array, group: str = "dflash") -> jax.Array:
+    """The draft's context c [b, t, H] from fused target features [b, t, C·H] (the draft's weights
+    at ``params[group]``)."""
+    p = params[group]
     c = jnp.einsum("btc,cd->btd", features.astype(p["fc"].dtype), p["fc"])
     return rms_norm(c, p["hidden_norm"], cfg.rms_norm_eps)
 
@@ -115,11 +116,13 @@ def block_attention(
     return out.reshape(b, n, bs, h, d).astype(q.dtype)
 
 
-def _block_layers(params, cfg: DFlashConfig, blocks, block_positions, ctx_visible, context_kv, carry):
-    """The draft's layers over blocks [b, n, B] at ``block_positions``; each layer's context keys and
-    values come from ``context_kv(layer params, layer index, carry) -> (k, v, carry)``. Returns
-    (norm(x) [b, n, B, H], carry)."""
-    p = params["dflash"]
+def block_layers(
+    params, cfg: DFlashConfig, blocks, block_positions, ctx_visible, context_kv, carry, group: str = "dflash"
+):
+    """The draft's layers (``params[group]``) over blocks [b, n, B] at ``block_positions``; each
+    layer's context keys and values come from ``context_kv(layer params, layer index, carry) -> (k,
+    v, carry)``. Returns (norm(x) [b, n, B, H], carry)."""
+    p = params[group]
     b, n, bs = blocks.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     x = params["embed"][blocks].reshape(b, n * bs, -1)
@@ -153,6 +156,7 @@ def block_forward(
     context: jax.Array,
     context_positions: jax.Array,
     ctx_visible: jax.Array,
+    group: str = "dflash",
 ) -> jax.Array:
     """norm(x) [b, n, B, H] of n blocks per row: ``blocks`` [b, n, B] token ids (anchor then MASKs)
     at ``block_positions`` [b, n, B], over the context rows ``context`` [b, S, H] (c, see
@@ -163,7 +167,7 @@ def block_forward(
     def context_kv(lp, index, carry):
         return (*_keys_values(lp, cfg, context.astype(lp["k"].dtype), cos, sin), carry)
 
-    return _block_layers(params, cfg, blocks, block_positions, ctx_visible, context_kv, None)[0]
+    return block_layers(params, cfg, blocks, block_positions, ctx_visible, context_kv, None, group)[0]
 
 
 def block_logits(params: dict, normed: jax.Array) -> jax.Array:
@@ -185,21 +189,29 @@ def anchored_blocks(cfg: DFlashConfig, tokens: jax.Array) -> tuple[jax.Array, ja
     return blocks, jnp.broadcast_to(positions, (b, t, bs))
 
 
+def teacher_forced_blocks(
+    params: dict, cfg: DFlashConfig, tokens: jax.Array, features: jax.Array, group: str = "dflash"
+) -> jax.Array:
+    """norm(x) [b, T, B, H] over whole sequences tokens [b, T] with fused target features
+    [b, T, C·H]: row i is the block anchored at token i (at position i) with the context of
+    positions 0..i-1."""
+    b, t = tokens.shape
+    blocks, positions = anchored_blocks(cfg, tokens)
+    context = context_rows(params, cfg, features[:, :t], group)
+    ctx_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    visible = jnp.arange(t)[None, :] < jnp.arange(t)[:, None]  # block i sees context rows s < i
+    return block_forward(
+        params, cfg, blocks, positions, context, ctx_positions, jnp.broadcast_to(visible, (b, t, t)), group
+    )
+
+
 def teacher_forced_block_logits(
     params: dict, cfg: DFlashConfig, tokens: jax.Array, features: jax.Array
 ) -> jax.Array:
     """float32 [b, T, B-1, V] over whole sequences tokens [b, T] with fused target features
     [b, T, C·H]: row i anchors a block at token i with the context of positions 0..i-1; its entry
     j predicts token i + 1 + j."""
-    b, t = tokens.shape
-    blocks, positions = anchored_blocks(cfg, tokens)
-    context = context_rows(params, cfg, features[:, :t])
-    ctx_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    visible = jnp.arange(t)[None, :] < jnp.arange(t)[:, None]  # block i sees context rows s < i
-    normed = block_forward(
-        params, cfg, blocks, positions, context, ctx_positions, jnp.broadcast_to(visible, (b, t, t))
-    )
-    return block_logits(params, normed[:, :, 1:])
+    return block_logits(params, teacher_forced_blocks(params, cfg, tokens, features)[:, :, 1:])
 
 
 # --- the draft interface (mtp_jax.drafts.base) ---------------------------------------------------
@@ -209,7 +221,7 @@ def _available(params: dict, cfg: object) -> str | None:
     return None
 
 
-def _init_state(ctx, num_pages: int, dtype) -> dict:
+def init_context_cache(ctx, num_pages: int, dtype) -> dict:
     """Each draft layer's context keys and values, paged on the target's page ids:
     {"k", "v"} [n_layers, P, page, nkv, hd]."""
     c = ctx.draft_cfg
@@ -217,17 +229,18 @@ def _init_state(ctx, num_pages: int, dtype) -> dict:
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+def context_cache_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     return (None, "pages", None, "kv_heads", None)
 
 
-def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
-    """Write the committed rows' context keys and values (every layer), then one block forward
-    anchored at the last emitted token (position first_pos - 1) over each row's paged context;
-    its rows 1..K are the K drafts, each chosen independently given the context."""
+def paged_block(params, ctx, state, page_table, rows: Rows, first_pos, features, group: str = "dflash"):
+    """Write the committed rows' context keys and values (every layer of the draft at
+    ``params[group]``, from fused target ``features`` [b, t, C·H] at the rows), then one block
+    forward anchored at the last emitted token (position first_pos - 1) over each row's paged
+    context. Returns (norm(x) [b, B, H], state)."""
     cfg = ctx.draft_cfg
     b = page_table.shape[0]
-    context = context_rows(params, cfg, dflash_features(cfg, ctx.cfg.num_hidden_layers, rows.hidden))
+    context = context_rows(params, cfg, features, group)
     slots = slots_for(page_table, rows.positions, rows.valid, ctx.page_size)
     cos_c, sin_c = rope_tables(cfg, rows.positions)
     anchor_pos = first_pos - 1
@@ -250,10 +263,19 @@ def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, samp
         )
         return k_ctx, v_ctx, pages
 
-    normed, state = _block_layers(params, cfg, blocks, positions, visible, context_kv, state)
+    normed, state = block_layers(params, cfg, blocks, positions, visible, context_kv, state, group)
+    return normed[:, 0], state
+
+
+def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
+    """:func:`paged_block`; the block's rows 1..K are the K drafts, each chosen independently given
+    the context."""
+    features = dflash_features(ctx.draft_cfg, ctx.cfg.num_hidden_layers, rows.hidden)
+    normed, state = paged_block(params, ctx, state, page_table, rows, first_pos, features)
+    b = page_table.shape[0]
     if ctx.k == 0:  # the context is written; the block's outputs are unused and compile away
         return no_drafts(b) + (state,)
-    logits = block_logits(params, normed[:, 0, 1 : ctx.k + 1])  # [b, K, V]
+    logits = block_logits(params, normed[:, 1 : ctx.k + 1])  # [b, K, V]
     picks = [choose(logits[:, j], ctx.sampled, sampling, first_pos + j) for j in range(ctx.k)]
     drafts = jnp.stack([d for d, _ in picks], axis=1)
     return drafts, jnp.stack([q for _, q in picks], axis=1), state
@@ -308,16 +330,22 @@ def _abstract_params(c: DFlashConfig, shapes) -> dict:
     return tree
 
 
-def _check_plan(c: DFlashConfig, target_cfg, k: int) -> None:
+def check_block_plan(c: Any, target_cfg: Any, k: int, title: str, most: int) -> None:
+    """A block draft's ``check_plan``: its width and mask id against the target's, K against the
+    ``most`` drafts its block proposes, its captured layers resolved."""
     if c.hidden_size != target_cfg.hidden_size or c.mask_token_id >= target_cfg.vocab_size:
         raise ValueError(
-            f"the DFlash draft has hidden_size {c.hidden_size} and mask id {c.mask_token_id}; the target "
+            f"the {title} draft has hidden_size {c.hidden_size} and mask id {c.mask_token_id}; the target "
             f"has hidden_size {target_cfg.hidden_size} and {target_cfg.vocab_size} tokens"
         )
-    if k > c.block_size - 1:
-        raise ValueError(f"k {k}: a DFlash block of {c.block_size} proposes at most {c.block_size - 1}")
+    if k > most:
+        raise ValueError(f"k {k}: a {title} block of {c.block_size} proposes at most {most}")
     if not c.capture:
-        raise ValueError("the draft config has no captured layers resolved (dflash_capture)")
+        raise ValueError(f"the {title} draft config has no captured layers resolved")
+
+
+def _check_plan(c: DFlashConfig, target_cfg, k: int) -> None:
+    check_block_plan(c, target_cfg, k, "DFlash", c.block_size - 1)
 
 
 def _recognises(raw: dict, reader) -> bool:
@@ -332,32 +360,53 @@ def _load(reader, raw, target_cfg, target_params, dtype, *, strict=False, mesh=N
     return load_dflash(reader, raw, target_cfg, dtype, strict=strict, mesh=mesh, target_params=target_params)
 
 
-def _configure(
-    draft_cfg: DFlashConfig, k: int | None, options: Mapping[str, Any]
-) -> tuple[DFlashConfig, int | None]:
-    """``block_size``: a smaller block than the trained one (cheaper; at most block - 1 drafts); K
-    defaults to all the block proposes."""
+def configure_block(
+    draft_cfg: Any,
+    k: int | None,
+    options: Mapping[str, Any],
+    *,
+    title: str,
+    anchor_drafts: bool,
+    resize: Callable[[Any, int], Any],
+) -> tuple[Any, int | None]:
+    """A block draft's ``configure`` hook: ``block_size`` (a smaller block than the trained one,
+    ``resize(draft_cfg, block)``, cheaper) and K, by default all the block proposes: block - 1
+    drafts, or block when the anchor's own row proposes one too (``anchor_drafts``)."""
     block = options.get("block_size")
     trained = draft_cfg.block_size
+    least = 1 if anchor_drafts else 2
     if block is not None:
-        if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= trained:
+        if isinstance(block, bool) or not isinstance(block, int) or not least <= block <= trained:
             raise InvalidRequestError(
-                f"draft_block_size must be an integer in [2, {trained}] (the DFlash draft was "
+                f"draft_block_size must be an integer in [{least}, {trained}] (the {title} draft was "
                 f"trained on blocks of {trained}), got {block!r}"
             )
-        draft_cfg = dataclasses.replace(draft_cfg, block_size=block)
+        draft_cfg = resize(draft_cfg, block)
     block = draft_cfg.block_size
+    most = block if anchor_drafts else block - 1
     if k is None:
-        return draft_cfg, block - 1
-    if isinstance(k, int) and not isinstance(k, bool) and k > block - 1:
+        return draft_cfg, most
+    if isinstance(k, int) and not isinstance(k, bool) and k > most:
         raise InvalidRequestError(
-            f"num_speculative_tokens={k}: a DFlash block of {block} tokens proposes at most "
-            f"{block - 1} drafts"
+            f"num_speculative_tokens={k}: a {title} block of {block} tokens proposes at most {most} drafts"
         )
     return draft_cfg, k
 
 
-def _param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+def _configure(
+    draft_cfg: DFlashConfig, k: int | None, options: Mapping[str, Any]
+) -> tuple[DFlashConfig, int | None]:
+    return configure_block(
+        draft_cfg,
+        k,
+        options,
+        title="DFlash",
+        anchor_drafts=False,
+        resize=lambda cfg, block: dataclasses.replace(cfg, block_size=block),
+    )
+
+
+def param_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     """Its decoder layers sit in one stack [n, ...] (never split) inside the group; the rest
     (fc, norms) replicated."""
     if names[:1] == ["layers"]:
@@ -369,8 +418,8 @@ DRAFT = Draft(
     name="dflash",
     available=_available,
     capture=lambda ctx: tuple(ctx.draft_cfg.capture),
-    init_state=_init_state,
-    state_logical=_state_logical,
+    init_state=init_context_cache,
+    state_logical=context_cache_logical,
     extend_and_propose=_extend_and_propose,
     teacher_forced=_teacher_forced,
     layer_stacks=(("dflash", "layers"),),
@@ -378,7 +427,7 @@ DRAFT = Draft(
     abstract_params=_abstract_params,
     title="DFlash",
     params_group="dflash",
-    param_logical=_param_logical,
+    param_logical=param_logical,
     config_class=DFlashConfig,
     check_plan=_check_plan,
     recognises=_recognises,

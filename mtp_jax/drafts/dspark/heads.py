@@ -1,0 +1,93 @@
+"""DSpark's small heads over the block's outputs h_k (the backbone's norm(x) at slot k) and the
+previous token x_{k-1} (the anchor for slot 0): the sequential head's logit bias and the confidence
+head (paper Eq. 5-7; docs/formats.md, "DSpark drafts").
+
+Parameters (``params["dspark"]``; weights [in, out])::
+
+    markov: {w1 [V, r] (looked up by x_{k-1}), w2 [r, V]}          (markov_rank r > 0)
+            + gated: {gate [d + r, r], gate_bias [r]}
+            + rnn:   {joint [r + r + d, 3r], joint_bias [3r]}       (input [s_{k-1}; W1[x]; h_k])
+    confidence: {w [d (+ r)], b []}                                  (input [h_k; W1[x]])
+
+Per slot (``state`` s is the RNN's, zero at every block's start)::
+
+    vanilla: bias = W1[x] W2
+    gated:   bias = (sigmoid([h; W1[x]] G + g) * W1[x]) W2
+    rnn:     (a, c, o) = split3([s; W1[x]; h] J + j);  s' = sigmoid(a) s + (1 - sigmoid(a)) tanh(c)
+             bias = tanh(o) W2
+    confidence logit = [h; W1[x]] · w + b, divided by the slot's calibration temperature
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.drafts.dspark.config import DSparkConfig
+
+
+def initial_state(cfg: DSparkConfig, batch_shape: tuple[int, ...]) -> jax.Array:
+    """The RNN head's state at a block's start (zeros [..., r]; [..., 0] for the other heads)."""
+    r = cfg.markov_rank if cfg.markov_head_type == "rnn" else 0
+    return jnp.zeros(batch_shape + (r,), jnp.float32)
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32)
+
+
+def markov_step(
+    p: dict, cfg: DSparkConfig, h: jax.Array, prev: jax.Array, state: jax.Array
+) -> tuple[jax.Array | None, jax.Array]:
+    """The sequential head at one slot: h [..., d], previous tokens prev [...] (target ids), the
+    RNN state [..., r]. Returns (the float32 logit bias [..., V], or None without a head, and the
+    next state)."""
+    if cfg.markov_rank == 0:
+        return None, state
+    m = p["markov"]
+    e = _f32(m["w1"][prev])  # [..., r]
+    if cfg.markov_head_type == "vanilla":
+        u = e
+    elif cfg.markov_head_type == "gated":
+        gate = jnp.concatenate([_f32(h), e], -1) @ _f32(m["gate"]) + _f32(m["gate_bias"])
+        u = jax.nn.sigmoid(gate) * e
+    else:
+        joint = jnp.concatenate([state, e, _f32(h)], -1) @ _f32(m["joint"]) + _f32(m["joint_bias"])
+        a, c, o = jnp.split(joint, 3, axis=-1)
+        keep = jax.nn.sigmoid(a)
+        state = keep * state + (1 - keep) * jnp.tanh(c)
+        u = jnp.tanh(o)
+    return u @ _f32(m["w2"]), state
+
+
+def confidence_logit(p: dict, cfg: DSparkConfig, h: jax.Array, prev: jax.Array, slot: int) -> jax.Array:
+    """The confidence head's float32 logit [...] at block slot ``slot`` (0-based), calibrated by
+    the slot's temperature when the draft has one: sigmoid of it is the probability that the slot's
+    draft is accepted given that the slots before it were."""
+    c = p["confidence"]
+    x = _f32(h)
+    if cfg.markov_rank > 0 and cfg.confidence_with_markov:
+        x = jnp.concatenate([x, _f32(p["markov"]["w1"][prev])], -1)
+    z = x @ _f32(c["w"]) + _f32(c["b"])
+    temps = cfg.confidence_temperatures
+    return z if temps is None else z / temps[slot]
+
+
+def teacher_forced_heads(
+    p: dict, cfg: DSparkConfig, h: jax.Array, base: jax.Array, prev: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
+    """Every slot of blocks at once with the previous tokens given (training's teacher forcing):
+    h [..., B, d], base logits [..., B, V], prev [..., B] (the anchor, then the true tokens). Returns
+    (the biased logits [..., B, V], confidence logits [..., B] or None)."""
+    slots = h.shape[-2]
+    conf = None
+    if cfg.confidence_head:
+        conf = jnp.stack([confidence_logit(p, cfg, h[..., k, :], prev[..., k], k) for k in range(slots)], -1)
+    if cfg.markov_rank == 0:
+        return base, conf
+    state = initial_state(cfg, h.shape[:-2])
+    out = []
+    for k in range(slots):
+        bias, state = markov_step(p, cfg, h[..., k, :], prev[..., k], state)
+        out.append(base[..., k, :] + bias)
+    return jnp.stack(out, -2), conf

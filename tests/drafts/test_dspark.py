@@ -1,0 +1,355 @@
+"""DSpark drafts: DeepSpec's checkpoint layout read and written, the draft's logits and confidences
+against an independent float64 implementation of the paper's equations (on transformers' own
+hidden states), the decode-time block over the paged context, speculative generation on both
+target families, and the errors a bad draft gets. The sampled law through ``generate`` is checked
+in tests/test_acceptance.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.drafts.dspark.config import DSparkConfig
+from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
+from mtp_jax.errors import CheckpointError, ConfigError, InvalidRequestError
+from mtp_jax.synthetic import write_hub_checkpoint
+from tests.conftest import check_per_request_k
+from tests.drafts.test_dflash import DRAFT_A as DFLASH_A
+from tests.drafts.test_dflash import prompt_rows, reference_block_states
+from tests.drafts.test_eagle3 import DEEPSEEK_TARGET, REF, TARGET  # the Llama target: L = 3, d = 32, V = 128
+
+# DeepSpec's config: the target's text config plus the DSpark fields. DFlash's draft "a" (two
+# layers, GQA 4/2, a block of 4) with its own plain rope, the embedding output (-1) and layer 1
+# captured, a vanilla Markov head of rank 8 and a confidence head that reads it.
+DSPARK_A = {
+    **{k: v for k, v in DFLASH_A.items() if k not in ("dflash_config", "rope_scaling")},
+    "architectures": ["Qwen3DSparkModel"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "num_target_layers": 3,
+    "target_layer_ids": [-1, 1],
+    "mask_token_id": 127,
+    "num_anchors": 512,
+    "markov_rank": 8,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+    "tie_word_embeddings": False,
+    "layer_types": ["full_attention", "full_attention"],
+}
+# the RNN head (rank 6), one layer, a block of 3, calibrated confidences
+DSPARK_R = {
+    **DSPARK_A,
+    "num_hidden_layers": 1,
+    "layer_types": ["full_attention"],
+    "block_size": 3,
+    "target_layer_ids": [0],
+    "markov_rank": 6,
+    "markov_head_type": "rnn",
+    "confidence_temperatures": [1.5, 0.8, 2.0],
+}
+# the gated head, its confidence head without the Markov feature
+DSPARK_G = {**DSPARK_A, "markov_head_type": "gated", "confidence_head_with_markov": False}
+# DeepSpec's DFlash: the same class without heads (markov_rank 0, no confidence head)
+DSPARK_0 = {
+    **{k: v for k, v in DSPARK_A.items() if k not in ("markov_head_type", "confidence_head_with_markov")},
+    "markov_rank": 0,
+    "enable_confidence_head": False,
+}
+CONFIGS = {"a": DSPARK_A, "r": DSPARK_R, "g": DSPARK_G, "0": DSPARK_0}
+
+
+def _target_arrays(model) -> tuple[np.ndarray, np.ndarray]:
+    """(embedding [V, d], head [V, d]) of a loaded target (checked against transformers in
+    tests/targets)."""
+    embed = np.asarray(model.params["embed"])
+    head = np.asarray(model.params["lm_head"]).T if "lm_head" in model.params else embed
+    return embed, head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return mtp_jax.load(TARGET, "float32", strict=True)
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory) -> dict:
+    """name -> (draft directory, its tensors, its raw config)."""
+    root = tmp_path_factory.mktemp("dspark")
+    # small backbone weights: the block's outputs stay near the anchor's embedding, so the target's
+    # head there agrees with the target's next token a fair share of the time (seed 3: 7-43% at
+    # slot 0 on PROMPTS' greedy continuations), and greedy speculation accepts some drafts
+    embed, head = _target_arrays(target)
+    out = {}
+    for name, raw in CONFIGS.items():
+        tensors = dspark_hub_tensors(DSparkConfig.from_dict(raw), embed, head, seed=3, std=0.05, head_std=0.5)
+        write_hub_checkpoint(root / name, raw, tensors)
+        out[name] = (str(root / name), tensors, raw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(drafts) -> dict:
+    return {
+        name: mtp_jax.load(TARGET, "float32", strict=True, draft_model=d[0]) for name, d in drafts.items()
+    }
+
+
+# --- the independent reference (float64 numpy, the paper's Eq. 2-7) -------------------------------
+def _sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def reference_dspark(t, raw, tokens, embed, head, perturb=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(logits [b, T, B, V], confidence logits [b, T, B] or None) of the block anchored at each
+    token: slot k's previous token is token i + k (teacher forcing), past the end the argmax of
+    slot k - 1. ``perturb``: "no_bias" (the base logits alone), "shifted" (the slot's own target
+    token as its previous one), "dflash_rows" (slots read from block rows 1.. as DFlash does)."""
+    f64 = np.float64
+    dflash_view = {**raw, "dflash_config": {"mask_token_id": raw["mask_token_id"]}}
+    ids = raw["target_layer_ids"]
+    h = reference_block_states(t, dflash_view, REF["hidden_states"], tokens, ids, embed)  # [b, T, B, d]
+    if perturb == "dflash_rows":
+        h = np.concatenate([h[:, :, 1:], h[:, :, -1:]], 2)
+    t = {k: np.asarray(v, f64) for k, v in t.items()}
+    base = h @ np.asarray(head, f64).T
+    b, n, bs, _ = h.shape
+    r, kind = raw["markov_rank"], raw.get("markov_head_type", "vanilla")
+    temps = raw.get("confidence_temperatures") or [1.0] * bs
+    logits, conf = np.zeros_like(base), np.zeros((b, n, bs))
+    for row in range(b):
+        for i in range(n):
+            prev, state = tokens[row, i], np.zeros(r)
+            for k in range(bs):
+                j = i + k + (1 if perturb == "shifted" else 0)
+                if j < n:
+                    prev = tokens[row, j]
+                hk = h[row, i, k]
+                bias = np.zeros(base.shape[-1])
+                if r:
+                    e = t["markov_head.markov_w1.weight"][prev]
+                    w2 = t["markov_head.markov_w2.weight"]  # [V, r]: bias = u @ w2.T
+                    if kind == "vanilla":
+                        u = e
+                    elif kind == "gated":
+                        g = t["markov_head.gate_proj.weight"] @ np.concatenate([hk, e])
+                        u = _sigmoid(g + t["markov_head.gate_proj.bias"]) * e
+                    else:
+                        z = t["markov_head.joint_proj.weight"] @ np.concatenate([state, e, hk])
+                        gate, cand, o = np.split(z + t["markov_head.joint_proj.bias"], 3)
+                        state = _sigmoid(gate) * state + (1 - _sigmoid(gate)) * np.tanh(cand)
+                        u = np.tanh(o)
+                    bias = w2 @ u
+                if perturb == "no_bias":
+                    bias = 0 * bias
+                logits[row, i, k] = base[row, i, k] + bias
+                if raw["enable_confidence_head"]:
+                    x = hk
+                    if r and raw.get("confidence_head_with_markov", True):
+                        x = np.concatenate([hk, t["markov_head.markov_w1.weight"][prev]])
+                    w, c = t["confidence_head.proj.weight"][0], t["confidence_head.proj.bias"][0]
+                    conf[row, i, k] = (w @ x + c) / temps[k]
+                prev = int(np.argmax(logits[row, i, k]))
+    return logits, (conf if raw["enable_confidence_head"] else None)
+
+
+def _rel(got, want) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _teacher_forced(model, tokens):
+    from mtp_jax.drafts.dspark.draft import dspark_features, teacher_forced_block
+
+    cfg = model.draft_config
+    hidden = model.hidden_states(tokens, cfg.capture)
+    features = dspark_features(cfg, hidden)
+    return jax.jit(teacher_forced_block, static_argnums=1)(model.params, cfg, jnp.asarray(tokens), features)
+
+
+# --- the forward -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_draft_logits_and_confidences_match_the_papers_equations(drafts, models, name):
+    _, tensors, raw = drafts[name]
+    model = models[name]
+    tokens = REF["input_ids"]
+    got = model.draft_logits(tokens)
+    bs = raw["block_size"]
+    assert got.shape == (*tokens.shape, bs, 128) and got.dtype == np.float32
+    embed, head = _target_arrays(model)
+    want, want_conf = reference_dspark(tensors, raw, tokens, embed, head)
+    assert _rel(got, want) < 1e-5
+    # each way of getting the equations wrong moves the logits far outside that tolerance
+    for perturb in ("dflash_rows",) + (("no_bias", "shifted") if raw["markov_rank"] else ()):
+        wrong, _ = reference_dspark(tensors, raw, tokens, embed, head, perturb)
+        assert _rel(got, wrong) > 1e-2, perturb
+    logits, conf = _teacher_forced(model, tokens)
+    np.testing.assert_allclose(np.asarray(logits), got, rtol=1e-6, atol=1e-6)
+    if want_conf is None:
+        assert conf is None
+    else:
+        np.testing.assert_allclose(np.asarray(conf), want_conf, rtol=1e-4, atol=1e-5)
+
+
+def test_config_fields_and_capture(models):
+    a, r = models["a"].draft_config, models["r"].draft_config
+    assert a.capture == (-1, 1) and r.capture == (0,)  # -1: the embedding output
+    assert (a.markov_rank, a.markov_head_type, a.confidence_head, a.confidence_width) == (
+        8,
+        "vanilla",
+        True,
+        40,
+    )
+    assert models["g"].draft_config.confidence_width == 32  # without the Markov feature
+    assert r.confidence_temperatures == (1.5, 0.8, 2.0) and r.resized(2).confidence_temperatures == (1.5, 0.8)
+    assert models["0"].draft_config.markov_rank == 0 and "markov" not in models["0"].params["dspark"]
+
+
+def test_deepspec_layout_round_trips_bit_exact(drafts, models, target, tmp_path):
+    """Our writer gives back every tensor the checkpoint holds, frozen copies included, and a
+    config.json that loads to the same draft."""
+    from mtp_jax.drafts.dspark.checkpoint import dspark_config_dict, dspark_hub_tensors_from_params
+
+    for name, (_, tensors, raw) in drafts.items():
+        model = models[name]
+        back = dspark_hub_tensors_from_params(model.params["dspark"], model.draft_config, model.params)
+        assert sorted(back) == sorted(tensors), name
+        for key, value in tensors.items():
+            assert back[key].dtype == value.dtype and np.array_equal(back[key], value), (name, key)
+        with open(os.path.join(TARGET, "config.json")) as f:
+            written = dspark_config_dict(model.draft_config, json.load(f))
+        for key, value in raw.items():
+            if key not in ("model_type", "num_anchors"):
+                assert written[key] == value, (name, key)
+        write_hub_checkpoint(tmp_path / name, written, back)
+        again = mtp_jax.load(TARGET, "float32", strict=True, draft_model=str(tmp_path / name))
+        assert dataclasses.replace(again.draft_config) == model.draft_config
+
+
+# --- in the unified step ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a", "r", "g"])
+def test_decode_block_samples_each_slot_from_its_biased_distribution(models, name):
+    """extend_and_propose on whole prompts: greedy drafts are the teacher-forced block's argmax chain
+    at the last token; sampled drafts come with q at slot k = the processed softmax of the block's
+    logits given the drafts actually drawn before it (recomputed by teacher forcing on the prompt
+    followed by those drafts), not given the argmax chain."""
+    from mtp_jax.drafts.dspark.draft import DRAFT
+    from mtp_jax.sampling import RowSampling, draft_probs
+    from mtp_jax.step import StepConfig
+
+    model = models[name]
+    cfg = model.draft_config
+    ids = jnp.asarray(REF["input_ids"])
+    b, t = ids.shape
+    rows, table, first_pos, page, pages = prompt_rows(model, ids)
+    sampling = RowSampling.build(b, temperature=[1.0] * b, seed=list(range(b)))
+    extend_and_propose = jax.jit(DRAFT.extend_and_propose, static_argnums=1)
+    k = cfg.block_size
+    greedy_logits = np.asarray(model.draft_logits(REF["input_ids"])[:, t - 1])
+    differs = 0
+    for mode in ("argmax", "sampled"):
+        sc = StepConfig(model.config, page, k, "dspark", mode, draft_cfg=cfg)
+        state = DRAFT.init_state(sc, pages, jnp.float32)
+        drafts, q, state = extend_and_propose(
+            model.params, sc, state, table, rows, jnp.ones(b, bool), sampling, first_pos
+        )
+        drafts = np.asarray(drafts)
+        if mode == "argmax":
+            np.testing.assert_array_equal(drafts, np.argmax(greedy_logits, -1))
+            continue
+        logits, _ = _teacher_forced(model, np.concatenate([np.asarray(ids), drafts], 1))
+        want = np.asarray(logits)[:, t - 1]  # the block at the last prompt token, given the drafts
+        expect = np.stack([draft_probs(jnp.asarray(want[:, j]), sampling) for j in range(k)], 1)
+        np.testing.assert_allclose(np.asarray(q), expect, rtol=1e-4, atol=1e-6)
+        differs += int(np.abs(want - greedy_logits).max() > 1e-3)
+    assert differs, "the sampled drafts left the argmax chain nowhere: the check would not see a wrong prefix"
+
+
+PROMPTS = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [100], [8, 8, 8, 8, 8, 8, 8]]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_speculation_is_lossless(models, name):
+    model = models[name]
+    plain = model.generate(PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3)
+    for k in (1, model.draft_config.block_size):
+        out = model.generate(
+            PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="dspark", num_speculative_tokens=k
+        )
+        assert out.tokens == plain.tokens, k
+        assert out.stats["acceptance_length"] > 1.0, (k, out.stats)  # not vacuous: drafts were accepted
+    default = model.generate(PROMPTS[:1], max_new_tokens=4, ignore_eos=True, draft="dspark")
+    assert default.stats["num_speculative_tokens"] == model.draft_config.block_size
+    small = model.generate(
+        PROMPTS, max_new_tokens=14, ignore_eos=True, max_batch=3, draft="dspark", draft_block_size=2
+    )
+    assert small.tokens == plain.tokens and small.stats["num_speculative_tokens"] == 2
+    if name == "a":
+        check_per_request_k(model, "dspark", PROMPTS, plain.tokens)
+
+
+def test_on_deepseek_v3(target, tmp_path):
+    """The same draft class on the MLA + MoE target: loaded against its embedding and head, greedy
+    speculation lossless and accepted."""
+    deepseek = mtp_jax.load(DEEPSEEK_TARGET, "float32")
+    cfg = deepseek.config
+    raw = {
+        **DSPARK_A,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_target_layers": cfg.num_hidden_layers,
+        "target_layer_ids": [-1, cfg.num_hidden_layers - 2],
+        "mask_token_id": cfg.vocab_size - 1,
+    }
+    embed, head = _target_arrays(deepseek)
+    tensors = dspark_hub_tensors(DSparkConfig.from_dict(raw), embed, head, 3, 0.05, 0.5)
+    write_hub_checkpoint(tmp_path / "draft", raw, tensors)
+    model = mtp_jax.load(DEEPSEEK_TARGET, "float32", strict=True, draft_model=str(tmp_path / "draft"))
+    prompts = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13], [100]]
+    plain = model.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    out = model.generate(prompts, max_new_tokens=12, ignore_eos=True, draft="dspark")
+    assert out.tokens == plain.tokens
+    assert out.stats["acceptance_length"] > 1.0, out.stats
+
+
+# --- errors ----------------------------------------------------------------------------------------
+def _bad(tmp_path, drafts, raw=None, drop=(), change=None) -> str:
+    _, tensors, base = drafts["a"]
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    if change:
+        tensors = {**tensors, **change}
+    write_hub_checkpoint(tmp_path / "draft", raw or base, tensors)
+    return str(tmp_path / "draft")
+
+
+def test_bad_drafts_are_refused_by_name(tmp_path, drafts, models):
+    def load(path):
+        return mtp_jax.load(TARGET, "float32", strict=True, draft_model=path)
+
+    cases = [
+        ({**DSPARK_A, "markov_head_type": "lstm"}, (), None, ConfigError, "markov_head_type 'lstm'"),
+        ({**DSPARK_A, "target_layer_ids": [0, 2]}, (), None, ConfigError, "final layer is not allowed"),
+        ({**DSPARK_A, "target_layer_ids": [1, 0]}, (), None, ConfigError, "strictly increasing"),
+        ({**DSPARK_A, "num_target_layers": 36}, (), None, ConfigError, "made for a target of 36 layers"),
+        ({k: v for k, v in DSPARK_A.items() if k != "mask_token_id"}, (), None, ConfigError, "mask_token_id"),
+        ({**DSPARK_A, "confidence_temperatures": [1.0]}, (), None, ConfigError, "4 positive numbers"),
+        ({**DSPARK_A, "attention_bias": True}, (), None, ConfigError, "attention_bias"),
+        (None, ("markov_head.markov_w2.weight",), None, CheckpointError, "markov_w2"),
+        (None, ("confidence_head.proj.bias",), None, CheckpointError, "confidence_head.proj.bias"),
+    ]
+    wrong_embed = np.asarray(drafts["a"][1]["embed_tokens.weight"]) + 1.0
+    cases.append((None, (), {"embed_tokens.weight": wrong_embed}, ConfigError, "trained for another model"))
+    for i, (raw, drop, change, error, match) in enumerate(cases):
+        with pytest.raises(error, match=match):
+            load(_bad(tmp_path / str(i), drafts, raw, drop, change))
+    model = models["a"]
+    with pytest.raises(InvalidRequestError, match="proposes at most 4"):
+        model.generate(PROMPTS[:1], max_new_tokens=4, draft="dspark", num_speculative_tokens=5)
+    with pytest.raises(InvalidRequestError, match=r"draft_block_size must be an integer in \[1, 4\]"):
+        model.generate(PROMPTS[:1], max_new_tokens=4, draft="dspark", draft_block_size=5)
