@@ -10,11 +10,17 @@ slot whatever its state, so idle slots do not make speculation cheaper.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
 
 from mtp_jax.errors import InvalidRequestError
+from mtp_jax.schedule import SpsTable
 
 FORMAT = "mtp-jax-auto-k/1"
 
@@ -118,3 +124,53 @@ def write(path: str | os.PathLike[str], tables: Mapping[str, Mapping[int, int]],
         json.dump(raw, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def batch_controls(model: Any, speculative: Any) -> Callable[[int, Any], Any] | None:
+    """What ``generate`` adjusts per batch size (:func:`mtp_jax.scheduler.generate`'s
+    ``per_batch``): K capped by the speculative config's ``auto_k`` table, then with
+    ``schedule="confidence"`` the steps/s at each width for that batch (its ``sps_table``, or
+    measured on this device before the call starts, once per batch and K for the model). None
+    when neither applies."""
+    auto = None if speculative.auto_k is None else AutoK.coerce(speculative.auto_k, speculative.draft)
+    confidence = speculative.schedule == "confidence"
+    if auto is None and not confidence:
+        return None
+    table = None if speculative.sps_table is None else SpsTable.load(speculative.sps_table)
+
+    def adjust(batch: int, sc: Any) -> Any:
+        if auto is not None and sc.tree is None:
+            sc = dataclasses.replace(sc, k=min(sc.k, auto(batch)))
+        if not confidence or sc.k == 0:
+            return sc
+        sps = (table or measured_sps(model, sc, batch)).for_batch(batch, sc.k)
+        return dataclasses.replace(sc, schedule=sps)
+
+    return adjust
+
+
+def measured_sps(model: Any, sc: Any, batch: int, context: int = 256, iters: int = 4) -> SpsTable:
+    """The model's SPS table for ``sc``'s draft and K at ``batch``, measured on this device at a
+    committed length of ``context`` (:func:`mtp_jax.timing.sps_table`; progress on stderr) and
+    kept on the model for later calls."""
+    from mtp_jax.timing import sps_table
+
+    cache = model.__dict__.setdefault("_sps_tables", {})
+    key = (sc.draft, sc.k, sc.draft_cfg, batch)
+    if key not in cache:
+        widths = f"widths 1..{sc.k + 1}"
+        print(f"schedule='confidence': measuring steps/s at {widths}, batch {batch}", file=sys.stderr)
+        cache[key] = sps_table(
+            model.params,
+            sc.cfg,
+            k=sc.k,
+            batches=[batch],
+            context=context,
+            page_size=sc.page_size,
+            dtype=jnp.dtype(model.dtype),
+            iters=iters,
+            draft=sc.draft,
+            draft_cfg=sc.draft_cfg,
+            progress=lambda line: print(line, file=sys.stderr),
+        )
+    return cache[key]

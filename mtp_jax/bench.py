@@ -121,6 +121,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "generate --auto-k FILE",
     )
     parser.add_argument(
+        "--sps-table",
+        metavar="FILE",
+        help="write the steps/s of the confidence-scheduled step at widths 1..max(--k)+1 per --batch "
+        "(a draft with a confidence head: dspark), for generate/serve --schedule confidence --sps-table",
+    )
+    parser.add_argument(
         "--auto-k",
         metavar="FILE",
         help="also run each draft with this auto-K table (K up to the largest --k) at every batch size",
@@ -233,6 +239,8 @@ def run(args: argparse.Namespace) -> dict:
         rows = []
         for batch in args.batch:
             rows += _bench_batch(batch, triples, trained_blocks, drafts, owners, model, prompts, args)
+        if args.sps_table:
+            write_sps_table(args, drafts, owners)
     return {
         "model": name,
         "dtype": args.dtype,
@@ -245,6 +253,35 @@ def run(args: argparse.Namespace) -> dict:
         **machine_info(),
         "results": rows,
     }
+
+
+def write_sps_table(args: argparse.Namespace, drafts: list[str], owners: dict) -> None:
+    """``--sps-table``: the first draft with a confidence head, its scheduling step timed at each
+    width 1..max(--k)+1 for each --batch (:func:`mtp_jax.timing.sps_table`), written to the file."""
+    import jax.numpy as jnp
+
+    from mtp_jax.drafts import DRAFTS
+    from mtp_jax.timing import sps_table
+
+    confident = [d for d in drafts if DRAFTS[d].confidence and DRAFTS[d].confidence(owners[d].draft_config)]
+    if not confident or max(args.k) < 1:
+        raise ValueError("--sps-table needs a draft with a confidence head (dspark) and a --k of at least 1")
+    model = owners[confident[0]]
+    table = sps_table(
+        model.params,
+        model.config,
+        k=max(args.k),
+        batches=args.batch,
+        context=args.prompt_len + args.new_tokens // 2,
+        page_size=model.page_size,
+        dtype=jnp.dtype(model.dtype),
+        iters=4,
+        draft=confident[0],
+        draft_cfg=model.draft_config,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
+    table.save(args.sps_table)
+    print(f"SPS table ({confident[0]}, widths 1..{max(args.k) + 1}) -> {args.sps_table}", file=sys.stderr)
 
 
 def _bench_triples(drafts: list[str], owners: dict, args: argparse.Namespace) -> tuple[list[tuple], dict]:
@@ -265,7 +302,11 @@ def _bench_triples(drafts: list[str], owners: dict, args: argparse.Namespace) ->
                     f"--block-size {max(blocks)}: the {DRAFTS[d].title} draft was trained on blocks "
                     f"of {trained}"
                 )
-        triples += [(d, k, b) for b in blocks for k in args.k if k and (b is None or k < b)]
+        for b in blocks:  # the drafts a block proposes: its draft's default K at that block
+            most = (
+                None if b is None else DRAFTS[d].configure(owners[d].draft_config, None, {"block_size": b})[1]
+            )
+            triples += [(d, k, b) for k in args.k if k and (most is None or k <= most)]
     if args.auto_k:  # K "auto": the table picks it, up to the largest K asked for
         triples += [(d, "auto", None) for d in drafts]
     return triples, trained_blocks

@@ -115,6 +115,22 @@ def _add_generate_parser(sub) -> None:
     gram.add_argument("--lark", metavar="FILE", help="constrain every output to this Lark grammar")
 
 
+def _add_schedule_args(g) -> None:
+    """--schedule and --sps-table: confidence-scheduled verification (:mod:`mtp_jax.schedule`)."""
+    g.add_argument(
+        "--schedule",
+        choices=["fixed", "confidence"],
+        default="fixed",
+        help="verify every proposed draft, or each step the width a draft's confidences and the "
+        "measured speeds pick (a draft with a confidence head: dspark)",
+    )
+    g.add_argument(
+        "--sps-table",
+        metavar="FILE",
+        help="--schedule confidence: steps/s per width from mtp-jax bench --sps-table (default: measured)",
+    )
+
+
 def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
     """generate's draft, speculation and relaxed-acceptance flags."""
     g.add_argument(
@@ -165,6 +181,7 @@ def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
         default="argmax",
         help="propose the draft's argmax, or sample drafts and accept with min(1, p/q)",
     )
+    _add_schedule_args(g)
     g.add_argument(
         "--auto-k",
         metavar="FILE",
@@ -227,6 +244,7 @@ def _add_serve_parser(sub) -> None:
     )
     sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     sv.add_argument("--draft-sampling", choices=["argmax", "sampled"], default="argmax")
+    _add_schedule_args(sv)
     sv.add_argument(
         "--speculative-tree",
         type=_tree_arg,
@@ -418,6 +436,8 @@ def _generate(args: argparse.Namespace) -> int:
         draft_sampling=args.draft_sampling,
         draft_block_size=args.draft_block_size,
         speculative_tree=args.speculative_tree,
+        schedule=args.schedule,
+        sps_table=args.sps_table,
         auto_k=args.auto_k,
         relaxed_topk=args.relaxed_topk,
         relaxed_delta=args.relaxed_delta,
@@ -619,16 +639,22 @@ def _adapter_name(path: str) -> str:
 
 def make_engine(args: argparse.Namespace, model, draft: str | None):
     """The serving engine of `mtp-jax serve`'s (or `scripts/launch.py --serve`'s) flags."""
+    from mtp_jax.request import SpeculativeConfig
     from mtp_jax.serving import Engine
 
-    engine = Engine(
-        model,
-        slots=args.slots,
-        max_len=args.max_len,
+    speculative = SpeculativeConfig(
         draft=draft,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=getattr(args, "draft_sampling", "argmax"),
         speculative_tree=getattr(args, "speculative_tree", None),
+        schedule=getattr(args, "schedule", "fixed"),
+        sps_table=getattr(args, "sps_table", None),
+    )
+    engine = Engine(
+        model,
+        speculative=speculative,
+        slots=args.slots,
+        max_len=args.max_len,
         max_queue=args.max_queue,
         grammar_masks=getattr(args, "grammar_masks", "host"),
         prefix_caching=getattr(args, "enable_prefix_caching", True),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mtp_jax.lora as lora
-from mtp_jax.autok import AutoK
+from mtp_jax.autok import batch_controls
 from mtp_jax.checkpoint.convert import is_converted, load_converted
 from mtp_jax.checkpoint.formats import checkpoint_format
 from mtp_jax.checkpoint.gguf import GGUFCheckpoint, is_gguf
@@ -429,7 +429,7 @@ class Model:
             check_request(self, p, r, sc, context=limit, context_name=name, where=f"prompt {i}")
             for i, (p, r) in enumerate(zip(prompts, requests, strict=True))
         ]
-        auto = None if speculative.auto_k is None else AutoK.coerce(speculative.auto_k, speculative.draft)
+        per_batch = batch_controls(self, speculative)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
         if grammar_masks not in DELIVERIES:
@@ -449,7 +449,7 @@ class Model:
             max_batch=max_batch,
             on_token=on_token,
             fused=fused,
-            auto_k=auto,
+            per_batch=per_batch,
             constraints=constraints,
             pipelined=pipelined,
             grammar_masks=grammar_masks,

@@ -26,6 +26,7 @@ import numpy as np
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_logprobs, check_value, per_row
+from mtp_jax.schedule import SCHEDULES
 from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.text import check_stops
 from mtp_jax.tree import TokenTree
@@ -136,6 +137,11 @@ class SpeculativeConfig:
     ``speculative_eagle_topk`` / ``speculative_num_draft_tokens`` - 1), for a chained draft (mtp,
     eagle3, draft_model). K is then the tree's nodes; a request's ``num_speculative_tokens`` caps
     the depth it accepts.
+    ``schedule``: "fixed" (verify every proposed draft, up to each request's cap) or "confidence"
+    (each step verifies the width :func:`mtp_jax.schedule.choose_width` picks from the draft's
+    confidences and measured speeds; a draft with a confidence head: DSpark). ``sps_table``: those
+    speeds (:class:`mtp_jax.schedule.SpsTable`, a file ``mtp-jax bench --sps-table`` wrote, or
+    {batch: [steps/s at widths 1..K+1]}); None: measured for the call's batch before it starts.
     """
 
     draft: str | None = None
@@ -146,6 +152,8 @@ class SpeculativeConfig:
     auto_k: str | os.PathLike[str] | Mapping | Any | None = None
     think_tokens: tuple[int, int] | None = None
     speculative_tree: Mapping | TokenTree | None = None
+    schedule: str = "fixed"
+    sps_table: Any = None
 
 
 SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
@@ -295,9 +303,29 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
     if relaxed or speculative.think_tokens is not None:
         think = thinking_markers(model, speculative.think_tokens)
     how = speculative.draft_sampling
+    check_schedule(speculative, method, draft_cfg, tree)
     return StepConfig(
         model.config, model.page_size, k, draft, how, model.mesh, draft_cfg, think_tokens=think, tree=tree
     )
+
+
+def check_schedule(speculative: SpeculativeConfig, method: Any, draft_cfg: Any, tree: Any) -> None:
+    """InvalidRequestError unless ``speculative.schedule`` is one the draft can follow."""
+    schedule = speculative.schedule
+    if schedule not in SCHEDULES:
+        raise InvalidRequestError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "fixed":
+        if speculative.sps_table is not None:
+            raise InvalidRequestError("sps_table is what schedule='confidence' weighs; this one is 'fixed'")
+        return
+    if method is None or method.confidence is None or not method.confidence(draft_cfg):
+        takers = ", ".join(d.title or name for name, d in DRAFTS.items() if d.confidence)
+        raise InvalidRequestError(
+            f"schedule='confidence' needs a draft that estimates its acceptance ({takers}, with a "
+            f"confidence head); draft={speculative.draft!r} does not"
+        )
+    if tree is not None:
+        raise InvalidRequestError("schedule='confidence' verifies a chain, not a speculative_tree")
 
 
 def token_tree(spec: Mapping | TokenTree | None) -> TokenTree | None:

@@ -51,7 +51,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -60,26 +60,10 @@ import numpy as np
 
 from mtp_jax.drafts.base import StepReads
 from mtp_jax.param_bytes import expected_experts, is_routed_expert, nbytes, path_names
+from mtp_jax.timing import _timed_state, timed_back_to_back, timed_call_state
 
 WEIGHT_CHOICES = ("dense", "fp8")
 PROFILE_TOP = 25  # operations listed per K by --profile
-
-
-def timed_back_to_back(fns: Sequence[Callable[[], Any]], iters: int, rounds: int = 5) -> float:
-    """Median over ``rounds`` of the seconds per call when ``iters`` calls are dispatched back to back
-    (cycling through ``fns``, e.g. the same operation on different input copies) and waited for once:
-    the device's time per call with the host's dispatch gaps hidden, as in a decode loop. Each
-    function is called twice untimed first (compile, warm-up)."""
-    for fn in fns:
-        jax.block_until_ready(fn())
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        outs = [fns[i % len(fns)]() for i in range(iters)]
-        jax.block_until_ready(outs)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
 
 
 def copy_bandwidth(megabytes: int, iters: int) -> float:
@@ -333,41 +317,6 @@ def time_step(
             for _ in range(PROFILED_STEPS):
                 jax.block_until_ready(one())
     return seconds
-
-
-def _timed_state(sc: Any, batch: int, context: int, dtype: Any, lora_slots: Any) -> Any:
-    """The state :func:`time_step` starts from: ``batch`` active rows with pages for ``context``
-    tokens and the step's K + 1 more, random next tokens and drafts, the rows' LoRA slots."""
-    from mtp_jax.step import init_state
-
-    k, page_size = sc.k, sc.page_size
-    width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
-    state = init_state(sc, batch, batch * width, width, dtype)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(2, sc.cfg.vocab_size, (batch, k + 1)).astype(np.int32)
-    state = dataclasses.replace(
-        state,
-        page_table=jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width),
-        next_token=jnp.asarray(ids[:, 0]),
-        drafts=jnp.asarray(ids[:, 1:]),
-        active=jnp.ones((batch,), bool),
-    )
-    if lora_slots is not None:
-        slots = jnp.asarray(lora_slots, jnp.int32)
-        state = dataclasses.replace(state, sampling=dataclasses.replace(state.sampling, lora_slot=slots))
-    return state
-
-
-def timed_call_state(state: Any, *, seq_len: jax.Array, num_drafts: jax.Array) -> Any:
-    """The state a timed step starts from: the previous call's, its committed length reset to
-    ``seq_len`` [b] and every row holding ``num_drafts`` [b] (K) drafts to verify. Without the
-    second, a draft that proposes per row (:attr:`mtp_jax.drafts.base.Draft.proposes_per_row`:
-    the n-gram lookup, which proposes nothing where the text so far has no match, as with random
-    weights and an empty history) would leave every timed step on the branch that verifies one
-    token per row, timing plain decoding under the draft's name. So the step is timed as one whose
-    drafts were proposed (verifying K + 1 tokens, the lookup included); ``bench_step.py`` times the
-    step without a match beside it (``no_match_step_ms``: one token per row, plus the lookup)."""
-    return dataclasses.replace(state, seq_len=seq_len, num_drafts=num_drafts)
 
 
 PROFILED_STEPS = 3

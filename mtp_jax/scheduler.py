@@ -376,9 +376,7 @@ class Scheduler:
         if (k, logprobs) not in self.variants:
             idle = k == 0 and sc.draft is not None
             tree = sc.tree if k else None
-            self.variants[k, logprobs] = dataclasses.replace(
-                sc, k=k, draft_idle=idle, logprobs=logprobs, tree=tree
-            )
+            self.variants[k, logprobs] = sc.variant(k, draft_idle=idle, logprobs=logprobs, tree=tree)
         return self.variants[k, logprobs]
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -692,8 +690,8 @@ class Scheduler:
 
     def _process(self, emitted, n_emit, logprobs, owners: list[Request | None], drafted: np.ndarray) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
-        lp = None if logprobs is None else jax.tree.map(np.asarray, logprobs)
-        done = []
+        drafted = verified_drafts(drafted, emitted)
+        lp, done = None if logprobs is None else jax.tree.map(np.asarray, logprobs), []
         for b, req in enumerate(owners):
             if req is None or req.finish:
                 continue
@@ -769,6 +767,13 @@ class Scheduler:
         return True
 
 
+def verified_drafts(drafted: np.ndarray, emitted: np.ndarray) -> np.ndarray:
+    """The drafts each slot's step verified: at most ``drafted`` [slots], and no more than its
+    width (``emitted`` [rows, K+1] holds -1 past it; rows: the slots the step computed)."""
+    width = np.sum(emitted >= 0, axis=1)
+    return np.concatenate([np.minimum(drafted[: len(width)], width - 1), drafted[len(width) :]])
+
+
 def generate(
     params: dict,
     sc: StepConfig,
@@ -779,7 +784,7 @@ def generate(
     max_batch: int = 32,
     on_token: TokenCallback | None = None,
     fused: bool = True,
-    auto_k: Callable[[int], int] | None = None,
+    per_batch: Callable[[int, StepConfig], StepConfig] | None = None,
     constraints: Constraints | None = None,
     pipelined: bool = True,
     grammar_masks: str = "host",
@@ -788,17 +793,17 @@ def generate(
     """Decode checked requests (:func:`mtp_jax.request.check_request`) to the end with a
     :class:`Scheduler` sized for them (up to K = sc.k drafts per step, 0 = plain): ``max_batch``
     slots at most (a power of two, a multiple of the mesh's row devices), pages for the longest
-    request. ``auto_k(batch)`` caps K for the batch size (the slots a step computes, whatever their
-    state), e.g. from a table measured by ``mtp-jax bench``. ``stop_checks[i](token)`` True stops
-    request i (finish reason "stop"). The other arguments are the scheduler's."""
+    request. ``per_batch(batch, sc)`` adjusts the step to the batch size (slots a step computes):
+    :func:`mtp_jax.autok.batch_controls`. ``stop_checks[i](token)`` True stops request i (finish
+    reason "stop"). The other arguments are the scheduler's."""
     t_start = time.perf_counter()
     n = len(checked)
     batch = math.lcm(next_power_of_two(min(n, max_batch)), row_shards(sc.mesh))  # whole rows per shard
     host_sampling = jax.tree.map(np.asarray, row_sampling(checked))
-    if auto_k is not None and sc.k > 0 and sc.tree is None:
-        sc = dataclasses.replace(sc, k=min(sc.k, auto_k(batch)))
+    if per_batch is not None and sc.k > 0:
+        sc = per_batch(batch, sc)
     if sc.k == 0 or not np.minimum(host_sampling.num_speculative_tokens, sc.k).any():
-        sc = dataclasses.replace(sc, k=0, draft=None, tree=None)  # plain decoding: no draft state at all
+        sc = sc.variant(0, draft=None, tree=None)  # plain decoding: no draft state at all
     if not np.any(host_sampling.temperature > 0):  # every row greedy: smaller programs, same tokens
         sc = dataclasses.replace(sc, greedy=True)
     width = next_power_of_two(max(pages_needed(len(c.prompt), c.params.max_new_tokens, sc) for c in checked))

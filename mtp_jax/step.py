@@ -47,6 +47,7 @@ from mtp_jax.sampling import (
     sort_only,
     token_logprobs,
 )
+from mtp_jax.schedule import choose_width, cumulative
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
 from mtp_jax.targets.base import Hidden, TreeMask
@@ -88,6 +89,14 @@ class StepConfig:
     tree: TokenTree | None = None
     """Verify a token tree of drafts (:mod:`mtp_jax.tree`) instead of a chain: ``k`` is then its
     draft nodes (``tree.size - 1``), the draft a chained one (:attr:`Draft.trees`)."""
+    schedule: tuple[float, ...] | None = None
+    """Confidence-scheduled verification (:mod:`mtp_jax.schedule`): the engine's steps/s at widths
+    1..K+1 for this program's batch; each step verifies the width :func:`mtp_jax.schedule.
+    choose_width` picks from the draft's confidences (a draft with :attr:`Draft.confidence`).
+    None: every proposed draft is verified (up to each request's cap)."""
+    schedule_global: bool = False
+    """Pick the best of all widths instead of stopping early: BIASED (the width then depends on
+    drafts it verifies; the paper's Appendix A). Only for tests that show the bias is caught."""
     greedy: bool = False
     """Every row decodes greedily (temperature 0): sampling is traced as the argmax alone
     (:func:`mtp_jax.sampling.greedy_only`), a smaller program giving the same tokens. For callers
@@ -116,6 +125,33 @@ class StepConfig:
                 )
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
+        if self.schedule is not None:
+            self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        if self.k == 0 or not self.confident:
+            takers = ", ".join(d.title or name for name, d in DRAFTS.items() if d.confidence)
+            raise ValueError(
+                f"confidence scheduling needs K > 0 and a draft that estimates its acceptance ({takers}, "
+                f"with a confidence head), got draft={self.draft!r}, K = {self.k}"
+            )
+        if self.tree is not None:
+            raise ValueError("confidence scheduling verifies a chain: it does not go with token trees")
+        if len(self.schedule) != self.k + 1:
+            raise ValueError(
+                f"the schedule needs steps/s at widths 1..{self.k + 1}, got {len(self.schedule)}"
+            )
+
+    def variant(self, k: int, **changes: Any) -> StepConfig:
+        """This configuration at K = k (with ``changes``), its schedule cut to widths 1..k+1."""
+        schedule = self.schedule[: k + 1] if k and self.schedule is not None else None
+        return dataclasses.replace(self, k=k, schedule=schedule, **changes)
+
+    @property
+    def confident(self) -> bool:
+        """The draft estimates its drafts' acceptance (:attr:`Draft.confidence`)."""
+        method = self.draft_method
+        return method is not None and method.confidence is not None and method.confidence(self.draft_cfg)
 
     @property
     def target(self) -> Target:
@@ -155,7 +191,9 @@ class DecodeState:
     target_pages: the target's cache (leaves [L, P, page, ...]); draft_state: the draft's device
     state (for MTP its layer's pages [P, page, c]; {} without a draft); page_table [B, W]; seq_len
     [B] tokens in the target cache; next_token [B] (committed, not yet cached); drafts [B, K];
-    draft_q [B, K, V] (sampled drafts only, else [B, 0, 0]); num_drafts [B]: how many of the drafts
+    draft_q [B, K, V] (sampled drafts only, else [B, 0, 0]); draft_conf [B, K]: each draft's
+    probability of acceptance as the draft estimates it (:func:`mtp_jax.schedule.cumulative`; a draft
+    with :attr:`~mtp_jax.drafts.Draft.confidence`, else [B, 0]); num_drafts [B]: how many of the drafts
     were proposed for the row (its request's cap, and at most what the last step proposed: a step
     may speculate less than K); thinking [B]: inside a thinking phase after the committed tokens
     before next_token; active [B]; sampling: per-row parameters.
@@ -172,6 +210,7 @@ class DecodeState:
     thinking: jax.Array
     active: jax.Array
     sampling: RowSampling
+    draft_conf: jax.Array
 
 
 def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) -> DecodeState:
@@ -190,7 +229,19 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
         thinking=jnp.zeros((batch,), bool),
         active=jnp.zeros((batch,), bool),
         sampling=RowSampling.build(batch),
+        draft_conf=jnp.zeros((batch, sc.k if sc.confident else 0), jnp.float32),
     )
+
+
+def propose(sc: StepConfig, *args) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
+    """``sc.drafter.extend_and_propose(params, context, *args)``: (drafts, q, draft state, and the
+    drafts' acceptance probabilities [b, K] from a draft with a confidence head, else None)."""
+    params, rest = args[0], args[1:]
+    out = sc.drafter.extend_and_propose(params, sc.draft_context, *rest)
+    if sc.confident:
+        drafts, q, state, logits = out
+        return drafts, q, state, cumulative(logits)
+    return (*out, None)
 
 
 def forward_paged(
@@ -282,6 +333,23 @@ def _followed_by(tokens: jax.Array, last: jax.Array, after: jax.Array) -> jax.Ar
     return jnp.where(jnp.arange(tokens.shape[1])[None, :] == last[:, None], after[:, None], shifted)
 
 
+def _first_drafts(params, state, sc, prompt: Rows, page_table, real, sampling, first, lengths):
+    """The draft's first proposal after a prompt (:func:`prefill`): (drafts [R, K], q, confidences,
+    each row's draft count, the draft's state); without a draft, only the counts (its cap)."""
+    r = prompt.tokens.shape[0]
+    drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
+    q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
+    conf = jnp.zeros((r,) + state.draft_conf.shape[1:], jnp.float32)
+    if sc.drafter is None:
+        return drafts, q, conf, jnp.minimum(sampling.num_speculative_tokens, sc.k), state.draft_state
+    new_drafts, q_new, draft_state, a = propose(
+        sc, params, state.draft_state, page_table, prompt, real, sampling, lengths + 1
+    )
+    new_drafts, count = _proposed(sc, new_drafts, sampling.num_speculative_tokens, first)
+    drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
+    return drafts, q, conf if a is None else _room(conf, a), count, draft_state
+
+
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
 @_traced_sampling
 def prefill(
@@ -322,18 +390,10 @@ def prefill(
     first_logits = raw_logits if bitmask is None else mask_logits(raw_logits, bitmask)
     first = sample(first_logits, sampling, lengths)
     logprobs = token_logprobs(raw_logits, first, MAX_LOGPROBS) if sc.logprobs else None
-    draft_state = state.draft_state
-    drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
-    q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
-    if sc.drafter is not None:
-        prompt = Rows(tokens, _followed_by(tokens, last, first), positions, valid, hidden, last)
-        new_drafts, q_new, draft_state = sc.drafter.extend_and_propose(
-            params, sc.draft_context, draft_state, page_table, prompt, real, sampling, lengths + 1
-        )
-        new_drafts, count = _proposed(sc, new_drafts, sampling.num_speculative_tokens, first)
-        drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
-    else:
-        count = jnp.minimum(sampling.num_speculative_tokens, sc.k)
+    prompt = Rows(tokens, _followed_by(tokens, last, first), positions, valid, hidden, last)
+    drafts, q, conf, count, draft_state = _first_drafts(
+        params, state, sc, prompt, page_table, real, sampling, first, lengths
+    )
     thinking = jnp.zeros((r,), bool) if thinking is None else thinking
     if sc.think_tokens is not None:
         thinking = at_rows(think_phase(tokens, valid, thinking, sc.think_tokens), last)
@@ -357,6 +417,7 @@ def prefill(
                 thinking=put(state.thinking, thinking),
                 active=put(state.active, real),
                 sampling=jax.tree.map(put, state.sampling, sampling),
+                draft_conf=put(state.draft_conf, conf),
             ),
             sc,
         ),
@@ -391,17 +452,17 @@ def prefill_chunk(
     if sc.drafter is not None:
         last = jnp.maximum(counts - 1, 0)
         rows = Rows(tokens, _followed_by(tokens, last, after), positions, valid, hidden, last)
-        consume = dataclasses.replace(sc, k=0)  # only consume: nothing is proposed mid-prompt
-        _, _, draft_state = sc.drafter.extend_and_propose(
+        consume = dataclasses.replace(sc, k=0, schedule=None)  # only consume: nothing proposed mid-prompt
+        draft_state = propose(
+            consume,
             params,
-            consume.draft_context,
             draft_state,
             page_table,
             rows,
             counts > 0,
             RowSampling.build(r),
             starts + counts + 1,
-        )
+        )[2]
     return constrain_state(dataclasses.replace(state, target_pages=target_pages, draft_state=draft_state), sc)
 
 
@@ -488,6 +549,7 @@ def _commit_and_draft(
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
     draft_state, drafts, q, num_drafts = state.draft_state, state.drafts, state.draft_q, state.num_drafts
+    conf = state.draft_conf
     num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.num_speculative_tokens, sc.k), num_drafts)
     thinking = state.thinking
     if sc.think_tokens is not None:
@@ -500,16 +562,11 @@ def _commit_and_draft(
         positions = seq[:, None] + jnp.arange(k1, dtype=jnp.int32)
         valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
         committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
-        new_drafts, new_q, draft_state = sc.drafter.extend_and_propose(
-            params,
-            sc.draft_context,
-            draft_state,
-            state.page_table,
-            committed,
-            state.active,
-            state.sampling,
-            new_seq + 1,
+        new_drafts, new_q, draft_state, a = propose(
+            sc, params, draft_state, state.page_table, committed, state.active, state.sampling, new_seq + 1
         )
+        if a is not None:
+            conf = jnp.where(state.active[:, None], _room(conf, a), conf)
         new_drafts, count = _proposed(sc, new_drafts, state.sampling.num_speculative_tokens, new_next)
         drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)
         num_drafts = jnp.where(state.active, count, num_drafts)
@@ -525,6 +582,7 @@ def _commit_and_draft(
         draft_q=q,
         num_drafts=num_drafts,
         thinking=thinking,
+        draft_conf=conf,
     )
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
 
@@ -598,9 +656,12 @@ def step(
     grammar_rows: jax.Array | None = None,
     rows: int | None = None,
     grammar_key: jax.Array | None = None,
+    width: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, DecodeState, TokenLogprobs | None]:
     """One speculative step for all slots. Returns (emitted [B, K+1], n_emit [B], new state,
-    logprobs); row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots);
+    logprobs); row b's new tokens are emitted[b, :n_emit[b]] (n_emit is 0 for inactive slots), and
+    for a chain the entries past the width the step verified (fewer than K + 1 tokens: a confidence
+    schedule's choice, or no draft to verify) are -1;
     with ``sc.logprobs`` their :class:`TokenLogprobs` [B, K+1] (from the target's raw logits at the
     verified positions: what plain decoding would give them), else None. ``bitmask``
     [B, K+1, ceil(V/32)]: the tokens a grammar allows at each verified position
@@ -611,7 +672,10 @@ def step(
     ``rows``: step only slots [0, rows) (every other slot must be inactive), over the same page
     pools; emitted and n_emit then have ``rows`` rows. A server with few requests in many slots
     runs a program that size (one per power of two) instead of paying for every slot. Not with
-    rows split over devices (a data axis)."""
+    rows split over devices (a data axis).
+
+    ``width`` (with ``sc.schedule``): verify that many tokens per row (1..K+1) instead of the width
+    the confidences pick: how :func:`mtp_jax.timing.sps_table` times each width of this program."""
     whole = state
     if rows is not None:
         if row_shards(sc.mesh) > 1:
@@ -642,47 +706,62 @@ def step(
                 lambda x: _room(jnp.zeros((x.shape[0], sc.k + 1, *x.shape[2:]), x.dtype), x),
                 token_logprobs(logits, emitted, MAX_LOGPROBS),
             )
-        return _room(jnp.zeros((emitted.shape[0], sc.k + 1), emitted.dtype), emitted), n_emit, state, logprobs
+        # a chain's positions past the width verified hold -1: the host counts the drafts verified
+        # (a tree verifies all its nodes whatever the depth of the path it emits)
+        fill = -1 if sc.tree is None else 0
+        padded = _room(jnp.full((emitted.shape[0], sc.k + 1), fill, emitted.dtype), emitted)
+        return padded, n_emit, state, logprobs
 
-    if sc.k and sc.drafter is not None and sc.drafter.proposes_per_row:
-        # no active row has a draft: verify one token per row, as plain decoding (the rows' tokens are
-        # the same either way: a row capped at 0 drafts samples exactly as plain decoding does)
-        drafting = jnp.any(state.active & (state.num_drafts > 0))
-        b = state.seq_len.shape[0]
-        blank = (jnp.zeros((b, sc.k + 1), jnp.int32), jnp.zeros((b,), jnp.int32), None)
-        if sc.logprobs:
-            blank = blank[:2] + (
-                TokenLogprobs(
-                    jnp.zeros((b, sc.k + 1), jnp.float32),
-                    jnp.zeros((b, sc.k + 1, MAX_LOGPROBS), jnp.int32),
-                    jnp.zeros((b, sc.k + 1, MAX_LOGPROBS), jnp.float32),
-                ),
-            )
-        emitted, n_emit, state, logprobs = either(
-            drafting, functools.partial(verified, sc.k), functools.partial(verified, 0), params, state, blank
-        )
-    else:
-        emitted, n_emit, state, logprobs = verified(sc.k, params, state)
+    emitted, n_emit, state, logprobs = _at_width(params, state, sc, verified, width)
     if rows is not None:
         state = _merge_rows(whole, state, rows)
     logprobs = jax.tree.map(lambda x: replicated(x, sc.mesh), logprobs)
     return replicated(emitted, sc.mesh), n_emit, constrain_state(state, sc), logprobs
 
 
-def either(
-    pred: jax.Array, if_true: Callable, if_false: Callable, params: dict, state: Any, blank: tuple
-) -> tuple:
-    """``if_true(params, state)`` where ``pred`` (a traced bool) holds, else ``if_false(params,
-    state)``; each returns ``(emitted, n_emit, state, extra)``, and ``blank`` holds zeros of the
-    other three's shapes and types.
+def _at_width(params: dict, state: DecodeState, sc: StepConfig, verified: Callable, width) -> tuple:
+    """``verified(k, params, state)`` at the step's width: the one the confidence schedule picks
+    (or ``width``, forced), one token per row when a draft that proposes per row proposed nothing,
+    else K + 1."""
+    b = state.seq_len.shape[0]
+    if sc.schedule is not None:  # the width the confidences and the measured speeds pick
+        if width is None:
+            cap, a = jnp.minimum(state.num_drafts, sc.k), state.draft_conf[:, : sc.k]
+            width = choose_width(a, cap, state.active, sc.schedule, not sc.schedule_global)
+        branches = [functools.partial(verified, w) for w in range(sc.k + 1)]
+        return one_of(width - 1, branches, params, state, _blank(b, sc))
+    if sc.k and sc.drafter is not None and sc.drafter.proposes_per_row:
+        # no active row has a draft: verify one token per row, as plain decoding (the rows' tokens are
+        # the same either way: a row capped at 0 drafts samples exactly as plain decoding does)
+        drafting = jnp.any(state.active & (state.num_drafts > 0))
+        chain, plain = functools.partial(verified, sc.k), functools.partial(verified, 0)
+        return either(drafting, chain, plain, params, state, _blank(b, sc))
+    return verified(sc.k, params, state)
 
-    What ``lax.cond`` computes, without its copies: XLA copies a buffer that a conditional's branch
-    updates in place (the KV caches here: the whole page pools, twice a step whatever the context;
-    BENCHMARKS.md, "N-gram: the step's two widths without copying the caches"). Two loops of zero
-    or one trip each carry the state instead, and a loop's carry is updated in place. Inside each
-    loop the weights pass an optimization barrier with the state, so that XLA cannot hoist work on
-    the weights alone out of the loops (where it would run whether or not the loop does: bfloat16
-    weights converted for the CPU's dots, twice a step)."""
+
+def _blank(b: int, sc: StepConfig) -> tuple:
+    """Zeros of a step's (emitted, n_emit, logprobs) for :func:`one_of`'s branches."""
+    logprobs = None
+    if sc.logprobs:
+        logprobs = TokenLogprobs(
+            jnp.zeros((b, sc.k + 1), jnp.float32),
+            jnp.zeros((b, sc.k + 1, MAX_LOGPROBS), jnp.int32),
+            jnp.zeros((b, sc.k + 1, MAX_LOGPROBS), jnp.float32),
+        )
+    return jnp.zeros((b, sc.k + 1), jnp.int32), jnp.zeros((b,), jnp.int32), logprobs
+
+
+def one_of(index: jax.Array, branches: list[Callable], params: dict, state: Any, blank: tuple) -> tuple:
+    """``branches[index](params, state)`` for a traced ``index``; each branch returns ``(emitted,
+    n_emit, state, extra)``, and ``blank`` holds zeros of the other three's shapes and types.
+
+    What ``lax.switch`` computes, without its copies: XLA copies a buffer that a conditional's
+    branch updates in place (the KV caches here: the whole page pools, twice a step whatever the
+    context; BENCHMARKS.md, "N-gram: the step's two widths without copying the caches"). One loop of
+    zero or one trip per branch carries the state instead, and a loop's carry is updated in place.
+    Inside each loop the weights pass an optimization barrier with the state, so that XLA cannot
+    hoist work on the weights alone out of the loops (where it would run whether or not the loop
+    does: bfloat16 weights converted for the CPU's dots, on every branch)."""
 
     def once(run: jax.Array, fn: Callable, carry: tuple) -> tuple:
         def body(c: tuple) -> tuple:
@@ -692,7 +771,18 @@ def either(
         return jax.lax.while_loop(lambda c: c[0] < run.astype(jnp.int32), body, (jnp.int32(0), carry))[1]
 
     emitted, n_emit, extra = blank
-    return once(~pred, if_false, once(pred, if_true, (emitted, n_emit, state, extra)))
+    carry = (emitted, n_emit, state, extra)
+    for i, fn in enumerate(branches):
+        carry = once(index == i, fn, carry)
+    return carry
+
+
+def either(
+    pred: jax.Array, if_true: Callable, if_false: Callable, params: dict, state: Any, blank: tuple
+) -> tuple:
+    """``if_true(params, state)`` where ``pred`` (a traced bool) holds, else ``if_false(params,
+    state)`` (:func:`one_of`'s two branches)."""
+    return one_of(pred.astype(jnp.int32), [if_false, if_true], params, state, blank)
 
 
 # The host-orchestrated baseline: the same stages as separate executables with the host reading

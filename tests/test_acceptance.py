@@ -20,6 +20,7 @@ seeded, so the outcomes are deterministic.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -915,8 +916,7 @@ def first_three_of_many_seeds(model, prompt: list[int], n: int, **settings):
         max_new_tokens=3,
         seed=list(range(n)),
         ignore_eos=True,
-        max_batch=n,
-        **settings,
+        **{"max_batch": n, **settings},
     )
 
 
@@ -1015,6 +1015,88 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     assert_distribution(cells, joint.ravel(), what, against=wrong)
     assert_distribution(tokens[:, 0], joint.sum((1, 2)), "first token")
     assert_distribution(tokens[:, 1] * VOCAB + tokens[:, 2], joint.sum(0).ravel(), "tokens 2 and 3")
+
+
+# A DSpark draft whose confidence in its first draft is 1/2 whatever the context (temperature 100 on
+# slot 1's logit) and in its second all or nothing by the first draft drawn (temperature 0.02: zero
+# after tokens 1 and 5, one after the others): a width decided after seeing that draft is biased.
+SHARP_DSPARK = {**SMALL_DSPARK, "confidence_temperatures": [100.0, 0.02, 1.0, 1.0]}
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dspark_sharp(small_vocab_model, tmp_path_factory):
+    from mtp_jax.drafts.dspark.config import DSparkConfig
+    from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
+
+    model = small_vocab_model
+    embed, head = np.asarray(model.params["embed"]), np.asarray(model.params["lm_head"]).T
+    tensors = dspark_hub_tensors(DSparkConfig.from_dict(SHARP_DSPARK), embed, head, 7, 0.3, head_std=1.0)
+    path = tmp_path_factory.mktemp("vocab8-dspark-sharp") / "draft"
+    write_hub_checkpoint(path, SHARP_DSPARK, tensors)
+    return mtp_jax.load(model.path, "float32", page_size=4, draft_model=str(path))
+
+
+def scheduled_first_three(model, n: int, table: list[float], *, early_stop: bool = True, batch: int = 1):
+    """The first three tokens of ``n`` seeds of PROMPT with K = 2 DSpark drafts and the confidence
+    schedule weighing ``table`` (steps/s at widths 1..3), ``batch`` requests a step (one: each
+    width decided by that request's own confidences alone). ``early_stop=False``: the search over
+    every width (biased). Returns (tokens [n, 3], stats)."""
+    from mtp_jax.autok import batch_controls
+
+    settings = dict(
+        draft="dspark", num_speculative_tokens=2, draft_sampling="sampled", **E2E_PARAMS["truncated"]
+    )
+    settings.update(schedule="confidence", sps_table={batch: table}, max_batch=batch)
+
+    def search_every_width(model, speculative):  # the biased search, through the same generate path
+        inner = batch_controls(model, speculative)
+        return lambda b, sc: dataclasses.replace(inner(b, sc), schedule_global=True)
+
+    with pytest.MonkeyPatch.context() as patch:
+        if not early_stop:
+            patch.setattr("mtp_jax.model.batch_controls", search_every_width)
+        result = first_three_of_many_seeds(model, PROMPT, n, **settings)
+    return np.asarray(result.tokens), result.stats
+
+
+@pytest.mark.slow
+def test_the_confidence_schedule_keeps_the_first_three_tokens_exact(small_vocab_dspark_sharp):
+    """Each request's width chosen alone from its own confidences (a batch of one), one draft or
+    both by what the first draft was: the joint law of the first three tokens is still the
+    target's."""
+    model = small_vocab_dspark_sharp
+    joint = exact_first_three(model, PROMPT, E2E_PARAMS["truncated"])
+    wrong = first_three_laws(joint)
+    n = powered_size(joint.ravel(), wrong)
+    tokens, stats = scheduled_first_three(model, n, [1.0, 0.7, 0.65])
+    # not vacuous: width 2 or 3 by the first draft (theta(2) = 1.5 x 0.7 > 1; theta(3) = (1.5 + c2 / 2)
+    # x 0.65 passes 1.05 only when c2 is one), so some steps verified one draft and some two
+    assert stats["num_drafts"] < stats["num_draft_tokens"] < 2 * stats["num_drafts"], stats
+    assert stats["num_accepted_tokens"] > 0
+    cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
+    assert_distribution(cells, joint.ravel(), "first three tokens, confidence schedule", against=wrong)
+
+
+@pytest.mark.slow
+def test_a_width_chosen_after_seeing_its_drafts_is_caught_as_biased(small_vocab_dspark_sharp):
+    """The paper's Appendix A: the best of all widths (no early stop) verifies the first draft only
+    when the second draft's confidence, a function of the first draft, is high. With speeds
+    (1, 0.6, 0.6) the early stop never leaves width 1 (one draft never pays), the full search picks
+    width 3 exactly when the second confidence is high, and the checker rejects its law."""
+    model = small_vocab_dspark_sharp
+    joint = exact_first_three(model, PROMPT, E2E_PARAMS["truncated"])
+    n = 8192  # chi2 about 120 at 4,096 draws against a critical value of 69
+    tokens, stats = scheduled_first_three(model, n, [1.0, 0.6, 0.6], early_stop=False)
+    assert stats["num_draft_tokens"] > 0, stats  # the search did verify drafts, sometimes
+    cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
+    with pytest.raises(AssertionError, match="chi2"):
+        assert_distribution(
+            cells, joint.ravel(), "first three tokens, a search over every width", power=False
+        )
+    exact, stats = scheduled_first_three(model, n // 2, [1.0, 0.6, 0.6])
+    assert stats["num_draft_tokens"] == 0  # the early stop: plain decoding here, exactly the target
+    cells = (exact[:, 0] * VOCAB + exact[:, 1]) * VOCAB + exact[:, 2]
+    assert_distribution(cells, joint.ravel(), "first three tokens, early stop", power=False)
 
 
 TREE_CASES = [

@@ -102,3 +102,33 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(RuntimeError, match=r"pip install"):
         plot({"results": []}, "unused.png")
+
+
+def test_bench_writes_the_speeds_of_the_confidence_scheduled_step(tmp_path, capsys):
+    """--sps-table with a DSpark draft: steps/s of the scheduling step at widths 1..K+1 per batch,
+    a file generate reads back; with K equal to the block (DSpark's anchor slot drafts too)."""
+    import os
+
+    import mtp_jax
+    from mtp_jax.drafts.dspark.config import DSparkConfig
+    from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
+    from mtp_jax.schedule import SpsTable
+    from mtp_jax.synthetic import write_hub_checkpoint
+    from tests.conftest import REPO
+    from tests.drafts.test_dspark import DSPARK_A, _target_arrays
+
+    model = os.path.join(REPO, "tests", "fixtures", "parity_llama", "llama3_gqa42")
+    embed, head = _target_arrays(mtp_jax.load(model, "float32"))
+    draft = tmp_path / "dspark"
+    write_hub_checkpoint(draft, DSPARK_A, dspark_hub_tensors(DSparkConfig.from_dict(DSPARK_A), embed, head))
+    table, out = tmp_path / "sps.json", tmp_path / "bench.json"
+    argv = ["bench", "--model", model, "--draft-model", str(draft), "--batch", "1", "2", "--prompts", "2"]
+    argv += ["--new-tokens", "4", "--repeats", "1", "--no-baseline", "--k", "4", "--sps-table", str(table)]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert [(r["draft"], r["k"]) for r in json.loads(out.read_text())["results"]] == [("dspark", 4)] * 2
+    sps = SpsTable.load(table)
+    assert sps.k == 4 and sorted(sps.tables) == [1, 2] and all(len(r) == 5 for r in sps.tables.values())
+    assert sps.meta["draft"] == "dspark"
+    assert "SPS: batch 2, width 5" in capsys.readouterr().err
+    assert main(["bench", "--model", model, "--k", "0", "--sps-table", str(table)]) == 2
+    assert "needs a draft with a confidence head" in capsys.readouterr().err

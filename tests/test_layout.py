@@ -151,6 +151,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "mtp_jax.config",
         "mtp_jax.checkpoint",
         "mtp_jax.sampling",
+        "mtp_jax.schedule",
         "mtp_jax.grammar",
         "mtp_jax.text",
         "mtp_jax.lora",
@@ -159,7 +160,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
     ("mtp_jax.targets",),
     ("mtp_jax.tree", "mtp_jax.drafts"),
-    ("mtp_jax.step", "mtp_jax.autok", "mtp_jax.request"),
+    ("mtp_jax.step", "mtp_jax.autok", "mtp_jax.request", "mtp_jax.timing"),
     ("mtp_jax.scheduler", "mtp_jax.model", "mtp_jax.builtin"),
     ("mtp_jax.serving",),
     (  # tools and entry points

@@ -178,6 +178,12 @@ class Draft:
     """Whether it proposes token trees (:class:`mtp_jax.tree.TokenTree`): a chained draft whose
     ``extend_and_propose`` goes through :func:`chain_drafts`, whose ``advance`` then takes a level
     of nodes under a :class:`mtp_jax.targets.base.TreeMask`."""
+    confidence: Callable[[Any], bool] | None = None
+    """``confidence(draft_cfg)``: whether the loaded draft estimates, with each proposal, the
+    probability that each draft is accepted given that the drafts before it were (DSpark's
+    confidence head). Its ``extend_and_propose`` then returns a fourth element, those estimates as
+    logits [b, K] (float32, calibrated), which the confidence scheduler (:mod:`mtp_jax.schedule`)
+    verifies by. None: never."""
     cache_lookahead: int = 0
     """How many tokens after a position its entry in the draft's caches depends on: 1 for a draft
     whose row p pairs the target's state at p with token p+1 (MTP, EAGLE-3), 0 when an entry depends

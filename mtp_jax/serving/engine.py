@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from mtp_jax.autok import batch_controls
 from mtp_jax.errors import AdapterError, InvalidRequestError
 from mtp_jax.request import (
     CheckedRequest,
@@ -34,9 +35,30 @@ from mtp_jax.serving.handle import RequestHandle, StopCheck, token_hook
 from mtp_jax.serving.replay import Replay
 from mtp_jax.serving.warmup import Warmup
 from mtp_jax.sharding import row_shards
+from mtp_jax.step import StepConfig
 from mtp_jax.text import TextStream
 
 log = logging.getLogger(__name__)
+
+
+def engine_step_config(model, speculative: SpeculativeConfig, slots: int) -> tuple[StepConfig, int]:
+    """The engine's step configuration and slot count (a power of two, whole rows per row shard):
+    with ``schedule="confidence"`` the speeds it weighs are those of its slot count (its
+    ``sps_table``, or measured before it starts)."""
+    if speculative.auto_k is not None:
+        raise InvalidRequestError(
+            "auto_k is a setting of Model.generate (one batch of known size); an engine verifies up "
+            "to its K for whatever runs"
+        )
+    if speculative.schedule == "confidence" and speculative.sps_table is None and jax.process_count() > 1:
+        raise InvalidRequestError(
+            "schedule='confidence' over several processes needs an sps_table (mtp-jax bench --sps-table): "
+            "every process must weigh the same speeds"
+        )
+    sc = step_config(model, speculative)
+    slots = int(np.lcm(next_power_of_two(slots), row_shards(sc.mesh)))
+    controls = batch_controls(model, speculative)
+    return (sc if controls is None or sc.k == 0 else controls(slots, sc)), slots
 
 
 class Engine:
@@ -120,17 +142,11 @@ class Engine:
             "speculative_tree": speculative_tree,
         }
         speculative = speculative_config(speculative, **{k: v for k, v in given.items() if v is not None})
-        if speculative.auto_k is not None:
-            raise InvalidRequestError(
-                "auto_k is a setting of Model.generate (one batch of known size); an engine verifies up "
-                "to its K for whatever runs"
-            )
-        sc = step_config(model, speculative)
+        sc, self.slots = engine_step_config(model, speculative, slots)
         self.speculative = speculative
         self.sc = sc
         self.max_len = max_len
         self.max_queue = max_queue
-        self.slots = int(np.lcm(next_power_of_two(slots), row_shards(sc.mesh)))
         width = pages_needed(max_len, 0, sc)
         self._constraints = None
         self._grammar_masks = grammar_masks

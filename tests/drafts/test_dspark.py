@@ -256,14 +256,16 @@ def test_decode_block_samples_each_slot_from_its_biased_distribution(models, nam
     for mode in ("argmax", "sampled"):
         sc = StepConfig(model.config, page, k, "dspark", mode, draft_cfg=cfg)
         state = DRAFT.init_state(sc, pages, jnp.float32)
-        drafts, q, state = extend_and_propose(
-            model.params, sc, state, table, rows, jnp.ones(b, bool), sampling, first_pos
-        )
+        out = extend_and_propose(model.params, sc, state, table, rows, jnp.ones(b, bool), sampling, first_pos)
+        assert len(out) == 4  # with a confidence head: the drafts' confidence logits too
+        drafts, q, state, conf = out
         drafts = np.asarray(drafts)
+        logits, want_conf = _teacher_forced(model, np.concatenate([np.asarray(ids), drafts], 1))
+        # each slot's confidence reads the draft before it, as drawn
+        np.testing.assert_allclose(np.asarray(conf), np.asarray(want_conf)[:, t - 1], rtol=1e-4, atol=1e-5)
         if mode == "argmax":
             np.testing.assert_array_equal(drafts, np.argmax(greedy_logits, -1))
             continue
-        logits, _ = _teacher_forced(model, np.concatenate([np.asarray(ids), drafts], 1))
         want = np.asarray(logits)[:, t - 1]  # the block at the last prompt token, given the drafts
         expect = np.stack([draft_probs(jnp.asarray(want[:, j]), sampling) for j in range(k)], 1)
         np.testing.assert_allclose(np.asarray(q), expect, rtol=1e-4, atol=1e-6)
@@ -353,3 +355,59 @@ def test_bad_drafts_are_refused_by_name(tmp_path, drafts, models):
         model.generate(PROMPTS[:1], max_new_tokens=4, draft="dspark", num_speculative_tokens=5)
     with pytest.raises(InvalidRequestError, match=r"draft_block_size must be an integer in \[1, 4\]"):
         model.generate(PROMPTS[:1], max_new_tokens=4, draft="dspark", draft_block_size=5)
+
+
+# --- training losses ---------------------------------------------------------------------------------
+def test_training_losses_match_deepspecs_definitions():
+    """Cross-entropy, the L1 distance (twice the total variation) and the confidence BCE against
+    sum(min(p_d, p_t)) = 1 - TV, slot k weighted exp(-k / 4) over each block's valid prefix, against
+    a float64 loop; the confidence targets carry no gradient."""
+    from mtp_jax.drafts.dspark.losses import LossWeights, dspark_losses
+
+    rng = np.random.default_rng(1)
+    n, bs, v = 5, 4, 11
+    draft, target = rng.normal(size=(n, bs, v)) * 2, rng.normal(size=(n, bs, v)) * 2
+    labels, conf = rng.integers(0, v, (n, bs)), rng.normal(size=(n, bs))
+    valid = rng.uniform(size=(n, bs)) > 0.2
+    got = dspark_losses(
+        jnp.asarray(draft), jnp.asarray(target), jnp.asarray(labels), jnp.asarray(valid), jnp.asarray(conf)
+    )
+    sums = {"ce": 0.0, "l1": 0.0, "confidence": 0.0, "acceptance": 0.0}
+    total = 0.0
+    for i in range(n):
+        for k in range(bs):
+            if not valid[i, : k + 1].all():
+                break  # a contiguous valid prefix only
+            w = np.exp(-k / 4.0)
+            pd = np.exp(draft[i, k] - draft[i, k].max())
+            pd /= pd.sum()
+            pt = np.exp(target[i, k] - target[i, k].max())
+            pt /= pt.sum()
+            c_star = np.minimum(pd, pt).sum()
+            assert c_star == pytest.approx(1 - 0.5 * np.abs(pd - pt).sum())
+            sig = 1 / (1 + np.exp(-conf[i, k]))
+            sums["ce"] += w * -np.log(pd[labels[i, k]])
+            sums["l1"] += w * np.abs(pd - pt).sum()
+            sums["confidence"] += w * -(c_star * np.log(sig) + (1 - c_star) * np.log(1 - sig))
+            sums["acceptance"] += w * c_star
+            total += w
+    for key, value in sums.items():
+        assert float(got[key]) == pytest.approx(value / total, rel=1e-5), key
+    want = 0.1 * sums["ce"] / total + 0.9 * sums["l1"] / total + sums["confidence"] / total
+    assert float(got["loss"]) == pytest.approx(want, rel=1e-5)
+    dflash_like = dspark_losses(
+        jnp.asarray(draft),
+        jnp.asarray(target),
+        jnp.asarray(labels),
+        jnp.asarray(valid),
+        None,
+        LossWeights(1.0, 0.0, 0.0),
+    )
+    assert float(dflash_like["loss"]) == pytest.approx(sums["ce"] / total, rel=1e-5)
+
+    def confidence_term(d):
+        return dspark_losses(
+            d, jnp.asarray(target), jnp.asarray(labels), jnp.asarray(valid), jnp.asarray(conf)
+        )["confidence"]
+
+    assert not np.any(np.asarray(jax.grad(confidence_term)(jnp.asarray(draft, jnp.float32))))

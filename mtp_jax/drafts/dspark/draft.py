@@ -80,11 +80,16 @@ def sample_block(params, cfg: DSparkConfig, h, anchors, k: int, sampled: bool, s
 
 
 def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
+    """:func:`block_outputs`, then :func:`sample_block`; with a confidence head also the drafts'
+    confidence logits [b, K] (:attr:`mtp_jax.drafts.Draft.confidence`)."""
+    cfg = ctx.draft_cfg
     h, anchors, state = block_outputs(params, ctx, state, page_table, rows, first_pos)
     if ctx.k == 0:  # the context is written; the block compiles away
-        return no_drafts(page_table.shape[0]) + (state,)
-    drafts, q, _ = sample_block(params, ctx.draft_cfg, h, anchors, ctx.k, ctx.sampled, sampling, first_pos)
-    return drafts, q, state
+        b = page_table.shape[0]
+        out = no_drafts(b) + (state,)
+        return out + (jnp.zeros((b, 0), jnp.float32),) if cfg.confidence_head else out
+    drafts, q, conf = sample_block(params, cfg, h, anchors, ctx.k, ctx.sampled, sampling, first_pos)
+    return (drafts, q, state, conf) if cfg.confidence_head else (drafts, q, state)
 
 
 def teacher_forced_block(params: dict, cfg: DSparkConfig, tokens: jax.Array, features: jax.Array):
@@ -207,4 +212,5 @@ DRAFT = Draft(
     options=("block_size",),
     block_size=lambda draft_cfg: draft_cfg.block_size,
     default_k=7,
+    confidence=lambda draft_cfg: draft_cfg.confidence_head,
 )
