@@ -130,8 +130,9 @@ def batch_controls(model: Any, speculative: Any) -> Callable[[int, Any], Any] | 
     """What ``generate`` adjusts per batch size (:func:`mtp_jax.scheduler.generate`'s
     ``per_batch``): K capped by the speculative config's ``auto_k`` table, then with
     ``schedule="confidence"`` the steps/s at each width for that batch (its ``sps_table``, or
-    measured on this device before the call starts, once per batch and K for the model). None
-    when neither applies."""
+    measured on this device before the call starts, once per batch and K for the model), or plain
+    decoding where the table says no width could beat it even with every draft accepted. None when
+    neither applies."""
     auto = None if speculative.auto_k is None else AutoK.coerce(speculative.auto_k, speculative.draft)
     confidence = speculative.schedule == "confidence"
     if auto is None and not confidence:
@@ -143,8 +144,10 @@ def batch_controls(model: Any, speculative: Any) -> Callable[[int, Any], Any] | 
             sc = dataclasses.replace(sc, k=min(sc.k, auto(batch)))
         if not confidence or sc.k == 0:
             return sc
-        sps = (table or measured_sps(model, sc, batch)).for_batch(batch, sc.k)
-        return dataclasses.replace(sc, schedule=sps)
+        speeds = table or measured_sps(model, sc, batch)
+        if not speeds.speculation_can_pay(batch, sc.k):  # not even with every draft accepted
+            return sc.variant(0, draft=None)
+        return dataclasses.replace(sc, schedule=speeds.for_batch(batch, sc.k))
 
     return adjust
 

@@ -85,6 +85,8 @@ class SpsTable:
     tables: Mapping[int, tuple[float, ...]]
     """batch -> steps/s at widths 1..K+1."""
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    plain: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """batch -> steps/s of plain decoding (no draft at all), where measured."""
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -95,6 +97,10 @@ class SpsTable:
                     f"SPS table for batch {batch}: {self.k + 1} positive steps/s (widths 1..{self.k + 1}) "
                     f"expected, got {list(row)}"
                 )
+        if not all(v > 0 and np.isfinite(v) for v in self.plain.values()):
+            raise InvalidRequestError(
+                f"SPS table: plain decoding's steps/s must be positive, got {dict(self.plain)}"
+            )
 
     def for_batch(self, batch: int, k: int) -> tuple[float, ...]:
         """The widths 1..k+1 of the table measured at the smallest batch >= ``batch`` (else the
@@ -107,8 +113,20 @@ class SpsTable:
         at = next((s for s in sizes if s >= batch), sizes[-1])
         return tuple(float(v) for v in self.tables[at][: k + 1])
 
+    def speculation_can_pay(self, batch: int, k: int) -> bool:
+        """Whether some width could beat plain decoding at ``batch`` were every draft accepted
+        (W tokens a step at SPS(W) against one at plain's speed): where none can, not drafting at
+        all is faster whatever the draft proposes. True when plain decoding was not measured."""
+        sizes = sorted(self.plain)
+        if not sizes:
+            return True
+        plain = self.plain[next((s for s in sizes if s >= batch), sizes[-1])]
+        return max(w * sps for w, sps in enumerate(self.for_batch(batch, k), start=1)) > plain
+
     def to_json(self) -> dict:
-        return {"k": self.k, "tables": {str(b): list(r) for b, r in sorted(self.tables.items())}, **self.meta}
+        plain = {"plain": {str(b): v for b, v in sorted(self.plain.items())}} if self.plain else {}
+        tables = {str(b): list(r) for b, r in sorted(self.tables.items())}
+        return {"k": self.k, "tables": tables, **plain, **self.meta}
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the table as JSON (atomically: a temporary name, then renamed)."""
@@ -133,13 +151,13 @@ class SpsTable:
             raise InvalidRequestError(
                 f"an SPS table is a file, or {{batch: [steps/s per width]}}, got {source!r}"
             )
-        raw = source.get("tables", source)
+        whole = "tables" in source  # a file's object; else {batch: [steps/s]} alone
+        raw, plain = (source["tables"], source.get("plain", {})) if whole else (source, {})
         try:
             tables = {int(b): tuple(float(v) for v in row) for b, row in raw.items()}
+            plain = {int(b): float(v) for b, v in plain.items()}
         except (TypeError, ValueError, AttributeError) as e:
             raise InvalidRequestError(f"an SPS table maps batch sizes to lists of steps/s: {e}") from e
         k = int(source.get("k", len(next(iter(tables.values()))) - 1)) if tables else 0
-        meta = (
-            {key: v for key, v in source.items() if key not in ("k", "tables")} if "tables" in source else {}
-        )
-        return cls(k, tables, meta)
+        meta = {key: v for key, v in source.items() if key not in ("k", "tables", "plain")} if whole else {}
+        return cls(k, tables, meta, plain)

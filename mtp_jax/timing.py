@@ -49,20 +49,41 @@ def sps_table(
 ):
     """The :class:`mtp_jax.schedule.SpsTable` of the confidence-scheduled step of this model and
     draft: for each batch size, steps/s of the very program that schedules (one compile per batch)
-    run at each width 1..K+1 in turn (``step(width=...)``), ``batch`` active rows at committed
-    length ``context``, dispatched back to back (:func:`timed_back_to_back`: the median of
-    ``iters`` calls a round)."""
+    run at each width 1..K+1 in turn (``step(width=...)``), and of plain decoding's step, ``batch``
+    active rows at committed length ``context``, dispatched back to back
+    (:func:`timed_back_to_back`: the median of ``iters`` calls a round)."""
     from mtp_jax.schedule import SpsTable
     from mtp_jax.step import StepConfig, step
 
     sc = StepConfig(cfg, page_size, k, draft, draft_cfg=draft_cfg, schedule=(1.0,) * (k + 1))
-    tables = {}
+    tables, plain = {}, {}
     for batch in batches:
         state = _timed_state(sc, batch, context, dtype, None)
         compiled = step.lower(params, state, sc, width=jnp.int32(1)).compile()
         tables[batch] = _width_speeds(compiled, params, state, k, context, iters, progress)
+        plain[batch] = _plain_speed(
+            params, StepConfig(cfg, page_size), batch, context, dtype, iters, progress
+        )
     meta = {"context": context, "iters": iters, "draft": draft, "backend": jax.default_backend()}
-    return SpsTable(k, tables, meta)
+    return SpsTable(k, tables, meta, plain)
+
+
+def _plain_speed(params, sc, batch: int, context: int, dtype, iters: int, progress) -> float:
+    """Steps/s of plain decoding's step (``sc``: K = 0) at ``batch`` rows of ``context`` tokens."""
+    from mtp_jax.step import step
+
+    holder = [_timed_state(sc, batch, context, dtype, None)]
+    length = jnp.full((batch,), context, jnp.int32)
+
+    def one() -> jax.Array:
+        s = timed_call_state(holder[0], seq_len=length + 0, num_drafts=length * 0)
+        _, n_emit, holder[0], _ = step(params, s, sc)
+        return n_emit
+
+    seconds = timed_back_to_back([one], iters, rounds=3)
+    if progress is not None:
+        progress(f"SPS: batch {batch}, plain decoding: {1e3 * seconds:.2f} ms a step")
+    return 1.0 / seconds
 
 
 def _width_speeds(compiled, params, state, k: int, context: int, iters: int, progress) -> tuple[float, ...]:

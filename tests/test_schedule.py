@@ -85,11 +85,22 @@ def test_sps_tables_round_trip_and_refuse_bad_input(tmp_path):
     assert back.for_batch(4, 1) == (5.0, 3.0)  # the smallest measured batch that is not smaller
     assert back.for_batch(64, 2) == (5.0, 3.0, 2.0)  # beyond: the largest
     assert SpsTable.load({"4": [1, 2]}).tables == {4: (1.0, 2.0)}
+    # plain decoding's speed: speculation is off where no width pays even with every draft accepted
+    with_plain = SpsTable(2, table.tables, {}, {1: 9.5, 8: 6.5})
+    with_plain.save(path)
+    assert SpsTable.load(path) == with_plain
+    assert with_plain.speculation_can_pay(1, 2)  # 3 x 8.0 > 9.5
+    assert with_plain.speculation_can_pay(1, 1) and not with_plain.speculation_can_pay(8, 2)  # 6.0 < 6.5
+    assert table.speculation_can_pay(8, 2)  # plain not measured: no opinion
     with pytest.raises(InvalidRequestError, match="covers widths up to 3"):
         back.for_batch(1, 3)
     for bad, match in (
         ({1: [1.0, -2.0]}, "positive steps/s"),
         ({}, "at least one batch"),
+        (
+            {"k": 1, "tables": {"1": [1.0, 2.0]}, "plain": {"1": 0}},
+            "plain decoding's steps/s must be positive",
+        ),
         ({"x": [1.0]}, "maps batch sizes"),
         ([1.0, 2.0], "is a file, or"),
         (str(tmp_path / "missing.json"), "cannot read the SPS table"),
@@ -137,9 +148,13 @@ def test_greedy_speculation_with_the_schedule_is_lossless(dspark_model, capsys):
     assert costly.stats["num_draft_tokens"] == 0
     assert 0 < middle.stats["num_draft_tokens"] < fixed.stats["num_draft_tokens"]
     assert middle.stats["num_accepted_tokens"] > 0
+    never = {"k": 4, "tables": {"4": [1.0, 0.4, 0.3, 0.2, 0.1]}, "plain": {"4": 1.5}}
+    off = model.generate(PROMPTS, **kw, sps_table=never)  # no width could pay: plain decoding
+    assert off.tokens == plain.tokens and off.stats["num_speculative_tokens"] == 0
     measured = model.generate(PROMPTS[:1], **{**kw, "max_batch": 1})  # no table: measured first
     assert measured.tokens == plain.tokens[:1]
-    assert "measuring steps/s at widths 1..5, batch 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "measuring steps/s at widths 1..5, batch 1" in err and "batch 1, plain decoding" in err
 
 
 def test_the_schedule_is_refused_where_it_cannot_apply(dspark_model, tmp_path):
