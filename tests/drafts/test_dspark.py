@@ -411,3 +411,27 @@ def test_training_losses_match_deepspecs_definitions():
         )["confidence"]
 
     assert not np.any(np.asarray(jax.grad(confidence_term)(jnp.asarray(draft, jnp.float32))))
+
+
+def test_sequential_temperature_scaling_recovers_the_true_temperatures():
+    """Rollouts whose slot-k acceptance (given the slots before) is sigmoid(z_k / T*_k): the fit,
+    slot by slot against the prefix labels, finds T* within 10% and leaves the cumulative products
+    calibrated (ECE under 1.5%) where the raw head's are not (over 5%)."""
+    from mtp_jax.drafts.dspark.calibration import expected_calibration_error, fit_temperatures, prefix_labels
+
+    rng = np.random.default_rng(0)
+    n, true = 40_000, np.array([2.0, 0.5, 1.5])
+    z = rng.normal(1.0, 2.0, (n, 3))
+    c = 1 / (1 + np.exp(-z / true))
+    accepted = np.sum(np.cumprod(rng.uniform(size=(n, 3)) < c, axis=1), axis=1)
+    proposed = rng.integers(1, 4, n)  # rollouts verified 1..3 drafts
+    accepted = np.minimum(accepted, proposed)
+    labels, observed = prefix_labels(accepted, proposed, 3)
+    temps = fit_temperatures(z, labels, observed)
+    np.testing.assert_allclose(temps, true, rtol=0.1)
+
+    def ece(t):
+        a = np.cumprod(1 / (1 + np.exp(-z / np.asarray(t))), axis=1)
+        return [expected_calibration_error(a[observed[:, k], k], labels[observed[:, k], k]) for k in range(3)]
+
+    assert max(ece(temps)) < 0.015 and max(ece([1.0, 1.0, 1.0])) > 0.05

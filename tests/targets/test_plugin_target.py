@@ -68,11 +68,14 @@ def test_a_registered_target_runs_everywhere_a_shipped_one_does(plugin, capsys):
     assert type(model.config) is PlugConfig and target_for(model.config) is PLUG
     plain = base.generate(PROMPTS, max_new_tokens=10, ignore_eos=True).tokens
     assert model.generate(PROMPTS, max_new_tokens=10, ignore_eos=True).tokens == plain
-    for draft, k in (("ngram", 3), ("eagle3", 2)):
+    # n-gram lookup proposes only where the text repeats: each prompt, its continuation, the prompt again
+    echo = [p + c + p for p, c in zip(PROMPTS, plain, strict=True)]
+    echo_plain = base.generate(echo, max_new_tokens=10, ignore_eos=True).tokens
+    for draft, k, prompts, want in (("ngram", 3, echo, echo_plain), ("eagle3", 2, PROMPTS, plain)):
         spec = model.generate(
-            PROMPTS, max_new_tokens=10, ignore_eos=True, draft=draft, num_speculative_tokens=k
+            prompts, max_new_tokens=10, ignore_eos=True, draft=draft, num_speculative_tokens=k
         )
-        assert spec.tokens == plain and spec.stats["num_draft_tokens"] > 0, draft
+        assert spec.tokens == want and spec.stats["num_draft_tokens"] > 0, draft
     with mtp_jax.Engine(model, slots=2, max_len=32, draft="eagle3", num_speculative_tokens=2) as engine:
         handles = [engine.submit(p, max_new_tokens=10, ignore_eos=True) for p in PROMPTS]
         assert [list(h.result(timeout=120).tokens) for h in handles] == plain
