@@ -167,3 +167,30 @@ def test_the_schedule_is_refused_where_it_cannot_apply(dspark_model, tmp_path):
         model.generate(PROMPTS[:1], draft="ngram", schedule="confidence")
     with pytest.raises(InvalidRequestError, match="covers widths up to 3"):
         model.generate(PROMPTS[:1], draft="dspark", schedule="confidence", sps_table={1: [1.0] * 3})
+
+
+def test_an_engine_schedules_its_steps_with_per_request_caps_and_logprobs(dspark_model):
+    """The serving engine with schedule="confidence": requests with their own caps (K = 0 among
+    them) and log-probabilities, a shared prefix, steps of the smaller-K variants (their speeds cut
+    to their widths): every request gets plain decoding's tokens and log-probabilities."""
+    import mtp_jax
+
+    model = dspark_model
+    prompts = [[5, 9, 17, 3, 8, 8, 8, 8, 1, 2], [5, 9, 17, 3, 8, 8, 8, 8, 40, 2], [100, 7]]
+    plain = model.generate(prompts, max_new_tokens=8, ignore_eos=True, logprobs=2)
+    table = {4: [1.0, 0.9, 0.8, 0.7, 0.6]}
+    spec = mtp_jax.SpeculativeConfig(draft="dspark", schedule="confidence", sps_table=table)
+    with mtp_jax.Engine(model, speculative=spec, slots=4, max_len=48) as engine:
+        assert engine.sc.schedule == (1.0, 0.9, 0.8, 0.7, 0.6)
+        caps = [4, 0, 2]
+        handles = [
+            engine.submit(p, max_new_tokens=8, ignore_eos=True, logprobs=2, num_speculative_tokens=k)
+            for p, k in zip(prompts, caps, strict=True)
+        ]
+        results = [h.result(timeout=300) for h in handles]
+    drafted = [r.stats["num_draft_tokens"] for r in results]
+    assert drafted[1] == 0 and drafted[0] > 0 and drafted[2] > 0  # the caps held, the others verified
+    assert drafted[2] <= 2 * 8  # at most its cap a step
+    for got, want, wlp in zip(results, plain.tokens, plain.logprobs, strict=True):
+        assert list(got.tokens) == want
+        np.testing.assert_allclose([t.logprob for t in got.logprobs], [t.logprob for t in wlp], atol=1e-5)
