@@ -74,14 +74,17 @@ class SpecCounters:
     """Speculation counters of a request or of a whole run, named as serving engines export them:
     steps (verification steps), num_drafts (steps that verified at least one draft),
     num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos[j] (steps that accepted
-    draft j, 0-based: with a token tree, a node of depth j + 1)."""
+    draft j, 0-based: with a token tree, a node of depth j + 1); steps_per_verified_drafts[n]: steps
+    that verified n drafts (the lengths a confidence schedule chose, or the caps)."""
 
     def __init__(self, k: int) -> None:
         self.steps = self.emitted = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.per_pos = np.zeros(k, np.int64)
+        self.per_length = np.zeros(k + 1, np.int64)
 
     def add(self, drafted: int, emitted: int) -> None:
         self.steps += 1
+        self.per_length[min(drafted, len(self.per_length) - 1)] += 1
         self.emitted += emitted
         self.num_drafts += drafted > 0
         self.num_draft_tokens += drafted
@@ -97,6 +100,7 @@ class SpecCounters:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_accepted_tokens_per_pos": self.per_pos.tolist(),
+            "steps_per_verified_drafts": self.per_length.tolist(),
             "acceptance_rate_per_position": [float(x) / steps for x in self.per_pos],
             "draft_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
         }

@@ -147,6 +147,10 @@ def test_greedy_speculation_with_the_schedule_is_lossless(dspark_model, capsys):
     assert flat.stats["num_draft_tokens"] == fixed.stats["num_draft_tokens"] > 0
     assert costly.stats["num_draft_tokens"] == 0
     assert 0 < middle.stats["num_draft_tokens"] < fixed.stats["num_draft_tokens"]
+    lengths = np.asarray(middle.stats["steps_per_verified_drafts"])  # the lengths the schedule chose
+    assert lengths.sum() == sum(r["steps"] for r in middle.request_stats)  # one entry per row and step
+    assert lengths @ np.arange(5) == middle.stats["num_draft_tokens"]
+    assert np.count_nonzero(lengths) >= 2 and fixed.stats["steps_per_verified_drafts"][-1] > 0
     assert middle.stats["num_accepted_tokens"] > 0
     never = {"k": 4, "tables": {"4": [1.0, 0.4, 0.3, 0.2, 0.1]}, "plain": {"4": 1.5}}
     off = model.generate(PROMPTS, **kw, sps_table=never)  # no width could pay: plain decoding

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -435,3 +436,61 @@ def test_sequential_temperature_scaling_recovers_the_true_temperatures():
         return [expected_calibration_error(a[observed[:, k], k], labels[observed[:, k], k]) for k in range(3)]
 
     assert max(ece(temps)) < 0.015 and max(ece([1.0, 1.0, 1.0])) > 0.05
+
+
+# --- on a mesh ---------------------------------------------------------------------------------------
+SHARDED_CHILD = textwrap.dedent(
+    """
+    import os, tempfile
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    assert len(jax.devices()) == 8
+    import mtp_jax
+    from mtp_jax.drafts.dspark.config import DSparkConfig
+    from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
+    from mtp_jax.synthetic import write_hub_checkpoint
+    from tests.drafts.test_dspark import DSPARK_A, DSPARK_R, _target_arrays
+    from tests.drafts.test_eagle3 import DEEPSEEK_TARGET, TARGET, check_planned_draft
+
+    tmp = tempfile.mkdtemp()
+    prompts = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [10], [8, 8, 8, 8, 8, 8, 8]]
+    spec = dict(max_new_tokens=10, ignore_eos=True, draft="dspark", num_speculative_tokens=3)
+    sampled = dict(spec, temperature=0.9, top_k=20, seed=[1, 2, 3, 4])
+    scheduled = dict(spec, schedule="confidence", sps_table={4: [1.0, 0.9, 0.8, 0.7]})
+    for name, target, raw, axes in [
+        ("llama", TARGET, DSPARK_A, dict(data=4, tensor=2)),
+        ("llama-rnn", TARGET, DSPARK_R, dict(data=2, tensor=4)),
+        ("deepseek", DEEPSEEK_TARGET, None, dict(data=2, expert=4)),
+    ]:
+        one = mtp_jax.load(target, "float32", page_size=4)
+        cfg = one.config
+        if raw is None:  # the draft at the DeepSeek-V3 target's width and vocabulary
+            n = cfg.num_hidden_layers
+            raw = dict(DSPARK_A, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_target_layers=n,
+                       target_layer_ids=[-1, n - 2], mask_token_id=cfg.vocab_size - 1)
+        embed, head = _target_arrays(one)
+        path = os.path.join(tmp, name)
+        tensors = dspark_hub_tensors(DSparkConfig.from_dict(raw), embed, head, 3, 0.05, 0.5)
+        write_hub_checkpoint(path, raw, tensors)
+        one = mtp_jax.load(target, "float32", page_size=4, draft_model=path)
+        want_logits = one.draft_logits([prompts[1]])
+        want = {how: one.generate(prompts, **kw).tokens for how, kw in
+                (("argmax", spec), ("sampled", sampled), ("scheduled", scheduled))}
+        mesh = mtp_jax.make_mesh(**axes)
+        model = mtp_jax.load(target, "float32", page_size=4, draft_model=path, mesh=mesh)
+        np.testing.assert_allclose(model.draft_logits([prompts[1]]), want_logits, rtol=2e-5, atol=2e-5)
+        for how, kw in (("argmax", spec), ("sampled", sampled), ("scheduled", scheduled)):
+            assert model.generate(prompts, **kw).tokens == want[how], (name, axes, how)
+        if name == "llama":
+            check_planned_draft(model, mesh, axes, "dspark", 3, "DSpark K=3")
+    print("DSPARK-SHARDED-OK")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.child(SHARDED_CHILD)
+def test_sharded_like_the_target(child_output):
+    """On meshes as DFlash runs (tensor-parallel Llama, expert-parallel DeepSeek-V3): the block's
+    logits, greedy, sampled and confidence-scheduled tokens equal one device's."""
+    assert "DSPARK-SHARDED-OK" in child_output
