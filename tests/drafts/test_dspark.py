@@ -494,3 +494,32 @@ def test_sharded_like_the_target(child_output):
     """On meshes as DFlash runs (tensor-parallel Llama, expert-parallel DeepSeek-V3): the block's
     logits, greedy, sampled and confidence-scheduled tokens equal one device's."""
     assert "DSPARK-SHARDED-OK" in child_output
+
+
+def test_with_lora_rows_prefix_caching_and_chunked_prefill(drafts, tmp_path):
+    """What the other drafts have, with DSpark: a LoRA adapter on the target's rows beside a row
+    without one, and an engine whose prompts share a cached prefix and arrive in chunks, give plain
+    decoding's tokens (drafts verified with the adapter)."""
+    from tests.test_lora import write_random_adapter
+
+    plain = mtp_jax.load(TARGET, "float32")
+    adapter = write_random_adapter(tmp_path / "a", plain, 4, ["q_proj", "down_proj"], seed=4, alpha=4)
+    model = mtp_jax.load(TARGET, "float32", draft_model=drafts["a"][0], lora_adapters={"a": adapter})
+    kw = dict(max_new_tokens=12, ignore_eos=True, lora=["a", None, "a"], max_batch=3)
+    want = model.generate(PROMPTS[:3], **kw).tokens
+    assert want[0] != plain.generate(PROMPTS[:1], max_new_tokens=12, ignore_eos=True).tokens[0]
+    out = model.generate(PROMPTS[:3], draft="dspark", **kw)
+    assert out.tokens == want and out.stats["num_draft_tokens"] > 0
+    long = [5, 9, 17, 3, 8, 8, 8, 8, 40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5, 100] * 2
+    prompts = [long + [11, 12], long + [30]]
+    want = model.generate(prompts, max_new_tokens=10, ignore_eos=True).tokens
+    spec = mtp_jax.SpeculativeConfig(draft="dspark", num_speculative_tokens=4)
+    with mtp_jax.Engine(model, speculative=spec, slots=2, max_len=64, chunked_prefill_size=16) as engine:
+
+        def run(prompt):
+            return list(engine.submit(prompt, max_new_tokens=10, ignore_eos=True).result(timeout=300).tokens)
+
+        got, again = [run(p) for p in prompts], run(prompts[0])
+        stats = engine.stats()
+    assert got == want and again == want[0]
+    assert stats["prefix_cache_hits"] > 0
