@@ -295,6 +295,15 @@ def test_models_health_metrics_and_unknown_routes(served, client):
         <= samples["vllm:spec_decode_num_draft_tokens_total"]
     )
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny-chat",position="2"}' in text
+    by_length = {  # row-steps by the drafts they verified: they add up to the drafts verified
+        int(line.split('drafts="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mtp_jax:spec_decode_steps_per_verified_drafts_total{")
+    }
+    assert (
+        by_length
+        and sum(n * v for n, v in by_length.items()) == samples["vllm:spec_decode_num_draft_tokens_total"]
+    )
     r = httpx.get(base + "/v1/nothing")
     assert r.status_code == 404 and "no route" in r.json()["error"]["message"]
 
