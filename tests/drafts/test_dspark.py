@@ -523,3 +523,27 @@ def test_with_lora_rows_prefix_caching_and_chunked_prefill(drafts, tmp_path):
         stats = engine.stats()
     assert got == want and again == want[0]
     assert stats["prefix_cache_hits"] > 0
+
+
+def test_grammar_masks_on_a_target_with_a_tokenizer(tmp_path, monkeypatch):
+    """A grammar (a regex) constrains the target's tokens under DSpark speculation as under plain
+    decoding: the embedded tiny Llama 3 with a random DSpark draft written by
+    scripts/random_dspark.py."""
+    from tests.conftest import REPO, require_extra
+    from tests.scripts.test_train_tiny import import_script
+
+    require_extra("llguidance")
+    target = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+    script = import_script(os.path.join(REPO, "scripts", "random_dspark.py"))
+    draft = str(tmp_path / "dspark")
+    monkeypatch.setattr(
+        "sys.argv", ["random_dspark.py", "--target", target, "--out", draft, "--block-size", "4"]
+    )
+    assert script.main() == 0
+    model = mtp_jax.load(target, "float32", draft_model=draft)
+    grammar = {"regex": r"def [a-z_]+\(x\): return x( [+*] [0-9])*"}
+    kw = dict(max_new_tokens=24, grammar=grammar)
+    plain = model.generate(["# a function\n", "# another\n"], **kw)
+    spec = model.generate(["# a function\n", "# another\n"], **kw, draft="dspark", num_speculative_tokens=4)
+    assert spec.tokens == plain.tokens and spec.stats["num_draft_tokens"] > 0
+    assert all(t.startswith("def ") for t in plain.texts)
