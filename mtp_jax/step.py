@@ -233,11 +233,10 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
     )
 
 
-def propose(sc: StepConfig, *args) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
+def propose(sc: StepConfig, params: dict, *args) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
     """``sc.drafter.extend_and_propose(params, context, *args)``: (drafts, q, draft state, and the
     drafts' acceptance probabilities [b, K] from a draft with a confidence head, else None)."""
-    params, rest = args[0], args[1:]
-    out = sc.drafter.extend_and_propose(params, sc.draft_context, *rest)
+    out = sc.drafter.extend_and_propose(params, sc.draft_context, *args)
     if sc.confident:
         drafts, q, state, logits = out
         return drafts, q, state, cumulative(logits)

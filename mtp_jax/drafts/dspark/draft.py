@@ -99,25 +99,11 @@ def teacher_forced_block(params: dict, cfg: DSparkConfig, tokens: jax.Array, fea
     logits [b, T, B, V], slot k predicting token i + 1 + k; confidence logits [b, T, B] or None)."""
     h = teacher_forced_blocks(params, cfg.backbone, tokens, features, GROUP)  # [b, T, B, d]
     base = lm_head(params, h)
-    b, t = tokens.shape
-    slots = cfg.block_size
+    t, slots = tokens.shape[1], cfg.block_size
     index = jnp.arange(t)[:, None] + jnp.arange(slots)[None, :]  # [T, B]: the previous token's position
     known = index < t
     given = jnp.take(tokens, jnp.minimum(index, t - 1), axis=1)  # [b, T, B]
-    if cfg.markov_rank == 0:  # the slots are independent: no previous draft is read
-        return teacher_forced_heads(params[GROUP], cfg, h, base, given)
-    p = params[GROUP]
-    prev, state = given[..., 0], initial_state(cfg, (b, t))
-    logits, conf = [], []
-    for k in range(slots):
-        prev = jnp.where(known[:, k], given[..., k], prev)
-        if cfg.confidence_head:
-            conf.append(confidence_logit(p, cfg, h[..., k, :], prev, k))
-        bias, state = markov_step(p, cfg, h[..., k, :], prev, state)
-        z = base[..., k, :] + bias
-        logits.append(z)
-        prev = jnp.argmax(z, -1).astype(tokens.dtype)
-    return jnp.stack(logits, -2), (jnp.stack(conf, -1) if conf else None)
+    return teacher_forced_heads(params[GROUP], cfg, h, base, given, jnp.broadcast_to(known, given.shape))
 
 
 def _teacher_forced(params, ctx, tokens, hidden):

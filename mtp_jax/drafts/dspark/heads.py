@@ -74,20 +74,20 @@ def confidence_logit(p: dict, cfg: DSparkConfig, h: jax.Array, prev: jax.Array, 
 
 
 def teacher_forced_heads(
-    p: dict, cfg: DSparkConfig, h: jax.Array, base: jax.Array, prev: jax.Array
+    p: dict, cfg: DSparkConfig, h: jax.Array, base: jax.Array, prev: jax.Array, known: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
     """Every slot of blocks at once with the previous tokens given (training's teacher forcing):
-    h [..., B, d], base logits [..., B, V], prev [..., B] (the anchor, then the true tokens). Returns
-    (the biased logits [..., B, V], confidence logits [..., B] or None)."""
-    slots = h.shape[-2]
-    conf = None
-    if cfg.confidence_head:
-        conf = jnp.stack([confidence_logit(p, cfg, h[..., k, :], prev[..., k], k) for k in range(slots)], -1)
-    if cfg.markov_rank == 0:
-        return base, conf
-    state = initial_state(cfg, h.shape[:-2])
-    out = []
-    for k in range(slots):
-        bias, state = markov_step(p, cfg, h[..., k, :], prev[..., k], state)
-        out.append(base[..., k, :] + bias)
-    return jnp.stack(out, -2), conf
+    h [..., B, d], base logits [..., B, V], prev [..., B] (the anchor, then the true tokens);
+    ``known`` [..., B] (default: all): where False, slot k's previous token is instead the argmax of
+    slot k - 1's biased logits (greedy decoding's, past a sequence's end). Returns (the biased
+    logits [..., B, V], confidence logits [..., B] or None)."""
+    logits, conf = [], []
+    state, last = initial_state(cfg, h.shape[:-2]), prev[..., 0]
+    for k in range(h.shape[-2]):
+        x = prev[..., k] if known is None else jnp.where(known[..., k], prev[..., k], last)
+        if cfg.confidence_head:
+            conf.append(confidence_logit(p, cfg, h[..., k, :], x, k))
+        bias, state = markov_step(p, cfg, h[..., k, :], x, state)
+        logits.append(base[..., k, :] if bias is None else base[..., k, :] + bias)
+        last = jnp.argmax(logits[-1], -1).astype(prev.dtype)
+    return jnp.stack(logits, -2), (jnp.stack(conf, -1) if conf else None)
