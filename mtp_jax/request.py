@@ -25,7 +25,7 @@ import numpy as np
 
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.errors import InvalidRequestError
-from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_logprobs, check_value, per_row
+from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_column, check_logprobs, check_value, per_row
 from mtp_jax.schedule import SCHEDULES
 from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.text import check_stops
@@ -101,8 +101,7 @@ class SamplingParams:
         for name, value in values.items():
             if name in _NUMBERS and value is not None:
                 column, given = per_row(name, value, n, _NUMBERS[name])
-                for i, v in enumerate(column):
-                    check_value(name, v, f" (row {i})" if given else "")
+                check_column(name, column, given)
                 columns[name] = column
             elif name in ("grammar", "lora", *LOGPROB_FIELDS) and isinstance(value, (list, tuple)):
                 if len(value) != n:

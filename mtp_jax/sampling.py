@@ -83,8 +83,7 @@ class RowSampling:
             "lora_slot": lora_slot,
         }
         for name, (values, given) in named.items():
-            for i, v in enumerate(values):
-                check_value(name, v, f" (row {i})" if given else "")
+            check_column(name, values, given)
         (
             temperature,
             top_k,
@@ -97,7 +96,7 @@ class RowSampling:
             lora_slot,
         ) = (x[0] for x in named.values())
         # any k >= the vocabulary keeps everything, so huge values clamp safely into int32
-        top_k = [min(k, 2**31 - 1) for k in top_k]
+        top_k = np.minimum(np.asarray(top_k, object if _beyond_int64(top_k) else np.int64), 2**31 - 1)
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),
@@ -116,26 +115,43 @@ class RowSampling:
         return jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], extra)]), self)
 
 
-CHECKS: dict[str, tuple[Callable[[float], bool], str]] = {
-    "temperature": (lambda t: math.isfinite(t) and t >= 0, "a finite number >= 0"),
+CHECKS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
+    "temperature": (lambda t: np.isfinite(t) & (t >= 0), "a finite number >= 0"),
     "top_k": (lambda k: k >= 0, ">= 0 (0 disables it)"),
-    "top_p": (lambda p: 0.0 < p <= 1.0, "in (0, 1]"),
-    "min_p": (lambda m: 0.0 <= m < 1.0, "in [0, 1)"),
-    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
-    "num_speculative_tokens": (lambda k: 0 <= k <= MAX_DRAFTS, f"in [0, {MAX_DRAFTS}]"),
-    "relaxed_topk": (lambda k: 0 <= k < 2**31, ">= 0 (0 disables it)"),
-    "relaxed_delta": (lambda d: 0.0 <= d <= 1.0, "in [0, 1]"),
-    "lora_slot": (lambda v: 0 <= v < 2**31, ">= 0"),
+    "top_p": (lambda p: (p > 0.0) & (p <= 1.0), "in (0, 1]"),
+    "min_p": (lambda m: (m >= 0.0) & (m < 1.0), "in [0, 1)"),
+    "seed": (lambda v: (v >= 0) & (v < 2**32), "in [0, 2**32)"),
+    "num_speculative_tokens": (lambda k: (k >= 0) & (k <= MAX_DRAFTS), f"in [0, {MAX_DRAFTS}]"),
+    "relaxed_topk": (lambda k: (k >= 0) & (k < 2**31), ">= 0 (0 disables it)"),
+    "relaxed_delta": (lambda d: (d >= 0.0) & (d <= 1.0), "in [0, 1]"),
+    "lora_slot": (lambda v: (v >= 0) & (v < 2**31), ">= 0"),
 }
-"""The range of each per-row sampling value, by the name requests give it."""
+"""The range of each per-row sampling value, by the name requests give it: a test of an array of
+values (elementwise, so that a batch of thousands of rows is checked at once)."""
 
 
 def check_value(name: str, value: float, where: str = "") -> None:
     """InvalidRequestError unless ``value`` is in ``name``'s range (:data:`CHECKS`); ``where``
     ends the message (e.g. " (row 2)")."""
     ok, want = CHECKS[name]
-    if not ok(value):
+    if not bool(ok(value)):  # a Python or numpy scalar: the test works on it as on a column
         raise InvalidRequestError(f"{name} must be {want}, got {value}{where}")
+
+
+def check_column(name: str, values: Sequence[float], given: bool) -> None:
+    """:func:`check_value` of every row of ``values`` (:func:`per_row`'s output) at once; the
+    message names the first row out of range when the values were ``given`` per row."""
+    ok, _ = CHECKS[name]
+    column = np.asarray(values, object if _beyond_int64(values) else None)
+    bad = np.flatnonzero(~np.asarray(ok(column), bool))
+    if bad.size:
+        i = int(bad[0])
+        check_value(name, values[i], f" (row {i})" if given else "")
+
+
+def _beyond_int64(values: Sequence) -> bool:
+    """Whether some Python int of ``values`` does not fit int64 (numpy would refuse or wrap it)."""
+    return any(type(v) is int and not -(2**63) <= v < 2**63 for v in values)
 
 
 def check_logprobs(name: str, n: object, optional: bool = False) -> int | None:
@@ -150,20 +166,33 @@ def check_logprobs(name: str, n: object, optional: bool = False) -> int | None:
 
 
 def per_row(name: str, value: object, batch: int, kind: type) -> tuple[list, bool]:
-    """(values broadcast to [batch], whether they were given per row)."""
+    """(values broadcast to [batch] as Python ``kind`` values, whether they were given per row):
+    InvalidRequestError naming the row for a value that is not a number (or, for ints, not a whole
+    one). A column of plain numbers is converted at once; anything else row by row."""
     given = isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 0)
-    values = list(value) if given else [value.item() if isinstance(value, np.ndarray) else value] * batch
+    if not given:
+        scalar = value.item() if isinstance(value, np.ndarray) else value
+        return [_number(name, scalar, kind, "")] * batch, False
+    values = value.tolist() if isinstance(value, np.ndarray) else list(value)
     if len(values) != batch:
         raise InvalidRequestError(f"{name} has {len(values)} values for {batch} prompts")
-    out = []
-    for i, v in enumerate(values):
-        where = f" (row {i})" if given else ""
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise InvalidRequestError(f"{name} must be a number, got {v!r}{where}")
-        if kind is int and (not math.isfinite(v) or float(v) != int(v)):
-            raise InvalidRequestError(f"{name} must be an integer, got {v!r}{where}")
-        out.append(kind(v))
-    return out, given
+    if all(type(v) in (int, float) for v in values) and not _beyond_int64(values):
+        column = np.asarray(values, np.float64 if kind is float else None)
+        if kind is float or column.dtype.kind in "iu":
+            return column.tolist(), True
+        whole = np.isfinite(column) & (column == np.floor(column))
+        if whole.all():  # floats that are whole numbers: ints, as int(v) gives them
+            return [int(v) for v in values], True
+    return [_number(name, v, kind, f" (row {i})") for i, v in enumerate(values)], True
+
+
+def _number(name: str, v: object, kind: type, where: str) -> float:
+    """``v`` as a ``kind``, or InvalidRequestError unless it is a number (a whole one for int)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise InvalidRequestError(f"{name} must be a number, got {v!r}{where}")
+    if kind is int and (not math.isfinite(v) or float(v) != int(v)):
+        raise InvalidRequestError(f"{name} must be an integer, got {v!r}{where}")
+    return kind(v)
 
 
 TRUNCATION_CANDIDATES = (256, 4096)

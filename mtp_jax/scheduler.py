@@ -452,7 +452,7 @@ class Scheduler:
         # padded to a power of two with an out-of-range slot (ignored): a few programs at most
         padded = np.full(next_power_of_two(len(rows)), self.slots, np.int32)
         padded[: len(rows)] = rows
-        self.state = deactivate(self.state, jnp.asarray(padded))
+        self.state = deactivate(self.state, padded)
 
     def warmup_jobs(self, max_prompt_len: int, ks: Sequence[int]) -> list[tuple[str, int, int]]:
         """Every program requests without a grammar can make the scheduler run, smallest first:
@@ -642,7 +642,9 @@ class Scheduler:
         tokens = np.zeros((r, bucket), np.int32)
         for i, req in reqs:
             tokens[i, : lengths[i] - starts[i]] = req.prompt[starts[i] :]
-        sampling = jax.tree.map(lambda *xs: jnp.asarray(np.concatenate(xs)), *row_sampling)
+        # host arrays straight into the jitted call (its C++ path moves them): a jnp.asarray each is an
+        # eager dispatch of its own, about a tenth of a batch-1 admission's host time
+        sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *row_sampling)
         masks = None
         if any(self._constrained(req) for _, req in reqs):
             for _, req in reqs:
@@ -656,14 +658,14 @@ class Scheduler:
             self.params,
             self.state,
             dataclasses.replace(self.sc, logprobs=wants),
-            jnp.asarray(rows),
+            rows,
             tokens,
-            jnp.asarray(lengths),
-            jnp.asarray(page_table_array(tables, self.width)),
+            lengths,
+            page_table_array(tables, self.width),
             sampling,
             masks,
-            jnp.asarray(starts),
-            jnp.asarray(thinking),
+            starts,
+            thinking,
         )
         if self.prefix is not None:
             for a in admissions:  # later prefills may read what this one writes
