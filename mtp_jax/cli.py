@@ -659,6 +659,7 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         grammar_masks=getattr(args, "grammar_masks", "host"),
         prefix_caching=getattr(args, "enable_prefix_caching", True),
         chunked_prefill_size=getattr(args, "chunked_prefill_size", 2048) or None,
+        peer_timeout_s=getattr(args, "peer_timeout", 10.0),
     )
     mode = getattr(args, "warmup", "background")
     if engine.leader and mode != "none":  # the other processes of a run follow process 0's

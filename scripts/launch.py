@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=8, help="--serve: requests decoded at once")
     s.add_argument("--max-len", type=int, default=None, help="--serve: tokens per request, prompt included")
     s.add_argument("--max-queue", type=int, default=256, help="--serve: requests that may wait for a slot")
+    s.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="--serve: fail every request and exit once another process of the run has not been heard "
+        "from for S seconds (default: 10; JAX's own coordination service gives up after 100)",
+    )
     from mtp_jax.cli import add_server_args
 
     add_server_args(s)

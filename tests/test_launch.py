@@ -662,3 +662,37 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_the_peer_timeout_flag_reaches_the_heartbeat(monkeypatch):
+    """``--peer-timeout S`` (scripts/launch.py --serve) becomes the engine's ``peer_timeout_s`` and
+    the heartbeat's timeout; a value that is not a positive number of seconds is refused by name."""
+    import argparse
+
+    from mtp_jax import InvalidRequestError
+    from mtp_jax.cli import make_engine
+    from mtp_jax.serving import Engine, replay
+    from tests.scripts.test_train_tiny import import_script
+
+    args = import_script(LAUNCH).build_parser().parse_args(["--serve", "--peer-timeout", "2.5"])
+    assert args.peer_timeout == 2.5
+    seen = {}
+
+    def fake_engine(model, **kw):
+        seen.update(kw)
+        return argparse.Namespace(leader=False)
+
+    monkeypatch.setattr("mtp_jax.serving.Engine", fake_engine)
+    make_engine(args, None, None)
+    assert seen["peer_timeout_s"] == 2.5
+    monkeypatch.undo()
+
+    beats = []
+    monkeypatch.setattr(replay, "Heartbeat", lambda name, lost, timeout_s: beats.append(timeout_s))
+    watcher = replay.Replay()
+    watcher.channel = object()  # as in a multi-process run
+    watcher.watch(None, 2.5)
+    assert beats == [2.5]
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "10"):
+        with pytest.raises(InvalidRequestError, match="peer_timeout_s must be a positive number"):
+            Engine(None, peer_timeout_s=bad)

@@ -61,6 +61,32 @@ def engine_step_config(model, speculative: SpeculativeConfig, slots: int) -> tup
     return (sc if controls is None or sc.k == 0 else controls(slots, sc)), slots
 
 
+def _check_settings(
+    slots: int, max_queue: int, grammar_masks: str, chunked_prefill_size: int | None, peer_timeout_s: float
+) -> None:
+    """InvalidRequestError naming the first of an engine's settings out of its range."""
+    from mtp_jax.grammar import DELIVERIES
+
+    if chunked_prefill_size is not None and (
+        isinstance(chunked_prefill_size, bool)
+        or not isinstance(chunked_prefill_size, int)
+        or chunked_prefill_size < 16
+    ):
+        raise InvalidRequestError(
+            f"chunked_prefill_size must be None or an integer >= 16, got {chunked_prefill_size!r}"
+        )
+    for name, value, low in (("slots", slots, 1), ("max_queue", max_queue, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
+    if grammar_masks not in DELIVERIES:
+        raise InvalidRequestError(f"grammar_masks must be one of {DELIVERIES}, got {grammar_masks!r}")
+    timeout_ok = isinstance(peer_timeout_s, (int, float)) and 0 < peer_timeout_s < float("inf")
+    if isinstance(peer_timeout_s, bool) or not timeout_ok:
+        raise InvalidRequestError(
+            f"peer_timeout_s must be a positive number of seconds, got {peer_timeout_s!r}"
+        )
+
+
 class Engine:
     """Serve a loaded model (and its draft) to requests that come and go.
 
@@ -82,7 +108,9 @@ class Engine:
     tokens looked up and found: ``prefix_cache_queries``, ``prefix_cache_hits``). A prompt longer
     than ``chunked_prefill_size`` tokens (after its cached prefix) is prefilled that many tokens
     per iteration, between the running requests' steps, so they keep producing tokens while it
-    arrives (None: every prompt in one prefill)."""
+    arrives (None: every prompt in one prefill). In a multi-process run, the engine fails (every
+    request ends with an error) once another process has not been heard from for
+    ``peer_timeout_s`` seconds (:class:`mtp_jax.distributed.Heartbeat`)."""
 
     def __init__(
         self,
@@ -103,23 +131,11 @@ class Engine:
         row_buckets: bool = True,
         prefix_caching: bool = True,
         chunked_prefill_size: int | None = 2048,
+        peer_timeout_s: float = 10.0,
     ) -> None:
-        from mtp_jax.grammar import DELIVERIES
         from mtp_jax.model import DTYPES
 
-        if chunked_prefill_size is not None and (
-            isinstance(chunked_prefill_size, bool)
-            or not isinstance(chunked_prefill_size, int)
-            or chunked_prefill_size < 16
-        ):
-            raise InvalidRequestError(
-                f"chunked_prefill_size must be None or an integer >= 16, got {chunked_prefill_size!r}"
-            )
-        for name, value, low in (("slots", slots, 1), ("max_queue", max_queue, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidRequestError(f"{name} must be an integer >= {low}, got {value!r}")
-        if grammar_masks not in DELIVERIES:
-            raise InvalidRequestError(f"grammar_masks must be one of {DELIVERIES}, got {grammar_masks!r}")
+        _check_settings(slots, max_queue, grammar_masks, chunked_prefill_size, peer_timeout_s)
         limit = model.config.max_position_embeddings
         max_len = min(limit, 4096) if max_len is None else max_len
         if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= limit:
@@ -181,7 +197,7 @@ class Engine:
         process only."""
         self.warming = Warmup(self.scheduler, max_len - 1, range(sc.k + 1))
         self.replay = Replay()
-        self.replay.watch(self)
+        self.replay.watch(self, peer_timeout_s)
         self.leader = self.replay.leader
         loop = self._loop if self.leader else functools.partial(self.replay.follow, self)
         self._thread = threading.Thread(target=loop, name="mtp-jax-engine", daemon=True)

@@ -36,9 +36,10 @@ class Replay:
         self.events: list[list] = []  # what the loop did since the last step
         self.heartbeat: Heartbeat | None = None
 
-    def watch(self, engine: Engine) -> None:
-        """(Multi-process runs.) Fail ``engine`` when another process stops answering, even while
-        its thread waits inside a collective (:class:`~mtp_jax.distributed.Heartbeat`)."""
+    def watch(self, engine: Engine, timeout_s: float = 10.0) -> None:
+        """(Multi-process runs.) Fail ``engine`` when another process stops answering for
+        ``timeout_s`` seconds, even while its thread waits inside a collective
+        (:class:`~mtp_jax.distributed.Heartbeat`)."""
         if self.channel is not None:
             name = stream_name("mtp_jax/alive")
 
@@ -46,7 +47,7 @@ class Replay:
                 log.error("%s: failing every request", error)
                 engine.fail(error)
 
-            self.heartbeat = Heartbeat(name, lost)
+            self.heartbeat = Heartbeat(name, lost, timeout_s=timeout_s)
 
     def stop_watching(self) -> None:
         if self.heartbeat is not None:
