@@ -495,21 +495,20 @@ class Scheduler:
         slots: nothing changes), compiling it. Only while no request runs."""
         if self.pending is not None or any(o is not None for o in self.owner):
             raise ValueError("warm up before requests run (some are running now)")
-        if kind == "prefill":
+        if kind == "prefill":  # host arrays, as _prefill passes them: the same compiled program
             r = a * self.shards
-            sampling = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), RowSampling.build(r))
             first, self.state, _ = prefill(
                 self.params,
                 self.state,
                 self.sc,
-                jnp.asarray(np.full(r, self.slots, np.int32)),
+                np.full(r, self.slots, np.int32),
                 np.zeros((r, b), np.int32),
-                jnp.asarray(np.ones(r, np.int32)),
-                jnp.asarray(np.zeros((r, self.width), np.int32)),
-                sampling,
+                np.ones(r, np.int32),
+                np.zeros((r, self.width), np.int32),
+                jax.tree.map(np.asarray, RowSampling.build(r)),
                 None,
-                jnp.asarray(np.zeros(r, np.int32)),
-                jnp.asarray(np.zeros(r, bool)),
+                np.zeros(r, np.int32),
+                np.zeros(r, bool),
             )
             np.asarray(first)
         elif kind == "step":
@@ -531,7 +530,7 @@ class Scheduler:
                 zeros,
             )
         elif kind == "release":
-            self.state = deactivate(self.state, jnp.asarray(np.full(a, self.slots, np.int32)))
+            self.state = deactivate(self.state, np.full(a, self.slots, np.int32))
         else:
             raise ValueError(f"unknown warm-up job {kind!r}")
 
