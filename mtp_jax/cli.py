@@ -639,6 +639,7 @@ def _adapter_name(path: str) -> str:
 
 def make_engine(args: argparse.Namespace, model, draft: str | None):
     """The serving engine of `mtp-jax serve`'s (or `scripts/launch.py --serve`'s) flags."""
+    from mtp_jax.distributed import PEER_TIMEOUT_S
     from mtp_jax.request import SpeculativeConfig
     from mtp_jax.serving import Engine
 
@@ -659,7 +660,7 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         grammar_masks=getattr(args, "grammar_masks", "host"),
         prefix_caching=getattr(args, "enable_prefix_caching", True),
         chunked_prefill_size=getattr(args, "chunked_prefill_size", 2048) or None,
-        peer_timeout_s=getattr(args, "peer_timeout", 10.0),
+        peer_timeout_s=getattr(args, "peer_timeout", PEER_TIMEOUT_S),
     )
     mode = getattr(args, "warmup", "background")
     if engine.leader and mode != "none":  # the other processes of a run follow process 0's

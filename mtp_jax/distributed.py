@@ -337,6 +337,11 @@ stream_name = _StreamNames()
 """``stream_name(kind) -> "kind/n"``: the next broadcast stream name of that kind."""
 
 
+PEER_TIMEOUT_S = 10.0
+"""How long (seconds) a process of a multi-process run may go unheard before :class:`Heartbeat`
+counts it as lost, unless the engine is told otherwise (``Engine(peer_timeout_s=...)``)."""
+
+
 class PeerLostError(RuntimeError):
     """Another process of a multi-process run stopped answering (died, or its host did)."""
 
@@ -351,7 +356,9 @@ class Heartbeat:
     heartbeat timeout (100 s): this lets a server end its requests with an error, and exit, first.
     A process not heard from yet (still loading) is not timed. ``name`` as for :class:`Broadcast`."""
 
-    def __init__(self, name: str, on_lost, interval_s: float = 1.0, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, name: str, on_lost, interval_s: float = 1.0, timeout_s: float = PEER_TIMEOUT_S
+    ) -> None:
         import jax
         from jax._src import distributed
 

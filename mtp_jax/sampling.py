@@ -96,7 +96,7 @@ class RowSampling:
             lora_slot,
         ) = (x[0] for x in named.values())
         # any k >= the vocabulary keeps everything, so huge values clamp safely into int32
-        top_k = np.minimum(np.asarray(top_k, object if _beyond_int64(top_k) else np.int64), 2**31 - 1)
+        top_k = np.minimum(_as_column(top_k), 2**31 - 1)
         return cls(
             temperature=jnp.asarray(temperature, jnp.float32),
             top_k=jnp.asarray(top_k, jnp.int32),
@@ -142,11 +142,16 @@ def check_column(name: str, values: Sequence[float], given: bool) -> None:
     """:func:`check_value` of every row of ``values`` (:func:`per_row`'s output) at once; the
     message names the first row out of range when the values were ``given`` per row."""
     ok, _ = CHECKS[name]
-    column = np.asarray(values, object if _beyond_int64(values) else None)
+    column = _as_column(values)
     bad = np.flatnonzero(~np.asarray(ok(column), bool))
     if bad.size:
         i = int(bad[0])
         check_value(name, values[i], f" (row {i})" if given else "")
+
+
+def _as_column(values: Sequence) -> np.ndarray:
+    """``values`` as an array: of Python objects where some int does not fit int64."""
+    return np.asarray(values, object if _beyond_int64(values) else None)
 
 
 def _beyond_int64(values: Sequence) -> bool:

@@ -35,7 +35,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run as a file from a checkout
     sys.path.insert(0, REPO)
 
-from mtp_jax.distributed import LaunchError, initialize, resolve_cluster, spawn_local  # noqa: E402
+from mtp_jax.distributed import (  # noqa: E402
+    PEER_TIMEOUT_S,
+    LaunchError,
+    initialize,
+    resolve_cluster,
+    spawn_local,
+)
 
 _LAUNCHER_ONLY = ("--local", "--devices-per-process", "--timeout")
 
@@ -104,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--peer-timeout",
         type=float,
-        default=10.0,
+        default=PEER_TIMEOUT_S,
         metavar="S",
         help="--serve: fail every request and exit once another process of the run has not been heard "
-        "from for S seconds (default: 10; JAX's own coordination service gives up after 100)",
+        "from for S seconds (default: %(default)g; JAX's own coordination service gives up after 100)",
     )
     from mtp_jax.cli import add_server_args
 

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from mtp_jax.autok import batch_controls
+from mtp_jax.distributed import PEER_TIMEOUT_S
 from mtp_jax.errors import AdapterError, InvalidRequestError
 from mtp_jax.request import (
     CheckedRequest,
@@ -131,7 +132,7 @@ class Engine:
         row_buckets: bool = True,
         prefix_caching: bool = True,
         chunked_prefill_size: int | None = 2048,
-        peer_timeout_s: float = 10.0,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
     ) -> None:
         from mtp_jax.model import DTYPES
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from mtp_jax.distributed import Broadcast, Heartbeat, stream_name
+from mtp_jax.distributed import PEER_TIMEOUT_S, Broadcast, Heartbeat, stream_name
 
 if TYPE_CHECKING:
     from mtp_jax.serving.engine import Engine
@@ -36,7 +36,7 @@ class Replay:
         self.events: list[list] = []  # what the loop did since the last step
         self.heartbeat: Heartbeat | None = None
 
-    def watch(self, engine: Engine, timeout_s: float = 10.0) -> None:
+    def watch(self, engine: Engine, timeout_s: float = PEER_TIMEOUT_S) -> None:
         """(Multi-process runs.) Fail ``engine`` when another process stops answering for
         ``timeout_s`` seconds, even while its thread waits inside a collective
         (:class:`~mtp_jax.distributed.Heartbeat`)."""
