@@ -23,11 +23,17 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # the generated CPU code is most of every compile and buys nothing at these sizes (about 30% of the
 # suite's time), and XLA:CPU's older loop emitters compile the same HLO about twice as fast as its
 # fusion emitters (measured: the embedded model's prefill + step 3.9 s -> 2.1 s of backend compile;
-# the suite's pinned tokens are unchanged). Every process the tests start inherits them (children
+# the suite's pinned tokens are unchanged). One LLVM module per program instead of 32 parts
+# (`--xla_cpu_parallel_codegen_split_count=1`): the parts compile in parallel, but each lane of the
+# suite has one core, where splitting only adds work (test_eagle3.py 71 -> 62 s, test_dflash.py with
+# test_prefill.py 133 -> 118 s, one core each). Every process the tests start inherits them (children
 # append their device count). Benchmarks and the package itself never set them.
 # Only where the tests run on the CPU: a GPU build of XLA 0.11 exits at start-up (status 1, its
 # message lost in pytest's capture of conftest's import) on CPU flags it does not know.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1"
+)
 
 
 def _gpu_plugin_installed() -> bool:
