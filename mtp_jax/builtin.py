@@ -17,6 +17,9 @@ from mtp_jax.targets import register_target
 from mtp_jax.targets.deepseek_v3 import checkpoint as deepseek_v3_checkpoint
 from mtp_jax.targets.deepseek_v3.config import DEEPSEEK_V3_MODEL_TYPES, parse_deepseek_v3
 from mtp_jax.targets.deepseek_v3.model import TARGET as DEEPSEEK_V3
+from mtp_jax.targets.gemma3 import checkpoint as gemma3_checkpoint
+from mtp_jax.targets.gemma3.config import GEMMA3_MODEL_TYPES, parse_gemma3
+from mtp_jax.targets.gemma3.model import TARGET as GEMMA3
 from mtp_jax.targets.llama import checkpoint as llama_checkpoint
 from mtp_jax.targets.llama.config import LLAMA_MODEL_TYPES, parse_llama3, parse_qwen
 from mtp_jax.targets.llama.gguf import LLAMA_GGUF
@@ -42,6 +45,13 @@ register_target(
 # Qwen2 and Qwen3 are Llama-family configs: Llama's key map reads them
 register_target(QWEN2, model_types=("qwen2",), parse=parse_qwen, built_in=True)
 register_target(QWEN3, model_types=("qwen3",), parse=parse_qwen, built_in=True)
+register_target(
+    GEMMA3,
+    model_types=GEMMA3_MODEL_TYPES,
+    parse=parse_gemma3,
+    checkpoint_format=gemma3_checkpoint,
+    built_in=True,
+)
 
 register_draft(MTP)
 register_draft(DSPARK)  # before EAGLE-3, which reads any other draft config with an fc

@@ -50,13 +50,21 @@ def _softmax_values(scores: jax.Array, visible: jax.Array, values: jax.Array, dt
     return out.reshape(b, t, k * g, d).astype(dtype)
 
 
-def gqa_dense(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
-    """Causal attention: q [b, t, H, d], k/v [b, t, Hkv, d] (positions 0..t-1) -> [b, t, H, d]."""
+def gqa_dense(
+    q: jax.Array, k: jax.Array, v: jax.Array, scale: float, window: jax.Array | int | None = None
+) -> jax.Array:
+    """Causal attention: q [b, t, H, d], k/v [b, t, Hkv, d] (positions 0..t-1) -> [b, t, H, d].
+    ``window``: each query sees only the last ``window`` positions, itself included (sliding-window
+    attention; data, so a global layer of the same program passes a size past any position)."""
     t = q.shape[1]
     qg = _grouped(q, k.shape[2])
     scores = jnp.einsum("btkgd,bskd->btkgs", qg, k, preferred_element_type=jnp.float32) * scale
-    causal = jnp.tril(jnp.ones((t, t), bool))[None, :, None, None, :]
-    return _softmax_values(scores, causal, v, q.dtype)
+    i = jnp.arange(t)[:, None]
+    j = jnp.arange(t)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask = mask & (j > i - window)
+    return _softmax_values(scores, mask[None, :, None, None, :], v, q.dtype)
 
 
 def gqa_dense_chain(
@@ -97,12 +105,14 @@ def gqa_paged_reference(
     scale: float,
     layer: jax.Array | int | None = None,
     tree: tuple[jax.Array, jax.Array] | None = None,
+    window: tuple[jax.Array, jax.Array | None] | None = None,
 ) -> jax.Array:
     """Attention of queries q [b, t, H, d] at absolute ``positions`` [b, t] against each row's
     paged keys and values (pages [P, page, Hkv, d], or layer ``layer`` of a stack): query (b, t)
     sees positions ``s <= positions[b, t]``; a negative position sees nothing and yields zeros.
     ``tree``: (base [b], nodes [b, t, N]), a token tree's tree attention
-    (:func:`pallas_kernels.paged.visible_keys`).
+    (:func:`pallas_kernels.paged.visible_keys`). ``window``: (size, the queries' sequence positions
+    or None), sliding-window attention (:func:`~pallas_kernels.paged.visible_keys`).
 
     Table entries past a row's needed pages may be garbage: they are clamped into range, the keys
     they point at are masked (a select, so a NaN score there becomes -inf) and their values zeroed
@@ -116,7 +126,7 @@ def gqa_paged_reference(
 
     keys, values = gather(k_pages), gather(v_pages)
     key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
-    visible = visible_keys(key_pos, positions, tree)  # [b, t, s]
+    visible = visible_keys(key_pos, positions, tree, window)  # [b, t, s]
     seen = jnp.any(visible, axis=1)[:, :, None, None]
     values = jnp.where(seen, values, 0)
     qg = _grouped(q, keys.shape[2])
@@ -124,21 +134,22 @@ def gqa_paged_reference(
     return _softmax_values(scores * scale, visible[:, :, None, None, :], values, q.dtype)
 
 
-def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tree=None):
+def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tree=None, window=None):
     pages = {
         "k": write_rows(pages["k"], k, slots, layer),
         "v": write_rows(pages["v"], v, slots, layer),
     }
-    return _attend(q, positions, pages["k"], pages["v"], page_table, scale, layer, tree), pages
+    return _attend(q, positions, pages["k"], pages["v"], page_table, scale, layer, tree, window), pages
 
 
-def _attend(q, positions, k_pages, v_pages, page_table, scale, layer, tree=None) -> jax.Array:
+def _attend(q, positions, k_pages, v_pages, page_table, scale, layer, tree=None, window=None) -> jax.Array:
     """:func:`gqa_paged_reference` in chunks of queries (long prompts), each over the pages its
-    queries can see (:func:`pallas_kernels.paged.attend_paged`); a tree's queries in one chunk."""
+    queries can see (:func:`pallas_kernels.paged.attend_paged`); a tree's queries in one chunk
+    (so a window's own query positions, given only with a tree, are never chunked)."""
     check_tree(tree, q, QUERY_CHUNK)
 
     def reference(q: jax.Array, table: jax.Array, positions: jax.Array) -> jax.Array:
-        return gqa_paged_reference(q, k_pages, v_pages, table, positions, scale, layer, tree)
+        return gqa_paged_reference(q, k_pages, v_pages, table, positions, scale, layer, tree, window)
 
     return attend_paged(reference, q, page_table, positions, k_pages.shape[-3])
 
@@ -167,12 +178,14 @@ def gqa_paged(
     layer: jax.Array | int | None = None,
     mesh: Mesh | None = None,
     tree: tuple[jax.Array, jax.Array] | None = None,
+    window: tuple[jax.Array, jax.Array | None] | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Write k/v [b, t, Hkv, d] at flat ``slots`` [b, t] of ``pages`` {"k", "v"} (layer ``layer`` of
     stacks [L, P, page, Hkv, d]; slots >= P·page are not written), then attend q [b, t, H, d] over
     the cache (:func:`gqa_paged_reference`, in chunks of queries for long prompts): every query sees
     itself and every earlier position of its row (with ``tree`` = (base [b], nodes [b, t, N]): of a
-    token tree's node positions only those ``nodes`` marks, :func:`pallas_kernels.paged.visible_keys`).
+    token tree's node positions only those ``nodes`` marks, :func:`pallas_kernels.paged.visible_keys`;
+    with ``window`` = (size, sequence positions [b, t] or None), only the last ``size`` positions).
     Returns (out [b, t, H, d], updated pages).
 
     With ``mesh``: split as the module docstring says; a row's pages must lie in its shard's range
@@ -182,20 +195,20 @@ def gqa_paged(
     rows = () if mesh is None else split_axes(mesh, ROW_AXES, q.shape[0], pages["k"].shape[page_dim])
     tensor = () if mesh is None else split_axes(mesh, ("tensor",), heads)
     if not rows and not tensor:
-        return _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tree)
+        return _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tree, window)
     t_size = mesh.shape["tensor"] if tensor else 1
     check_tensor_split(heads, kv_heads, t_size)
     kv_split = tensor if kv_heads % t_size == 0 else ()
     page_size = pages["k"].shape[page_dim + 1]
     layer_arg = jnp.int32(0) if layer is None else jnp.asarray(layer, jnp.int32)
 
-    def local(q, k, v, pages, slots, table, positions, layer_arg, tree):
+    def local(q, k, v, pages, slots, table, positions, layer_arg, tree, window):
         idx = None if layer is None else layer_arg
         if rows:
             n = pages["k"].shape[page_dim]
             table, slots = localize(table, slots, shard_index(mesh, rows) * n, n, page_size)
         if not tensor or kv_split:
-            return _paged_local(q, k, v, pages, slots, table, positions, scale, idx, tree)
+            return _paged_local(q, k, v, pages, slots, table, positions, scale, idx, tree, window)
         # KV heads replicated: write them all, attend with the one this device's query heads share
         pages = {
             "k": write_rows(pages["k"], k, slots, idx),
@@ -203,7 +216,7 @@ def gqa_paged(
         }
         shared = jax.lax.axis_index("tensor") * q.shape[2] // (heads // kv_heads)
         one = {name: jax.lax.dynamic_slice_in_dim(x, shared, 1, axis=x.ndim - 2) for name, x in pages.items()}
-        return _attend(q, positions, one["k"], one["v"], table, scale, idx, tree), pages
+        return _attend(q, positions, one["k"], one["v"], table, scale, idx, tree, window), pages
 
     r, h, kv = spec_entry(rows), spec_entry(tensor), spec_entry(kv_split)
     act, kv_act = PartitionSpec(r, None, h, None), PartitionSpec(r, None, kv, None)
@@ -222,6 +235,7 @@ def gqa_paged(
             row_spec,
             PartitionSpec(),
             None if tree is None else (PartitionSpec(r), PartitionSpec(r, None, None)),
+            None if window is None else (PartitionSpec(), None if window[1] is None else row_spec),
         ),
         out_specs=(act, {"k": cache, "v": cache}),
-    )(q, k, v, pages, slots, page_table, positions, layer_arg, tree)
+    )(q, k, v, pages, slots, page_table, positions, layer_arg, tree, window)

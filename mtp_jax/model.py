@@ -72,7 +72,9 @@ def _teacher_forced(
     extra = {} if lora_slots is None else {"lora_slots": lora_slots}
     hidden, _ = target.forward(params, cfg, tokens, positions, capture=capture, mesh=mesh, **extra)
     # replicated: every process of a multi-host run can read the whole result
-    return jax.tree.map(lambda x: replicated(x, mesh), (target.lm_head(params, hidden.post_norm), hidden))
+    return jax.tree.map(
+        lambda x: replicated(x, mesh), (target.lm_head(params, hidden.post_norm, cfg), hidden)
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))

@@ -271,7 +271,7 @@ def forward_paged(
     paged = PagedAttention.at(pages, page_table, positions, valid, page_size, tree)
     extra = {"lora_slots": lora_slots} if "lora" in params and lora_slots is not None else {}
     hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh, **extra)
-    return hidden, target.lm_head(params, hidden.post_norm) if logits else None, pages
+    return hidden, target.lm_head(params, hidden.post_norm, cfg) if logits else None, pages
 
 
 forward_paged_jit = jax.jit(
@@ -385,7 +385,7 @@ def prefill(
         params, state, sc, tokens, positions, valid, page_table, sampling.lora_slot
     )
     last = lengths - 1 - starts  # each prompt's last row in ``tokens``
-    raw_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last))
+    raw_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last), sc.cfg)
     first_logits = raw_logits if bitmask is None else mask_logits(raw_logits, bitmask)
     first = sample(first_logits, sampling, lengths)
     logprobs = token_logprobs(raw_logits, first, MAX_LOGPROBS) if sc.logprobs else None

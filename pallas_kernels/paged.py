@@ -34,21 +34,41 @@ def gather_pages(pages: jax.Array, table: jax.Array, layer: jax.Array | int | No
     return jax.lax.bitcast_convert_type(out, pages.dtype) if bits else out
 
 
-def visible_keys(key_pos: jax.Array, positions: jax.Array, tree: tuple[jax.Array, jax.Array] | None = None):
+def visible_keys(
+    key_pos: jax.Array,
+    positions: jax.Array,
+    tree: tuple[jax.Array, jax.Array] | None = None,
+    window: tuple[jax.Array, jax.Array | None] | None = None,
+):
     """[B, T, S] bool: which keys at cache positions ``key_pos`` [S] each query at ``positions``
     [B, T] sees: those at or before its own position, and, with ``tree`` = (base [B], nodes
     [B, T, N]) (a token tree's nodes at cache positions base .. base + N - 1), of those positions
-    only the ones ``nodes`` marks (the query's own node and its ancestors: tree attention)."""
+    only the ones ``nodes`` marks (the query's own node and its ancestors: tree attention).
+
+    ``window`` = (size, query positions [B, T] or None): sliding-window attention (Gemma's local
+    layers), a query at sequence position p sees only keys at p - size + 1 .. p (``size`` keys,
+    itself included; a scalar, data, so one program serves local and global layers: a global
+    layer passes a size past any position). The query positions default to ``positions``; with a
+    tree they are the nodes' sequence (rotary) positions, and the tree's own nodes are its
+    ancestors, inside the window whenever ``size`` exceeds the tree's depth (the caller checks)."""
     visible = key_pos[None, None, :] <= positions[:, :, None]
-    if tree is None:
-        return visible
-    base, nodes = tree
-    count = nodes.shape[-1]
-    rel = key_pos[None, :] - base[:, None]  # [B, S]
-    inside = (rel >= 0) & (rel < count)
-    index = jnp.broadcast_to(jnp.clip(rel, 0, count - 1)[:, None, :], visible.shape)
-    seen = jnp.take_along_axis(nodes, index, axis=2)
-    return visible & (~inside[:, None, :] | seen)
+    inside = None
+    if tree is not None:
+        base, nodes = tree
+        count = nodes.shape[-1]
+        rel = key_pos[None, :] - base[:, None]  # [B, S]
+        inside = (rel >= 0) & (rel < count)
+        index = jnp.broadcast_to(jnp.clip(rel, 0, count - 1)[:, None, :], visible.shape)
+        seen = jnp.take_along_axis(nodes, index, axis=2)
+        visible = visible & (~inside[:, None, :] | seen)
+    if window is not None:
+        size, query = window
+        query = positions if query is None else query
+        near = key_pos[None, None, :] > query[:, :, None] - size
+        if inside is not None:
+            near = near | inside[:, None, :]
+        visible = visible & near
+    return visible
 
 
 def check_tree(tree: tuple[jax.Array, jax.Array] | None, q: jax.Array, chunk: int) -> None:

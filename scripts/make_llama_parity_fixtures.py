@@ -155,8 +155,6 @@ PROMPT, NEW = 8, 16
 
 def build(name: str, out: str) -> None:
     import ml_dtypes
-    import torch
-    from transformers import AutoModelForCausalLM
 
     doc, overrides, opts = FIXTURES[name]
     config = {**BASE, **overrides}
@@ -170,6 +168,15 @@ def build(name: str, out: str) -> None:
     directory = os.path.join(out, name)
     shutil.rmtree(directory, ignore_errors=True)
     write_hub_checkpoint(directory, config, tensors, shards=opts["shards"])
+    write_reference(directory, name, cfg.vocab_size, opts["T"])
+    print(f"{name}: {doc}", file=sys.stderr)
+
+
+def write_reference(directory: str, name: str, vocab_size: int, length: int) -> None:
+    """``reference.npz`` of the checkpoint in ``directory`` (the module docstring's arrays), from
+    transformers' ``AutoModelForCausalLM`` on it: two rows of ``length`` seeded random tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -177,7 +184,7 @@ def build(name: str, out: str) -> None:
     model.eval()
     model.generation_config.eos_token_id = None  # never stop early: N tokens, nothing masked
     rng = np.random.default_rng(len(name))
-    input_ids = rng.integers(3, cfg.vocab_size, (2, opts["T"])).astype(np.int32)
+    input_ids = rng.integers(3, vocab_size, (2, length)).astype(np.int32)
     with torch.no_grad():
         res = model(torch.as_tensor(input_ids, dtype=torch.long), output_hidden_states=True)
         greedy = model.generate(
@@ -196,7 +203,39 @@ def build(name: str, out: str) -> None:
         prompt_length=np.int32(PROMPT),
         new_tokens=np.int32(NEW),
     )
-    print(f"{name}: {doc}", file=sys.stderr)
+
+
+def write_readme(out: str, title: str, what: str, script: str, fixtures: dict) -> None:
+    """``out/README.md``: how the fixtures ``fixtures`` (name -> (doc, ...)) of ``what`` checkpoints
+    were made and what ``reference.npz`` holds."""
+    import torch
+    import transformers
+
+    lines = [
+        f"# transformers parity fixtures ({title})",
+        "",
+        f"Tiny random {what} checkpoints in the exact hub layout plus `reference.npz` computed by",
+        "`transformers.AutoModelForCausalLM.from_pretrained` on each directory (float32, eager attention,",
+        "one CPU thread; BF16/FP16 weights upcast exactly). Do not edit; regenerate with:",
+        "",
+        "    pip install -e .[parity]",
+        f"    python scripts/{script}",
+        "",
+        f"Generated with transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"numpy {np.__version__}.",
+        "",
+        "| fixture | what it exercises |",
+        "|---|---|",
+        *(f"| `{name}` | {entry[0]} |" for name, entry in fixtures.items()),
+        "",
+        "`reference.npz`: `input_ids` int32 [B,T]; `logits` float32 [B,T,V]; `hidden_states` float32",
+        "[L+1,B,T,H] (entry 0 the embedding, i+1 the output of layer i, the last one after the final norm);",
+        f"`greedy` int32 [B,{PROMPT}+{NEW}]: `generate(input_ids[:, :{PROMPT}], max_new_tokens={NEW}, "
+        "do_sample=False)`; `prompt_length`, `new_tokens`.",
+        "",
+    ]
+    with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
 
 
 def main() -> int:
@@ -206,37 +245,11 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(REPO, "tests", "fixtures", "parity_llama"))
     parser.add_argument("--only", nargs="+", choices=sorted(FIXTURES))
     args = parser.parse_args()
-    import torch
-    import transformers
 
     os.makedirs(args.out, exist_ok=True)
     for name in args.only or FIXTURES:
         build(name, args.out)
-    lines = [
-        "# transformers parity fixtures (Llama 3, Qwen2, Qwen3)",
-        "",
-        "Tiny random Llama-family checkpoints in the exact hub layout plus `reference.npz` computed by",
-        "`transformers.AutoModelForCausalLM.from_pretrained` on each directory (float32, eager attention,",
-        "one CPU thread; BF16/FP16 weights upcast exactly). Do not edit; regenerate with:",
-        "",
-        "    pip install -e .[parity]",
-        "    python scripts/make_llama_parity_fixtures.py",
-        "",
-        f"Generated with transformers {transformers.__version__}, torch {torch.__version__}, "
-        f"numpy {np.__version__}.",
-        "",
-        "| fixture | what it exercises |",
-        "|---|---|",
-        *(f"| `{name}` | {doc} |" for name, (doc, _, _) in FIXTURES.items()),
-        "",
-        "`reference.npz`: `input_ids` int32 [B,T]; `logits` float32 [B,T,V]; `hidden_states` float32",
-        "[L+1,B,T,H] (entry 0 the embedding, i+1 the output of layer i, the last one after the final norm);",
-        f"`greedy` int32 [B,{PROMPT}+{NEW}]: `generate(input_ids[:, :{PROMPT}], max_new_tokens={NEW}, "
-        "do_sample=False)`; `prompt_length`, `new_tokens`.",
-        "",
-    ]
-    with open(os.path.join(args.out, "README.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(lines))
+    write_readme(args.out, "Llama 3, Qwen2, Qwen3", "Llama-family", "make_llama_parity_fixtures.py", FIXTURES)
     print(json.dumps({"written": list(args.only or FIXTURES), "out": args.out}))
     return 0
 

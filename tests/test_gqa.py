@@ -42,9 +42,9 @@ def test_paged_attention_reads_only_the_live_pages(monkeypatch, last, width):
     widths = []
     reference = gqa.gqa_paged_reference
 
-    def spy(q, k_pages, v_pages, table, positions, scale, layer, tree=None):
+    def spy(q, k_pages, v_pages, table, positions, scale, layer, tree=None, window=None):
         jax.debug.callback(lambda: widths.append(table.shape[1]))
-        return reference(q, k_pages, v_pages, table, positions, scale, layer, tree)
+        return reference(q, k_pages, v_pages, table, positions, scale, layer, tree, window)
 
     monkeypatch.setattr(gqa, "gqa_paged_reference", spy)
     rng = np.random.default_rng(0)

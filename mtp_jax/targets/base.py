@@ -340,6 +340,13 @@ class Target:
     describe: Callable[[Any], list[str]] | None = None
     """``describe(cfg)``: lines summing the architecture up for ``mtp-jax inspect`` (None: its
     model type and title)."""
+    logit_softcap: Callable[[Any], float | None] = lambda cfg: None
+    """``logit_softcap(cfg)``: c when the target's logits are soft-capped, ``c * tanh(logits / c)``
+    (Gemma's ``final_logit_softcapping``); None: raw."""
 
-    def lm_head(self, params: dict, h: jax.Array) -> jax.Array:
-        return lm_head(params, h)
+    def lm_head(self, params: dict, h: jax.Array, cfg: Any) -> jax.Array:
+        """The target's float32 logits [..., V] from post-norm states ``h`` [..., d] of a model of
+        config ``cfg``: :func:`lm_head`, soft-capped when :attr:`logit_softcap` says so."""
+        logits = lm_head(params, h)
+        cap = self.logit_softcap(cfg)
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -30,16 +30,21 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-@pytest.fixture(scope="module")
-def fixtures():
+def load_fixtures(root: str, names: list[str]) -> dict:
+    """name -> (the float32 model of fixture ``root/name``, transformers' reference arrays)."""
     out = {}
-    for name in NAMES:
-        path = os.path.join(FIXTURES, name)
+    for name in names:
+        path = os.path.join(root, name)
         out[name] = (
             mtp_jax.load(path, "float32", strict=True),
             dict(np.load(os.path.join(path, "reference.npz"))),
         )
     return out
+
+
+@pytest.fixture(scope="module")
+def fixtures():
+    return load_fixtures(FIXTURES, NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -128,9 +133,9 @@ def test_bad_requests_name_the_problem_and_the_model_stays_usable(fixtures):
 
 
 # --- bad checkpoints -------------------------------------------------------------------------------
-def _copy(tmp_path, name="llama3_gqa42"):
+def _copy(tmp_path, name="llama3_gqa42", root=FIXTURES):
     dst = tmp_path / name
-    shutil.copytree(os.path.join(FIXTURES, name), dst, ignore=shutil.ignore_patterns("reference.npz"))
+    shutil.copytree(os.path.join(root, name), dst, ignore=shutil.ignore_patterns("reference.npz"))
     return dst
 
 

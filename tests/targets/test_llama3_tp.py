@@ -1,6 +1,6 @@
-"""Llama-family (Llama 3, Qwen2, Qwen3) tensor parallelism (heads and MLP columns over ``tensor``,
-rows and pages over ``data``) on 8 simulated CPU devices, in a background child process (see
-``child`` in tests/conftest.py)."""
+"""Llama-family (Llama 3, Qwen2, Qwen3, and Gemma 3 on the same layout) tensor parallelism (heads
+and MLP columns over ``tensor``, rows and pages over ``data``) on 8 simulated CPU devices, in a
+background child process (see ``child`` in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ TP_CHILD = textwrap.dedent(
         ("llama3_gqa42", [(4, 2), (1, 4)]),  # 2 KV heads: split over 2, replicated over 4
         ("qwen2_bias_tied", [(2, 4)]),  # q/k/v biases split with their heads
         ("qwen3_qk_norm", [(4, 2)]),  # per-head q/k norms on split heads
+        # Gemma 3: Llama's layout under its own forward; sliding windows on split heads, one KV
+        # head replicated, then two split with a vocabulary-parallel soft-capped head
+        ("../parity_gemma3/pattern6_tied", [(2, 2)]),
+        ("../parity_gemma3/mixed_softcap_linear_untied", [(4, 2)]),
     ]:
         src = os.path.join(root, name)
         ref = mtp_jax.load(src, "float32")

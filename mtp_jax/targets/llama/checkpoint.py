@@ -18,7 +18,7 @@ the embedding, or loading stops with an error rather than silently using either 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -57,10 +57,6 @@ def decoder_layer_tensors(
     return layer_from_leaves(t, pre, layer_leaves(d, h, kv, hd, f, d_in=d_in))
 
 
-def _layer(t: HubTensors, i: int) -> dict:
-    return layer_from_leaves(t, f"model.layers.{i}.", target_layer_leaves(t.cfg))
-
-
 def param_groups(
     reader: CheckpointReader,
     cfg: Llama3Config,
@@ -71,20 +67,23 @@ def param_groups(
     strict: bool = False,
     skip: Mapping[tuple[str, int | None], list[str]] | None = None,
     experts: Any = None,
+    leaves: Callable[[Any], tuple[LayerLeaf, ...]] = target_layer_leaves,
 ) -> Iterator[tuple[Group, list[str]]]:
     """Yield ((name, index, host pytree), hub keys consumed) one group at a time: ``embed``, each
     of ``layers``, ``final_norm`` and (untied) ``lm_head``. ``dtype`` None keeps each tensor's
     stored dtype. ``skip`` as in :class:`mtp_jax.checkpoint.loader.GroupEmitter`; ``weights``,
     ``mtp`` and ``experts`` are accepted for a uniform signature and mean nothing here. Tensors
-    nobody asked for are reported at the end (an error with ``strict``)."""
+    nobody asked for are reported at the end (an error with ``strict``). ``leaves(cfg)``: the
+    decoder layer's tensors (another family of the same layout, Gemma 3, passes its own)."""
     if weights != "dense":
-        raise CheckpointError(f"weights={weights!r}: Llama checkpoints are dense (BF16/FP16/FP32)")
+        raise CheckpointError(f"weights={weights!r}: {cfg.model_type} checkpoints are dense (BF16/FP16/FP32)")
     t = HubTensors(reader, cfg, dtype, weights)
     d, v = cfg.hidden_size, cfg.vocab_size
     emit = GroupEmitter(t, skip)
+    layer_leaves_ = leaves(cfg)
     yield emit("embed", None, lambda: t.get("model.embed_tokens.weight", (v, d)))
     for i in range(cfg.num_hidden_layers):
-        yield emit("layers", i, lambda i=i: _layer(t, i))
+        yield emit("layers", i, lambda i=i: layer_from_leaves(t, f"model.layers.{i}.", layer_leaves_))
     yield emit("final_norm", None, lambda: t.get("model.norm.weight", (d,)))
     if not cfg.tie_word_embeddings:
         yield emit("lm_head", None, lambda: np.ascontiguousarray(t.linear("lm_head.weight", v, d)))
@@ -123,35 +122,48 @@ def load_params(
     mtp: bool = True,
     strict: bool = False,
     mesh: jax.sharding.Mesh | None = None,
+    leaves: Callable[[Any], tuple[LayerLeaf, ...]] = target_layer_leaves,
 ) -> dict:
     """Read a hub Llama 3 checkpoint into device parameters (with a mesh, each leaf placed with its
     sharding as it is read)."""
-    groups = (g for g, _ in param_groups(reader, cfg, dtype, weights=weights, strict=strict))
+    groups = (g for g, _ in param_groups(reader, cfg, dtype, weights=weights, strict=strict, leaves=leaves))
     return assemble(groups, cfg, dtype, mesh=mesh)
 
 
-def export_tensors(params: dict, cfg: Llama3Config, dtype: np.dtype) -> dict[str, np.ndarray]:
+def export_tensors(
+    params: dict,
+    cfg: Llama3Config,
+    dtype: np.dtype,
+    leaves: Callable[[Any], tuple[LayerLeaf, ...]] | None = None,
+) -> dict[str, np.ndarray]:
     """The inverse of :func:`param_groups`: ``params`` (host arrays) as hub tensors in ``dtype``
-    (no ``lm_head.weight`` when the embedding is tied)."""
+    (no ``lm_head.weight`` when the embedding is tied). ``leaves(cfg)``: as for
+    :func:`param_groups` (None: a Llama-family layer's, read off its shapes)."""
     t = {"model.embed_tokens.weight": as_numpy(params["embed"], dtype)}
     for i in range(cfg.num_hidden_layers):
         layer = jax.tree.map(lambda x, i=i: x[i], params["layers"])
-        t.update(llama_layer_tensors(layer, f"model.layers.{i}.", dtype))
+        t.update(
+            llama_layer_tensors(layer, f"model.layers.{i}.", dtype, None if leaves is None else leaves(cfg))
+        )
     t["model.norm.weight"] = as_numpy(params["final_norm"], dtype)
     if not cfg.tie_word_embeddings:
         t["lm_head.weight"] = np.ascontiguousarray(as_numpy(params["lm_head"], dtype).T)
     return t
 
 
-def llama_layer_tensors(p: dict, pre: str, dtype: np.dtype) -> dict[str, np.ndarray]:
+def llama_layer_tensors(
+    p: dict, pre: str, dtype: np.dtype, leaves: tuple[LayerLeaf, ...] | None = None
+) -> dict[str, np.ndarray]:
     """One Llama-family layer's hub tensors, as :func:`mtp_jax.targets.llama.model.layer_leaves`
-    declares them for the layer's own shapes and extras (biases, q/k norms)."""
-    a = p["attn"]
-    d_in, h, hd = np.shape(a["q"])
-    d, f = np.shape(p["mlp"]["gate"])
-    leaves = layer_leaves(
-        d, h, np.shape(a["k"])[1], hd, f, d_in=d_in, qkv_bias="q_bias" in a, qk_norm="q_norm" in a
-    )
+    declares them for the layer's own shapes and extras (biases, q/k norms), or as ``leaves``
+    declare them."""
+    if leaves is None:
+        a = p["attn"]
+        d_in, h, hd = np.shape(a["q"])
+        d, f = np.shape(p["mlp"]["gate"])
+        leaves = layer_leaves(
+            d, h, np.shape(a["k"])[1], hd, f, d_in=d_in, qkv_bias="q_bias" in a, qk_norm="q_norm" in a
+        )
     t = {}
     for leaf in leaves:
         x = p

@@ -1,0 +1,2 @@
+"""Gemma 3 (text decoder): sliding-window local layers beside global ones. Registered in
+:mod:`mtp_jax.builtin`."""

@@ -1,0 +1,275 @@
+"""Gemma 3 text decoder forward pass over a parameter pytree.
+
+Parameters (weights [in, out], per-head axes split out; a leading L axis on the layer stack)::
+
+    embed [V, d]
+    layers: {input_norm, post_attn_norm, pre_ffn_norm, post_ffn_norm [L, d],
+             attn: {q [L, d, H, hd], k [L, d, Hkv, hd], v [L, d, Hkv, hd], o [L, H, hd, d],
+                    q_norm [L, hd], k_norm [L, hd]},
+             mlp: {gate [L, d, f], up [L, d, f], down [L, f, d]}}
+    final_norm [d]
+    lm_head [d, V]           (absent when the embedding is tied, as in every published Gemma 3)
+
+Norm weights are kept as the hub stores them (w): every RMSNorm multiplies by ``1 + w`` in float32
+before casting back (transformers' ``Gemma3RMSNorm``; llama.cpp's GGUF files store 1 + w, which its
+reader turns back into w). The embedding output is scaled by sqrt(d) in the embedding's dtype.
+
+Each decoder layer (a sandwich of norms around both blocks)::
+
+    h += post_attn_norm(attn(input_norm(h)))
+    h += post_ffn_norm(down(gelu_tanh(gate(x)) * up(x)))     x = pre_ffn_norm(h)
+
+Attention: q/k RMSNorm'd per head, then rotate-half rope (base ``rope_local_base_freq`` on local
+layers, ``rope_theta`` with optional linear scaling on global ones), scores scaled by
+``query_pre_attn_scalar ** -0.5``, GQA. A local layer's query at position p sees keys at
+p - window + 1 .. p (:func:`pallas_kernels.paged.visible_keys`); the per-layer window and rope
+choice ride in the layer scan as data, so one compiled layer serves both kinds. The paged cache is
+Llama's (``{"k", "v"}`` [L, P, page, Hkv, hd]) and keeps every page of every layer: a local layer
+reads only its window of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from mtp_jax.gqa import gqa_dense, gqa_paged
+from mtp_jax.layers import apply_rope_half, llama3_frequencies, rope_cos_sin
+from mtp_jax.sharding import ACTIVATION, constrain
+from mtp_jax.targets.base import CapturePlan, Hidden, HubTensor, PagedAttention, scan_layers
+from mtp_jax.targets.gemma3.config import Gemma3Config
+from mtp_jax.targets.llama import model as llama
+from mtp_jax.targets.llama.model import LayerLeaf, layer_leaves, leaves_tree
+
+__all__ = ["TARGET", "forward", "gemma_norm", "target_layer_leaves"]
+
+GLOBAL_WINDOW = 1 << 30
+"""The window size a global layer passes (past any position: it masks nothing)."""
+
+
+def target_layer_leaves(cfg: Gemma3Config) -> tuple[LayerLeaf, ...]:
+    """The tensors of one Gemma 3 decoder layer: Llama's with q/k norms, plus the norms after
+    attention and around the MLP (transformers' ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm``; its ``post_attention_layernorm`` is a true post-attention norm
+    here, applied to the attention's output before the residual add)."""
+    base = layer_leaves(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        qk_norm=True,
+    )
+    d = cfg.hidden_size
+
+    def norm(path: str, hub: str) -> LayerLeaf:
+        return LayerLeaf((path,), f"{hub}.weight", (d,), (d,), "norm", (None,), "norms")
+
+    return base + (
+        norm("pre_ffn_norm", "pre_feedforward_layernorm"),
+        norm("post_ffn_norm", "post_feedforward_layernorm"),
+    )
+
+
+def gemma_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32, cast back to x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def _rope_tables(cfg: Gemma3Config, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
+    """((cos, sin) of the local layers, (cos, sin) of the global layers), each [b, t, hd/2]."""
+    local = llama3_frequencies(cfg.head_dim, cfg.rope_local_base_freq, None)
+    full = llama3_frequencies(cfg.head_dim, cfg.rope_theta, None) / cfg.rope_linear_factor
+    return (
+        rope_cos_sin(positions, jnp.asarray(local, jnp.float32), 1.0),
+        rope_cos_sin(positions, jnp.asarray(full, jnp.float32), 1.0),
+    )
+
+
+def _windows(cfg: Gemma3Config) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer: whether it slides [L] bool, and its window size [L] int32."""
+    sliding = np.asarray(cfg.sliding, bool)
+    return sliding, np.where(sliding, cfg.sliding_window, GLOBAL_WINDOW).astype(np.int32)
+
+
+def _attention(
+    p: dict,
+    x: jax.Array,
+    cfg: Gemma3Config,
+    cos: jax.Array,
+    sin: jax.Array,
+    window: jax.Array,
+    positions: jax.Array,
+    paged: PagedAttention | None,
+    pages: dict | None,
+    layer: jax.Array | int | None,
+    mesh: Mesh | None,
+) -> tuple[jax.Array, dict | None]:
+    eps = cfg.rms_norm_eps
+
+    def project(name: str) -> jax.Array:
+        return jnp.einsum("btd,dhk->bthk", x, p[name])
+
+    q = apply_rope_half(gemma_norm(project("q"), p["q_norm"], eps), cos, sin)
+    k = apply_rope_half(gemma_norm(project("k"), p["k_norm"], eps), cos, sin)
+    v = project("v")
+    scale = cfg.softmax_scale
+    if paged is None:
+        out = gqa_dense(q, k, v, scale, window)
+    else:
+        seen, tree = paged.attention(positions)
+        # with a tree the window is measured from each node's sequence (rotary) position
+        win = (window, None if tree is None else positions)
+        out, pages = gqa_paged(
+            q, k, v, pages, paged.slots, paged.page_table, seen, scale, layer, mesh, tree, win
+        )
+    return jnp.einsum("bthk,hkd->btd", out, p["o"]), pages
+
+
+def _decoder_layer(p, h, cfg, rope, is_local, window, positions, paged, pages, layer, mesh):
+    eps = cfg.rms_norm_eps
+    (cos_l, sin_l), (cos_g, sin_g) = rope
+    cos = jnp.where(is_local, cos_l, cos_g)
+    sin = jnp.where(is_local, sin_l, sin_g)
+    x = gemma_norm(h, p["input_norm"], eps)
+    out, pages = _attention(p["attn"], x, cfg, cos, sin, window, positions, paged, pages, layer, mesh)
+    h = h + gemma_norm(out, p["post_attn_norm"], eps)
+    x = gemma_norm(h, p["pre_ffn_norm"], eps)
+    m = p["mlp"]
+    g = jnp.einsum("btd,df->btf", x, m["gate"])
+    u = jnp.einsum("btd,df->btf", x, m["up"])
+    f = jnp.einsum("btf,fd->btd", jax.nn.gelu(g, approximate=True) * u, m["down"])
+    return h + gemma_norm(f, p["post_ffn_norm"], eps), pages
+
+
+def check_tree_window(cfg: Gemma3Config, paged: PagedAttention | None) -> None:
+    """ValueError unless a token tree (its root and drafted nodes, N in all) fits every local
+    layer's window: a node's ancestors are then never further than N - 1 positions back, inside
+    the window (:func:`pallas_kernels.paged.visible_keys` lets a node see them without measuring)."""
+    if paged is None or paged.tree is None or not any(cfg.sliding):
+        return
+    size = paged.tree.nodes.shape[-1]
+    if size > cfg.sliding_window:
+        raise ValueError(
+            f"a token tree of {size - 1} drafted nodes (and its root) does not fit Gemma 3's sliding window "
+            f"of {cfg.sliding_window} positions: use at most {cfg.sliding_window - 1} nodes"
+        )
+
+
+def forward(
+    params: dict,
+    cfg: Gemma3Config,
+    tokens: jax.Array,
+    positions: jax.Array,
+    paged: PagedAttention | None = None,
+    capture: tuple[int, ...] = (),
+    mesh: Mesh | None = None,
+    lora_slots: jax.Array | None = None,
+) -> tuple[Hidden, dict | None]:
+    """Run the decoder on tokens [b, t] at absolute positions [b, t], as the Llama family's
+    :func:`mtp_jax.targets.llama.model.forward` does (teacher-forced without ``paged``; over the
+    paged cache with it; ``capture``, ``mesh`` alike). Gemma 3 takes no LoRA adapters yet."""
+    if lora_slots is not None and "lora" in params:
+        raise ValueError("Gemma 3 takes no LoRA adapters yet")
+    check_tree_window(cfg, paged)
+    plan = CapturePlan(cfg.num_hidden_layers, capture)
+    rope = _rope_tables(cfg, positions)
+    embed = params["embed"]
+    h = embed[tokens] * jnp.asarray(math.sqrt(cfg.hidden_size), embed.dtype)
+    h = constrain(h, mesh, ACTIVATION)
+    captured = plan.start(h)
+
+    def layer(carry, xs):
+        h, captured, pages = carry
+        p, slot, index, is_local, window = xs
+        h, pages = _decoder_layer(p, h, cfg, rope, is_local, window, positions, paged, pages, index, mesh)
+        h = constrain(h, mesh, ACTIVATION)
+        if captured is not None:
+            captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
+        return (h, captured, pages), None
+
+    sliding, windows = _windows(cfg)
+    n = cfg.num_hidden_layers
+    carry = (h, captured, None if paged is None else paged.pages)
+    (h, captured, pages), _ = scan_layers(
+        layer, carry, params["layers"], plan.slot_of, np.arange(n, dtype=np.int32), sliding, windows
+    )
+    hidden = Hidden(
+        post_norm=gemma_norm(h, params["final_norm"], cfg.rms_norm_eps),
+        pre_norm=h,
+        layers=plan.finish(captured),
+    )
+    return hidden, pages
+
+
+def hub_tensors(cfg: Gemma3Config) -> Iterator[HubTensor]:
+    """Every tensor of a Gemma 3 hub checkpoint, with its tensor-parallel split."""
+    d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    yield HubTensor("embedding", (v, d), 1, "plain")
+    yield HubTensor("norms", (d,), 1, "plain")  # model.norm
+    splits = {"heads": "tensor", "ffn": "tensor", "kv_heads": "kv_heads"}
+    for leaf in target_layer_leaves(cfg):
+        split = next((splits[a] for a in leaf.logical if a), None)
+        yield HubTensor(
+            leaf.component, leaf.hub_shape, n, "linear" if leaf.kind == "linear" else "plain", split
+        )
+    if not cfg.tie_word_embeddings:
+        yield HubTensor("lm_head", (v, d), 1, "plain", split="tensor")
+
+
+def abstract_groups(cfg: Gemma3Config, shapes: Any, own_draft: bool = False) -> dict:
+    """The parameter groups (one layer of the stack) built with ``shapes`` (:mod:`mtp_jax.plan`)."""
+    d = cfg.hidden_size
+    out = {
+        "embed": shapes.plain(cfg.vocab_size, d),
+        "layers": leaves_tree(target_layer_leaves(cfg), lambda leaf: shapes.plain(*leaf.shape)),
+        "final_norm": shapes.plain(d),
+    }
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = shapes.plain(d, cfg.vocab_size)
+    return out
+
+
+def _describe(cfg: Gemma3Config) -> list[str]:
+    local = sum(cfg.sliding)
+    rope = f"rope_theta {cfg.rope_theta:g} (global), {cfg.rope_local_base_freq:g} (local)"
+    if cfg.rope_linear_factor != 1.0:
+        rope += f", linear scaling x{cfg.rope_linear_factor:g} (global)"
+    cap = (
+        ""
+        if cfg.final_logit_softcapping is None
+        else f", logits soft-capped at {cfg.final_logit_softcapping:g}"
+    )
+    return [
+        f"Model: {cfg.model_type} (Gemma 3)",
+        f"  layers      {cfg.num_hidden_layers}: {local} local (sliding window {cfg.sliding_window}), "
+        f"{cfg.num_hidden_layers - local} global",
+        f"  attention   {cfg.num_attention_heads} heads, {cfg.num_key_value_heads} KV heads (GQA), "
+        f"head_dim {cfg.head_dim}, {rope}",
+        f"  hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}"
+        + (", tied embeddings" if cfg.tie_word_embeddings else "")
+        + cap,
+    ]
+
+
+TARGET = dataclasses.replace(
+    llama.family_target("gemma3", Gemma3Config, title="Gemma 3"),
+    forward=forward,
+    layer_leaves=target_layer_leaves,
+    hub_tensors=hub_tensors,
+    abstract_groups=abstract_groups,
+    lora_sites=lambda cfg: (),
+    describe=_describe,
+    logit_softcap=lambda cfg: cfg.final_logit_softcapping,
+)
+"""Llama's cache, mesh checks and tensor-parallel layout (the same projections split the same way);
+Gemma's forward, layers and head."""
