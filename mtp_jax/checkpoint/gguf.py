@@ -74,38 +74,6 @@ def gguf_architectures() -> tuple[str, ...]:
     return tuple(sorted(_LAYOUTS))
 
 
-# Pre-tokenizers (tokenizer.ggml.pre) we can express as a tokenizers pipeline. All are byte-level BPE.
-_GPT2_PRE = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _split_then_bytes(regex: str) -> dict:
-    return {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
-            {**_GPT2_PRE, "use_regex": False},
-        ],
-    }
-
-
-PRE_TOKENIZERS: dict[str, dict] = {
-    "default": _GPT2_PRE,
-    "gpt-2": _GPT2_PRE,
-    # SmolLM / SmolLM2: every digit on its own, then GPT-2's byte-level split.
-    "smollm": {
-        "type": "Sequence",
-        "pretokenizers": [{"type": "Digits", "individual_digits": True}, _GPT2_PRE],
-    },
-    "llama-bpe": _split_then_bytes(_LLAMA3_REGEX),  # Llama 3
-}
-
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of added tokens
-
-
 def _gguf_module():
     try:
         import gguf
@@ -233,83 +201,11 @@ class GGUFCheckpoint:
 
     # --- tokenizer ----------------------------------------------------------------------------
     def tokenizer_json(self) -> str:
-        """The GGUF's tokenizer as a ``tokenizers`` tokenizer.json (byte-level BPE)."""
-        model = self.metadata.get("tokenizer.ggml.model")
-        if model is None:
-            raise CheckpointError(f"{self.path} carries no tokenizer (tokenizer.ggml.model is missing)")
-        if model != "gpt2":
-            raise ConfigError(
-                f"{self.path}: tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', is)"
-            )
-        pre = self.metadata.get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
-            raise ConfigError(
-                f"{self.path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}"
-            )
-        tokens = self.metadata.get("tokenizer.ggml.tokens")
-        merges = self.metadata.get("tokenizer.ggml.merges")
-        if not isinstance(tokens, list) or not isinstance(merges, list):
-            raise CheckpointError(f"{self.path}: the tokenizer's tokens or merges are missing")
-        types = self.metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        added = [
-            {
-                "id": i,
-                "content": tok,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": kind != _CONTROL,
-                "special": kind == _CONTROL,
-            }
-            for i, (tok, kind) in enumerate(zip(tokens, types, strict=True))
-            if kind in (_CONTROL, _USER_DEFINED)
-        ]
-        bos = self.metadata.get("tokenizer.ggml.bos_token_id")
-        post: dict = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
-        if self.metadata.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            name = tokens[int(bos)]
-            post = {
-                "type": "TemplateProcessing",
-                "single": [
-                    {"SpecialToken": {"id": name, "type_id": 0}},
-                    {"Sequence": {"id": "A", "type_id": 0}},
-                ],
-                "pair": [
-                    {"SpecialToken": {"id": name, "type_id": 0}},
-                    {"Sequence": {"id": "A", "type_id": 0}},
-                    {"SpecialToken": {"id": name, "type_id": 1}},
-                    {"Sequence": {"id": "B", "type_id": 1}},
-                ],
-                "special_tokens": {name: {"id": name, "ids": [int(bos)], "tokens": [name]}},
-            }
-        spec = {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
-            "added_tokens": added,
-            "normalizer": None,
-            "pre_tokenizer": PRE_TOKENIZERS[pre],
-            "post_processor": post,
-            "decoder": {
-                "type": "ByteLevel",
-                "add_prefix_space": True,
-                "trim_offsets": True,
-                "use_regex": True,
-            },
-            "model": {
-                "type": "BPE",
-                "dropout": None,
-                "unk_token": None,
-                "continuing_subword_prefix": None,
-                "end_of_word_suffix": None,
-                "fuse_unk": False,
-                "byte_fallback": False,
-                "ignore_merges": False,
-                "vocab": {tok: i for i, tok in enumerate(tokens)},
-                "merges": [m.split(" ", 1) for m in merges],
-            },
-        }
-        return json.dumps(spec, ensure_ascii=False)
+        """The GGUF's tokenizer as a ``tokenizers`` tokenizer.json
+        (:func:`mtp_jax.checkpoint.gguf_tokenizer.tokenizer_json`)."""
+        from mtp_jax.checkpoint.gguf_tokenizer import tokenizer_json
+
+        return tokenizer_json(self)
 
     def tokenizer_config(self) -> dict:
         """tokenizer_config.json's equivalent: chat template, BOS/EOS tokens, ``add_bos_token``."""

@@ -272,7 +272,8 @@ def test_malformed_gguf_files_are_refused_by_name(damage, tiny_gguf, tmp_path):
         w.write_tensors_to_file()
         w.close()
         with pytest.raises(
-            ConfigError, match="architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3"
+            ConfigError,
+            match="architecture 'gemma2' is not supported; supported: gemma3, llama, qwen2, qwen3",
         ):
             mtp_jax.load(str(path))
     else:  # rope_freqs that no llama3 scaling produces

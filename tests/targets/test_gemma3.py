@@ -224,6 +224,72 @@ def test_visible_keys_slide_by_sequence_position_even_in_a_tree():
     assert np.flatnonzero(np.asarray(tree[0, 0])).tolist() == [5, 6, 8]
 
 
+def write_gemma3_gguf(src: str, path: str, drop: str | None = None) -> str:
+    """A hub Gemma 3 checkpoint as llama.cpp's converter writes it: ``gemma3.*`` metadata, its tensor
+    names, every norm stored as 1 + w (``drop``: a GGUF tensor left out)."""
+    import json
+
+    gguf = pytest.importorskip("gguf")
+    from mtp_jax.targets.gemma3.gguf import GLOBAL_NAMES, LAYER_NAMES
+
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_sliding_window(cfg["sliding_window"])
+    to_gguf = {hub: name for name, hub in GLOBAL_NAMES.items()}
+    to_gguf.update(
+        {f"model.layers.{i}.{hub}": f"blk.{i}.{name}" for name, hub in LAYER_NAMES.items() for i in range(99)}
+    )
+    reader = CheckpointReader(src)
+    for key in reader.keys():
+        x = np.asarray(reader.get(key), np.float32)
+        name = to_gguf[key]
+        if name != drop:
+            w.add_tensor(name, x + 1.0 if key.endswith("norm.weight") else x)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gemma3_gguf_reads_as_its_hub_checkpoint(fixtures, tmp_path):
+    """The GGUF layout: llama.cpp's names (its ffn_norm is the norm before the MLP), norms stored
+    1 + w, the pattern and the local rope base llama.cpp fixes, the window from the metadata;
+    scores scaled by 1/sqrt(head_dim) (llama.cpp has no query_pre_attn_scalar); a missing tensor
+    named."""
+    import dataclasses
+
+    from mtp_jax.model import _teacher_forced
+
+    hub, ref = fixtures["pattern6_tied"]
+    src = os.path.join(FIXTURES, "pattern6_tied")
+    model = mtp_jax.load(write_gemma3_gguf(src, str(tmp_path / "g.gguf")), "float32", strict=True)
+    assert np.float32(model.config.rms_norm_eps) == np.float32(hub.config.rms_norm_eps)  # stored float32
+    eps = model.config.rms_norm_eps
+    same = dict(query_pre_attn_scalar=16.0, eos_token_ids=(), bos_token_id=None, rms_norm_eps=eps)
+    assert model.config == dataclasses.replace(hub.config, **same)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(hub.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    want, _ = _teacher_forced(hub.params, model.config, jnp.asarray(ref["input_ids"]), ())
+    np.testing.assert_allclose(model.logits(ref["input_ids"]), want, rtol=1e-5, atol=1e-5)
+    broken = write_gemma3_gguf(src, str(tmp_path / "b.gguf"), drop="blk.3.post_ffw_norm.weight")
+    with pytest.raises(
+        mtp_jax.CheckpointError, match=r"model\.layers\.3\.post_feedforward_layernorm\.weight"
+    ):
+        mtp_jax.load(broken, "float32")
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
