@@ -50,7 +50,8 @@ KINDS = ("chat", "code", "edit")
 def prompt_ids(codec, per_kind: int, kinds: tuple[str, ...] = ("chat", "code")) -> dict[str, list[list[int]]]:
     """Held-out prompts by kind ("chat", "code": :func:`distill_data.heldout_prompts`; "edit": a
     function to return whole with a docstring added, output that repeats the input,
-    :func:`distill_data.edit_prompts`), as chat-rendered token ids."""
+    :func:`distill_data.edit_prompts`), as chat-rendered token ids (a model without a chat
+    template, a base model, gets the prompt's text as a completion)."""
     import distill_data
 
     out: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
@@ -59,7 +60,10 @@ def prompt_ids(codec, per_kind: int, kinds: tuple[str, ...] = ("chat", "code")) 
         found += distill_data.edit_prompts(per_kind)
     for p in found:
         if p["kind"] in out:
-            out[p["kind"]].append(codec.encode_chat([{"role": "user", "content": p["text"]}]))
+            if codec.chat_template is None:  # a base model (Gemma 3 270M): the prompt as a completion
+                out[p["kind"]].append(codec.encode(p["text"]))
+            else:
+                out[p["kind"]].append(codec.encode_chat([{"role": "user", "content": p["text"]}]))
     return out
 
 
