@@ -102,31 +102,15 @@ class GGUFCheckpoint:
             head = f.read(4)
         if head != MAGIC:
             raise CheckpointError(f"{self.path} is not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
-        gguf = _gguf_module()
+        _gguf_module()  # the gguf package dequantises; a clear error when it is missing
+        from mtp_jax.checkpoint.gguf_file import read_gguf
+
         try:
-            reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the reader raises whatever numpy does on a short or garbled file
+            self.metadata, self._tensors = read_gguf(self.path)
+        except Exception as e:  # GGUFFormatError, or whatever decoding a garbled header raises
             raise CheckpointError(
                 f"{self.path}: malformed or truncated GGUF file ({type(e).__name__}: {e})"
             ) from None
-        self._reader = reader
-        self.metadata: dict[str, Any] = {}
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[name] = field.contents()
-            except Exception as e:
-                raise CheckpointError(f"{self.path}: metadata field '{name}' is malformed ({e})") from None
-        size = os.path.getsize(self.path)
-        self._tensors: dict[str, Any] = {}
-        for t in reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size or t.data.size * t.data.itemsize != int(t.n_bytes):
-                raise CheckpointError(
-                    f"{self.path}: tensor '{t.name}' ends at byte {end} but the file has {size}: truncated"
-                )
-            self._tensors[t.name] = t
         self.architecture = self.metadata.get("general.architecture")
         if self.architecture not in _LAYOUTS:
             raise ConfigError(
@@ -154,7 +138,7 @@ class GGUFCheckpoint:
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """Numpy (row-major) shape: GGUF lists dimensions innermost first."""
-        return tuple(int(n) for n in reversed(self._tensors[name].shape.tolist()))
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
 
     def hf_config(self) -> dict:
         """The Hugging Face config.json equivalent of this GGUF's metadata (its layout's)."""
@@ -174,7 +158,7 @@ class GGUFCheckpoint:
                 f"{self.path}: tensor '{name}' has GGUF type {kind}, which is not supported "
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
-        data = np.asarray(t.data)
+        data = np.asarray(t.data())
         if kind == "F32":
             out = data.view(np.float32)
         elif kind == "F16":

@@ -177,6 +177,47 @@ def test_every_supported_type_reads_as_the_gguf_package_dequantises_it(kind, tmp
     assert np.isfinite(got).all() and np.abs(got).max() > 0
 
 
+def test_our_header_reader_equals_the_gguf_packages(tiny_gguf, tmp_path):
+    """mtp_jax.checkpoint.gguf_file (one pass over the header; the gguf package's reader took 16.7 s
+    over Gemma 3's vocabulary) gives the gguf package's metadata and tensor bytes, on a file with
+    a tokenizer, every scalar and array value type, and tensors of several types."""
+    from mtp_jax.checkpoint.gguf_file import read_gguf
+
+    path = str(tmp_path / "kinds.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_uint8("x.u8", 7)
+    w.add_int16("x.i16", -3)
+    w.add_uint64("x.u64", 2**40)
+    w.add_float64("x.f64", 0.1)
+    w.add_bool("x.bool", True)
+    w.add_array("x.ints", [1, -2, 3])
+    w.add_array("x.floats", [0.5, 1.5])
+    w.add_array("x.strings", ["a", "", "\u2581b", "東京"])
+    rng = np.random.default_rng(0)
+    w.add_tensor("a", rng.standard_normal((3, 32)).astype(np.float16))
+    q8 = raw_blocks("Q8_0", 2, 64, rng)
+    w.add_tensor("b", q8, raw_shape=q8.shape, raw_dtype=T.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for file in (tiny_gguf, path):
+        reader = gguf.GGUFReader(file)
+        meta, tensors = read_gguf(file)
+        assert meta == {
+            f.name: f.contents() for f in reader.fields.values() if not f.name.startswith("GGUF.")
+        }
+        assert [t.name for t in reader.tensors] == list(tensors)
+        for t in reader.tensors:
+            ours = tensors[t.name].data()
+            assert (ours.shape, ours.dtype, tensors[t.name].tensor_type) == (
+                t.data.shape,
+                t.data.dtype,
+                t.tensor_type,
+            )
+            np.testing.assert_array_equal(ours, t.data)
+
+
 def test_unsupported_tensor_type_is_refused_by_name(tmp_path):
     path = str(tmp_path / "q2k.gguf")
     w = gguf.GGUFWriter(path, "llama")
