@@ -54,8 +54,9 @@ class _Offloaded:
 
 
 class SecondLane:
-    def __init__(self, repo: str, xla_flags: str) -> None:
+    def __init__(self, repo: str, xla_flags: str, worker_xla_flags: str | None = None) -> None:
         self.repo, self.xla_flags = repo, xla_flags
+        self.worker_xla_flags = worker_xla_flags  # None: the worker inherits this process's XLA_FLAGS
         self.children: dict[str, _ChildJob] = {}
         self.offloaded: dict[str, _Offloaded] = {}
         self.worker_failure = ""  # the worker's exit and output tail, where it did not report a test
@@ -126,6 +127,8 @@ class SecondLane:
             return
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.lane_worker", "-p", "no:cacheprovider"]
         env = dict(os.environ, PYTHONPATH=self.repo, **{WORKER_ENV: "1"})
+        if self.worker_xla_flags is not None:
+            env["XLA_FLAGS"] = self.worker_xla_flags
         with tempfile.TemporaryDirectory(prefix="mtp-jax-lane-") as tmp:
             report_path, log_path = os.path.join(tmp, "reports.jsonl"), os.path.join(tmp, "output.txt")
             open(report_path, "w").close()
