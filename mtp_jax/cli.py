@@ -215,7 +215,10 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument(
         "--port", type=int, default=8000, help="0: a free port, reported in the 'listening on' line"
     )
-    sv.add_argument("--served-model-name", help="the model's name in the API (default: the directory's)")
+    sv.add_argument(
+        "--served-model-name",
+        help="the model's name in the API (default: a packaged model's name as given, else the directory's)",
+    )
     add_server_args(sv)
     sv.add_argument("--slots", type=int, default=8, help="requests decoded at once")
     sv.add_argument(
@@ -685,6 +688,16 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
     return engine
 
 
+def default_served_name(model_arg: str | None, model_dir: str) -> str:
+    """The model's name in the API without --served-model-name: a packaged model's name as the user
+    gave it (``gemma-3-270m``, not its file's), else the directory's or file's base name."""
+    from mtp_jax.embedded import PACKAGED_MODELS
+
+    if model_arg in PACKAGED_MODELS:
+        return model_arg
+    return os.path.basename(os.path.abspath(model_dir))
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         import starlette  # noqa: F401
@@ -695,7 +708,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     model_dir, model, draft = _load_with_draft(args)
     engine = make_engine(args, model, draft)
-    name = args.served_model_name or os.path.basename(os.path.abspath(model_dir))
+    name = args.served_model_name or default_served_name(args.model, model_dir)
     speculation = f"{draft}, K = {engine.sc.k}" if draft else "none"
     print(
         f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.slots} slots x {engine.max_len} "

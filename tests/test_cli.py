@@ -332,3 +332,14 @@ def test_generate_under_a_grammar(capsys, embedded, tmp_path):
     schema.write_text("{")
     rc, out, err = run(capsys, *args, "--json-schema", str(schema))
     check_error(rc, out, err, "generate", ["not valid JSON"])
+
+
+def test_a_packaged_model_is_served_under_the_name_it_was_asked_by(tmp_path):
+    """`mtp-jax serve --model gemma-3-270m` answers to "gemma-3-270m" (not to its file's name); a
+    directory or file answers to its base name."""
+    from mtp_jax.cli import default_served_name
+
+    assert default_served_name("gemma-3-270m", "/c/gemma-3-270m-q4_k_m.gguf") == "gemma-3-270m"
+    assert default_served_name("smollm2-135m-instruct", "/x/SmolLM2.gguf") == "smollm2-135m-instruct"
+    assert default_served_name(str(tmp_path / "m"), str(tmp_path / "m")) == "m"
+    assert default_served_name(None, "/repo/checkpoints/tiny-deepseek-v3-stdlib") == "tiny-deepseek-v3-stdlib"
