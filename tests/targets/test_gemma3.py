@@ -186,6 +186,26 @@ def test_token_trees_inside_the_window_are_lossless_and_wider_ones_refused(fixtu
         drafted.generate(PROMPTS, speculative_tree={"depth": 2, "topk": 2, "nodes": 4}, **kw)
 
 
+def test_a_soft_capped_draft_model_drafts_from_its_capped_logits(fixtures):
+    """The soft-capped model as its own draft model, drafts drawn from the draft's distribution at
+    temperature 1: the draft's q is the target's p exactly, so every draft is accepted (u q <= p
+    always); drafting from uncapped logits (q != p) rejects some."""
+    path = os.path.join(FIXTURES, "mixed_softcap_linear_untied")
+    drafted = mtp_jax.load(path, "float32", strict=True, draft_model=path)
+    out = drafted.generate(
+        PROMPTS,
+        max_new_tokens=16,
+        ignore_eos=True,
+        draft="draft_model",
+        num_speculative_tokens=3,
+        draft_sampling="sampled",
+        temperature=1.0,
+        seed=[1, 2, 3, 4],
+    )
+    stats = out.stats
+    assert stats["num_draft_tokens"] > 40 and stats["num_accepted_tokens"] == stats["num_draft_tokens"]
+
+
 @pytest.mark.parametrize("name", ["pattern6_tied", "mixed_softcap_linear_untied"])
 def test_plan_estimate_and_export_follow_the_declared_tree(fixtures, name):
     from mtp_jax.estimate import count_parameters

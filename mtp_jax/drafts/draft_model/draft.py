@@ -33,7 +33,7 @@ from mtp_jax.drafts.draft_model.config import DraftModelConfig, parse_draft_mode
 from mtp_jax.errors import ConfigError
 from mtp_jax.param_bytes import nbytes
 from mtp_jax.targets import target_for
-from mtp_jax.targets.base import PagedAttention, lm_head
+from mtp_jax.targets.base import PagedAttention
 from mtp_jax.targets.deepseek_v3.model import TARGET as DEEPSEEK_V3
 from mtp_jax.targets.llama.model import TARGET as LLAMA
 
@@ -117,9 +117,11 @@ def _state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
     return tuple(family.cache_logical(names[-1] if names else "", rank))
 
 
-def _logits(tree: dict, h: jax.Array, target_vocab: int) -> jax.Array:
-    """Float32 logits over the target's vocabulary from the draft's post-norm states [..., d]."""
-    logits = lm_head(tree, h)
+def _logits(tree: dict, h: jax.Array, ctx) -> jax.Array:
+    """Float32 logits over the target's vocabulary from the draft's post-norm states [..., d]: the
+    draft model's own head (soft-capped when its family caps logits, as Gemma 3's may)."""
+    c, target_vocab = ctx.draft_cfg.model, ctx.draft_cfg.target_vocab_size
+    logits = target_for(c).lm_head(tree, h, c)
     v = logits.shape[-1]
     if v >= target_vocab:
         return logits[..., :target_vocab]
@@ -136,7 +138,7 @@ def _forward(tree, ctx, pages, page_table, tokens, positions, valid, nodes=None)
 
 def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, sampling, first_pos):
     """Read the committed rows and the token after the last one, then chain K drafts."""
-    tree, vocab = params[GROUP], ctx.draft_cfg.target_vocab_size
+    tree = params[GROUP]
     after = at_rows(rows.next_tokens, rows.last)[:, None]
     tokens = jnp.concatenate([rows.tokens, after], axis=1)
     positions = jnp.concatenate([rows.positions, at_rows(rows.positions, rows.last)[:, None] + 1], axis=1)
@@ -147,10 +149,10 @@ def _extend_and_propose(params, ctx, pages, page_table, rows: Rows, active, samp
         valid = jnp.broadcast_to(active[:, None], d.shape)
         nodes = None if nodes is None else nodes.moved(1)
         h, pages = _forward(tree, ctx, pages, page_table, d, position + 1, valid, nodes)
-        return _logits(tree, h, vocab), state, pages
+        return _logits(tree, h, ctx), state, pages
 
     return chain_drafts(
-        ctx, sampling, first_pos, _logits(tree, h[:, -1], vocab), jnp.zeros((h.shape[0],)), pages, advance
+        ctx, sampling, first_pos, _logits(tree, h[:, -1], ctx), jnp.zeros((h.shape[0],)), pages, advance
     )
 
 
@@ -159,7 +161,7 @@ def _teacher_forced(params, ctx, tokens: jax.Array, hidden) -> jax.Array:
     c = ctx.draft_cfg.model
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     h, _ = target_for(c).forward(params[GROUP], c, tokens, positions)
-    return _logits(params[GROUP], h.post_norm[:, 1:], ctx.draft_cfg.target_vocab_size)
+    return _logits(params[GROUP], h.post_norm[:, 1:], ctx)
 
 
 def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
