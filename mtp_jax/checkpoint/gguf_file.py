@@ -64,9 +64,7 @@ class GGUFTensorInfo:
         }
         if self.tensor_type in plain:
             return raw.view(plain[self.tensor_type]).reshape(dims)
-        if self.tensor_type == GGMLQuantizationType.BF16:
-            return raw.view(np.uint8).reshape(quant_shape_to_byte_shape(dims, self.tensor_type))
-        return raw.reshape(quant_shape_to_byte_shape(dims, self.tensor_type))
+        return raw.reshape(quant_shape_to_byte_shape(dims, self.tensor_type))  # BF16 too: bytes
 
 
 class _Cursor:
