@@ -13,6 +13,7 @@ leave their logits, and so their tokens, untouched bit for bit.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -34,6 +35,9 @@ from mtp_jax.errors import InvalidRequestError
 DELIVERIES = ("host", "callback")
 
 KINDS = ("json_schema", "regex", "lark")
+COMPILED_GRAMMARS = 256
+"""Distinct grammars whose validated matcher a :class:`Constraints` keeps (least recently used
+dropped first)."""
 
 
 def words(vocab_size: int) -> int:
@@ -123,6 +127,9 @@ class Constraints:
         self.vocab_size = vocab_size
         self.words = words(vocab_size)
         self.grammars: dict[int, str] = {}
+        self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        """Grammar text -> an unused matcher of it (validated), most recently used last: requests that
+        share a grammar (a server's JSON schema, a batch's one regex) validate and build it once."""
         for i, spec in enumerate(specs):
             self.add(i, spec, f"prompt {i}")
         self.matchers: dict[int, Any] = {}
@@ -149,19 +156,32 @@ class Constraints:
             text = grammar_text(spec)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"grammar of {label}: {e}") from None
-        error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise InvalidRequestError(f"grammar of {label} is invalid: {' '.join(error.split())}")
+        if text in self._compiled:
+            self._compiled.move_to_end(text)
+        else:
+            error = llg.LLMatcher.validate_grammar(text, self.tokenizer)
+            if error and not error.startswith("WARNING"):
+                raise InvalidRequestError(f"grammar of {label} is invalid: {' '.join(error.split())}")
+            self._remember(text, None)  # its matcher is built by the first request that starts
         self.grammars[req] = text
+
+    def _remember(self, text: str, matcher: Any) -> None:
+        self._compiled[text] = matcher
+        while len(self._compiled) > COMPILED_GRAMMARS:
+            self._compiled.popitem(last=False)
 
     def constrained(self, req: int) -> bool:
         return req in self.grammars
 
     def start(self, req: int, prompt: Sequence[int]) -> None:
         """A fresh matcher for request ``req`` (the grammar constrains the new tokens only)."""
-        llg = _llguidance()
-        self.matchers[req] = llg.LLMatcher(self.tokenizer, self.grammars[req], log_level=0)
-        self.fresh[req] = self.matchers[req].deep_copy()
+        text = self.grammars[req]
+        template = self._compiled.get(text)
+        if template is None:  # first start of this grammar, or evicted since its request was added
+            template = _llguidance().LLMatcher(self.tokenizer, text, log_level=0)
+            self._remember(text, template)
+        self.matchers[req] = template.deep_copy()
+        self.fresh[req] = template.deep_copy()
 
     def consume(self, req: int, token: int) -> bool:
         """Advance request ``req`` over an emitted token; True once its grammar has ended."""

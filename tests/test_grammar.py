@@ -301,3 +301,48 @@ def test_the_in_step_callback_finds_its_own_constraints_by_key():
     with pytest.raises(RuntimeError, match=f"constraints \\(key {key}\\) were released"):
         grammar._callback(np.int32(key), *step)
     assert grammar._BY_KEY[digits.key] is digits
+
+
+def test_requests_sharing_a_grammar_compile_it_once(monkeypatch):
+    """A grammar shared by many requests (a server's JSON schema, a batch's regex) is validated and
+    built once; each request still gets its own matcher, starting fresh; the cache is bounded and a
+    bad grammar is refused however many good ones came before."""
+    import llguidance
+
+    from mtp_jax import grammar
+
+    model = mtp_jax.load(EMBEDDED_MODEL, "float32")
+    c = grammar.Constraints(model.tokenizer_path, model.config.vocab_size, model.eos_token_ids)
+    calls = collections.Counter()
+    real_validate, real_matcher = llguidance.LLMatcher.validate_grammar, llguidance.LLMatcher
+
+    class Counting:  # llguidance's matcher type cannot be subclassed: stand in for the class
+        def __call__(self, *a, **k):
+            calls["built"] += 1
+            return real_matcher(*a, **k)
+
+        def validate_grammar(self, *a, **k):
+            calls["validated"] += 1
+            return real_validate(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(real_matcher, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    tok = Tokenizer.from_file(model.tokenizer_path)
+    x = tok.token_to_id("x")
+    for req in range(5):
+        c.add(req, {"regex": TINY})
+        c.start(req, [0, 1])
+    assert calls == {"validated": 1, "built": 1}
+    assert not c.consume(0, x)  # request 0 advances; request 1's matcher is untouched
+    assert c.matchers[1].consume_token(x) and not c.matchers[1].is_stopped()
+    with pytest.raises(mtp_jax.InvalidRequestError, match="grammar of the request is invalid"):
+        c.add(9, {"regex": "("})
+    monkeypatch.setattr(grammar, "COMPILED_GRAMMARS", 2)
+    for n in range(4):
+        c.add(10 + n, {"regex": f"a{{{n + 1}}}"})
+    assert len(c._compiled) == 2 and calls["validated"] == 6  # TINY's and the first two evicted
+    c.add(20, {"regex": TINY})
+    c.start(20, [0, 1])
+    assert calls["validated"] == 7 and calls["built"] == 2
