@@ -36,7 +36,7 @@ from mtp_jax.request import (
     step_config,
 )
 from mtp_jax.sampling import MAX_LOGPROBS, TokenLogprobs, check_logprobs, token_logprobs
-from mtp_jax.scheduler import GenerateResult, TokenCallback, TokenLogprob, generate
+from mtp_jax.scheduler import GenerateResult, TokenCallback, TokenLogprob, VerifiedCallback, generate
 from mtp_jax.sharding import replicated
 from mtp_jax.step import StepConfig
 from mtp_jax.targets import Hidden, target_for
@@ -372,6 +372,7 @@ class Model:
         grammar_masks: str = "host",
         fused: bool = True,
         pipelined: bool = True,
+        on_verified: VerifiedCallback | None = None,
         **settings: Any,
     ) -> GenerateResult:
         """Generate for each prompt (a list of token ids, or a string encoded with the model's
@@ -419,7 +420,10 @@ class Model:
         batching). On a mesh the slots are padded to a multiple of its row devices.
         ``on_token(prompt_index, token)`` streams. ``fused=False`` selects the host-orchestrated
         baseline step and ``pipelined=False`` reads each step before dispatching the next (for
-        benchmarks).
+        benchmarks). ``on_verified(confidence_logits, verified, accepted)``, with a draft that
+        estimates its confidence (DSpark with a confidence head), is called after every step with
+        each advanced request's calibrated confidence logits [n, K], the drafts verified [n] and
+        accepted [n]: the rollouts a calibration is fitted on (``scripts/train_dspark.py``).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of token-id lists or strings")
@@ -431,6 +435,11 @@ class Model:
             check_request(self, p, r, sc, context=limit, context_name=name, where=f"prompt {i}")
             for i, (p, r) in enumerate(zip(prompts, requests, strict=True))
         ]
+        if on_verified is not None and not sc.confident:
+            raise InvalidRequestError(
+                "on_verified needs a draft that estimates its confidence (a DSpark draft with a confidence "
+                f"head), got draft={sc.draft!r}"
+            )
         per_batch = batch_controls(self, speculative)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
@@ -456,6 +465,7 @@ class Model:
             pipelined=pipelined,
             grammar_masks=grammar_masks,
             stop_checks=_stop_checks(checked, streams),
+            on_verified=on_verified,
         )
         if any(s is not None for s in streams):
             result.texts = [None if s is None else s.text + s.finish() for s in streams]

@@ -37,6 +37,9 @@ from mtp_jax.step import (
 
 TokenCallback = Callable[[int, int], None]
 """Called as ``on_token(prompt_index, token_id)`` for every emitted token, in order."""
+VerifiedCallback = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
+"""Called as ``on_verified(confidence_logits [n, K], verified [n], accepted [n])`` after each step
+(:class:`Scheduler`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +245,11 @@ class Scheduler:
     a request prefills only what follows its longest cached prefix. With ``chunked_prefill`` (a token
     count) a prompt longer than that is prefilled that many tokens per iteration, between the steps
     of the running requests (its slot waits meanwhile), instead of in one long prefill that stalls
-    them all."""
+    them all. ``on_verified(confidence_logits [n, K], verified [n], accepted [n])``, with a draft
+    that estimates its confidence, is called after each step for the n rows it advanced: the
+    calibrated confidence logits the draft gave the drafts this step verified, how many it verified
+    and how many were accepted (DSpark's calibration rollouts; it reads the confidences before each
+    step, a wait the pipeline otherwise avoids)."""
 
     def __init__(
         self,
@@ -260,7 +267,13 @@ class Scheduler:
         row_buckets: bool = False,
         prefix_caching: bool = False,
         chunked_prefill: int | None = None,
+        on_verified: VerifiedCallback | None = None,
     ) -> None:
+        if on_verified is not None and not sc.confident:
+            raise ValueError(
+                "on_verified needs a draft with a confidence head (its logits are what it reports)"
+            )
+        self.on_verified = on_verified
         if chunked_prefill is not None and (
             isinstance(chunked_prefill, bool) or not isinstance(chunked_prefill, int) or chunked_prefill < 16
         ):
@@ -693,10 +706,16 @@ class Scheduler:
                 return tok == begin
         return False
 
-    def _process(self, emitted, n_emit, logprobs, owners: list[Request | None], drafted: np.ndarray) -> None:
+    def _process(
+        self, emitted, n_emit, logprobs, owners: list[Request | None], drafted: np.ndarray, conf=None
+    ) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         drafted = verified_drafts(drafted, emitted)
         lp, done = None if logprobs is None else jax.tree.map(np.asarray, logprobs), []
+        if conf is not None:
+            live = [b for b, req in enumerate(owners) if req is not None and not req.finish]
+            accepted = np.minimum(np.maximum(n_emit[live] - 1, 0), drafted[live])
+            self.on_verified(conf[live], drafted[live], accepted)
         for b, req in enumerate(owners):
             if req is None or req.finish:
                 continue
@@ -760,6 +779,8 @@ class Scheduler:
         extra = {"rows": rows} if rows < self.slots else {}
         if self.callback:
             extra["grammar_key"] = self.grammar_key
+        # the confidences of the drafts this step verifies (read before the state is donated to it)
+        conf = None if self.on_verified is None else np.array(self.state.draft_conf[:, : sc_now.k])
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
         emitted, n_emit, self.state, logprobs = self.step_fn(self.params, self.state, sc_now, *args, **extra)
@@ -768,7 +789,7 @@ class Scheduler:
         self.counts["steps"] += 1
         if self.pending is not None:
             self._read_pending()
-        self.pending = (emitted, n_emit, logprobs, running, drafted)
+        self.pending = (emitted, n_emit, logprobs, running, drafted, conf)
         return True
 
 
@@ -794,13 +815,15 @@ def generate(
     pipelined: bool = True,
     grammar_masks: str = "host",
     stop_checks: Sequence[Callable[[int], bool]] | None = None,
+    on_verified: VerifiedCallback | None = None,
 ) -> GenerateResult:
     """Decode checked requests (:func:`mtp_jax.request.check_request`) to the end with a
     :class:`Scheduler` sized for them (up to K = sc.k drafts per step, 0 = plain): ``max_batch``
     slots at most (a power of two, a multiple of the mesh's row devices), pages for the longest
     request. ``per_batch(batch, sc)`` adjusts the step to the batch size (slots a step computes):
     :func:`mtp_jax.autok.batch_controls`. ``stop_checks[i](token)`` True stops request i (finish
-    reason "stop"). The other arguments are the scheduler's."""
+    reason "stop"). The other arguments are the scheduler's (``on_verified`` is called only when
+    the call speculates)."""
     t_start = time.perf_counter()
     n = len(checked)
     batch = math.lcm(next_power_of_two(min(n, max_batch)), row_shards(sc.mesh))  # whole rows per shard
@@ -823,6 +846,7 @@ def generate(
         constraints=constraints,
         pipelined=pipelined,
         grammar_masks=grammar_masks,
+        on_verified=on_verified if sc.confident else None,  # plain decoding verifies no drafts
     )
     requests = []
     for i, c in enumerate(checked):

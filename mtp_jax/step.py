@@ -192,11 +192,13 @@ class DecodeState:
     state (for MTP its layer's pages [P, page, c]; {} without a draft); page_table [B, W]; seq_len
     [B] tokens in the target cache; next_token [B] (committed, not yet cached); drafts [B, K];
     draft_q [B, K, V] (sampled drafts only, else [B, 0, 0]); draft_conf [B, K]: each draft's
-    probability of acceptance as the draft estimates it (:func:`mtp_jax.schedule.cumulative`; a draft
-    with :attr:`~mtp_jax.drafts.Draft.confidence`, else [B, 0]); num_drafts [B]: how many of the drafts
-    were proposed for the row (its request's cap, and at most what the last step proposed: a step
-    may speculate less than K); thinking [B]: inside a thinking phase after the committed tokens
-    before next_token; active [B]; sampling: per-row parameters.
+    calibrated confidence logit, sigmoid of which is its probability of acceptance given the drafts
+    before it were accepted (the running products, :func:`mtp_jax.schedule.cumulative`, are what the
+    confidence schedule weighs; a draft with :attr:`~mtp_jax.drafts.Draft.confidence`, else [B, 0]);
+    num_drafts [B]: how many of the drafts were proposed for the row (its request's cap, and at
+    most what the last step proposed: a step may speculate less than K); thinking [B]: inside a
+    thinking phase after the committed tokens before next_token; active [B]; sampling: per-row
+    parameters.
     """
 
     target_pages: dict
@@ -235,12 +237,9 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
 
 def propose(sc: StepConfig, params: dict, *args) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
     """``sc.drafter.extend_and_propose(params, context, *args)``: (drafts, q, draft state, and the
-    drafts' acceptance probabilities [b, K] from a draft with a confidence head, else None)."""
+    drafts' calibrated confidence logits [b, K] from a draft with a confidence head, else None)."""
     out = sc.drafter.extend_and_propose(params, sc.draft_context, *args)
-    if sc.confident:
-        drafts, q, state, logits = out
-        return drafts, q, state, cumulative(logits)
-    return (*out, None)
+    return out if sc.confident else (*out, None)
 
 
 def forward_paged(
@@ -341,12 +340,12 @@ def _first_drafts(params, state, sc, prompt: Rows, page_table, real, sampling, f
     conf = jnp.zeros((r,) + state.draft_conf.shape[1:], jnp.float32)
     if sc.drafter is None:
         return drafts, q, conf, jnp.minimum(sampling.num_speculative_tokens, sc.k), state.draft_state
-    new_drafts, q_new, draft_state, a = propose(
+    new_drafts, q_new, draft_state, z = propose(
         sc, params, state.draft_state, page_table, prompt, real, sampling, lengths + 1
     )
     new_drafts, count = _proposed(sc, new_drafts, sampling.num_speculative_tokens, first)
     drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
-    return drafts, q, conf if a is None else _room(conf, a), count, draft_state
+    return drafts, q, conf if z is None else _room(conf, z), count, draft_state
 
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
@@ -561,11 +560,11 @@ def _commit_and_draft(
         positions = seq[:, None] + jnp.arange(k1, dtype=jnp.int32)
         valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
         committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
-        new_drafts, new_q, draft_state, a = propose(
+        new_drafts, new_q, draft_state, z = propose(
             sc, params, draft_state, state.page_table, committed, state.active, state.sampling, new_seq + 1
         )
-        if a is not None:
-            conf = jnp.where(state.active[:, None], _room(conf, a), conf)
+        if z is not None:
+            conf = jnp.where(state.active[:, None], _room(conf, z), conf)
         new_drafts, count = _proposed(sc, new_drafts, state.sampling.num_speculative_tokens, new_next)
         drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)
         num_drafts = jnp.where(state.active, count, num_drafts)
@@ -725,7 +724,7 @@ def _at_width(params: dict, state: DecodeState, sc: StepConfig, verified: Callab
     b = state.seq_len.shape[0]
     if sc.schedule is not None:  # the width the confidences and the measured speeds pick
         if width is None:
-            cap, a = jnp.minimum(state.num_drafts, sc.k), state.draft_conf[:, : sc.k]
+            cap, a = jnp.minimum(state.num_drafts, sc.k), cumulative(state.draft_conf[:, : sc.k])
             width = choose_width(a, cap, state.active, sc.schedule, not sc.schedule_global)
         branches = [functools.partial(verified, w) for w in range(sc.k + 1)]
         return one_of(width - 1, branches, params, state, _blank(b, sc))

@@ -297,6 +297,45 @@ def test_greedy_speculation_is_lossless(models, name):
         check_per_request_k(model, "dspark", PROMPTS, plain.tokens)
 
 
+@pytest.mark.parametrize("name", ["a", "r"])
+def test_each_step_reports_the_confidences_of_the_drafts_it_verified(models, name):
+    """``on_verified`` (the calibration's rollouts): after each step, the confidence logits of the
+    drafts it verified are the draft's own at that block (the teacher-forced ones over the final
+    text, as far as its drafts were accepted: their previous tokens are then the text's), and the
+    verified and accepted counts add up to the run's statistics. Draft "r" is calibrated: its logits
+    come divided by their temperatures."""
+    model = models[name]
+    k = model.draft_config.block_size
+    records = []
+    prompt = PROMPTS[1]
+    out = model.generate(
+        [prompt],
+        max_new_tokens=14,
+        ignore_eos=True,
+        draft="dspark",
+        num_speculative_tokens=k,
+        on_verified=lambda z, v, a: records.append((z.copy(), v.copy(), a.copy())),
+    )
+    text = prompt + out.tokens[0]
+    _, conf = _teacher_forced(model, np.array([text]))
+    conf = np.asarray(conf)[0]
+    s, compared = len(prompt), 0
+    for z, verified, accepted in records:
+        assert z.shape == (1, k) and 0 <= accepted[0] <= verified[0] <= k
+        upto = min(int(accepted[0]) + 1, int(verified[0]), len(text) - s)
+        np.testing.assert_allclose(z[0, :upto], conf[s, :upto], rtol=1e-4, atol=1e-5)
+        compared += upto
+        s += int(accepted[0]) + 1
+    assert compared > len(records)  # some steps compared more than their first draft
+    assert sum(int(a[0]) for _, _, a in records) == out.stats["num_accepted_tokens"] > 0
+    assert sum(int(v[0]) for _, v, _ in records) == out.stats["num_draft_tokens"]
+
+
+def test_confidences_are_reported_only_by_a_draft_that_has_them(models):
+    with pytest.raises(InvalidRequestError, match="on_verified needs a draft that estimates its confidence"):
+        models["0"].generate(PROMPTS[:1], max_new_tokens=4, draft="dspark", on_verified=print)
+
+
 def test_on_deepseek_v3(target, tmp_path):
     """The same draft class on the MLA + MoE target: loaded against its embedding and head, greedy
     speculation lossless and accepted."""
