@@ -1,0 +1,544 @@
+"""Train a DSpark draft (DeepSpec's block draft with a sequential head and a confidence head) against a
+frozen target, calibrate its confidences on held-out rollouts, and write it in DeepSpec's layout.
+
+    python scripts/train_dspark.py --target checkpoints/tiny-deepseek-v3-stdlib \\
+        --out checkpoints/tiny-deepseek-v3-stdlib-dspark
+    python scripts/train_dspark.py --target DIR --out /tmp/smoke --preset smoke     # seconds
+
+The draft (docs/formats.md, "DSpark drafts"; :mod:`mtp_jax.drafts.dspark`): DFlash's backbone
+(``--layers`` Qwen3-style layers at the target's width over the captured target layer outputs
+``--layer-ids``, -1 the embedding) run once over ``[anchor, MASK x (block - 1)]``, every slot
+predicting a token (the anchor's slot the next one: a block of B gives B drafts), then per slot the
+target's head plus a ``--head`` Markov bias of rank ``--markov-rank`` read from the previous token,
+and a confidence head (``--no-confidence`` leaves it out).
+
+Recipe (DeepSpec's, ../shared/DSPARK.md section 3): ``--anchors`` random anchors per window; each
+block sees the context strictly before its anchor and itself; teacher forcing (slot k's previous
+token the text's own); per slot 0.1 x cross-entropy of the true token + 0.9 x the L1 distance to the
+target's distribution + 1.0 x the confidence head's BCE against the analytic acceptance
+sum(min(p_draft, p_target)), slots weighted exp(-k / ``--decay``)
+(:func:`mtp_jax.drafts.dspark.losses.dspark_losses`). The target, its embedding and head are frozen.
+
+Calibration (paper section 3.2.1): the trained draft runs speculative sampling (temperature 1, the
+whole block) on the first half of the target's held-out prompts (``--acceptance-prompts`` of them
+when given), ``--calibration-seeds`` seeds
+each, recording every step's confidence logits and how many of its drafts were accepted
+(``Model.generate(on_verified=...)``); one temperature per slot is fitted left to right
+(:func:`mtp_jax.drafts.dspark.calibration.fit_temperatures`) and stored in config.json as
+``confidence_temperatures``. The second half measures it: the expected accepted length the
+calibrated confidences give against the observed one, in eval.json and the card.
+
+Everything else (optimizer, resumable orbax state, ``--export-every``, the target cache, the
+progress line, the shipped checkpoint with eval.json and a card) is :mod:`train_eagle3`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import target_cache  # noqa: E402
+from train_dflash import PAD, anchors_for  # noqa: E402
+from train_dflash import draft_config as dflash_draft_config  # noqa: E402
+from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
+    acceptance_setup,
+    add_run_arguments,
+    attach_target_cache,
+    bf16_rounded,
+    data_sentence,
+    own_text_clause,
+    report_for,
+    run_training,
+    ship,
+    start_run,
+    usage_line,
+)
+from train_tiny import make_optimizer, rewrite_card  # noqa: E402
+
+import mtp_jax  # noqa: E402
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
+from mtp_jax.config import ModelConfig  # noqa: E402
+from mtp_jax.drafts.dflash.config import dflash_default_layers, parse_dflash_config  # noqa: E402
+from mtp_jax.drafts.dflash.draft import block_forward, context_rows  # noqa: E402
+from mtp_jax.drafts.dspark.calibration import (  # noqa: E402
+    expected_calibration_error,
+    fit_temperatures,
+    prefix_labels,
+)
+from mtp_jax.drafts.dspark.checkpoint import (  # noqa: E402
+    dspark_config_dict,
+    dspark_hub_tensors_from_params,
+    load_dspark,
+)
+from mtp_jax.drafts.dspark.config import HEAD_TYPES, DSparkConfig  # noqa: E402
+from mtp_jax.drafts.dspark.draft import GROUP, dspark_features  # noqa: E402
+from mtp_jax.drafts.dspark.heads import teacher_forced_heads  # noqa: E402
+from mtp_jax.drafts.dspark.losses import LossWeights, dspark_losses  # noqa: E402
+from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors  # noqa: E402
+from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
+from mtp_jax.targets import target_for  # noqa: E402
+from mtp_jax.targets.base import head_columns, lm_head  # noqa: E402
+
+CALIBRATION_TOKENS = 64
+"""New tokens per calibration rollout."""
+
+
+def draft_config(
+    target: dict,
+    cfg: ModelConfig,
+    layers: int,
+    layer_ids: list[int],
+    block: int,
+    mask: int,
+    rank: int,
+    head: str,
+    confidence: bool,
+) -> dict:
+    """config.json as DeepSpec writes it: DFlash's backbone for this target (:mod:`train_dflash`)
+    with the DSpark fields."""
+    backbone = parse_dflash_config(dflash_draft_config(target, cfg, layers, [0], block, mask))
+    dcfg = DSparkConfig(
+        backbone=backbone,
+        target_layer_ids=tuple(layer_ids),
+        num_target_layers=cfg.num_hidden_layers,
+        markov_rank=rank,
+        markov_head_type=head,
+        confidence_head=confidence,
+    )
+    return {**dspark_config_dict(dcfg, target), "model_type": "qwen3"}
+
+
+def target_arrays(params: dict, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The target's embedding and head, [V, d] each (what a DeepSpec checkpoint copies)."""
+    embed = np.asarray(jax.device_get(params["embed"]), np.float32)
+    head = np.asarray(jax.device_get(head_columns(params, np.arange(vocab))), np.float32).T
+    return embed, head
+
+
+def init_draft(raw: dict, cfg: ModelConfig, params: dict, seed: int) -> tuple[DSparkConfig, dict]:
+    """HF's default initialisation (DeepSpec's): N(0, 0.02) weights (output projections / sqrt(2 n),
+    as the other drafts here), unit norms, zero biases; built in DeepSpec's layout and read back by
+    the loader."""
+    dcfg = DSparkConfig.from_dict(raw)
+    embed, head = target_arrays(params, cfg.vocab_size)
+    tensors = dspark_hub_tensors(dcfg, embed, head, seed, std=0.02)
+    rng = np.random.default_rng([seed, 3])
+    for name in sorted(tensors):
+        if name.endswith("norm.weight"):
+            tensors[name] = np.ones_like(tensors[name])
+        elif name.endswith(".bias"):
+            tensors[name] = np.zeros_like(tensors[name])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = tensors[name] / math.sqrt(2.0 * dcfg.num_hidden_layers)
+        elif name.startswith(("markov_head.", "confidence_head.")):
+            tensors[name] = (rng.standard_normal(tensors[name].shape) * 0.02).astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "init")
+        write_hub_checkpoint(path, raw, tensors)
+        return load_dspark(CheckpointReader(path), raw, cfg, jnp.float32, strict=True, verbose=False)
+
+
+def draft_losses(
+    tree: dict,
+    params: dict,
+    cfg: ModelConfig,
+    dcfg: DSparkConfig,
+    window: jax.Array,
+    anchors: jax.Array,
+    weights: LossWeights,
+    cached: dict | None = None,
+) -> tuple[jax.Array, dict]:
+    """Windows [b, s + 1] with anchors [b, n] (each <= s - B): the frozen target's features and
+    distributions over the first s tokens, then the n blocks per window in one backbone forward
+    (each over the context before its anchor), the heads teacher-forced. Slot k of the block at a
+    predicts token a + 1 + k against the target's distribution there (row a + k).
+
+    ``cached``: the target's rows from a target cache (features [b, s, F], top_ids / top_logp
+    [b, s, k]) instead of running the target. Returns (loss, aux: the three terms, the mean
+    analytic acceptance, and per slot that acceptance and the agreement with the target's greedy
+    token)."""
+    inputs = window[:, :-1]
+    b, t = inputs.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if cached is None:
+        hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
+        features = jax.lax.stop_gradient(dspark_features(dcfg, hidden))
+        logits = jax.lax.stop_gradient(lm_head(params, hidden.post_norm))  # row r predicts token r + 1
+    else:
+        features = cached["features"]
+    full = {**params, GROUP: tree}
+    bb = dcfg.backbone
+    block_pos = anchors[:, :, None] + jnp.arange(bb.block_size, dtype=jnp.int32)  # [b, n, B]
+    blocks = jnp.full(block_pos.shape, bb.mask_token_id, window.dtype)
+    blocks = blocks.at[:, :, 0].set(jnp.take_along_axis(inputs, anchors, axis=1))
+    visible = positions[:, None, :] < anchors[:, :, None]  # [b, n, t]: the context strictly before
+    h = block_forward(
+        full, bb, blocks, block_pos, context_rows(full, bb, features, GROUP), positions, visible, GROUP
+    )
+    flat = block_pos.reshape(b, -1)
+    prev = jnp.take_along_axis(window, flat, axis=1).reshape(block_pos.shape)  # slot k reads token a + k
+    labels = jnp.take_along_axis(window, flat + 1, axis=1).reshape(block_pos.shape)
+    draft_logits, conf = teacher_forced_heads(tree, dcfg, h, lm_head(params, h), prev)
+    if cached is None:
+        teacher = jnp.take_along_axis(logits, flat[..., None], axis=1).reshape(*block_pos.shape, -1)
+        target_logp = jax.nn.log_softmax(teacher.astype(jnp.float32), axis=-1)
+        greedy = jnp.argmax(teacher, -1)
+    else:
+        top = [jnp.take_along_axis(cached[k], flat[..., None], axis=1) for k in ("top_ids", "top_logp")]
+        teacher = target_cache.top_k_teacher(
+            *(x.reshape(*block_pos.shape, -1) for x in top), None, cfg.vocab_size
+        )
+        target_logp, greedy = jnp.log(teacher["probs"]), teacher["greedy"]
+    out = dspark_losses(draft_logits, target_logp, labels, jnp.ones(labels.shape, bool), conf, weights)
+    p_d, p_t = jax.nn.softmax(draft_logits, -1), jnp.exp(target_logp)
+    out["level_acceptance"] = jnp.minimum(p_d, p_t).sum(-1).mean((0, 1))
+    out["level_agreement"] = (jnp.argmax(draft_logits, -1) == greedy).mean((0, 1))
+    return out["loss"], out
+
+
+def evaluate(
+    tree, params, cfg, dcfg, stream: np.ndarray, length: int, count: int, anchors: int, weights
+) -> dict:
+    """Mean held-out numbers over ``count`` fixed, evenly spaced windows with fixed anchors."""
+    starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
+    windows = np.stack([stream[s : s + length] for s in starts])
+    fn = jax.jit(lambda t, w, a, p: draft_losses(t, p, cfg, dcfg, w, a, weights)[1])
+    totals: dict[str, np.ndarray] = {}
+    for i in range(0, count, 8):
+        w = windows[i : i + 8]
+        a = anchors_for(0, i, len(w), anchors, length - 1, dcfg.block_size)
+        aux = fn(tree, jnp.asarray(w), jnp.asarray(a), params)
+        for key, value in aux.items():
+            totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64) * len(w)
+    return {k: (v / count).tolist() for k, v in totals.items()}
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """Speculative steps recorded through ``generate(on_verified=...)``: each step's confidence
+    logits [n, K] (as the draft gives them), drafts verified [n] and accepted [n]."""
+
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    verified: list[np.ndarray] = dataclasses.field(default_factory=list)
+    accepted: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+    def record(self, logits: np.ndarray, verified: np.ndarray, accepted: np.ndarray) -> None:
+        self.logits.append(np.asarray(logits, np.float64))
+        self.verified.append(np.asarray(verified))
+        self.accepted.append(np.asarray(accepted))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(np.concatenate(x) for x in (self.logits, self.verified, self.accepted))
+
+
+def record_rollouts(
+    target: str, draft: str, prompts: list[list[int]], seeds: int, new_tokens: int
+) -> Rollouts:
+    """Speculative sampling (temperature 1, the whole block verified) of every prompt with ``seeds``
+    seeds each, the draft at ``draft`` loaded beside ``target``; every step recorded."""
+    model = mtp_jax.load(target, "float32", draft_model=draft)
+    rollouts = Rollouts()
+    batch = [p for p in prompts for _ in range(seeds)]
+    model.generate(
+        batch,
+        max_new_tokens=new_tokens,
+        temperature=1.0,
+        seed=list(range(len(batch))),
+        draft="dspark",
+        draft_sampling="sampled",
+        max_batch=16,
+        on_verified=rollouts.record,
+    )
+    return rollouts
+
+
+def calibration_report(logits: np.ndarray, verified: np.ndarray, accepted: np.ndarray, temps) -> dict:
+    """On recorded steps: the ECE of each slot's cumulative confidence against its prefix label
+    (under the temperatures ``temps``, None: uncalibrated), and the mean accepted drafts per step
+    the confidences expect (sum over the verified drafts of the running products) against the
+    observed mean."""
+    slots = logits.shape[1]
+    scaled = logits if temps is None else logits / np.asarray(temps[:slots])[None, :]
+    a = np.cumprod(1 / (1 + np.exp(-scaled)), axis=1)
+    labels, observed = prefix_labels(accepted, verified, slots)
+    ece = [expected_calibration_error(a[observed[:, k], k], labels[observed[:, k], k]) for k in range(slots)]
+    expected = float(np.sum(np.where(observed, a, 0.0)) / len(a))
+    return {
+        "steps": int(len(a)),
+        "ece_per_slot": [round(e, 4) for e in ece],
+        "expected_accepted_per_step": round(expected, 4),
+        "observed_accepted_per_step": round(float(np.mean(accepted)), 4),
+    }
+
+
+def calibrate(run, raw: dict, tensors: dict, seeds: int, new_tokens: int) -> tuple[dict, dict]:
+    """Fit the temperatures on rollouts of the first half of the held-out prompts and measure them on
+    the second half. Returns (config.json with ``confidence_temperatures``, the report)."""
+    texts = run.target_eval.get("prompts", [])[: run.args.acceptance_prompts]
+    prompts = [run.encode_prompt(t) for t in texts]
+    if len(prompts) < 2:
+        raise SystemExit("calibration needs at least two held-out prompts in the target's eval.json")
+    fit, check = prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "uncalibrated")
+        write_hub_checkpoint(path, raw, tensors)
+        fitted = record_rollouts(run.args.target, path, fit, seeds, new_tokens).arrays()
+        held = record_rollouts(run.args.target, path, check, seeds, new_tokens).arrays()
+    labels, observed = prefix_labels(fitted[2], fitted[1], fitted[0].shape[1])
+    temps = fit_temperatures(fitted[0], labels, observed)
+    block = raw["block_size"]
+    temps = tuple(temps) + (1.0,) * (block - len(temps))
+    report = {
+        "seeds_per_prompt": seeds,
+        "new_tokens": new_tokens,
+        "temperatures": [round(t, 4) for t in temps],
+        "fit": {"prompts": len(fit), **calibration_report(*fitted, temps)},
+        "heldout_uncalibrated": {"prompts": len(check), **calibration_report(*held, None)},
+        "heldout": {"prompts": len(check), **calibration_report(*held, temps)},
+    }
+    h = report["heldout"]
+    print(
+        f"calibration: temperatures {report['temperatures']}; held-out expected "
+        f"{h['expected_accepted_per_step']:.3f} against observed {h['observed_accepted_per_step']:.3f} "
+        f"accepted drafts per step ({h['steps']} steps)",
+        file=sys.stderr,
+    )
+    return {**raw, "confidence_temperatures": list(temps)}, report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_run_arguments(parser)
+    parser.add_argument("--layers", type=int, default=2, help="draft decoder layers")
+    parser.add_argument(
+        "--layer-ids",
+        type=int,
+        nargs="+",
+        help="captured target layer OUTPUTS, -1 the embedding (default: DFlash's choice for --layers)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=7, help="drafts per block (the anchor's slot first)"
+    )
+    parser.add_argument("--anchors", type=int, default=16, help="anchored blocks per training window")
+    parser.add_argument("--markov-rank", type=int, default=256, help="the sequential head's rank (0: none)")
+    parser.add_argument("--head", default="vanilla", choices=HEAD_TYPES, help="the sequential head")
+    parser.add_argument(
+        "--no-confidence", action="store_true", help="no confidence head (and no calibration)"
+    )
+    parser.add_argument("--decay", type=float, default=4.0, help="slot k weighted exp(-k/DECAY)")
+    parser.add_argument("--ce-weight", type=float, default=0.1)
+    parser.add_argument("--l1-weight", type=float, default=0.9)
+    parser.add_argument("--confidence-weight", type=float, default=1.0)
+    parser.add_argument("--calibration-seeds", type=int, default=8, help="rollouts per held-out prompt")
+    parser.add_argument("--mask-token-id", type=int, help="the mask token (default as train_dflash.py's)")
+    args = parser.parse_args()
+    if args.card:
+        rewrite_card(args.card, card)
+        return 0
+    if args.layers < 1 or args.block_size < 2 or args.anchors < 1 or args.decay <= 0:
+        parser.error("--layers and --anchors must be >= 1, --block-size >= 2, --decay > 0")
+    if args.markov_rank < 0 or args.calibration_seeds < 1:
+        parser.error("--markov-rank must be >= 0 and --calibration-seeds >= 1")
+    if args.preset == "smoke":
+        args.anchors, args.block_size = min(args.anchors, 4), min(args.block_size, 4)
+        args.markov_rank, args.calibration_seeds = min(args.markov_rank, 8), min(args.calibration_seeds, 2)
+
+    def check(cfg: ModelConfig, data: str) -> None:
+        layer_ids = args.layer_ids or list(dflash_default_layers(cfg.num_hidden_layers, args.layers))
+        if any(not -1 <= i < cfg.num_hidden_layers - 1 for i in layer_ids):
+            parser.error(
+                f"--layer-ids {layer_ids}: the target's layers run -1 (the embedding) .. "
+                f"{cfg.num_hidden_layers - 2} (the last layer's output is not a feature)"
+            )
+        if args.seq <= args.block_size:
+            parser.error(f"--seq {args.seq} is not longer than a block of {args.block_size}")
+        if args.mask_token_id is None:
+            args.mask_token_id = 0 if data == "chat" else PAD  # chat conversations never contain id 0
+        if not 0 <= args.mask_token_id < cfg.vocab_size:
+            parser.error(f"--mask-token-id {args.mask_token_id} is not a token id of the target")
+
+    run = start_run(args, parser, check)
+    cfg, params = run.cfg, run.params
+    layer_ids = args.layer_ids or list(dflash_default_layers(cfg.num_hidden_layers, args.layers))
+    raw = draft_config(
+        run.target_raw,
+        cfg,
+        args.layers,
+        layer_ids,
+        args.block_size,
+        args.mask_token_id,
+        args.markov_rank,
+        args.head,
+        not args.no_confidence,
+    )
+    dcfg, tree = init_draft(raw, cfg, params, args.seed)
+    weights = LossWeights(args.ce_weight, args.l1_weight, args.confidence_weight, args.decay)
+    n_params = sum(x.size for x in jax.tree.leaves(tree))
+    optimizer = make_optimizer(args, tree)
+    attach_target_cache(run, dcfg.capture, lambda hidden: dspark_features(dcfg, hidden), "DSpark")
+
+    @jax.jit
+    def update(state: dict, batch: dict, anchors: jax.Array, target: dict) -> tuple[dict, dict]:
+        cached = {k: v for k, v in batch.items() if k != "window"} or None
+
+        def objective(t: dict) -> tuple[jax.Array, dict]:
+            return draft_losses(t, target, cfg, dcfg, batch["window"], anchors, weights, cached)
+
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(state["draft"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["draft"])
+        return {
+            "draft": optax.apply_updates(state["draft"], updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+        }, aux
+
+    def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
+        step = int(state["step"])  # a step's anchors come from (seed, step): a resumed run redraws them
+        b, length = batch["window"].shape
+        anchors = anchors_for(args.seed, step, b, args.anchors, length - 1, args.block_size)
+        return update(state, batch, jnp.asarray(anchors), params)
+
+    head = f"a {args.head} head of rank {args.markov_rank}" if args.markov_rank else "no sequential head"
+    print(
+        f"draft: DSpark for {cfg.model_type}, {args.layers} layers, {head}, "
+        f"{'a confidence head' if dcfg.confidence_head else 'no confidence head'}, {n_params / 1e6:.2f}M "
+        f"parameters, target layer outputs {layer_ids}, block {args.block_size}, {args.anchors} anchors a "
+        f"window; {args.steps} steps x {args.batch} x {args.seq} tokens, own text {run.own}/{args.batch}",
+        file=sys.stderr,
+    )
+    state = {"draft": tree, "opt_state": optimizer.init(tree), "step": jnp.zeros((), jnp.int32)}
+
+    def export(st: dict) -> dict:
+        return dspark_hub_tensors_from_params(st["draft"], dcfg, params, ml_dtypes.bfloat16)
+
+    def load(reader: CheckpointReader, raw: dict) -> dict:
+        return load_dspark(reader, raw, cfg, jnp.float32, strict=True, verbose=False)[1]
+
+    done = run_training(run, state, train_step, "dspark", raw=raw, export=export, load=load)
+    if done is None:
+        return 0
+    state, start, seconds = done
+    tensors = export(state)
+    held = evaluate(
+        bf16_rounded(state["draft"]),
+        params,
+        cfg,
+        dcfg,
+        run.held_stream,
+        run.length,
+        args.eval_windows,
+        args.anchors,
+        weights,
+    )
+    calibration = None
+    if dcfg.confidence_head:
+        new_tokens = 16 if args.preset == "smoke" else CALIBRATION_TOKENS
+        raw, calibration = calibrate(run, raw, tensors, args.calibration_seeds, new_tokens)
+    draft = {
+        "layers": args.layers,
+        "layer_ids": layer_ids,
+        "block_size": args.block_size,
+        "markov_rank": args.markov_rank,
+        "head": args.head,
+        "confidence_head": dcfg.confidence_head,
+        "parameters": int(n_params),
+    }
+    training = {"anchors": args.anchors, "loss_weights": dataclasses.asdict(weights)}
+    report = report_for(run, draft, training, held, start, seconds)
+    if calibration is not None:
+        report["calibration"] = calibration
+    ship(run, raw, tensors, report, "dspark", card)
+    return 0
+
+
+def card(raw: dict, r: dict) -> str:
+    d, t, h, dr = r["data"], r["training"], r["heldout"], r["draft"]
+    note = f" ({t['note']})" if t.get("note") else ""
+    slots = " / ".join(str(j + 1) for j in range(len(h["level_agreement"])))
+    agree = " / ".join(f"{a:.3f}" for a in h["level_agreement"])
+    accept = " / ".join(f"{a:.3f}" for a in h["level_acceptance"])
+    acc, mtp = r.get("acceptance", {}), r.get("mtp_acceptance", {})
+    lines = "\n".join(f"| {k} | {v:.2f} | {f'{mtp[k]:.2f}' if k in mtp else '-'} |" for k, v in acc.items())
+    w = t["loss_weights"]
+    head = (
+        f"a {dr['head']} Markov head of rank {dr['markov_rank']} (the previous token's bias on each slot's "
+        "logits)"
+        if dr["markov_rank"]
+        else "no sequential head"
+    )
+    calibration = "No confidence head."
+    c = r.get("calibration")
+    if c is not None:
+        hh, hu = c["heldout"], c["heldout_uncalibrated"]
+        temps = ", ".join(f"{x:g}" for x in c["temperatures"])
+        ece = {name: " / ".join(f"{e:.3f}" for e in x["ece_per_slot"]) for name, x in (("u", hu), ("c", hh))}
+        seen = hh["observed_accepted_per_step"]
+        expected = f"{hu['expected_accepted_per_step']:.3f} | {hh['expected_accepted_per_step']:.3f}"
+        calibration = f"""Sequential temperature scaling on speculative-sampling rollouts (temperature 1, the
+whole block, {c["seeds_per_prompt"]} seeds x {c["new_tokens"]} new tokens per prompt): fitted on
+{c["fit"]["prompts"]} held-out prompts ({c["fit"]["steps"]} steps), measured on the other
+{hh["prompts"]} ({hh["steps"]} steps). Temperatures per slot: {temps}.
+
+| on the measuring prompts | uncalibrated | calibrated |
+|---|---|---|
+| ECE of the cumulative confidence, per slot | {ece["u"]} | {ece["c"]} |
+| expected accepted drafts per step (observed {seen:.3f}) | {expected} |"""
+    return f"""# DSpark draft for `{r["target"]}`
+
+A DSpark draft for the `{r["target"]}` target of mtp-jax, written by `scripts/train_dspark.py`:
+{dr["layers"]} Qwen3-style decoder layers ({raw["num_attention_heads"]} heads, {raw["num_key_value_heads"]} KV
+heads, q/k norms) over target layer outputs {dr["layer_ids"]} (-1: the embedding), run once over
+`[anchor, MASK x {dr["block_size"] - 1}]`; every slot's logits are the target's head plus {head},
+sampled left to right, so one forward proposes up to {dr["block_size"]} drafts;
+{"a confidence head" if dr["confidence_head"] else "no confidence head"}. {dr["parameters"] / 1e6:.2f}M
+parameters of its own (the target's embedding and head are used, and copied into the checkpoint as
+DeepSpec's layout has them). DeepSpec's layout (`Qwen3DSparkModel`), bf16.
+
+{usage_line(r, "dspark")}
+
+## Training
+{data_sentence(d)} {t["steps"]} steps of {t["batch"]} x {t["seq"]} tokens, AdamW (lr {t["lr"]},
+warm-up {t["warmup"]}, cosine decay), seed {t["seed"]}; {t["anchors"]} random anchors per window, each
+block over the context before its anchor and bidirectional within itself, teacher-forced heads;
+per slot {w["ce"]:g} x cross-entropy + {w["l1"]:g} x L1 distance to the target's distribution +
+{w["confidence"]:g} x the confidence BCE against sum(min(p_draft, p_target)), slot k weighted
+exp(-k/{w["decay"]:g}){own_text_clause(d, t)}. The target is frozen.
+{t["batch"] * t["seq"] * t["steps"]:,} tokens trained.
+{t["seconds"] / 60:.1f} minutes on {t["machine"]}{note}. The command (resumable):
+
+    {t["command"]}
+
+## Held-out results (the shipped bf16 weights)
+| block slot | {slots} |
+|---|---|
+| agreement with the target's greedy token | {agree} |
+| analytic acceptance sum(min(p_draft, p_target)), teacher-forced | {accept} |
+
+Greedy acceptance length (tokens per step; {acceptance_setup(r)}):
+
+| K | DSpark | the target's own MTP |
+|---|---|---|
+{lines}
+
+## Calibration
+{calibration}
+
+Speed against plain decoding and the other drafts is in the repository's BENCHMARKS.md.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

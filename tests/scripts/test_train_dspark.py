@@ -1,0 +1,193 @@
+"""scripts/train_dspark.py: a smoke run against the embedded Llama target, stopped and resumed from
+its exported draft, calibrated and shipped in DeepSpec's layout; its loss against the draft's own
+teacher-forced blocks; its calibration report; its argument checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from tests.conftest import EMBEDDED_MODEL, REPO
+from tests.scripts.test_train_tiny import finish, import_script
+
+SCRIPT = os.path.join(REPO, "scripts", "train_dspark.py")
+LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
+SMOKE = ["--target", LLAMA, "--preset", "smoke", "--steps", "4", "--save-every", "2", "--acceptance-k", "2"]
+
+
+def start(out, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, SCRIPT, "--out", str(out), *SMOKE, *extra]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.spawns
+def test_smoke_run_resumes_from_its_exported_draft_and_ships_a_calibrated_draft(tmp_path):
+    """Stopped after exporting its draft (--export-every) with its orbax state then lost (another
+    machine), the run goes on from OUT.partial, calibrates the confidences on held-out rollouts and
+    writes a draft in DeepSpec's layout that loads strictly and speculates losslessly."""
+    out, partial = tmp_path / "draft", tmp_path / "draft.partial"
+    first = finish(start(out, "--stop-after", "2", "--export-every", "2"))
+    assert first.returncode == 0, first.stderr
+    assert not out.exists() and "rerun the same command to resume" in first.stderr
+    assert json.loads((partial / "progress.json").read_text())["step"] == 2
+    shutil.rmtree(tmp_path / "draft.train")
+    second = finish(start(out, "--export-every", "2"))
+    assert second.returncode == 0, second.stderr
+    assert "starting from the draft at step 2" in second.stderr and "step 4/4" in second.stderr
+    assert "calibration: temperatures" in second.stderr
+    assert sorted(os.listdir(tmp_path)) == ["draft"]  # the training state and the partial cleaned up
+
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["block_size"] == 4
+    assert raw["markov_rank"] == 8 and raw["markov_head_type"] == "vanilla" and raw["enable_confidence_head"]
+    temps = raw["confidence_temperatures"]
+    assert len(temps) == 4 and all(t > 0 for t in temps)
+    keys = set(CheckpointReader(str(out)).keys())
+    assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight", "lm_head.weight"} <= keys
+    report = json.loads((out / "eval.json").read_text())
+    c = report["calibration"]
+    assert c["fit"]["prompts"] == 4 and c["heldout"]["prompts"] == 4 and c["heldout"]["steps"] > 0
+    assert len(c["heldout"]["ece_per_slot"]) == 4 and set(report["acceptance"]) == {"2"}
+    assert len(report["heldout"]["level_acceptance"]) == 4
+    card = (out / "README.md").read_text()
+    assert "DSpark draft for `tiny-llama3-stdlib`" in card and "Sequential temperature scaling" in card
+
+    model = mtp_jax.load(LLAMA, "float32", strict=True, draft_model=str(out))
+    assert model.draft_config.confidence_temperatures == tuple(temps)
+    prompt = [[0, 5, 9, 17, 3, 40]]
+    plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    spec = model.generate(prompt, max_new_tokens=8, ignore_eos=True, draft="dspark", num_speculative_tokens=4)
+    assert spec.tokens == plain.tokens
+
+
+def load_script():
+    return import_script(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def small_draft():
+    """A random DSpark draft the script builds for the embedded Llama target (its Markov and
+    confidence heads drawn larger than at initialisation, so that they matter)."""
+    from mtp_jax.config import parse_config
+
+    script = load_script()  # puts scripts/ on the path
+    with open(os.path.join(LLAMA, "config.json")) as f:
+        target_raw = json.load(f)
+    cfg = parse_config(target_raw)
+    params = sys.modules["train_tiny"].load_params(LLAMA, cfg)
+    raw = script.draft_config(target_raw, cfg, 1, [-1, 1], 4, 2, 8, "rnn", True)
+    dcfg, tree = script.init_draft(raw, cfg, params, seed=1)
+    rng = np.random.default_rng(0)
+    tree = jax.tree.map(lambda x: x + 0.3 * rng.standard_normal(x.shape).astype(np.float32), tree)
+    return script, cfg, params, dcfg, tree
+
+
+def test_the_loss_is_deepspecs_over_the_drafts_own_teacher_forced_blocks(small_draft):
+    """The training loss at sampled anchors equals :func:`dspark_losses` over the draft's own
+    teacher-forced blocks (every anchor of the sequence at once, the draft's implementation checked
+    against the paper's equations in tests/drafts/test_dspark.py) gathered at those anchors, against
+    the target's next-token distributions: slot k of the block at anchor a reads token a + k and
+    predicts token a + 1 + k."""
+    from mtp_jax.drafts.dspark.draft import dspark_features, teacher_forced_block
+    from mtp_jax.drafts.dspark.losses import LossWeights, dspark_losses
+    from mtp_jax.targets import target_for
+    from mtp_jax.targets.base import lm_head
+
+    script, cfg, params, dcfg, tree = small_draft
+    rng = np.random.default_rng(1)
+    window = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 25)), jnp.int32)
+    anchors = jnp.asarray(np.sort(rng.integers(0, 24 - 4 + 1, (2, 5)), axis=1), jnp.int32)
+    weights = LossWeights(0.3, 0.6, 0.8, 2.0)
+    fn = jax.jit(lambda t, w, a: script.draft_losses(t, params, cfg, dcfg, w, a, weights)[1])
+    got = fn(tree, window, anchors)
+
+    inputs = window[:, :-1]
+    positions = jnp.broadcast_to(jnp.arange(24), inputs.shape)
+    hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
+    logits, conf = teacher_forced_block(
+        {**params, "dspark": tree}, dcfg, inputs, dspark_features(dcfg, hidden)
+    )
+    target = lm_head(params, hidden.post_norm)  # [b, T, V]
+    rows = np.asarray(anchors)[..., None] + np.arange(4)  # [b, n, B]
+    b = np.arange(2)[:, None]
+    labels = np.asarray(window)[b[..., None], rows + 1]
+    want = dspark_losses(
+        np.asarray(logits)[b, np.asarray(anchors)],
+        np.asarray(target)[b[..., None], rows],
+        labels,
+        np.ones(labels.shape, bool),
+        np.asarray(conf)[b, np.asarray(anchors)],
+        weights,
+    )
+    for key in ("loss", "ce", "l1", "confidence", "acceptance"):
+        np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=2e-5, err_msg=key)
+    assert float(got["confidence"]) > 0 and len(got["level_acceptance"]) == 4
+    # not vacuous: one position off (the block at a reading the target's row a - 1) is far away
+    shifted = dspark_losses(
+        np.asarray(logits)[b, np.asarray(anchors)],
+        np.asarray(target)[b[..., None], np.maximum(rows - 1, 0)],
+        labels,
+        np.ones(labels.shape, bool),
+        np.asarray(conf)[b, np.asarray(anchors)],
+        weights,
+    )
+    assert abs(float(shifted["l1"]) - float(got["l1"])) > 1e-2
+
+
+def test_the_calibration_report_measures_expected_against_observed():
+    """Expected accepted drafts per step = the sum over verified drafts of the running products of
+    sigmoid(z / T); a temperature that makes every confidence 1 expects every verified draft."""
+    script = load_script()
+    logits = np.array([[0.0, 0.0], [2.0, -1.0], [50.0, 50.0]])
+    verified, accepted = np.array([2, 1, 2]), np.array([1, 0, 2])
+    r = script.calibration_report(logits, verified, accepted, None)
+    s = 1 / (1 + np.exp(-logits))
+    want = (s[0, 0] + s[0, 0] * s[0, 1] + s[1, 0] + s[2, 0] + s[2, 0] * s[2, 1]) / 3
+    assert r["steps"] == 3 and r["expected_accepted_per_step"] == pytest.approx(want, abs=1e-4)
+    assert r["observed_accepted_per_step"] == pytest.approx(1.0)
+    cooler = script.calibration_report(logits, verified, accepted, (0.5, 2.0))
+    assert cooler["expected_accepted_per_step"] != r["expected_accepted_per_step"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--layer-ids", "0", "5"], "the target's layers run -1 (the embedding) .. 4"),
+        (["--block-size", "1"], "--block-size >= 2"),
+        (["--markov-rank", "-1"], "--markov-rank must be >= 0"),
+        (["--seq", "4", "--block-size", "4"], "--seq 4 is not longer than a block of 4"),
+    ],
+)
+def test_arguments_are_checked(tmp_path, monkeypatch, capsys, extra, message):
+    argv = ["train_dspark.py", "--target", LLAMA, "--out", str(tmp_path / "out"), *extra]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        load_script().main()
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_draft_it_builds_for_a_deepseek_target_loads():
+    from mtp_jax.config import parse_config
+
+    script = load_script()
+    with open(os.path.join(EMBEDDED_MODEL, "config.json")) as f:
+        target_raw = json.load(f)
+    cfg = parse_config(target_raw)
+    raw = script.draft_config(target_raw, cfg, 2, [0, 6], 7, 2, 16, "gated", True)
+    params = sys.modules["train_tiny"].load_params(EMBEDDED_MODEL, cfg)
+    dcfg, tree = script.init_draft(raw, cfg, params, seed=0)
+    assert raw["model_type"] == "qwen3" and dcfg.capture == (0, 6) and dcfg.block_size == 7
+    assert tree["markov"]["w1"].shape == (cfg.vocab_size, 16) and "gate" in tree["markov"]
+    np.testing.assert_array_equal(np.asarray(tree["norm"]), 1.0)
