@@ -78,15 +78,20 @@ class SpecCounters:
     steps (verification steps), num_drafts (steps that verified at least one draft),
     num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos[j] (steps that accepted
     draft j, 0-based: with a token tree, a node of depth j + 1); steps_per_verified_drafts[n]: steps
-    that verified n drafts (the lengths a confidence schedule chose, or the caps)."""
+    that verified n drafts (the lengths a confidence schedule chose, or the caps);
+    expected_accepted_tokens: with a draft that estimates its confidence, the accepted drafts its
+    calibrated confidences expected (the sum over verified drafts of their running products: set
+    against num_accepted_tokens, the calibration's check)."""
 
     def __init__(self, k: int) -> None:
         self.steps = self.emitted = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.per_pos = np.zeros(k, np.int64)
         self.per_length = np.zeros(k + 1, np.int64)
+        self.expected = 0.0
 
-    def add(self, drafted: int, emitted: int) -> None:
+    def add(self, drafted: int, emitted: int, expected: float = 0.0) -> None:
         self.steps += 1
+        self.expected += expected
         self.per_length[min(drafted, len(self.per_length) - 1)] += 1
         self.emitted += emitted
         self.num_drafts += drafted > 0
@@ -106,6 +111,7 @@ class SpecCounters:
             "steps_per_verified_drafts": self.per_length.tolist(),
             "acceptance_rate_per_position": [float(x) / steps for x in self.per_pos],
             "draft_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+            "expected_accepted_tokens": self.expected,
         }
 
 
@@ -248,8 +254,8 @@ class Scheduler:
     them all. ``on_verified(confidence_logits [n, K], verified [n], accepted [n])``, with a draft
     that estimates its confidence, is called after each step for the n rows it advanced: the
     calibrated confidence logits the draft gave the drafts this step verified, how many it verified
-    and how many were accepted (DSpark's calibration rollouts; it reads the confidences before each
-    step, a wait the pipeline otherwise avoids)."""
+    and how many were accepted (DSpark's calibration rollouts). With such a draft the counters also
+    add up the accepted drafts its confidences expected (:class:`SpecCounters`)."""
 
     def __init__(
         self,
@@ -712,16 +718,22 @@ class Scheduler:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         drafted = verified_drafts(drafted, emitted)
         lp, done = None if logprobs is None else jax.tree.map(np.asarray, logprobs), []
+        expected = np.zeros(len(owners))
         if conf is not None:
-            live = [b for b, req in enumerate(owners) if req is not None and not req.finish]
-            accepted = np.minimum(np.maximum(n_emit[live] - 1, 0), drafted[live])
-            self.on_verified(conf[live], drafted[live], accepted)
+            conf = np.asarray(conf, np.float64)
+            a = np.cumprod(1 / (1 + np.exp(-conf)), axis=1)  # mtp_jax.schedule.cumulative, on the host
+            verified = np.arange(1, conf.shape[1] + 1)[None, :] <= drafted[: len(conf), None]
+            expected[: len(conf)] = np.sum(np.where(verified, a, 0.0), axis=1)
+            if self.on_verified is not None:
+                live = [b for b, req in enumerate(owners) if req is not None and not req.finish]
+                accepted = np.minimum(np.maximum(n_emit[live] - 1, 0), drafted[live])
+                self.on_verified(conf[live], drafted[live], accepted)
         for b, req in enumerate(owners):
             if req is None or req.finish:
                 continue
             k = int(n_emit[b])
-            self.counters.add(int(drafted[b]), k)
-            req.counters.add(int(drafted[b]), k)
+            self.counters.add(int(drafted[b]), k, float(expected[b]))
+            req.counters.add(int(drafted[b]), k, float(expected[b]))
             if self._emit(req, emitted[b, :k], _rows_of(lp, (b, slice(0, k)))):
                 done.append(b)
         self._release(done)
@@ -779,8 +791,9 @@ class Scheduler:
         extra = {"rows": rows} if rows < self.slots else {}
         if self.callback:
             extra["grammar_key"] = self.grammar_key
-        # the confidences of the drafts this step verifies (read before the state is donated to it)
-        conf = None if self.on_verified is None else np.array(self.state.draft_conf[:, : sc_now.k])
+        # the confidences of the drafts this step verifies: a copy taken before the state is donated
+        # to the step (a whole-width slice would be the donated buffer itself), read with its results
+        conf = jnp.copy(self.state.draft_conf[:, : sc_now.k]) if self.sc.confident and sc_now.k else None
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
         emitted, n_emit, self.state, logprobs = self.step_fn(self.params, self.state, sc_now, *args, **extra)

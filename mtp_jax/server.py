@@ -711,6 +711,12 @@ class Server:
             [(f'position="{j}"', v) for j, v in enumerate(st["num_accepted_tokens_per_pos"])],
         )  # fmt: skip
         metric(
+            "mtp_jax:spec_decode_expected_accepted_tokens_total", "counter",
+            "Draft tokens accepted as the draft's calibrated confidences expected (a draft with a "
+            "confidence head; against vllm:spec_decode_num_accepted_tokens_total: the calibration).",
+            [("", st.get("expected_accepted_tokens", 0.0))],
+        )  # fmt: skip
+        metric(
             "mtp_jax:spec_decode_steps_per_verified_drafts_total", "counter", "Row-steps by drafts verified.",
             [(f'drafts="{n}"', v) for n, v in enumerate(st.get("steps_per_verified_drafts", []))],
         )  # fmt: skip

@@ -152,6 +152,9 @@ def test_greedy_speculation_with_the_schedule_is_lossless(dspark_model, capsys):
     assert lengths @ np.arange(5) == middle.stats["num_draft_tokens"]
     assert np.count_nonzero(lengths) >= 2 and fixed.stats["steps_per_verified_drafts"][-1] > 0
     assert middle.stats["num_accepted_tokens"] > 0
+    # the accepted drafts the confidences expected: over the drafts verified only
+    assert 0 < middle.stats["expected_accepted_tokens"] < fixed.stats["expected_accepted_tokens"]
+    assert costly.stats["expected_accepted_tokens"] == 0
     never = {"k": 4, "tables": {"4": [1.0, 0.4, 0.3, 0.2, 0.1]}, "plain": {"4": 1.5}}
     off = model.generate(PROMPTS, **kw, sps_table=never)  # no width could pay: plain decoding
     assert off.tokens == plain.tokens and off.stats["num_speculative_tokens"] == 0

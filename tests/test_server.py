@@ -289,6 +289,7 @@ def test_models_health_metrics_and_unknown_routes(served, client):
     }
     assert samples["vllm:spec_decode_num_draft_tokens_total"] > 0
     assert samples["mtp_jax:warmup_programs_left"] == 0  # no warm-up asked for
+    assert samples["mtp_jax:spec_decode_expected_accepted_tokens_total"] == 0  # MTP has no confidence head
     assert (
         0
         < samples["vllm:spec_decode_num_accepted_tokens_total"]

@@ -329,6 +329,11 @@ def test_each_step_reports_the_confidences_of_the_drafts_it_verified(models, nam
     assert compared > len(records)  # some steps compared more than their first draft
     assert sum(int(a[0]) for _, _, a in records) == out.stats["num_accepted_tokens"] > 0
     assert sum(int(v[0]) for _, v, _ in records) == out.stats["num_draft_tokens"]
+    # the run's expected accepted drafts: the running products of sigmoid(z) over the verified drafts
+    expected = 0.0
+    for z, verified, _ in records:
+        expected += float(np.sum(np.cumprod(1 / (1 + np.exp(-z[0].astype(np.float64))))[: int(verified[0])]))
+    assert out.stats["expected_accepted_tokens"] == pytest.approx(expected, rel=1e-9) and expected > 0
 
 
 def test_confidences_are_reported_only_by_a_draft_that_has_them(models):
