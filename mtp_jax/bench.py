@@ -127,6 +127,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "(a draft with a confidence head: dspark), for generate/serve --schedule confidence --sps-table",
     )
     parser.add_argument(
+        "--schedule",
+        action="store_true",
+        help="also run each draft with a confidence head (dspark) at every K > 0 under the confidence "
+        "schedule (each step's width picked from its confidences and the steps/s table, measured first: "
+        "written to --sps-table when given)",
+    )
+    parser.add_argument(
         "--auto-k",
         metavar="FILE",
         help="also run each draft with this auto-K table (K up to the largest --k) at every batch size",
@@ -236,10 +243,13 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
         prompts, prompt_note = held_out_prompts(model, None if args.synthetic else path, args)
         triples, trained_blocks = _bench_triples(drafts, owners, args)
+        if args.schedule:  # the speeds the schedule weighs, measured before any configuration runs
+            args.sps_table = args.sps_table or os.path.join(tmp, "sps.json")
+            write_sps_table(args, drafts, owners)
         rows = []
         for batch in args.batch:
             rows += _bench_batch(batch, triples, trained_blocks, drafts, owners, model, prompts, args)
-        if args.sps_table:
+        if args.sps_table and not args.schedule:
             write_sps_table(args, drafts, owners)
     return {
         "model": name,
@@ -260,10 +270,9 @@ def write_sps_table(args: argparse.Namespace, drafts: list[str], owners: dict) -
     width 1..max(--k)+1 for each --batch (:func:`mtp_jax.timing.sps_table`), written to the file."""
     import jax.numpy as jnp
 
-    from mtp_jax.drafts import DRAFTS
     from mtp_jax.timing import sps_table
 
-    confident = [d for d in drafts if DRAFTS[d].confidence and DRAFTS[d].confidence(owners[d].draft_config)]
+    confident = [d for d in drafts if _confident(owners[d], d)]
     if not confident or max(args.k) < 1:
         raise ValueError("--sps-table needs a draft with a confidence head (dspark) and a --k of at least 1")
     model = owners[confident[0]]
@@ -335,15 +344,20 @@ def _bench_batch(
         if block is not None and args.block_size:
             spec["draft_block_size"] = block
         configs.append((owners.get(draft, model), spec))
-        keys.append((draft, k, block, True))
+        keys.append((draft, k, block, "fused"))
         if k and k != "auto" and not args.no_baseline:
             configs.append((owners[draft], {**spec, "fused": False}))
-            keys.append((draft, k, block, False))
+            keys.append((draft, k, block, "host"))
+        if k and k != "auto" and args.schedule and _confident(owners[draft], draft):
+            configs.append((owners[draft], {**spec, "schedule": "confidence", "sps_table": args.sps_table}))
+            keys.append((draft, k, block, "confidence"))
     measured = dict(zip(keys, measure(prompts, args, batch, configs), strict=True))
-    plain = (None, 0, None, True)
+    plain = (None, 0, None, "fused")
     base = measured[plain]["decode_tok_s"] if plain in measured else None
-    for draft, k, block in triples:
-        fused = measured[(draft, k, block, True)]
+    for draft, k, block, mode in keys:
+        if mode == "host":
+            continue
+        fused = measured[(draft, k, block, mode)]
         row = {
             "batch": batch,
             "draft": draft,
@@ -358,11 +372,24 @@ def _bench_batch(
             row["trained_block_size"] = trained_blocks[draft]
         if k == "auto":
             row["auto_k"] = True
-        if (draft, k, block, False) in measured:
-            row["host_orchestrated_tok_s"] = measured[(draft, k, block, False)]["decode_tok_s"]
+        if mode == "confidence":  # the widths the schedule chose: row-steps by drafts verified
+            row["schedule"] = "confidence"
+            row["steps_per_verified_drafts"] = fused["stats"]["steps_per_verified_drafts"]
+            row["expected_accepted_tokens"] = fused["stats"]["expected_accepted_tokens"]
+            row["num_accepted_tokens"] = fused["stats"]["num_accepted_tokens"]
+        if (draft, k, block, "host") in measured:
+            row["host_orchestrated_tok_s"] = measured[(draft, k, block, "host")]["decode_tok_s"]
             row["fused_over_host"] = fused["decode_tok_s"] / row["host_orchestrated_tok_s"]
         rows.append(row)
     return rows
+
+
+def _confident(model, draft: str) -> bool:
+    """Whether ``draft`` (loaded in ``model``) estimates its confidence (DSpark with the head)."""
+    from mtp_jax.drafts import DRAFTS
+
+    d = DRAFTS[draft]
+    return bool(d.confidence and model.draft_config is not None and d.confidence(model.draft_config))
 
 
 def _load_drafted(mtp_jax, path: str, args: argparse.Namespace) -> tuple[object, dict]:
@@ -386,6 +413,8 @@ def label(row: dict) -> str:
     name = row.get("draft") or "plain"
     if row.get("auto_k"):
         return f"{name} (auto K)"
+    if row.get("schedule") == "confidence":
+        name = f"{name}, confidence schedule"
     return f"{name} (block {row['block_size']})" if "block_size" in row else name
 
 

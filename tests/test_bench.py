@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import json
 
+import numpy as np
 import pytest
 
 from mtp_jax.bench import plot
@@ -106,7 +107,9 @@ def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch):
 
 def test_bench_writes_the_speeds_of_the_confidence_scheduled_step(tmp_path, capsys):
     """--sps-table with a DSpark draft: steps/s of the scheduling step at widths 1..K+1 per batch,
-    a file generate reads back; with K equal to the block (DSpark's anchor slot drafts too)."""
+    a file generate reads back; with K equal to the block (DSpark's anchor slot drafts too). With
+    --schedule each K also runs under the confidence schedule on that table, its chosen widths
+    reported."""
     import os
 
     import mtp_jax
@@ -124,11 +127,18 @@ def test_bench_writes_the_speeds_of_the_confidence_scheduled_step(tmp_path, caps
     table, out = tmp_path / "sps.json", tmp_path / "bench.json"
     argv = ["bench", "--model", model, "--draft-model", str(draft), "--batch", "1", "2", "--prompts", "2"]
     argv += ["--new-tokens", "4", "--repeats", "1", "--no-baseline", "--k", "4", "--sps-table", str(table)]
-    assert main([*argv, "--json", str(out)]) == 0
-    assert [(r["draft"], r["k"]) for r in json.loads(out.read_text())["results"]] == [("dspark", 4)] * 2
+    assert main([*argv, "--json", str(out), "--schedule"]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["batch"], r["draft"], r["k"], r.get("schedule")) for r in rows] == [
+        (b, "dspark", 4, s) for b in (1, 2) for s in (None, "confidence")
+    ]
+    for r in rows[1::2]:  # every row-step's verified length counted; its expected acceptance reported
+        lengths = np.asarray(r["steps_per_verified_drafts"])
+        assert len(lengths) == 5 and lengths.sum() > 0 and r["expected_accepted_tokens"] >= 0
+    printed = capsys.readouterr()
+    assert "confidence schedule" in printed.out and "SPS: batch 2, width 5" in printed.err
     sps = SpsTable.load(table)
     assert sps.k == 4 and sorted(sps.tables) == [1, 2] and all(len(r) == 5 for r in sps.tables.values())
     assert sps.meta["draft"] == "dspark"
-    assert "SPS: batch 2, width 5" in capsys.readouterr().err
     assert main(["bench", "--model", model, "--k", "0", "--sps-table", str(table)]) == 2
     assert "needs a draft with a confidence head" in capsys.readouterr().err
