@@ -77,6 +77,7 @@ from mtp_jax.drafts.dspark.calibration import (  # noqa: E402
     prefix_labels,
 )
 from mtp_jax.drafts.dspark.checkpoint import (  # noqa: E402
+    FROZEN,
     dspark_config_dict,
     dspark_hub_tensors_from_params,
     load_dspark,
@@ -427,7 +428,10 @@ def main() -> int:
     def load(reader: CheckpointReader, raw: dict) -> dict:
         return load_dspark(reader, raw, cfg, jnp.float32, strict=True, verbose=False)[1]
 
-    done = run_training(run, state, train_step, "dspark", raw=raw, export=export, load=load)
+    def export_partial(st: dict) -> dict:  # without the target's frozen copies: the loader checks them only
+        return {k: v for k, v in export(st).items() if k not in FROZEN}
+
+    done = run_training(run, state, train_step, "dspark", raw=raw, export=export_partial, load=load)
     if done is None:
         return 0
     state, start, seconds = done

@@ -1,7 +1,7 @@
 """The shipped drafts (checkpoints/*-eagle3 by scripts/train_eagle3.py, checkpoints/*-dflash by
-scripts/train_dflash.py) are what their cards say: published-layout drafts that load strictly
-beside their targets, are accepted often enough that every acceptance length occurs, and leave
-greedy output exactly plain decoding's."""
+scripts/train_dflash.py, checkpoints/*-dspark by scripts/train_dspark.py) are what their cards say:
+published-layout drafts that load strictly beside their targets, are accepted often enough that
+every acceptance length occurs, and leave greedy output exactly plain decoding's."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ CASES = {
     ("deepseek", "eagle3"): [(1, None), (5, None)],
     ("llama", "dflash"): [(1, None), (15, None)],
     ("deepseek", "dflash"): [(1, None), (15, None)],
+    ("deepseek", "dspark"): [(1, None), (7, None)],
 }
 _PLAIN: dict[str, list] = {}
 
@@ -47,8 +48,26 @@ def test_is_a_published_layout_draft(shipped):
     name, method, model, report, _, draft, _ = shipped
     cfg = model.draft_config
     keys = set(CheckpointReader(draft).keys())
-    assert "embed_tokens.weight" not in keys  # the target's embedding is used
-    if method == "eagle3":
+    # the target's embedding is used (DeepSpec's layout stores a frozen copy, checked at load)
+    assert ("embed_tokens.weight" in keys) == (method == "dspark")
+    if method == "dspark":
+        with open(os.path.join(draft, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        assert raw["architectures"] == ["Qwen3DSparkModel"] and cfg.confidence_head
+        assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight", "fc.weight"} <= keys
+        assert (
+            cfg.markov_rank == report["draft"]["markov_rank"]
+            and list(cfg.capture) == report["draft"]["layer_ids"]
+        )
+        # calibrated on rollouts: the temperatures it shipped with are the ones its report fitted
+        assert list(cfg.confidence_temperatures) == pytest.approx(
+            report["calibration"]["temperatures"], abs=1e-4
+        )
+        held = report["calibration"]["heldout"]
+        assert held["expected_accepted_per_step"] == pytest.approx(
+            held["observed_accepted_per_step"], rel=0.05
+        )
+    elif method == "eagle3":
         assert (cfg.mla is not None) == (name == "deepseek")  # the target's attention kind
         assert cfg.draft_vocab_size < cfg.vocab_size and len(set(cfg.capture)) == 3
         assert {"fc.weight", "lm_head.weight", "norm.weight", "d2t", "t2d"} <= keys

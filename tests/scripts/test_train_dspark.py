@@ -41,6 +41,7 @@ def test_smoke_run_resumes_from_its_exported_draft_and_ships_a_calibrated_draft(
     assert first.returncode == 0, first.stderr
     assert not out.exists() and "rerun the same command to resume" in first.stderr
     assert json.loads((partial / "progress.json").read_text())["step"] == 2
+    assert "lm_head.weight" not in CheckpointReader(str(partial)).keys()  # the target's copies: not kept
     shutil.rmtree(tmp_path / "draft.train")
     second = finish(start(out, "--export-every", "2"))
     assert second.returncode == 0, second.stderr
