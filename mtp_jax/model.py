@@ -420,10 +420,7 @@ class Model:
         batching). On a mesh the slots are padded to a multiple of its row devices.
         ``on_token(prompt_index, token)`` streams. ``fused=False`` selects the host-orchestrated
         baseline step and ``pipelined=False`` reads each step before dispatching the next (for
-        benchmarks). ``on_verified(confidence_logits, verified, accepted)``, with a draft that
-        estimates its confidence (DSpark with a confidence head), is called after every step with
-        each advanced request's calibrated confidence logits [n, K], the drafts verified [n] and
-        accepted [n]: the rollouts a calibration is fitted on (``scripts/train_dspark.py``).
+        benchmarks). ``on_verified``: see :class:`mtp_jax.scheduler.Scheduler` (DSpark's rollouts).
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise InvalidRequestError("prompts must be a non-empty list of token-id lists or strings")
@@ -435,16 +432,8 @@ class Model:
             check_request(self, p, r, sc, context=limit, context_name=name, where=f"prompt {i}")
             for i, (p, r) in enumerate(zip(prompts, requests, strict=True))
         ]
-        if on_verified is not None and not sc.confident:
-            raise InvalidRequestError(
-                "on_verified needs a draft that estimates its confidence (a DSpark draft with a confidence "
-                f"head), got draft={sc.draft!r}"
-            )
+        _check_call(sc, max_batch, grammar_masks, on_verified)
         per_batch = batch_controls(self, speculative)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
-        if grammar_masks not in DELIVERIES:
-            raise InvalidRequestError(f"grammar_masks must be one of {DELIVERIES}, got {grammar_masks!r}")
         grammars = [c.params.grammar for c in checked]
         constraints = None
         if any(g is not None for g in grammars):
@@ -798,6 +787,19 @@ def load_draft(
         f"{raw.get('model_type')!r}); supported: {kinds} (EAGLE-3: an 'fc' fusion layer over target "
         "features; DFlash: DFlashDraftModel; a draft model: any checkpoint mtp-jax loads as a target)"
     )
+
+
+def _check_call(sc: StepConfig, max_batch: object, grammar_masks: object, on_verified: object) -> None:
+    """:meth:`Model.generate`'s own arguments, checked (the requests are checked apart)."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise InvalidRequestError(f"max_batch must be a positive integer, got {max_batch!r}")
+    if grammar_masks not in DELIVERIES:
+        raise InvalidRequestError(f"grammar_masks must be one of {DELIVERIES}, got {grammar_masks!r}")
+    if on_verified is not None and not sc.confident:
+        raise InvalidRequestError(
+            "on_verified needs a draft that estimates its confidence (a DSpark draft with a confidence "
+            f"head), got draft={sc.draft!r}"
+        )
 
 
 def _stop_checks(checked: list[CheckedRequest], streams: list[TextStream | None]):

@@ -251,11 +251,8 @@ class Scheduler:
     a request prefills only what follows its longest cached prefix. With ``chunked_prefill`` (a token
     count) a prompt longer than that is prefilled that many tokens per iteration, between the steps
     of the running requests (its slot waits meanwhile), instead of in one long prefill that stalls
-    them all. ``on_verified(confidence_logits [n, K], verified [n], accepted [n])``, with a draft
-    that estimates its confidence, is called after each step for the n rows it advanced: the
-    calibrated confidence logits the draft gave the drafts this step verified, how many it verified
-    and how many were accepted (DSpark's calibration rollouts). With such a draft the counters also
-    add up the accepted drafts its confidences expected (:class:`SpecCounters`)."""
+    them all. ``on_verified``: with a draft that estimates its confidence, called after each step
+    (:func:`confidences`)."""
 
     def __init__(
         self,
@@ -276,9 +273,7 @@ class Scheduler:
         on_verified: VerifiedCallback | None = None,
     ) -> None:
         if on_verified is not None and not sc.confident:
-            raise ValueError(
-                "on_verified needs a draft with a confidence head (its logits are what it reports)"
-            )
+            raise ValueError("on_verified needs a draft with a confidence head (it reports their logits)")
         self.on_verified = on_verified
         if chunked_prefill is not None and (
             isinstance(chunked_prefill, bool) or not isinstance(chunked_prefill, int) or chunked_prefill < 16
@@ -500,14 +495,7 @@ class Scheduler:
         jobs += [("release", n, 0) for n in releases]
         if chunked:
             jobs.append(("chunk", 1, self.chunk))
-        kinds = ("prefill", "chunk", "step", "release")
-        size = {
-            "prefill": lambda a, b: a * b // 16,
-            "chunk": lambda a, b: b // 16,
-            "step": lambda a, b: b,
-            "release": lambda a, b: a,
-        }
-        return sorted(jobs, key=lambda j: (size[j[0]](j[1], j[2]), kinds.index(j[0])))
+        return smallest_first(jobs)
 
     def warmup_job(self, kind: str, a: int, b: int) -> None:
         """Run one of :meth:`warmup_jobs`' programs on no request (padding rows and inactive
@@ -712,22 +700,11 @@ class Scheduler:
                 return tok == begin
         return False
 
-    def _process(
-        self, emitted, n_emit, logprobs, owners: list[Request | None], drafted: np.ndarray, conf=None
-    ) -> None:
+    def _process(self, emitted, n_emit, logprobs, owners: list[Request | None], drafted, conf=None) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         drafted = verified_drafts(drafted, emitted)
         lp, done = None if logprobs is None else jax.tree.map(np.asarray, logprobs), []
-        expected = np.zeros(len(owners))
-        if conf is not None:
-            conf = np.asarray(conf, np.float64)
-            a = np.cumprod(1 / (1 + np.exp(-conf)), axis=1)  # mtp_jax.schedule.cumulative, on the host
-            verified = np.arange(1, conf.shape[1] + 1)[None, :] <= drafted[: len(conf), None]
-            expected[: len(conf)] = np.sum(np.where(verified, a, 0.0), axis=1)
-            if self.on_verified is not None:
-                live = [b for b, req in enumerate(owners) if req is not None and not req.finish]
-                accepted = np.minimum(np.maximum(n_emit[live] - 1, 0), drafted[live])
-                self.on_verified(conf[live], drafted[live], accepted)
+        expected = confidences(conf, drafted, n_emit, owners, self.on_verified)
         for b, req in enumerate(owners):
             if req is None or req.finish:
                 continue
@@ -791,8 +768,7 @@ class Scheduler:
         extra = {"rows": rows} if rows < self.slots else {}
         if self.callback:
             extra["grammar_key"] = self.grammar_key
-        # the confidences of the drafts this step verifies: a copy taken before the state is donated
-        # to the step (a whole-width slice would be the donated buffer itself), read with its results
+        # the verified drafts' confidences: copied before the step takes (donates) the state
         conf = jnp.copy(self.state.draft_conf[:, : sc_now.k]) if self.sc.confident and sc_now.k else None
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
@@ -804,6 +780,42 @@ class Scheduler:
             self._read_pending()
         self.pending = (emitted, n_emit, logprobs, running, drafted, conf)
         return True
+
+
+_JOB_SIZES = {
+    "prefill": lambda a, b: a * b // 16,
+    "chunk": lambda a, b: b // 16,
+    "step": lambda a, b: b,
+    "release": lambda a, b: a,
+}
+
+
+def smallest_first(jobs: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Warm-up jobs (:meth:`Scheduler.warmup_jobs`) by the work each program does, smallest first."""
+    kinds = list(_JOB_SIZES)
+    return sorted(jobs, key=lambda j: (_JOB_SIZES[j[0]](j[1], j[2]), kinds.index(j[0])))
+
+
+def confidences(
+    conf, drafted: np.ndarray, n_emit: np.ndarray, owners: list, on_verified: VerifiedCallback | None
+) -> np.ndarray:
+    """A step's confidences (``conf`` [slots, K], the calibrated logits of the drafts it verified;
+    None without a confident draft): the accepted drafts each slot's confidences expected [owners]
+    (the sum of the running products over its ``drafted`` [slots] verified drafts:
+    :class:`SpecCounters`), after ``on_verified(confidence_logits [n, K], verified [n], accepted [n])``
+    for the n rows the step advanced (DSpark's calibration rollouts)."""
+    expected = np.zeros(len(owners))
+    if conf is None:
+        return expected
+    conf = np.asarray(conf, np.float64)
+    a = np.cumprod(1 / (1 + np.exp(-conf)), axis=1)  # mtp_jax.schedule.cumulative, on the host
+    verified = np.arange(1, conf.shape[1] + 1)[None, :] <= drafted[: len(conf), None]
+    expected[: len(conf)] = np.sum(np.where(verified, a, 0.0), axis=1)
+    if on_verified is not None:
+        live = [b for b, req in enumerate(owners) if req is not None and not req.finish]
+        accepted = np.minimum(np.maximum(n_emit[live] - 1, 0), drafted[live])
+        on_verified(conf[live], drafted[live], accepted)
+    return expected
 
 
 def verified_drafts(drafted: np.ndarray, emitted: np.ndarray) -> np.ndarray:
@@ -835,8 +847,7 @@ def generate(
     slots at most (a power of two, a multiple of the mesh's row devices), pages for the longest
     request. ``per_batch(batch, sc)`` adjusts the step to the batch size (slots a step computes):
     :func:`mtp_jax.autok.batch_controls`. ``stop_checks[i](token)`` True stops request i (finish
-    reason "stop"). The other arguments are the scheduler's (``on_verified`` is called only when
-    the call speculates)."""
+    reason "stop"). The other arguments are the scheduler's."""
     t_start = time.perf_counter()
     n = len(checked)
     batch = math.lcm(next_power_of_two(min(n, max_batch)), row_shards(sc.mesh))  # whole rows per shard
@@ -859,7 +870,7 @@ def generate(
         constraints=constraints,
         pipelined=pipelined,
         grammar_masks=grammar_masks,
-        on_verified=on_verified if sc.confident else None,  # plain decoding verifies no drafts
+        on_verified=on_verified if sc.confident else None,  # none: plain decoding, no drafts
     )
     requests = []
     for i, c in enumerate(checked):
@@ -870,12 +881,10 @@ def generate(
         pass
     t_end = time.perf_counter()
     t_first = sched.first_admitted or t_end
-
     out = [req.tokens for req in requests]
     new_tokens = sum(len(o) for o in out)
     decode_time = t_end - t_first
-    run = sched.counters
-    spec = run.as_dict()
+    run, spec = sched.counters, sched.counters.as_dict()
     first_step = sched.first_step_seconds
     timings = [req.timings() for req in requests]
     stats = {
