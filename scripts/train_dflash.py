@@ -195,21 +195,30 @@ def draft_losses(
     return total, aux
 
 
+def held_out_means(
+    aux_of, stream: np.ndarray, length: int, count: int, anchors: int, block: int
+) -> dict[str, list | float]:
+    """Mean held-out numbers (``aux_of(windows, anchors)``: a draft's loss aux) over ``count`` fixed,
+    evenly spaced windows of ``length`` tokens, each with ``anchors`` fixed anchors."""
+    starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
+    windows = np.stack([stream[s : s + length] for s in starts])
+    totals: dict[str, np.ndarray] = {}
+    for i in range(0, count, 8):
+        w = windows[i : i + 8]
+        a = anchors_for(0, i, len(w), anchors, length - 1, block)
+        aux = aux_of(jnp.asarray(w), jnp.asarray(a))
+        for key, value in aux.items():
+            totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64) * len(w)
+    return {k: (v / count).tolist() for k, v in totals.items()}
+
+
 def evaluate(
     tree, params, cfg, dcfg, stream: np.ndarray, length: int, count: int, anchors: int, gamma: float
 ) -> dict:
     """Mean held-out numbers over ``count`` fixed, evenly spaced windows with fixed anchors."""
-    starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
-    windows = np.stack([stream[s : s + length] for s in starts])
     fn = jax.jit(lambda t, w, a, p: draft_losses(t, p, cfg, dcfg, w, a, gamma)[1])
-    totals: dict[str, np.ndarray] = {}
-    for i in range(0, count, 8):
-        w = windows[i : i + 8]
-        a = anchors_for(0, i, len(w), anchors, length - 1, dcfg.block_size)
-        aux = fn(tree, jnp.asarray(w), jnp.asarray(a), params)
-        for key, value in aux.items():
-            totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64) * len(w)
-    return {k: (v / count).tolist() for k, v in totals.items()}
+    block = dcfg.block_size
+    return held_out_means(lambda w, a: fn(tree, w, a, params), stream, length, count, anchors, block)
 
 
 def main() -> int:

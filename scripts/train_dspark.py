@@ -49,7 +49,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import target_cache  # noqa: E402
-from train_dflash import PAD, anchors_for  # noqa: E402
+from train_dflash import PAD, anchors_for, held_out_means  # noqa: E402
 from train_dflash import draft_config as dflash_draft_config  # noqa: E402
 from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
     acceptance_setup,
@@ -212,17 +212,9 @@ def evaluate(
     tree, params, cfg, dcfg, stream: np.ndarray, length: int, count: int, anchors: int, weights
 ) -> dict:
     """Mean held-out numbers over ``count`` fixed, evenly spaced windows with fixed anchors."""
-    starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
-    windows = np.stack([stream[s : s + length] for s in starts])
     fn = jax.jit(lambda t, w, a, p: draft_losses(t, p, cfg, dcfg, w, a, weights)[1])
-    totals: dict[str, np.ndarray] = {}
-    for i in range(0, count, 8):
-        w = windows[i : i + 8]
-        a = anchors_for(0, i, len(w), anchors, length - 1, dcfg.block_size)
-        aux = fn(tree, jnp.asarray(w), jnp.asarray(a), params)
-        for key, value in aux.items():
-            totals[key] = totals.get(key, 0.0) + np.asarray(value, np.float64) * len(w)
-    return {k: (v / count).tolist() for k, v in totals.items()}
+    block = dcfg.block_size
+    return held_out_means(lambda w, a: fn(tree, w, a, params), stream, length, count, anchors, block)
 
 
 @dataclasses.dataclass
