@@ -24,6 +24,7 @@ CASES = {
     ("deepseek", "eagle3"): [(1, None), (5, None)],
     ("llama", "dflash"): [(1, None), (15, None)],
     ("deepseek", "dflash"): [(1, None), (15, None)],
+    ("llama", "dspark"): [(1, None), (7, None)],
     ("deepseek", "dspark"): [(1, None), (7, None)],
 }
 _PLAIN: dict[str, list] = {}
