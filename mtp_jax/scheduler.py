@@ -79,9 +79,9 @@ class SpecCounters:
     num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos[j] (steps that accepted
     draft j, 0-based: with a token tree, a node of depth j + 1); steps_per_verified_drafts[n]: steps
     that verified n drafts (the lengths a confidence schedule chose, or the caps);
-    expected_accepted_tokens: with a draft that estimates its confidence, the accepted drafts its
-    calibrated confidences expected (the sum over verified drafts of their running products: set
-    against num_accepted_tokens, the calibration's check)."""
+    expected_accepted_tokens: with a draft that estimates its confidence (in a single-process run),
+    the accepted drafts its calibrated confidences expected (the sum over verified drafts of their
+    running products: set against num_accepted_tokens, the calibration's check)."""
 
     def __init__(self, k: int) -> None:
         self.steps = self.emitted = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -272,9 +272,9 @@ class Scheduler:
         chunked_prefill: int | None = None,
         on_verified: VerifiedCallback | None = None,
     ) -> None:
-        if on_verified is not None and not sc.confident:
-            raise ValueError("on_verified needs a draft with a confidence head (it reports their logits)")
-        self.on_verified = on_verified
+        if on_verified is not None and (not sc.confident or jax.process_count() > 1):
+            raise ValueError("on_verified needs a draft with a confidence head, in one process")
+        self.on_verified, self.reads_confidence = on_verified, sc.confident and jax.process_count() == 1
         if chunked_prefill is not None and (
             isinstance(chunked_prefill, bool) or not isinstance(chunked_prefill, int) or chunked_prefill < 16
         ):
@@ -769,7 +769,7 @@ class Scheduler:
         if self.callback:
             extra["grammar_key"] = self.grammar_key
         # the verified drafts' confidences: copied before the step takes (donates) the state
-        conf = jnp.copy(self.state.draft_conf[:, : sc_now.k]) if self.sc.confident and sc_now.k else None
+        conf = jnp.copy(self.state.draft_conf[:, : sc_now.k]) if self.reads_confidence and sc_now.k else None
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
         emitted, n_emit, self.state, logprobs = self.step_fn(self.params, self.state, sc_now, *args, **extra)
@@ -803,7 +803,8 @@ def confidences(
     None without a confident draft): the accepted drafts each slot's confidences expected [owners]
     (the sum of the running products over its ``drafted`` [slots] verified drafts:
     :class:`SpecCounters`), after ``on_verified(confidence_logits [n, K], verified [n], accepted [n])``
-    for the n rows the step advanced (DSpark's calibration rollouts)."""
+    for the n rows the step advanced (DSpark's calibration rollouts). Read in single-process runs
+    only: on a multi-process mesh a process does not hold every row's."""
     expected = np.zeros(len(owners))
     if conf is None:
         return expected
