@@ -119,6 +119,69 @@ def _from_storable(tree: Any, prefix: str, fp8_meta: dict[str, dict]) -> Any:
     return tree
 
 
+def _open_source(src: str, dst: str) -> tuple[GGUFCheckpoint | None, ModelConfig, Any]:
+    """(the GGUF file or None, the model config, a tensor reader) for a conversion's source; a GGUF
+    file's quantised tensors are dequantised to float32 as they are read. Refuses a missing or
+    already converted source and an existing destination."""
+    gguf = os.path.isfile(src) and is_gguf(src)
+    if not gguf and not os.path.isdir(src):
+        raise CheckpointNotFoundError(f"source checkpoint directory or GGUF file not found: {src}")
+    if is_converted(src):
+        raise CheckpointError(f"{src} is already a converted mtp-jax checkpoint")
+    if os.path.exists(dst):
+        raise FileExistsError(f"destination {dst} already exists; remove it or choose another path")
+    if gguf:
+        source = GGUFCheckpoint(src)
+        return source, parse_config(source.hf_config()), source.tensors()
+    return None, load_config(os.path.join(src, "config.json")), CheckpointReader(src)
+
+
+def _resume_state(work: str, fingerprint: str) -> dict:
+    """The progress of an interrupted conversion in ``work`` when it was started from the same source
+    and options (``fingerprint``), else a fresh state (a stale ``work`` is removed)."""
+    state = {"fingerprint": fingerprint, "done": {}, "fp8": {}}
+    if not os.path.isdir(work):
+        return state
+    try:
+        with open(os.path.join(work, PROGRESS), encoding="utf-8") as f:
+            previous = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        previous = {}
+    if previous.get("fingerprint") == fingerprint:
+        log.info("resuming %s: %d groups already converted", work, len(previous["done"]))
+        return previous
+    log.info("discarding %s: it was started from a different source or options", work)
+    shutil.rmtree(work)
+    return state
+
+
+def _nbytes(reader: Any, keys: Any) -> int:
+    return sum(int(np.prod(reader.shape(k))) * reader.dtype(k).itemsize for k in keys)
+
+
+def _save_group(checkpointer: Any, work: str, state: dict, tree: Any, gdir: str, record: dict) -> None:
+    """One converted group saved under ``work``/params (a half-written one from an interrupted run
+    replaced) and recorded as done in the progress file."""
+    target = os.path.join(work, "params", gdir)
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    checkpointer.save(target, _to_storable(tree, gdir, state["fp8"]))
+    checkpointer.wait_until_finished()
+    state["done"][gdir] = record
+    _write_json(os.path.join(work, PROGRESS), state)
+
+
+def _copy_side_files(source: GGUFCheckpoint | None, src: str, work: str) -> None:
+    """The config, tokenizer and generation files beside the weights: written from a GGUF file's
+    metadata, or copied from a hub directory."""
+    if source is not None:
+        source.write_hub_files(work)
+        return
+    for fname in COPIED_FILES:
+        if os.path.isfile(os.path.join(src, fname)):
+            shutil.copyfile(os.path.join(src, fname), os.path.join(work, fname))
+
+
 def convert(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -142,21 +205,7 @@ def convert(
     src, dst = os.fspath(src), os.fspath(dst)
     if weights not in CONVERT_WEIGHTS:
         raise ValueError(f"weights must be one of {CONVERT_WEIGHTS}, got {weights!r}")
-    gguf = os.path.isfile(src) and is_gguf(src)
-    if not gguf and not os.path.isdir(src):
-        raise CheckpointNotFoundError(f"source checkpoint directory or GGUF file not found: {src}")
-    if is_converted(src):
-        raise CheckpointError(f"{src} is already a converted mtp-jax checkpoint")
-    if os.path.exists(dst):
-        raise FileExistsError(f"destination {dst} already exists; remove it or choose another path")
-    if gguf:  # quantised tensors are dequantised to float32 as they are read
-        source = GGUFCheckpoint(src)
-        cfg = parse_config(source.hf_config())
-        reader = source.tensors()
-    else:
-        source = None
-        cfg = load_config(os.path.join(src, "config.json"))
-        reader = CheckpointReader(src)
+    source, cfg, reader = _open_source(src, dst)
     fmt = checkpoint_format(cfg)
     if weights == "fp8" and cfg.quantization_config is None:
         raise CheckpointError(
@@ -169,29 +218,14 @@ def convert(
 
     work = f"{dst}.partial"
     fingerprint = _fingerprint(src, reader, options)
-    state = {"fingerprint": fingerprint, "done": {}, "fp8": {}}
-    if os.path.isdir(work):
-        try:
-            with open(os.path.join(work, PROGRESS), encoding="utf-8") as f:
-                previous = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            previous = {}
-        if previous.get("fingerprint") == fingerprint:
-            state = previous
-            log.info("resuming %s: %d groups already converted", work, len(state["done"]))
-        else:
-            log.info("discarding %s: it was started from a different source or options", work)
-            shutil.rmtree(work)
+    state = _resume_state(work, fingerprint)
     os.makedirs(os.path.join(work, "params"), exist_ok=True)
 
     done: dict[str, dict] = state["done"]
     skip = {(g["name"], g["index"]): g["keys"] for g in done.values()}
-    total_bytes = sum(int(np.prod(reader.shape(k))) * reader.dtype(k).itemsize for k in reader.keys())
-    bar = (
-        Progress(f"convert {os.path.basename(src.rstrip('/'))}", len(reader.keys()), total_bytes)
-        if progress
-        else None
-    )
+    total_bytes = _nbytes(reader, reader.keys())
+    label = f"convert {os.path.basename(src.rstrip('/'))}"
+    bar = Progress(label, len(reader.keys()), total_bytes) if progress else None
     checkpointer = ocp.StandardCheckpointer()
     order: list[str] = []
     resumed = len(done)
@@ -202,16 +236,9 @@ def convert(
     ):
         gdir = _group_dir(name, index)
         order.append(gdir)
-        nbytes = sum(int(np.prod(reader.shape(k))) * reader.dtype(k).itemsize for k in keys)
+        nbytes = _nbytes(reader, keys)
         if tree is not None:
-            target = os.path.join(work, "params", gdir)
-            if os.path.exists(target):  # a group that was being written when interrupted
-                shutil.rmtree(target)
-            storable = _to_storable(tree, gdir, state["fp8"])
-            checkpointer.save(target, storable)
-            checkpointer.wait_until_finished()
-            done[gdir] = {"name": name, "index": index, "keys": keys}
-            _write_json(os.path.join(work, PROGRESS), state)
+            _save_group(checkpointer, work, state, tree, gdir, {"name": name, "index": index, "keys": keys})
             bytes_read += nbytes
             if on_group is not None:
                 on_group(gdir)
@@ -219,27 +246,12 @@ def convert(
             bar.update(len(keys), nbytes, gdir)
     checkpointer.close()
 
-    if source is not None:
-        source.write_hub_files(work)
-    for fname in COPIED_FILES if source is None else ():
-        if os.path.isfile(os.path.join(src, fname)):
-            shutil.copyfile(os.path.join(src, fname), os.path.join(work, fname))
-    _write_json(
-        os.path.join(work, MANIFEST),
-        {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "weights": weights,
-            "dtype": dtype,
-            "fp8_kept": keep_fp8,
-            "mtp": mtp,
-            "groups": [{"dir": g, "name": done[g]["name"], "index": done[g]["index"]} for g in order],
-            "fp8": state["fp8"],
-            "source": os.path.abspath(src),
-            "source_tensors": len(reader.keys()),
-            "source_bytes": total_bytes,
-        },
-    )
+    _copy_side_files(source, src, work)
+    manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "weights": weights, "dtype": dtype}
+    manifest.update(fp8_kept=keep_fp8, mtp=mtp, fp8=state["fp8"], source=os.path.abspath(src))
+    manifest["groups"] = [{"dir": g, "name": done[g]["name"], "index": done[g]["index"]} for g in order]
+    manifest.update(source_tensors=len(reader.keys()), source_bytes=total_bytes)
+    _write_json(os.path.join(work, MANIFEST), manifest)
     os.remove(os.path.join(work, PROGRESS))
     os.replace(work, dst)
     return ConvertReport(
