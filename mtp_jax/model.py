@@ -660,6 +660,25 @@ def load(
     options = draft_load_options(draft_options, draft_layer_ids)
     if options and draft_model is None:
         raise ValueError(f"draft options {options} need a draft_model")
+    ckpt, config, eos = _open_checkpoint(path)
+    if mesh is not None:
+        target_for(config).check_mesh(config, mesh)
+    params = _read_params(
+        path, ckpt, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
+    )
+    layout = {"page_size": page_size, "mesh": mesh, "layer_buffers": layer_buffers}
+    model = Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, gguf=ckpt, **layout)
+    del params  # with per-layer buffers, the loaded stacks are freed before the draft is read
+    if draft_model is not None:
+        model = model.with_draft(draft_model, options=options, strict=strict)
+    if lora_adapters or max_loras or max_lora_rank:
+        _enable_lora(model, lora_adapters or {}, max_loras, max_lora_rank)
+    return model
+
+
+def _open_checkpoint(path: str) -> tuple[GGUFCheckpoint | None, ModelConfig, list[int] | None]:
+    """(the GGUF file or None, the model config, the EOS ids of generation_config.json or None) of a
+    model directory or GGUF file; a missing path or a file of another kind refused by name."""
     gguf_file = os.path.isfile(path) and is_gguf(path)
     if not gguf_file and not os.path.isdir(path):
         if os.path.isfile(path):
@@ -667,64 +686,44 @@ def load(
                 f"{path} is a file but not a GGUF file; a model is a directory or a .gguf file"
             )
         raise CheckpointNotFoundError(f"model directory not found: {path}")
-    eos = None
-    gen_path = os.path.join(path, "generation_config.json")
     if gguf_file:
         ckpt = GGUFCheckpoint(path)
-        config = parse_config(ckpt.hf_config())  # its EOS id is the tokenizer's
-    else:
-        config = load_config(os.path.join(path, "config.json"))
-    if not gguf_file and os.path.isfile(gen_path):
-        gen = read_json(gen_path, what="generation config")
-        if gen.get("eos_token_id") is not None:
-            raw = gen["eos_token_id"]
-            eos = raw if isinstance(raw, list) else [raw]
-            if not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size for i in eos
-            ):
-                raise ConfigError(
-                    f"{gen_path}: eos_token_id {raw!r} must be token ids in [0, {config.vocab_size})"
-                )
-    if mesh is not None:
-        target_for(config).check_mesh(config, mesh)
-    if gguf_file:
-        params = checkpoint_format(config).load_params(
-            ckpt.tensors(progress=True),
-            config,
-            DTYPES[dtype],
-            weights=weights,
-            mtp=mtp,
-            strict=strict,
-            mesh=mesh,
-        )
-    elif is_converted(path):
-        params = load_converted(path, config, DTYPES[dtype], weights=weights, mtp=mtp, mesh=mesh)
-    else:
-        reader = CheckpointReader(path)
-        params = checkpoint_format(config).load_params(
-            reader, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
-        )
-    model = Model(
-        config,
-        params,
-        dtype=dtype,
-        path=path,
-        eos_token_ids=eos,
-        page_size=page_size,
-        mesh=mesh,
-        layer_buffers=layer_buffers,
-        gguf=ckpt if gguf_file else None,
-    )
-    del params  # with per-layer buffers, the loaded stacks are freed before the draft is read
-    if draft_model is not None:
-        model = model.with_draft(draft_model, options=options, strict=strict)
-    if lora_adapters or max_loras or max_lora_rank:
-        adapters = {name: lora.read_adapter(p, name) for name, p in (lora_adapters or {}).items()}
-        rank = max([16] + [a.max_rank for a in adapters.values()]) if max_lora_rank is None else max_lora_rank
-        model.enable_lora(max(1, len(adapters)) if max_loras is None else max_loras, rank)
-        for name, adapter in adapters.items():  # each read once, above
-            model.load_lora(name, adapter)
-    return model
+        return ckpt, parse_config(ckpt.hf_config()), None  # its EOS id is the tokenizer's
+    config = load_config(os.path.join(path, "config.json"))
+    gen_path = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_path):
+        return None, config, None
+    raw = read_json(gen_path, what="generation config").get("eos_token_id")
+    if raw is None:
+        return None, config, None
+    eos = raw if isinstance(raw, list) else [raw]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size for i in eos):
+        raise ConfigError(f"{gen_path}: eos_token_id {raw!r} must be token ids in [0, {config.vocab_size})")
+    return None, config, eos
+
+
+def _read_params(
+    path: str, ckpt: GGUFCheckpoint | None, config: ModelConfig, dtype: Any, **options: Any
+) -> dict:
+    """The parameters of a GGUF file, a converted (orbax) directory or a hub directory, placed on
+    ``options["mesh"]`` as they are read."""
+    if is_converted(path) and ckpt is None:
+        options.pop("strict")
+        return load_converted(path, config, dtype, **options)
+    reader = ckpt.tensors(progress=True) if ckpt is not None else CheckpointReader(path)
+    return checkpoint_format(config).load_params(reader, config, dtype, **options)
+
+
+def _enable_lora(
+    model: Model, paths: Mapping[str, str | os.PathLike[str]], max_loras: int | None, max_rank: int | None
+) -> None:
+    """LoRA slots on ``model`` (as many as ``paths`` by default, at least 1, of their largest rank, at
+    least 16) and the adapters of ``paths`` loaded into them, each read once."""
+    adapters = {name: lora.read_adapter(p, name) for name, p in paths.items()}
+    rank = max([16] + [a.max_rank for a in adapters.values()]) if max_rank is None else max_rank
+    model.enable_lora(max(1, len(adapters)) if max_loras is None else max_loras, rank)
+    for name, adapter in adapters.items():
+        model.load_lora(name, adapter)
 
 
 def draft_load_options(options: Mapping[str, Any] | None, layer_ids: str = "inputs") -> dict[str, Any]:

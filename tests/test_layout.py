@@ -341,7 +341,6 @@ OVERSIZE = {
     "mtp_jax.server.Server": 519,
     "mtp_jax.scheduler.Scheduler": 553,
     "mtp_jax.model.Model": 433,
-    "mtp_jax.model.load": 127,
     "mtp_jax.server.Server._handle": 123,
     "mtp_jax.serving.engine.Engine.__init__": 90,
     "mtp_jax.model.Model.generate": 105,
