@@ -42,6 +42,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.request import SamplingParams
@@ -153,6 +154,127 @@ def _grammar(body: Mapping) -> dict | None:
         f"response_format type {kind!r} is not one of text, json_object, json_schema, regex",
         param="response_format",
     )
+
+
+class OpenAIFormat:
+    """OpenAI's shapes of a response's choices and log-probabilities, token texts from ``codec``
+    (the model's :class:`~mtp_jax.text.TextCodec`)."""
+
+    def __init__(self, codec: Any) -> None:
+        self.codec = codec
+
+    def chat_choices(self, records: list[dict], n_top: int | None) -> list[dict]:
+        """The choices of a finished (not streamed) chat completion."""
+        return [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r["text"]},
+                "finish_reason": r["finish_reason"],
+                "logprobs": None if n_top is None else self.chat_logprobs(r["entries"]),
+                "speculation": r["spec"],
+            }
+            for i, r in enumerate(records)
+        ]
+
+    def completion_choices(
+        self, records: list[dict], n_top: int | None, echoed: str, prompt_entries: list | None
+    ) -> list[dict]:
+        """The choices of a finished (not streamed) completion: the echoed prompt's text and
+        log-probabilities ahead of each choice's own."""
+        choices = []
+        for i, r in enumerate(records):
+            logprobs = None
+            if n_top is not None:
+                pairs = (prompt_entries or []) + [(e.token, e) for e in r["entries"]]
+                logprobs, _ = self.completion_logprobs(pairs, 0)
+            choice = {"index": i, "text": echoed + (r["text"] or ""), "finish_reason": r["finish_reason"]}
+            choices.append({**choice, "logprobs": logprobs, "speculation": r["spec"]})
+        return choices
+
+    def token(self, token: int, logprob: float | None) -> dict:
+        text = self.codec.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def chat_logprobs(self, entries: list) -> dict:
+        """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+        return {
+            "content": [
+                {**self.token(e.token, e.logprob), "top_logprobs": [self.token(t, lp) for t, lp in e.top]}
+                for e in entries
+            ]
+        }
+
+    def completion_logprobs(self, pairs: list, offset: int) -> tuple[dict, int]:
+        """OpenAI's completions ``logprobs`` of (token, TokenLogprob or None) pairs whose text starts
+        at character ``offset``: {tokens, token_logprobs, top_logprobs, text_offset}; and the offset
+        after them."""
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        codec = self.codec
+        for token, entry in pairs:
+            text = codec.token_text(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
+            out["top_logprobs"].append(
+                None if entry is None else {codec.token_text(t): lp for t, lp in entry.top}
+            )
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out, offset
+
+
+class StreamChunks:
+    """The streamed chunks of one request, as ``chunk(i, text, finish, first, spec, entries)``: choice
+    ``i``'s opening chunk (``first``: the chat role, or a completion's echoed prompt; None when a
+    completion echoes nothing) or its next text, finish reason, speculation statistics and
+    log-probabilities (a completion's with each choice's running text offset)."""
+
+    def __init__(
+        self,
+        base: dict,
+        fmt: OpenAIFormat,
+        chat: bool,
+        n_top: int | None,
+        echoed: str | None,
+        prompt_entries: list | None,
+        choices: int,
+    ) -> None:
+        self.base, self.fmt, self.chat, self.n_top = base, fmt, chat, n_top
+        self.echoed, self.prompt_entries = echoed, prompt_entries
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+        self.offsets = [0] * max(1, choices)
+
+    def __call__(self, i: int, text, finish, first: bool = False, spec=None, entries=None) -> dict | None:
+        if self.chat:
+            choice = self._chat(i, text, finish, first, entries)
+        elif first:
+            return self._echo(i)
+        else:
+            logprobs = None
+            if self.n_top is not None:
+                pairs = [(e.token, e) for e in entries or []]
+                logprobs, self.offsets[i] = self.fmt.completion_logprobs(pairs, self.offsets[i])
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        if spec is not None:
+            choice["speculation"] = spec
+        return {**self.base, "object": self.kind, "choices": [choice]}
+
+    def _chat(self, i: int, text, finish, first: bool, entries) -> dict:
+        if first:
+            return {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": finish}
+        choice = {"index": i, "delta": {} if text is None else {"content": text}, "finish_reason": finish}
+        if self.n_top is not None:
+            choice["logprobs"] = self.fmt.chat_logprobs(entries or [])
+        return choice
+
+    def _echo(self, i: int) -> dict | None:
+        if self.echoed is None:
+            return None
+        logprobs = None
+        if self.n_top is not None:
+            logprobs, _ = self.fmt.completion_logprobs(self.prompt_entries, 0)
+        choice = {"index": i, "text": self.echoed, "finish_reason": None, "logprobs": logprobs}
+        self.offsets[i] = len(self.echoed)
+        return {**self.base, "object": self.kind, "choices": [choice]}
 
 
 class Server:
@@ -418,23 +540,8 @@ class Server:
         try:
             body = await _json_object(request, self.max_request_bytes, self.request_timeout)
             text_codec = self.engine.model.text
-            if chat:  # rendered and tokenised off the event loop: other requests go on meanwhile
-                messages = body.get("messages")
-                if isinstance(messages, list):
-                    texts = [m.get("content") for m in messages if isinstance(m, Mapping)]
-                    self._check_chars(sum(len(t) for t in texts if isinstance(t, str)), "messages")
-                prompt = await asyncio.to_thread(lambda: text_codec.encode(text_codec.render_chat(messages)))
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                if isinstance(prompt, str):
-                    self._check_chars(len(prompt), "prompt")
-                    prompt = await asyncio.to_thread(text_codec.encode, prompt)
-                elif not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-                    raise BadRequest(
-                        "prompt must be a string or a list of token ids (one prompt)", param="prompt"
-                    )
+            fmt = OpenAIFormat(text_codec)
+            prompt = await self._prompt(body, chat)
             echo = body.get("echo", False)
             if echo not in (True, False) or (chat and echo):
                 raise BadRequest("echo must be a boolean (completions only)", param="echo")
@@ -469,37 +576,9 @@ class Server:
         if parsed["stream"]:
             opts = body.get("stream_options") or {}
             include_usage = bool(isinstance(opts, Mapping) and opts.get("include_usage"))
-            kind = "chat.completion.chunk" if chat else "text_completion"
-            offsets = [0] * max(1, len(handles))
-
-            def chunk(i: int, text, finish, first: bool = False, spec=None, entries=None):
-                if chat:
-                    if first:
-                        delta = {"role": "assistant", "content": ""}
-                    else:
-                        delta = {} if text is None else {"content": text}
-                    choice = {"index": i, "delta": delta, "finish_reason": finish}
-                    if n_top is not None and not first:
-                        choice["logprobs"] = self._chat_logprobs(entries or [])
-                else:
-                    if first:
-                        if not echo:
-                            return None
-                        logprobs = None
-                        if n_top is not None:
-                            logprobs, offsets[i] = self._completion_logprobs(prompt_entries, 0)
-                        choice = {"index": i, "text": echoed, "finish_reason": None, "logprobs": logprobs}
-                        offsets[i] = len(echoed)
-                        return {**base, "object": kind, "choices": [choice]}
-                    logprobs = None
-                    if n_top is not None:
-                        pairs = [(e.token, e) for e in entries or []]
-                        logprobs, offsets[i] = self._completion_logprobs(pairs, offsets[i])
-                    choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
-                if spec is not None:
-                    choice["speculation"] = spec
-                return {**base, "object": kind, "choices": [choice]}
-
+            chunk = StreamChunks(
+                base, fmt, chat, n_top, echoed if echo else None, prompt_entries, len(handles)
+            )
             if not handles:
                 return StreamingResponse(
                     self._echo_only(chunk, len(prompt), include_usage), media_type="text/event-stream"
@@ -510,31 +589,35 @@ class Server:
         if handles:
             await self._wait_all(request, handles)
             records = [self._record(h) for h in handles]
+        kind = "chat.completion" if chat else "text_completion"
         if chat:
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": r["text"]},
-                    "finish_reason": r["finish_reason"],
-                    "logprobs": None if n_top is None else self._chat_logprobs(r["entries"]),
-                    "speculation": r["spec"],
-                }
-                for i, r in enumerate(records)
-            ]
-            kind = "chat.completion"
+            choices = fmt.chat_choices(records, n_top)
         else:
-            choices = []
-            for i, r in enumerate(records):
-                logprobs = None
-                if n_top is not None:
-                    pairs = (prompt_entries or []) + [(e.token, e) for e in r["entries"]]
-                    logprobs, _ = self._completion_logprobs(pairs, 0)
-                choice = {"index": i, "text": echoed + (r["text"] or ""), "finish_reason": r["finish_reason"]}
-                choices.append({**choice, "logprobs": logprobs, "speculation": r["spec"]})
-            kind = "text_completion"
+            choices = fmt.completion_choices(records, n_top, echoed, prompt_entries)
         return JSONResponse(
             {**base, "object": kind, "choices": choices, "usage": self._usage(len(prompt), records)}
         )
+
+    async def _prompt(self, body: Mapping, chat: bool) -> list[int]:
+        """A request's prompt as token ids: the chat messages rendered with the model's template, or
+        the completion prompt (one string or one list of ids); rendered and tokenised off the event
+        loop, so other requests go on meanwhile."""
+        text_codec = self.engine.model.text
+        if chat:
+            messages = body.get("messages")
+            if isinstance(messages, list):
+                texts = [m.get("content") for m in messages if isinstance(m, Mapping)]
+                self._check_chars(sum(len(t) for t in texts if isinstance(t, str)), "messages")
+            return await asyncio.to_thread(lambda: text_codec.encode(text_codec.render_chat(messages)))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt), "prompt")
+            return await asyncio.to_thread(text_codec.encode, prompt)
+        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+            raise BadRequest("prompt must be a string or a list of token ids (one prompt)", param="prompt")
+        return prompt
 
     async def _echo_only(self, chunk, prompt_len: int, include_usage: bool) -> AsyncIterator[bytes]:
         """The stream of a request that generates nothing (echo with max_tokens 0)."""
@@ -543,36 +626,6 @@ class Server:
         if include_usage:
             yield _sse({**chunk(0, None, None), "choices": [], "usage": self._usage(prompt_len, [])})
         yield b"data: [DONE]\n\n"
-
-    def _token(self, token: int, logprob: float | None) -> dict:
-        text = self.engine.model.text.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def _chat_logprobs(self, entries: list) -> dict:
-        """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
-        return {
-            "content": [
-                {**self._token(e.token, e.logprob), "top_logprobs": [self._token(t, lp) for t, lp in e.top]}
-                for e in entries
-            ]
-        }
-
-    def _completion_logprobs(self, pairs: list, offset: int) -> tuple[dict, int]:
-        """OpenAI's completions ``logprobs`` of (token, TokenLogprob or None) pairs whose text starts
-        at character ``offset``: {tokens, token_logprobs, top_logprobs, text_offset}; and the offset
-        after them."""
-        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        codec = self.engine.model.text
-        for token, entry in pairs:
-            text = codec.token_text(token)
-            out["tokens"].append(text)
-            out["token_logprobs"].append(None if entry is None else entry.logprob)
-            out["top_logprobs"].append(
-                None if entry is None else {codec.token_text(t): lp for t, lp in entry.top}
-            )
-            out["text_offset"].append(offset)
-            offset += len(text)
-        return out, offset
 
     async def models(self, request):
         from starlette.responses import JSONResponse

@@ -198,6 +198,15 @@ def test_logprobs_through_the_api_equal_offline_plain_decodings(served, client):
     assert both.choices[0].logprobs.token_logprobs[: len(ids)] == lp.token_logprobs
     assert len(both.choices[0].logprobs.tokens) == len(ids) + both.usage.completion_tokens
     assert both.choices[0].text.startswith(r.choices[0].text)
+    streamed = list(
+        client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=4, echo=True, logprobs=1, temperature=0, stream=True
+        )
+    )
+    pieces = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(p.text for p in pieces) == both.choices[0].text  # the echoed prompt comes first
+    logprobs = [p.logprobs for p in pieces if p.logprobs]
+    assert [t for lp in logprobs for t in lp.tokens] == both.choices[0].logprobs.tokens
 
 
 def test_json_schema_response_format(client):
