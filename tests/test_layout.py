@@ -337,11 +337,10 @@ def test_the_name_check_sees_a_comparison():
 MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 80
 # what is over those limits today, at most this long: each entry may only shrink, then go (issue 61)
 OVERSIZE = {
-    "mtp_jax.serving.engine.Engine": 573,
+    "mtp_jax.serving.engine.Engine": 563,
     "mtp_jax.server.Server": 450,
     "mtp_jax.scheduler.Scheduler": 553,
     "mtp_jax.model.Model": 433,
-    "mtp_jax.serving.engine.Engine.__init__": 90,
     "mtp_jax.model.Model.generate": 105,
     "mtp_jax.scheduler.generate": 96,
 }

@@ -147,6 +147,18 @@ def test_bounded_queue_and_close(model):
         mtp_jax.Engine(model, max_len=10**9)
 
 
+def test_a_16_bit_engine_on_the_cpu_warns_its_caller():
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the warning is for the CPU backend")
+    bf16 = mtp_jax.load(EMBEDDED_MODEL, "bfloat16")
+    with pytest.warns(UserWarning, match="on the CPU backend") as record:
+        engine = mtp_jax.Engine(bf16, slots=1, max_len=64)
+    engine.close()
+    assert [w.filename for w in record] == [__file__]  # points at the line that built the engine
+
+
 def test_grammar_requests(model, engine):
     require_extra("llguidance")
     import re

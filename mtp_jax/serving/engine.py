@@ -62,6 +62,23 @@ def engine_step_config(model, speculative: SpeculativeConfig, slots: int) -> tup
     return (sc if controls is None or sc.k == 0 else controls(slots, sc)), slots
 
 
+def _engine_max_len(model, max_len: int | None) -> int:
+    """The engine's context: ``max_len``, by default the model's up to 4,096, checked against the
+    model's limit; warns when a 16-bit model is served on the CPU backend."""
+    limit = model.config.max_position_embeddings
+    max_len = min(limit, 4096) if max_len is None else max_len
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= limit:
+        raise InvalidRequestError(f"max_len must be an integer in [2, {limit}], got {max_len!r}")
+    if model.dtype != "float32" and jax.default_backend() == "cpu":
+        warnings.warn(
+            f"a {model.dtype} engine on the CPU backend: XLA:CPU copies a 16-bit cache's whole page pool "
+            "on every cache write (about 20 tok/s against 840 for float32 with 8 slots x 4096 tokens of "
+            "the tiny model); load the model with dtype='float32' to serve on a CPU",
+            stacklevel=3,
+        )
+    return max_len
+
+
 def _check_settings(
     slots: int, max_queue: int, grammar_masks: str, chunked_prefill_size: int | None, peer_timeout_s: float
 ) -> None:
@@ -137,18 +154,8 @@ class Engine:
         from mtp_jax.model import DTYPES
 
         _check_settings(slots, max_queue, grammar_masks, chunked_prefill_size, peer_timeout_s)
-        limit = model.config.max_position_embeddings
-        max_len = min(limit, 4096) if max_len is None else max_len
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= limit:
-            raise InvalidRequestError(f"max_len must be an integer in [2, {limit}], got {max_len!r}")
+        max_len = _engine_max_len(model, max_len)
         self.model = model
-        if model.dtype != "float32" and jax.default_backend() == "cpu":
-            warnings.warn(
-                f"a {model.dtype} engine on the CPU backend: XLA:CPU copies a 16-bit cache's whole page pool "
-                "on every cache write (about 20 tok/s against 840 for float32 with 8 slots x 4096 tokens of "
-                "the tiny model); load the model with dtype='float32' to serve on a CPU",
-                stacklevel=2,
-            )
         given = {
             "draft": draft,
             "num_speculative_tokens": num_speculative_tokens,
