@@ -426,45 +426,18 @@ class Model:
             raise InvalidRequestError("prompts must be a non-empty list of token-id lists or strings")
         requests, speculative = split_settings(len(prompts), sampling, speculative, settings)
         sc = step_config(self, speculative, relaxed=any(r.relaxed_topk for r in requests))
-        limit = self.config.max_position_embeddings
-        name = f"the model's maximum length {limit}"
-        checked = [
-            check_request(self, p, r, sc, context=limit, context_name=name, where=f"prompt {i}")
-            for i, (p, r) in enumerate(zip(prompts, requests, strict=True))
-        ]
+        checked = _check_prompts(self, prompts, requests, sc)
         _check_call(sc, max_batch, grammar_masks, on_verified)
-        per_batch = batch_controls(self, speculative)
-        grammars = [c.params.grammar for c in checked]
-        constraints = None
-        if any(g is not None for g in grammars):
-            vocab = self.config.vocab_size
-            constraints = Constraints(self.tokenizer_path, vocab, self.eos_token_ids, grammars)
         streams = [TextStream(self.text, c.params.stop) if c.text else None for c in checked]
-        result = generate(
-            self.params,
-            sc,
-            checked=checked,
-            eos_token_ids=self.eos_token_ids,
-            cache_dtype=DTYPES[self.dtype],
-            max_batch=max_batch,
-            on_token=on_token,
-            fused=fused,
-            per_batch=per_batch,
-            constraints=constraints,
-            pipelined=pipelined,
-            grammar_masks=grammar_masks,
-            stop_checks=_stop_checks(checked, streams),
-            on_verified=on_verified,
-        )
+        loop = {"max_batch": max_batch, "on_token": on_token, "fused": fused, "pipelined": pipelined}
+        loop.update(grammar_masks=grammar_masks, on_verified=on_verified, cache_dtype=DTYPES[self.dtype])
+        loop.update(stop_checks=_stop_checks(checked, streams), eos_token_ids=self.eos_token_ids)
+        loop.update(per_batch=batch_controls(self, speculative), constraints=_constraints(self, checked))
+        result = generate(self.params, sc, checked=checked, **loop)
         if any(s is not None for s in streams):
             result.texts = [None if s is None else s.text + s.finish() for s in streams]
         if any(c.params.prompt_logprobs is not None for c in checked):
-            result.prompt_logprobs = [
-                None
-                if c.params.prompt_logprobs is None
-                else self.prompt_logprobs(c.prompt, c.params.prompt_logprobs, c.params.lora)
-                for c in checked
-            ]
+            result.prompt_logprobs = [_prompt_logprobs_of(self, c) for c in checked]
         return result
 
     @property
@@ -596,6 +569,31 @@ def read_model_config(path: str) -> dict:
     if os.path.isfile(path) and is_gguf(path):
         return GGUFCheckpoint(path).hf_config()
     return read_json(path if os.path.isfile(path) else os.path.join(path, "config.json"), what="config")
+
+
+def _check_prompts(
+    model: Model, prompts: Sequence[Sequence[int] | str], requests: Sequence[SamplingParams], sc: StepConfig
+) -> list:
+    """Each prompt checked with its request against the model's context (named by its index)."""
+    limit = model.config.max_position_embeddings
+    name = f"the model's maximum length {limit}"
+    return [
+        check_request(model, p, r, sc, context=limit, context_name=name, where=f"prompt {i}")
+        for i, (p, r) in enumerate(zip(prompts, requests, strict=True))
+    ]
+
+
+def _constraints(model: Model, checked: Sequence) -> Constraints | None:
+    """The grammar constraints of the checked requests, None when none has a grammar."""
+    grammars = [c.params.grammar for c in checked]
+    if all(g is None for g in grammars):
+        return None
+    return Constraints(model.tokenizer_path, model.config.vocab_size, model.eos_token_ids, grammars)
+
+
+def _prompt_logprobs_of(model: Model, c: Any) -> list | None:
+    n = c.params.prompt_logprobs
+    return None if n is None else model.prompt_logprobs(c.prompt, n, c.params.lora)
 
 
 def load(

@@ -340,8 +340,7 @@ OVERSIZE = {
     "mtp_jax.serving.engine.Engine": 563,
     "mtp_jax.server.Server": 450,
     "mtp_jax.scheduler.Scheduler": 553,
-    "mtp_jax.model.Model": 433,
-    "mtp_jax.model.Model.generate": 105,
+    "mtp_jax.model.Model": 406,
     "mtp_jax.scheduler.generate": 96,
 }
 
