@@ -881,15 +881,41 @@ def generate(
     while sched.advance():
         pass
     t_end = time.perf_counter()
-    t_first = sched.first_admitted or t_end
     out = [req.tokens for req in requests]
-    new_tokens = sum(len(o) for o in out)
+    timings = [req.timings() for req in requests]
+    stats = _run_stats(sched, sc, checked, timings, sum(len(o) for o in out), (t_start, t_end), batch, fused)
+    if constraints is not None:  # host time spent in the grammars (masks, advancing the matchers)
+        stats["grammar_seconds"] = constraints.seconds
+    return GenerateResult(
+        tokens=out,
+        finish_reasons=[req.finish for req in requests],
+        stats=stats,
+        request_stats=[{**req.counters.as_dict(), **t} for req, t in zip(requests, timings, strict=True)],
+        logprobs=None
+        if all(req.logprobs is None for req in requests)
+        else [None if req.logprobs is None else req.token_logprobs for req in requests],
+    )
+
+
+def _run_stats(
+    sched: Scheduler,
+    sc: StepConfig,
+    checked: Sequence[CheckedRequest],
+    timings: list[dict],
+    new_tokens: int,
+    span: tuple[float, float],
+    batch: int,
+    fused: bool,
+) -> dict:
+    """A :func:`generate` call's statistics: sizes, programs, speculation counters and times, from
+    the call's start (``span[0]``) to the first admission and decoding from there to ``span[1]``."""
+    t_start, t_end = span
+    t_first = sched.first_admitted or t_end
     decode_time = t_end - t_first
     run, spec = sched.counters, sched.counters.as_dict()
     first_step = sched.first_step_seconds
-    timings = [req.timings() for req in requests]
-    stats = {
-        "prompts": n,
+    return {
+        "prompts": len(checked),
         "batch": batch,
         "num_speculative_tokens": sc.k,
         "fused": fused,
@@ -911,17 +937,6 @@ def generate(
         **{f"mean_{key}": _mean(t[key] for t in timings) for key in TIMINGS},
         **{k: v for k, v in spec.items() if k != "steps"},
     }
-    if constraints is not None:  # host time spent in the grammars (masks, advancing the matchers)
-        stats["grammar_seconds"] = constraints.seconds
-    return GenerateResult(
-        tokens=out,
-        finish_reasons=[req.finish for req in requests],
-        stats=stats,
-        request_stats=[{**req.counters.as_dict(), **t} for req, t in zip(requests, timings, strict=True)],
-        logprobs=None
-        if all(req.logprobs is None for req in requests)
-        else [None if req.logprobs is None else req.token_logprobs for req in requests],
-    )
 
 
 def _rows_of(logprobs, index):

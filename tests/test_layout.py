@@ -341,7 +341,6 @@ OVERSIZE = {
     "mtp_jax.server.Server": 450,
     "mtp_jax.scheduler.Scheduler": 553,
     "mtp_jax.model.Model": 406,
-    "mtp_jax.scheduler.generate": 96,
 }
 
 
