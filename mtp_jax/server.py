@@ -156,6 +156,88 @@ def _grammar(body: Mapping) -> dict | None:
     )
 
 
+def request_settings(
+    body: Mapping,
+    *,
+    adapter: str | None,
+    model_name: str,
+    max_len: int,
+    default_max_tokens: int | None,
+    prompt_len: int,
+    chat: bool,
+    echo: bool = False,
+) -> dict:
+    """A completion or chat request's settings, checked (400 naming the field): its
+    :class:`~mtp_jax.SamplingParams` under "params", whether it generates (max_tokens 0 with echo
+    does not), ``n``, ``stream``, whether a seed was given, and the model name it answers as."""
+    room = max_len - prompt_len
+    if room < 1:
+        raise BadRequest(
+            f"the prompt has {prompt_len} tokens, beyond the engine's context of "
+            f"{max_len} tokens (prompt and completion together)",
+            param="messages" if "messages" in body else "prompt",
+        )
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(
+        body, name, int, room if default_max_tokens is None else min(default_max_tokens, room)
+    )
+    if max_tokens < (0 if echo else 1):
+        raise BadRequest(
+            f"max_tokens must be at least {0 if echo else 1}"
+            f"{'' if echo else ' (0 only with echo: the prompt scored alone)'}, got {max_tokens}",
+            param="max_tokens",
+        )
+    if prompt_len + max_tokens > max_len:
+        raise BadRequest(
+            f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it would reach "
+            f"{prompt_len + max_tokens}, beyond the engine's context of {max_len} tokens",
+            param="max_tokens",
+        )
+    kw: dict = {"max_new_tokens": max_tokens, "lora": adapter, "logprobs": _logprobs(body, chat)}
+    kw["temperature"] = _number(body, "temperature", float, 1.0)
+    kw["top_p"] = _number(body, "top_p", float, 1.0)
+    kw["top_k"] = _number(body, "top_k", int, 0)
+    if kw["top_k"] == -1:  # vLLM's spelling of "off"
+        kw["top_k"] = 0
+    kw["min_p"] = _number(body, "min_p", float, 0.0)
+    seed = body.get("seed")
+    kw["seed"] = secrets.randbelow(2**32) if seed is None else _number(body, "seed", int, 0)
+    kw["stop"] = body.get("stop")
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: benchmarks use it
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest(f"ignore_eos must be a boolean, got {ignore_eos!r}", param="ignore_eos")
+    kw["ignore_eos"] = ignore_eos
+    kw["grammar"] = _grammar(body)
+    salt = body.get("cache_salt")  # vLLM's extension: prefix-cache isolation between tenants
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest(f"cache_salt must be a non-empty string, got {salt!r}", param="cache_salt")
+    kw["cache_salt"] = salt
+    spec = body.get("speculation") or {}
+    if not isinstance(spec, Mapping) or set(spec) - set(SPECULATION_FIELDS):
+        raise BadRequest(
+            f"speculation must be an object with some of {SPECULATION_FIELDS}", param="speculation"
+        )
+    for name in SPECULATION_FIELDS:
+        if name in spec:
+            kw[name] = _number(spec, name, float if name == "relaxed_delta" else int, None)
+    n = _number(body, "n", int, 1)
+    if not 1 <= n <= 16:
+        raise BadRequest(f"n must be in [1, 16], got {n}", param="n")
+    if body.get("stream") not in (None, True, False):
+        raise BadRequest("stream must be a boolean", param="stream")
+    generate = max_tokens > 0
+    if not generate:
+        kw["max_new_tokens"] = 1  # a valid request; nothing is generated (see _handle)
+    return {
+        "params": SamplingParams(**kw),
+        "generate": generate,
+        "n": n,
+        "stream": bool(body.get("stream")),
+        "seed_given": seed is not None,
+        "model": adapter or model_name,
+    }
+
+
 class OpenAIFormat:
     """OpenAI's shapes of a response's choices and log-probabilities, token texts from ``codec``
     (the model's :class:`~mtp_jax.text.TextCodec`)."""
@@ -340,73 +422,14 @@ class Server:
     def _common(
         self, body: Mapping, default_max_tokens: int | None, prompt_len: int, chat: bool, echo: bool = False
     ) -> dict:
-        adapter = self._adapter(body)
-        room = self.engine.max_len - prompt_len
-        if room < 1:
-            raise BadRequest(
-                f"the prompt has {prompt_len} tokens, beyond the engine's context of "
-                f"{self.engine.max_len} tokens (prompt and completion together)",
-                param="messages" if "messages" in body else "prompt",
-            )
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(
-            body, name, int, room if default_max_tokens is None else min(default_max_tokens, room)
-        )
-        if max_tokens < (0 if echo else 1):
-            raise BadRequest(
-                f"max_tokens must be at least {0 if echo else 1}"
-                f"{'' if echo else ' (0 only with echo: the prompt scored alone)'}, got {max_tokens}",
-                param="max_tokens",
-            )
-        if prompt_len + max_tokens > self.engine.max_len:
-            raise BadRequest(
-                f"the prompt has {prompt_len} tokens; with max_tokens={max_tokens} it would reach "
-                f"{prompt_len + max_tokens}, beyond the engine's context of {self.engine.max_len} tokens",
-                param="max_tokens",
-            )
-        kw: dict = {"max_new_tokens": max_tokens, "lora": adapter, "logprobs": _logprobs(body, chat)}
-        kw["temperature"] = _number(body, "temperature", float, 1.0)
-        kw["top_p"] = _number(body, "top_p", float, 1.0)
-        kw["top_k"] = _number(body, "top_k", int, 0)
-        if kw["top_k"] == -1:  # vLLM's spelling of "off"
-            kw["top_k"] = 0
-        kw["min_p"] = _number(body, "min_p", float, 0.0)
-        seed = body.get("seed")
-        kw["seed"] = secrets.randbelow(2**32) if seed is None else _number(body, "seed", int, 0)
-        kw["stop"] = body.get("stop")
-        ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: benchmarks use it
-        if not isinstance(ignore_eos, bool):
-            raise BadRequest(f"ignore_eos must be a boolean, got {ignore_eos!r}", param="ignore_eos")
-        kw["ignore_eos"] = ignore_eos
-        kw["grammar"] = _grammar(body)
-        salt = body.get("cache_salt")  # vLLM's extension: prefix-cache isolation between tenants
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise BadRequest(f"cache_salt must be a non-empty string, got {salt!r}", param="cache_salt")
-        kw["cache_salt"] = salt
-        spec = body.get("speculation") or {}
-        if not isinstance(spec, Mapping) or set(spec) - set(SPECULATION_FIELDS):
-            raise BadRequest(
-                f"speculation must be an object with some of {SPECULATION_FIELDS}", param="speculation"
-            )
-        for name in SPECULATION_FIELDS:
-            if name in spec:
-                kw[name] = _number(spec, name, float if name == "relaxed_delta" else int, None)
-        n = _number(body, "n", int, 1)
-        if not 1 <= n <= 16:
-            raise BadRequest(f"n must be in [1, 16], got {n}", param="n")
-        if body.get("stream") not in (None, True, False):
-            raise BadRequest("stream must be a boolean", param="stream")
-        generate = max_tokens > 0
-        if not generate:
-            kw["max_new_tokens"] = 1  # a valid request; nothing is generated (see _handle)
-        return {
-            "params": SamplingParams(**kw),
-            "generate": generate,
-            "n": n,
-            "stream": bool(body.get("stream")),
-            "seed_given": seed is not None,
-            "model": adapter or self.model_name,
+        sizes = {
+            "max_len": self.engine.max_len,
+            "default_max_tokens": default_max_tokens,
+            "prompt_len": prompt_len,
         }
+        return request_settings(
+            body, adapter=self._adapter(body), model_name=self.model_name, chat=chat, echo=echo, **sizes
+        )
 
     def _submit(self, prompt, parsed: dict) -> list[RequestHandle]:
         handles = []
