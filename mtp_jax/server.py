@@ -266,9 +266,10 @@ class OpenAIFormat:
         choices = []
         for i, r in enumerate(records):
             logprobs = None
-            if n_top is not None:
-                pairs = (prompt_entries or []) + [(e.token, e) for e in r["entries"]]
-                logprobs, _ = self.completion_logprobs(pairs, 0)
+            if n_top is not None:  # the completion's offsets start where the echoed text ends, as streamed
+                logprobs, _ = self.completion_logprobs(prompt_entries or [], 0)
+                own, _ = self.completion_logprobs([(e.token, e) for e in r["entries"]], len(echoed))
+                logprobs = {key: logprobs[key] + own[key] for key in logprobs}
             choice = {"index": i, "text": echoed + (r["text"] or ""), "finish_reason": r["finish_reason"]}
             choices.append({**choice, "logprobs": logprobs, "speculation": r["spec"]})
         return choices

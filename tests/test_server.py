@@ -207,6 +207,9 @@ def test_logprobs_through_the_api_equal_offline_plain_decodings(served, client):
     assert "".join(p.text for p in pieces) == both.choices[0].text  # the echoed prompt comes first
     logprobs = [p.logprobs for p in pieces if p.logprobs]
     assert [t for lp in logprobs for t in lp.tokens] == both.choices[0].logprobs.tokens
+    offsets = both.choices[0].logprobs.text_offset
+    assert [o for lp in logprobs for o in lp.text_offset] == offsets
+    assert offsets[len(ids)] == len(r.choices[0].text)  # the completion starts where the echoed text ends
 
 
 def test_json_schema_response_format(client):
