@@ -420,18 +420,6 @@ class Server:
                 param=param,
             )
 
-    def _common(
-        self, body: Mapping, default_max_tokens: int | None, prompt_len: int, chat: bool, echo: bool = False
-    ) -> dict:
-        sizes = {
-            "max_len": self.engine.max_len,
-            "default_max_tokens": default_max_tokens,
-            "prompt_len": prompt_len,
-        }
-        return request_settings(
-            body, adapter=self._adapter(body), model_name=self.model_name, chat=chat, echo=echo, **sizes
-        )
-
     def _submit(self, prompt, parsed: dict) -> list[RequestHandle]:
         handles = []
         try:
@@ -569,7 +557,17 @@ class Server:
             echo = body.get("echo", False)
             if echo not in (True, False) or (chat and echo):
                 raise BadRequest("echo must be a boolean (completions only)", param="echo")
-            parsed = self._common(body, None if chat else 16, len(prompt), chat, echo)
+            sizes = {"max_len": self.engine.max_len, "default_max_tokens": None if chat else 16}
+            adapter = self._adapter(body)
+            parsed = request_settings(
+                body,
+                adapter=adapter,
+                model_name=self.model_name,
+                prompt_len=len(prompt),
+                chat=chat,
+                echo=echo,
+                **sizes,
+            )
             n_top = parsed["params"].logprobs
             prompt_entries = None
             if echo and n_top is not None:  # the prompt's own log-probabilities, scored by the engine
