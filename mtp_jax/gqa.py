@@ -37,14 +37,20 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, t, kv_heads, h // kv_heads, d)
 
 
+def _softmax(scores: jax.Array, visible: jax.Array, dtype, axis: int = -1) -> jax.Array:
+    """softmax over the key axis ``axis`` of float32 ``scores`` where ``visible`` (broadcastable),
+    cast to ``dtype``; rows that see no key get all-zero probabilities (no NaN)."""
+    scores = jnp.where(visible, scores, NEG_INF)
+    m = jnp.max(scores, axis=axis, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+    denom = jnp.sum(p, axis=axis, keepdims=True)
+    return (p / jnp.where(denom > 0, denom, 1.0)).astype(dtype)
+
+
 def _softmax_values(scores: jax.Array, visible: jax.Array, values: jax.Array, dtype) -> jax.Array:
     """softmax(scores) @ values over the key axis; scores [b, t, k, g, s] float32, visible
     broadcastable to it, values [b, s, k, d]. Rows that see no key output zeros."""
-    scores = jnp.where(visible, scores, NEG_INF)
-    m = jnp.max(scores, axis=-1, keepdims=True)
-    p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    probs = (p / jnp.where(denom > 0, denom, 1.0)).astype(dtype)
+    probs = _softmax(scores, visible, dtype)
     out = jnp.einsum("btkgs,bskd->btkgd", probs, values.astype(dtype), preferred_element_type=jnp.float32)
     b, t, k, g, d = out.shape
     return out.reshape(b, t, k * g, d).astype(dtype)
@@ -119,19 +125,24 @@ def gqa_paged_reference(
     (so a NaN there never reaches the output through a zero probability)."""
     num_pages = k_pages.shape[-4]
     table = jnp.clip(page_table, 0, num_pages - 1)
-
-    def gather(pages: jax.Array) -> jax.Array:
-        seq = gather_pages(pages, table, layer)  # [b, n, page, Hkv, d]
-        return seq.reshape(seq.shape[0], -1, *seq.shape[3:])
-
-    keys, values = gather(k_pages), gather(v_pages)
-    key_pos = jnp.arange(keys.shape[1], dtype=positions.dtype)
+    # Head-major blocks [b, Hkv, s, d]: both products are plain batched matrix products over
+    # (row, KV head), each KV head's t x g queries against its keys, with no transpose of the
+    # gathered blocks (on a CPU 1.37x a 16-slot SmolLM2 step: docs/serving.md, "On a CPU").
+    keys = gather_pages(k_pages, table, layer, by_head=True)
+    values = gather_pages(v_pages, table, layer, by_head=True)
+    b, t, h, d = q.shape
+    kv_heads = keys.shape[1]
+    g = h // kv_heads
+    key_pos = jnp.arange(keys.shape[2], dtype=positions.dtype)
     visible = visible_keys(key_pos, positions, tree, window)  # [b, t, s]
-    seen = jnp.any(visible, axis=1)[:, :, None, None]
-    values = jnp.where(seen, values, 0)
-    qg = _grouped(q, keys.shape[2])
-    scores = jnp.einsum("btkgd,bskd->btkgs", qg, keys.astype(q.dtype), preferred_element_type=jnp.float32)
-    return _softmax_values(scores * scale, visible[:, :, None, None, :], values, q.dtype)
+    values = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], values, 0)
+    qh = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * g, d)
+    # Keys on the left (their rows are the product's long side) and scores [b, Hkv, s, t * g].
+    scores = jnp.einsum("bksd,bkqd->bksq", keys.astype(q.dtype), qh, preferred_element_type=jnp.float32)
+    seen = jnp.repeat(visible, g, axis=1).transpose(0, 2, 1)[:, None]  # [b, 1, s, t * g]
+    probs = _softmax(scores * scale, seen, q.dtype, axis=2)
+    out = jnp.einsum("bksq,bksd->bkqd", probs, values.astype(q.dtype), preferred_element_type=jnp.float32)
+    return out.reshape(b, kv_heads, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d).astype(q.dtype)
 
 
 def _paged_local(q, k, v, pages, slots, page_table, positions, scale, layer, tree=None, window=None):

@@ -22,15 +22,28 @@ is far more than the cache (2k tokens x 128 heads x 32k keys: 34 GB); per chunk 
 Decode blocks (K+1 tokens) fit in one chunk and take the reference directly."""
 
 
-def gather_pages(pages: jax.Array, table: jax.Array, layer: jax.Array | int | None = None) -> jax.Array:
+def gather_pages(
+    pages: jax.Array, table: jax.Array, layer: jax.Array | int | None = None, by_head: bool = False
+) -> jax.Array:
     """``pages[table]`` (pages [P, S, ...], table [B, N] -> [B, N, S, ...]), or
     ``pages[layer, table]`` for a stack [L, P, S, ...]. 16-bit caches are gathered as their bit
     patterns: XLA:CPU has no bfloat16 gather and would otherwise convert the whole pool, every
     layer's pages of every slot, to float32 on each read (at 8 slots x 4096 tokens of the tiny
-    model, 21.7 ms of a step against 0.3 ms). Indices must be in range."""
+    model, 21.7 ms of a step against 0.3 ms). Indices must be in range.
+
+    ``by_head``: pages [P, S, H, d] gathered head-major, [B, H, N * S, d], each head's keys
+    contiguous: the layout of a batched matrix product over (row, head), so an attention's products
+    need not transpose the gathered blocks (on a CPU that copying, not the arithmetic, was most of
+    the attention's time)."""
     bits = pages.dtype.itemsize == 2
     src = jax.lax.bitcast_convert_type(pages, jnp.uint16) if bits else pages
-    out = src[table] if layer is None else src[layer, table]
+    index = (table,)
+    if by_head:
+        index = (table[:, None, :], slice(None), jnp.arange(src.shape[-2])[None, :, None])
+    out = src[index] if layer is None else src[(layer, *index)]
+    if by_head:
+        b, h, n, s, d = out.shape  # the advanced indices' dimensions [B, H, N] come first
+        out = out.reshape(b, h, n * s, d)
     return jax.lax.bitcast_convert_type(out, pages.dtype) if bits else out
 
 
