@@ -9,7 +9,7 @@ dequantised weights (each through its own GGUF reader); llama.cpp (``llama-cpp-p
 from source, a benchmark-only peer) runs the GGUF as shipped (Q4_1) and an F32 GGUF of the same
 weights written here with the ``gguf`` package (``--f32-gguf``).
 
-Prompts: the held-out chat and code prompts of ``scripts/distill_data.py`` (never trained on),
+Prompts: the held-out chat and code prompts of ``scripts/distill.py`` (never trained on),
 and with ``--kinds edit`` requests whose reply repeats the input (a held-out function returned
 whole with a docstring added), rendered with the model's chat template; every engine gets the same
 token ids and generates ``--new-tokens`` tokens past any end of turn. Rates are end to end
@@ -48,16 +48,16 @@ KINDS = ("chat", "code", "edit")
 
 
 def prompt_ids(codec, per_kind: int, kinds: tuple[str, ...] = ("chat", "code")) -> dict[str, list[list[int]]]:
-    """Held-out prompts by kind ("chat", "code": :func:`distill_data.heldout_prompts`; "edit": a
+    """Held-out prompts by kind ("chat", "code": :func:`distill.heldout_prompts`; "edit": a
     function to return whole with a docstring added, output that repeats the input,
-    :func:`distill_data.edit_prompts`), as chat-rendered token ids (a model without a chat
+    :func:`distill.edit_prompts`), as chat-rendered token ids (a model without a chat
     template, a base model, gets the prompt's text as a completion)."""
-    import distill_data
+    from mtp_jax.train import distill
 
     out: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
-    found = distill_data.heldout_prompts(per_kind) if {"chat", "code"} & set(kinds) else []
+    found = distill.heldout_prompts(per_kind) if {"chat", "code"} & set(kinds) else []
     if "edit" in kinds:
-        found += distill_data.edit_prompts(per_kind)
+        found += distill.edit_prompts(per_kind)
     for p in found:
         if p["kind"] in out:
             if codec.chat_template is None:  # a base model (Gemma 3 270M): the prompt as a completion

@@ -1,5 +1,5 @@
 """Build a self-distillation corpus for a target's drafts: prompts from ShareGPT (chat),
-reasoning-gym (math) and the standard library (code, scripts/distill_data.py's training prompts),
+reasoning-gym (math) and the standard library (code, mtp_jax/train/distill.py's training prompts),
 decontaminated against mtp_jax/evalsets, answered by the target itself (mtp_jax.train).
 
 Resumable: rerun the same command and it goes on from the shards already written.
@@ -15,8 +15,6 @@ import os
 import shlex
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,14 +79,13 @@ def main() -> int:
     def encode(texts: list[str]) -> list[list[int]]:
         return [e.ids for e in codec.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
-    from distill_data import build_prompts  # the standard-library prompts; held-out ones never used
+    from mtp_jax.train.distill import build_prompts  # the standard-library prompts; held-out ones never used
 
     train, _ = build_prompts()
     chat, chat_record = chat_prompts()
     math, math_record = math_prompts(args.math_count, seed=args.seed + 1000)
-    code, code_record = code_prompts(
-        (q["text"] for q in train), origin="scripts/distill_data.py training prompts (held-out excluded)"
-    )
+    origin = "scripts/distill_data.py training prompts (held-out excluded)"  # the label the corpus began with
+    code, code_record = code_prompts((q["text"] for q in train), origin=origin)
     decontaminator = Decontaminator(evalsets.read_all(), encode)
     plan = build_plan(
         {"chat": chat, "math": math, "code": code},

@@ -38,23 +38,6 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import target_cache  # noqa: E402
-from train_eagle3 import (  # noqa: E402  (the run against a frozen target)
-    acceptance_setup,
-    add_run_arguments,
-    attach_target_cache,
-    bf16_rounded,
-    data_sentence,
-    draft_vocabulary,
-    keep_vocabulary,
-    own_text_clause,
-    report_for,
-    run_training,
-    ship,
-    start_run,
-    usage_line,
-)
-from train_tiny import BOS, EOS, make_optimizer, rewrite_card  # noqa: E402
 
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader  # noqa: E402
 from mtp_jax.config import ModelConfig  # noqa: E402
@@ -66,6 +49,27 @@ from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors  # noqa: E402
 from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets import target_for  # noqa: E402
 from mtp_jax.targets.base import head_logits, lm_head  # noqa: E402
+from mtp_jax.train import target_cache  # noqa: E402
+from mtp_jax.train.cards import (  # noqa: E402
+    acceptance_setup,
+    data_sentence,
+    own_text_clause,
+    rewrite_card,
+    usage_line,
+)
+from mtp_jax.train.data import BOS, EOS  # noqa: E402
+from mtp_jax.train.frozen import (  # noqa: E402
+    add_run_arguments,
+    attach_target_cache,
+    bf16_rounded,
+    draft_vocabulary,
+    keep_vocabulary,
+    report_for,
+    run_training,
+    ship,
+    start_run,
+)
+from mtp_jax.train.loop import make_optimizer  # noqa: E402
 
 PAD = 2  # <|pad|> of the embedded models' tokenizer: the mask token
 

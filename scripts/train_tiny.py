@@ -57,31 +57,23 @@ card and ``eval.json`` with the held-out numbers that the tests check), atomical
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import json
 import math
 import os
 import platform
 import shutil
 import sys
-import sysconfig
 import tempfile
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
-from mtp_jax.checkpoint.formats import checkpoint_format
-from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.config import ModelConfig, parse_config
 from mtp_jax.drafts.mtp.draft import mtp_chain_teacher_forced
 from mtp_jax.export import hub_tensors_from_params
@@ -93,12 +85,23 @@ from mtp_jax.targets.deepseek_v3.model import forward
 from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
 from mtp_jax.targets.llama.config import Llama3Config
 from mtp_jax.targets.llama.synthetic import llama_hub_tensors
+from mtp_jax.train import cards
+from mtp_jax.train.cards import ACCEPTANCE_TOKENS
+from mtp_jax.train.data import (
+    BOS,
+    EOS,
+    SPECIAL,
+    continuations_path,
+    data_report,
+    load_or_make_continuations,
+    read_text,
+    stdlib_modules,
+    token_stream,
+    train_tokenizer,
+)
+from mtp_jax.train.frozen import load_params
+from mtp_jax.train.loop import make_optimizer, run_report, train_loop
 
-SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>"]
-BOS, EOS = 0, 1
-SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3", "turtledemo"}
-HELDOUT_PERCENT = 5
-ACCEPTANCE_TOKENS = 64  # new tokens per held-out prompt when acceptance is measured (drafts compare)
 MTP_WEIGHT = 0.3  # λ of the DeepSeek-V3 report for the first 10T tokens
 BIAS_RATE = 0.001  # γ of the DeepSeek-V3 report
 # Chained MTP level j is weighted REACH^(j-1) (normalised): about the chance that decoding gets as
@@ -193,144 +196,6 @@ def model_config(vocab_size: int, preset: str, arch: str = "deepseek_v3") -> dic
 # --- data -------------------------------------------------------------------------------------
 
 
-def stdlib_modules(max_files: int | None = None) -> tuple[str, list[str], list[str]]:
-    """(stdlib root, train paths, held-out paths), relative to the root, in a fixed order."""
-    root = sysconfig.get_paths()["stdlib"]
-    paths = []
-    for d, dirs, files in os.walk(root):
-        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS)
-        paths += [os.path.relpath(os.path.join(d, f), root) for f in sorted(files) if f.endswith(".py")]
-    if not paths:
-        raise SystemExit(f"no .py files under the standard library at {root}")
-    if max_files:
-        paths = paths[:max_files]
-
-    def heldout(rel: str) -> bool:
-        return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100 < HELDOUT_PERCENT
-
-    train = [p for p in paths if not heldout(p)]
-    held = [p for p in paths if heldout(p)]
-    if not held:  # tiny smoke slices: still hold one module out
-        held = [train.pop()]
-    return root, train, held
-
-
-def read_text(root: str, rel: str) -> str:
-    with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
-        return f.read()
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer, length=len(texts))
-    if tok.get_vocab_size() != vocab_size:
-        raise SystemExit(f"tokenizer has {tok.get_vocab_size()} tokens, expected {vocab_size}")
-    # every text the models see starts with <|bos|>: the tokenizer's own rule, as transformers reads it
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{SPECIAL[BOS]} $A",
-        pair=f"{SPECIAL[BOS]} $A {SPECIAL[BOS]} $B",
-        special_tokens=[(SPECIAL[BOS], BOS)],
-    )
-    return tok
-
-
-def token_stream(tok: Tokenizer, texts: list[str]) -> np.ndarray:
-    """All documents as one int32 stream: <|bos|> doc <|eos|> <|bos|> doc <|eos|> ..."""
-    parts = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
-        parts.append(np.asarray([BOS, *enc.ids, EOS], dtype=np.int32))
-    return np.concatenate(parts)
-
-
-def window_starts(size: int, seed: int, step: int, batch: int, length: int) -> np.ndarray:
-    """Offsets [batch] of step ``step``'s windows of ``length`` tokens in a stream of ``size``,
-    drawn from (seed, step): resumable."""
-    return np.random.default_rng([seed, step]).integers(0, size - length, batch)
-
-
-def batch_at(stream: np.ndarray, seed: int, step: int, batch: int, length: int) -> np.ndarray:
-    """Windows [batch, length] of the stream at offsets drawn from (seed, step): resumable."""
-    return np.stack([stream[s : s + length] for s in window_starts(len(stream), seed, step, batch, length)])
-
-
-def own_continuations(
-    cfg: ModelConfig,
-    params: dict,
-    stream: np.ndarray,
-    count: int,
-    length: int,
-    seed: int,
-    num_speculative_tokens: int = 3,
-) -> np.ndarray:
-    """[count, length] windows of the main model's own text: a prompt of 16..length/4 tokens from
-    the train stream, continued greedily by the model (EOS does not stop it, as in the benchmark),
-    in batches of 64, speculatively with its MTP draft (greedy output is plain decoding's; 0 =
-    plain decoding, about as fast at that batch on a CPU).
-
-    At temperature 0 the tokens a draft is scored on are the target's own greedy choices, not
-    the training text's, so a draft trained on these windows sees the contexts it is used in
-    (on-policy distillation data)."""
-    from mtp_jax.model import Model
-
-    rng = np.random.default_rng([seed, 7])
-    cut = rng.integers(16, max(17, length // 4) + 1, count)
-    starts = rng.integers(0, len(stream) - length, count)
-    prompts = [stream[s : s + c].tolist() for s, c in zip(starts, cut, strict=True)]
-    model = Model(cfg, params, dtype="float32", eos_token_ids=[EOS])
-    out = np.zeros((count, length), np.int32)
-    t0, chunk, made = time.perf_counter(), 256, 0
-    for i in range(0, count, chunk):
-        part = prompts[i : i + chunk]
-        result = model.generate(
-            part,
-            max_new_tokens=length - min(map(len, part)),
-            draft="mtp" if num_speculative_tokens else None,
-            num_speculative_tokens=num_speculative_tokens or None,
-            ignore_eos=True,
-            max_batch=64,
-        )
-        for j, (p, new) in enumerate(zip(part, result.tokens, strict=True)):
-            out[i + j] = (p + new)[:length]
-        made += sum(map(len, result.tokens))
-        done = min(i + chunk, count)
-        rate = made / (time.perf_counter() - t0)
-        print(f"own continuations: {done}/{count} windows ({rate:,.0f} new tok/s)", file=sys.stderr)
-    return out
-
-
-def continuations_path(workdir: str, count: int, length: int, seed: int) -> str:
-    return f"{workdir}.continuations-{count}x{length}-seed{seed}.npy"
-
-
-def load_or_make_continuations(
-    workdir: str,
-    cfg: ModelConfig,
-    params: dict,
-    stream: np.ndarray,
-    count: int,
-    length: int,
-    seed: int,
-    num_speculative_tokens: int = 3,
-) -> np.ndarray:
-    """:func:`own_continuations`, kept beside the training state so a resumed run reuses them."""
-    path = continuations_path(workdir, count, length, seed)
-    if os.path.isfile(path):
-        return np.load(path)
-    data = own_continuations(cfg, params, stream, count, length, seed, num_speculative_tokens)
-    tmp = path + f".tmp-{os.getpid()}.npy"
-    np.save(tmp, data)
-    os.replace(tmp, path)
-    return data
-
-
 # --- model ------------------------------------------------------------------------------------
 
 
@@ -365,11 +230,6 @@ def init_params(cfg: ModelConfig, config: dict, seed: int) -> dict:
         path = os.path.join(tmp, "init")
         write_hub_checkpoint(path, config, init_hub_tensors(cfg, seed))
         return load_params(path, cfg)
-
-
-def load_params(path: str, cfg: ModelConfig) -> dict:
-    """The checkpoint at ``path`` as float32 parameters, read strictly."""
-    return checkpoint_format(cfg).load_params(CheckpointReader(path), cfg, jnp.float32, strict=True)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -460,143 +320,7 @@ def _with_bias(stack: dict, bias: jax.Array) -> dict:
     return {**stack, "mlp": {**stack["mlp"], "bias": bias}}
 
 
-def decay_mask(params: dict) -> dict:
-    """Weight decay on projections, embeddings and routers; never on norms or correction biases."""
-
-    def keep(path, _) -> bool:
-        name = str(path[-1].key)
-        return not (name.endswith("norm") or name == "bias")
-
-    return jax.tree_util.tree_map_with_path(keep, params)
-
-
-def make_optimizer(args: argparse.Namespace, params: dict) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.lr, min(args.warmup, max(args.steps - 1, 1)), max(args.steps, 2), args.lr * 0.1
-    )
-    frozen = jax.tree_util.tree_map_with_path(lambda p, _: str(p[-1].key) == "bias", params)
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask(params)),
-        optax.masked(optax.set_to_zero(), frozen),  # correction biases move only by balance_bias
-    )
-
-
 # --- the run ----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Meter:
-    """A one-line progress display: step, loss, the draft's loss and agreement, tokens/s, ETA."""
-
-    total: int
-    tokens_per_step: int
-    start: float = dataclasses.field(default_factory=time.perf_counter)
-    first_step: int = 0
-    tty: bool = dataclasses.field(default_factory=lambda: sys.stderr.isatty())
-    last: float = -math.inf
-    name: str = "mtp"
-    """What the draft is called on the line."""
-    recent: deque = dataclasses.field(default_factory=lambda: deque(maxlen=21))
-    """(step, time) of the last steps: the rate and ETA are over these, not since the start (a
-    long run's early steps, compiles or a busy machine would skew them for hours)."""
-
-    def show(self, step: int, aux: dict, force: bool = False) -> None:
-        now = time.perf_counter()
-        if not self.recent:
-            self.recent.append((self.first_step, self.start))
-        self.recent.append((step, now))
-        if not (self.tty or force or now - self.last >= 10):
-            return
-        self.last = now
-        step0, t0 = self.recent[0]
-        rate = (step - step0) * self.tokens_per_step / max(now - t0, 1e-9)
-        eta = (self.total - step) * self.tokens_per_step / rate if rate else math.inf
-        frac = step / self.total
-        bar = "#" * int(20 * frac) + "." * (20 - int(20 * frac))
-        draft = ""
-        if "level_agreement" in aux:
-            agree = "/".join(f"{a:.2f}" for a in aux["level_agreement"])
-            loss = f" {aux['mtp_loss']:.3f}" if "mtp_loss" in aux else ""
-            draft = f"{self.name}{loss} agree {agree} "
-        line = (
-            f"train [{bar}] step {step}/{self.total} loss {aux['loss']:.3f} {draft}"
-            f"{rate:,.0f} tok/s ETA {eta / 60:.1f} min"
-        )
-        sys.stderr.write(("\r\033[K" + line) if self.tty else line + "\n")
-        sys.stderr.flush()
-
-
-def training_window(
-    args: argparse.Namespace, stream: np.ndarray, own_windows: np.ndarray | None, step: int
-) -> np.ndarray:
-    """Step ``step``'s batch [batch, seq + 1]: windows of the stream at offsets drawn from (seed,
-    step), the last ``own_text`` fraction picked from ``own_windows`` (the model's own text)."""
-    own = 0 if own_windows is None else round(args.own_text * args.batch)
-    window = batch_at(stream, args.seed, step, args.batch - own, args.seq + 1)
-    if own:
-        pick = np.random.default_rng([args.seed, step, 1]).integers(0, len(own_windows), own)
-        window = np.concatenate([window, own_windows[pick]])
-    return window
-
-
-def train_loop(
-    args: argparse.Namespace,
-    workdir: str,
-    state: dict,
-    step_fn: Callable[[dict, jax.Array], tuple[dict, dict]],
-    stream: np.ndarray,
-    own_windows: np.ndarray | None,
-    name: str = "mtp",
-    warm: Callable[[dict], tuple[dict, int] | None] | None = None,
-    on_save: Callable[[dict, int], None] | None = None,
-    batch_for: Callable[[int], Any] | None = None,
-) -> tuple[dict, dict | None, int, float] | None:
-    """The resumable training loop: ``state`` (a dict of pytrees, e.g. parameters and optimizer
-    state) restored from the latest orbax save in ``workdir`` when there is one, then
-    ``state, aux = step_fn(state, window)`` for the remaining steps (``--stop-after`` of them at
-    most) with the progress line, saved every ``--save-every`` steps and at the end of the run.
-    Returns (state, the last step's aux or None, the step this run started at, seconds), or None
-    when the run stopped before ``--steps`` (rerun to resume).
-
-    With no saved state in ``workdir``, ``warm(state)`` may supply a (state, step) to start from
-    instead (weights kept somewhere that outlives this machine); ``on_save(state, step)`` runs at
-    every save. ``batch_for(step)`` makes a step's batch (default: :func:`training_window`'s
-    windows)."""
-    manager = ocp.CheckpointManager(workdir, options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
-    start = 0
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = dict(manager.restore(start, args=ocp.args.StandardRestore(abstract)))
-        print(f"resuming from step {start} in {workdir}", file=sys.stderr)
-    elif warm is not None and (found := warm(state)) is not None:
-        state, start = found
-    meter = Meter(args.steps, args.batch * args.seq, first_step=start, name=name)
-    aux = None
-    end = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
-    for step in range(start, end):
-        if batch_for is None:
-            batch = jnp.asarray(training_window(args, stream, own_windows, step))
-        else:
-            batch = batch_for(step)
-        state, aux = step_fn(state, batch)
-        if not np.isfinite(float(aux["loss"])):
-            raise SystemExit(f"loss is {float(aux['loss'])} at step {step}; lower --lr")
-        shown = ("loss", "mtp_loss", "mtp_agreement", "level_agreement")
-        stats = {k: np.asarray(aux[k]).tolist() for k in shown if k in aux}
-        meter.show(step + 1, stats, force=step + 1 == args.steps)
-        if (step + 1) % args.save_every == 0 or step + 1 == end:
-            manager.save(step + 1, args=ocp.args.StandardSave(state))
-            if on_save is not None:
-                on_save(state, step + 1)
-    manager.wait_until_finished()
-    if end < args.steps:
-        print(f"stopped after step {end}; rerun the same command to resume from {workdir}", file=sys.stderr)
-        return None
-    if meter.tty:
-        sys.stderr.write("\n")
-    return state, aux, start, time.perf_counter() - meter.start
 
 
 def evaluate(params: dict, cfg: ModelConfig, stream: np.ndarray, length: int, count: int, depth: int) -> dict:
@@ -868,32 +592,6 @@ def main() -> int:
     return 0
 
 
-def data_report(train_files: list[str], held_files: list[str], train: np.ndarray, held: np.ndarray) -> dict:
-    """eval.json's account of the data: the split and its token counts."""
-    return {
-        "source": "Python standard library source code (.py files; tests, demos, site-packages excluded)",
-        "python": platform.python_version(),
-        "train_modules": len(train_files),
-        "heldout_modules": len(held_files),
-        "heldout_percent": HELDOUT_PERCENT,
-        "train_tokens": int(len(train)),
-        "heldout_tokens": int(len(held)),
-    }
-
-
-def run_report(args: argparse.Namespace) -> dict:
-    """eval.json's account of the optimisation every training script shares."""
-    return {
-        "steps": args.steps,
-        "batch": args.batch,
-        "seq": args.seq,
-        "tokens_seen": args.steps * args.batch * args.seq,
-        "lr": args.lr,
-        "warmup": args.warmup,
-        "seed": args.seed,
-    }
-
-
 def snippet(tok: Tokenizer, held_texts: list[str], tokens: int = 256) -> str:
     """A held-out passage of about ``tokens`` tokens, cut at line ends, for the perplexity test."""
     text = max(held_texts, key=len)
@@ -981,18 +679,8 @@ def write_checkpoint(
 
 
 def rewrite_card(directory: str, render: Callable[[dict, dict], str] | None = None) -> None:
-    """Re-render a trained checkpoint's model card from its config.json and eval.json with
-    ``render(config, report)`` (default: this script's cards)."""
-    render = render or card_for
-    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    with open(os.path.join(directory, "eval.json"), encoding="utf-8") as f:
-        report = json.load(f)
-    tmp = os.path.join(directory, f".README.md.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(render(config, report))
-    os.replace(tmp, os.path.join(directory, "README.md"))
-    print(f"rewrote {directory}/README.md", file=sys.stderr)
+    """:func:`mtp_jax.train.cards.rewrite_card` with this script's cards by default."""
+    cards.rewrite_card(directory, render or card_for)
 
 
 def card_for(config: dict, report: dict) -> str:

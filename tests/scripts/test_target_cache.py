@@ -1,7 +1,8 @@
-"""scripts/target_cache.py: the frozen target's features and teacher, computed once for draft
-training. With every token kept and float32 features a draft's losses from the cache equal those
-from the live target; the truncated teacher's arithmetic; a killed build resumes to the same bytes;
-a cache of something else is refused; an end-to-end run trains from one."""
+"""mtp_jax.train.target_cache as the draft-training scripts use it: the frozen target's features and
+teacher, computed once for draft training. With every token kept and float32 features a draft's
+losses from the cache equal those from the live target; the truncated teacher's arithmetic; a
+killed build resumes to the same bytes; a cache of something else is refused; an end-to-end run
+trains from one."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax.train import target_cache
+from mtp_jax.train.frozen import load_params
 from tests.conftest import REPO
 from tests.scripts.test_train_tiny import finish, import_script
 
@@ -28,19 +31,17 @@ SCRIPTS = os.path.join(REPO, "scripts")
 def scripts():
     eagle3 = import_script(os.path.join(SCRIPTS, "train_eagle3.py"))
     dflash = import_script(os.path.join(SCRIPTS, "train_dflash.py"))
-    cache = import_script(os.path.join(SCRIPTS, "target_cache.py"))
-    return eagle3, dflash, cache
+    return eagle3, dflash, target_cache
 
 
 @pytest.fixture(scope="module")
-def llama(scripts):
+def llama():
     from mtp_jax.config import parse_config
 
-    eagle3 = scripts[0]
     with open(os.path.join(LLAMA, "config.json")) as f:
         raw = json.load(f)
     cfg = parse_config(raw)
-    return raw, cfg, eagle3.load_params(LLAMA, cfg)
+    return raw, cfg, load_params(LLAMA, cfg)
 
 
 def build_for(cache, tmp, cfg, params, capture, features, stream, **kw):

@@ -17,6 +17,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.train.frozen import load_params
 from tests.conftest import EMBEDDED_MODEL, REPO
 from tests.scripts.test_train_tiny import finish, import_script
 
@@ -86,7 +87,7 @@ def small_draft():
     with open(os.path.join(LLAMA, "config.json")) as f:
         target_raw = json.load(f)
     cfg = parse_config(target_raw)
-    params = sys.modules["train_tiny"].load_params(LLAMA, cfg)
+    params = load_params(LLAMA, cfg)
     raw = script.draft_config(target_raw, cfg, 1, [-1, 1], 4, 2, 8, "rnn", True)
     dcfg, tree = script.init_draft(raw, cfg, params, seed=1)
     rng = np.random.default_rng(0)
@@ -187,7 +188,7 @@ def test_the_draft_it_builds_for_a_deepseek_target_loads():
         target_raw = json.load(f)
     cfg = parse_config(target_raw)
     raw = script.draft_config(target_raw, cfg, 2, [0, 6], 7, 2, 16, "gated", True)
-    params = sys.modules["train_tiny"].load_params(EMBEDDED_MODEL, cfg)
+    params = load_params(EMBEDDED_MODEL, cfg)
     dcfg, tree = script.init_draft(raw, cfg, params, seed=0)
     assert raw["model_type"] == "qwen3" and dcfg.capture == (0, 6) and dcfg.block_size == 7
     assert tree["markov"]["w1"].shape == (cfg.vocab_size, 16) and "gate" in tree["markov"]

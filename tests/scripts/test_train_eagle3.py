@@ -14,6 +14,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.train.frozen import load_params
 from tests.conftest import EMBEDDED_MODEL, REPO
 from tests.scripts.test_train_tiny import finish, import_script
 
@@ -85,7 +86,7 @@ def test_a_deepseek_target_gets_an_mla_draft_of_its_widths(tmp_path):
     with open(os.path.join(EMBEDDED_MODEL, "config.json")) as f:
         target_raw = json.load(f)
     cfg = parse_config(target_raw)
-    params = script.load_params(EMBEDDED_MODEL, cfg)
+    params = load_params(EMBEDDED_MODEL, cfg)
     ids = np.arange(0, cfg.vocab_size, 3, dtype=np.int32)
     raw = script.draft_config(
         target_raw, cfg, "mla", script.spread_layer_ids(cfg.num_hidden_layers), len(ids)
@@ -101,15 +102,6 @@ def test_a_deepseek_target_gets_an_mla_draft_of_its_widths(tmp_path):
 
 def load_script():
     return import_script(SCRIPT)
-
-
-def test_draft_vocabulary_is_the_most_frequent_tokens_ascending():
-    script = load_script()
-    streams = [np.array([5, 5, 5, 2, 2, 9, 7, 7, 7, 7]), np.array([[9, 9], [1, 1]])]
-    # counts: 7 -> 4, 5 -> 3, 9 -> 3, 2 -> 2, 1 -> 2; a tie keeps the lower id
-    np.testing.assert_array_equal(script.draft_vocabulary(streams, 10, 3), [5, 7, 9])
-    np.testing.assert_array_equal(script.draft_vocabulary(streams, 10, 4), [1, 5, 7, 9])
-    assert script.draft_vocabulary(streams, 10, 4).dtype == np.int32
 
 
 def test_layer_choice_is_the_usual_one_unless_it_repeats():

@@ -181,6 +181,89 @@ def _grow(path: str, meta: dict) -> None:
     _write_json(os.path.join(path, "meta.json"), meta)
 
 
+def _create(path: str, meta: dict) -> None:
+    """A new cache's files: zeroed memory-mapped arrays and progress, then meta.json last (its
+    presence means the files exist)."""
+    if os.path.exists(path) and os.listdir(path):
+        raise SystemExit(f"target cache {path} exists and is not a target cache (no meta.json)")
+    os.makedirs(path, exist_ok=True)
+    rows, k = meta["tokens"], meta["k"]
+    store = np.uint16 if meta["feature_dtype"] == "bfloat16" else np.float32
+    shapes = {
+        "features": ((rows, meta["feature_size"]), store),
+        "top_ids": ((rows, k), np.int32),
+        "top_logp": ((rows, k), np.float32),
+    }
+    for name, (shape, dtype) in shapes.items():
+        np.lib.format.open_memmap(os.path.join(path, f"{name}.npy"), "w+", dtype, shape).flush()
+    _write_json(os.path.join(path, "progress.json"), {"batches_done": 0})
+    _write_json(os.path.join(path, "meta.json"), meta)
+
+
+def _fill(
+    path: str,
+    forward: Callable[[dict, jax.Array], tuple[jax.Array, jax.Array]],
+    params: dict,
+    stream: np.ndarray,
+    batches: list[dict],
+    progress: dict,
+    offset: int,
+    stop_after: int | None,
+) -> bool:
+    """Compute the cache's rows batch by batch from the ``batches_done`` recorded in ``progress``
+    on, recording each finished batch; True when every batch is done (``stop_after``: at most that
+    many in this call)."""
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    k, feature_dtype = int(meta["k"]), meta["feature_dtype"]
+    progress_path = os.path.join(path, "progress.json")
+    done = int(progress["batches_done"])
+    arrays = {
+        n: np.load(os.path.join(path, f"{n}.npy"), mmap_mode="r+")
+        for n in ("features", "top_ids", "top_logp")
+    }
+
+    @jax.jit
+    def run(params: dict, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        feats, logp = forward(params, tokens)
+        top_logp, top_ids = jax.lax.top_k(logp.astype(jnp.float32), k)
+        return feats.astype(FEATURE_DTYPES[feature_dtype]), top_ids.astype(jnp.int32), top_logp
+
+    total = len(stream)
+    covered = offset + sum(b - a for batch in batches[:done] for a, b in batch["pieces"])
+    t0, first, last_print = time.perf_counter(), covered, 0.0
+    end = len(batches) if stop_after is None else min(len(batches), done + stop_after)
+    for i in range(done, end):
+        batch = batches[i]
+        tokens = np.zeros((batch["rows"], batch["length"]), np.int32)
+        for r, (a, b) in enumerate(batch["pieces"]):
+            tokens[r, : b - a] = stream[a:b]
+        feats, top_ids, top_logp = jax.device_get(run(params, jnp.asarray(tokens)))
+        if feature_dtype == "bfloat16":
+            feats = feats.view(np.uint16)
+        for r, (a, b) in enumerate(batch["pieces"]):
+            arrays["features"][a:b] = feats[r, : b - a]
+            arrays["top_ids"][a:b] = top_ids[r, : b - a]
+            arrays["top_logp"][a:b] = top_logp[r, : b - a]
+            covered += b - a
+        for a in arrays.values():
+            a.flush()
+        _write_json(progress_path, {**progress, "batches_done": i + 1})
+        now = time.perf_counter()
+        if now - last_print >= 10 or i + 1 == len(batches):
+            last_print = now
+            rate = (covered - first) / max(now - t0, 1e-9)
+            eta = (total - covered) / rate if rate else float("inf")
+            print(
+                f"target cache {path}: {covered:,}/{total:,} tokens, {rate:,.0f} tok/s, "
+                f"ETA {eta / 60:.1f} min",
+                file=sys.stderr,
+                flush=True,
+            )
+    del arrays
+    return end == len(batches)
+
+
 def build(
     path: str,
     *,
@@ -226,71 +309,17 @@ def build(
             _grow(path, meta)
         _check_meta(path, meta)
     else:
-        if os.path.exists(path) and os.listdir(path):
-            raise SystemExit(f"target cache {path} exists and is not a target cache (no meta.json)")
-        os.makedirs(path, exist_ok=True)
-        store = np.uint16 if feature_dtype == "bfloat16" else np.float32
-        shapes = {
-            "features": ((len(stream), feature_size), store),
-            "top_ids": ((len(stream), k), np.int32),
-            "top_logp": ((len(stream), k), np.float32),
-        }
-        for name, (shape, dtype) in shapes.items():
-            np.lib.format.open_memmap(os.path.join(path, f"{name}.npy"), "w+", dtype, shape).flush()
-        _write_json(progress_path, {"batches_done": 0})
-        _write_json(os.path.join(path, "meta.json"), meta)  # last: its presence means the files exist
+        _create(path, meta)
     with open(progress_path, encoding="utf-8") as f:
         progress = json.load(f)
     done, offset = int(progress["batches_done"]), int(progress.get("from", 0))
     pieces = segments(len(stream), None if starts is None else starts_arr, max_len)
     # the segments cover the whole stream; a grown cache computes those past what it had
     batches = plan_batches([(a, b) for a, b in pieces if a >= offset], bucket, max_len, token_budget)
-    if done < len(batches):
-        arrays = {
-            n: np.load(os.path.join(path, f"{n}.npy"), mmap_mode="r+")
-            for n in ("features", "top_ids", "top_logp")
-        }
-
-        @jax.jit
-        def run(params: dict, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-            feats, logp = forward(params, tokens)
-            top_logp, top_ids = jax.lax.top_k(logp.astype(jnp.float32), k)
-            return feats.astype(FEATURE_DTYPES[feature_dtype]), top_ids.astype(jnp.int32), top_logp
-
-        total = len(stream)
-        covered = offset + sum(b - a for batch in batches[:done] for a, b in batch["pieces"])
-        t0, first, last_print = time.perf_counter(), covered, 0.0
-        end = len(batches) if stop_after is None else min(len(batches), done + stop_after)
-        for i in range(done, end):
-            batch = batches[i]
-            tokens = np.zeros((batch["rows"], batch["length"]), np.int32)
-            for r, (a, b) in enumerate(batch["pieces"]):
-                tokens[r, : b - a] = stream[a:b]
-            feats, top_ids, top_logp = jax.device_get(run(params, jnp.asarray(tokens)))
-            if feature_dtype == "bfloat16":
-                feats = feats.view(np.uint16)
-            for r, (a, b) in enumerate(batch["pieces"]):
-                arrays["features"][a:b] = feats[r, : b - a]
-                arrays["top_ids"][a:b] = top_ids[r, : b - a]
-                arrays["top_logp"][a:b] = top_logp[r, : b - a]
-                covered += b - a
-            for a in arrays.values():
-                a.flush()
-            _write_json(progress_path, {**progress, "batches_done": i + 1})
-            now = time.perf_counter()
-            if now - last_print >= 10 or i + 1 == len(batches):
-                last_print = now
-                rate = (covered - first) / max(now - t0, 1e-9)
-                eta = (total - covered) / rate if rate else float("inf")
-                print(
-                    f"target cache {path}: {covered:,}/{total:,} tokens, {rate:,.0f} tok/s, "
-                    f"ETA {eta / 60:.1f} min",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        del arrays
-        if end < len(batches):
-            return None
+    if done < len(batches) and not _fill(
+        path, forward, params, stream, batches, progress, offset, stop_after
+    ):
+        return None
     return TargetCache.open(path)
 
 

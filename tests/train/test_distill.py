@@ -1,20 +1,17 @@
-"""scripts/distill_data.py: the prompt sets a real model's drafts are trained and benchmarked on."""
+"""mtp_jax.train.distill: the prompt sets a real model's drafts are trained and benchmarked on."""
 
 from __future__ import annotations
 
 import ast
-import os
 
-from tests.conftest import REPO
-from tests.scripts.test_train_tiny import import_script
+from mtp_jax.train import data, distill
 
 
 def test_edit_prompts_are_held_out_functions_to_repeat_without_their_docstrings():
-    distill = import_script(os.path.join(REPO, "scripts", "distill_data.py"))
     prompts = distill.edit_prompts(5)
     assert len(prompts) == 5 and prompts == distill.edit_prompts(5)  # deterministic
-    root, _, held_files = distill.stdlib_modules()
-    held = "".join(distill.read_text(root, rel) for rel in held_files)  # never trained on
+    root, _, held_files = data.stdlib_modules()
+    held = "".join(data.read_text(root, rel) for rel in held_files)  # never trained on
     for p in prompts:
         assert p["kind"] == "edit"
         code = p["text"].split("```python\n", 1)[1].rsplit("\n```", 1)[0]
