@@ -212,8 +212,8 @@ def measure(prompts, args: argparse.Namespace, batch: int, configs: list[tuple])
 
 def run(args: argparse.Namespace) -> dict:
     import mtp_jax
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.drafts import DRAFTS
-    from mtp_jax.synthetic import write_hub_checkpoint
     from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
     from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors, oracle_draft_tensors
 

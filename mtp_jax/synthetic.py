@@ -3,63 +3,24 @@
 Each family and draft draws its own tensors in its folder (``targets/deepseek_v3/synthetic.py``:
 ``hub_tensors``, MTP layers included when the config asks for them; ``targets/llama/synthetic.py``;
 ``drafts/eagle3/synthetic.py``; ``drafts/dflash/synthetic.py``); this module writes them the way the
-hub does (``write_hub_checkpoint``: config.json plus one safetensors file, or several with a
-``model.safetensors.index.json``), quantises them to block FP8 as published checkpoints are, and
-writes LoRA adapters in peft's layout.
+hub does (:func:`mtp_jax.checkpoint.safetensors_io.write_hub_checkpoint`: config.json plus one
+safetensors file, or several with a ``model.safetensors.index.json``), quantises them to block FP8
+as published checkpoints are, and writes LoRA adapters in peft's layout.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from mtp_jax.checkpoint.safetensors_io import INDEX_NAME, save_safetensors
+from mtp_jax.checkpoint.safetensors_io import save_safetensors, write_hub_checkpoint
 
-
-def write_hub_checkpoint(
-    directory: str | os.PathLike[str],
-    config: Mapping[str, Any],
-    tensors: Mapping[str, np.ndarray],
-    *,
-    shards: int = 1,
-    extra_files: Mapping[str, str] | None = None,
-) -> None:
-    """Write config.json, the tensors (split over ``shards`` files with an index when > 1) and any
-    ``extra_files`` (name -> source path) into a new directory, atomically: everything goes to a
-    temporary sibling first, which is renamed into place at the end."""
-    directory = os.fspath(directory)
-    if os.path.exists(directory):
-        raise FileExistsError(f"refusing to overwrite existing checkpoint directory {directory}")
-    tmp = f"{directory}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(dict(config), f, indent=2)
-            f.write("\n")
-        keys = list(tensors)
-        if shards == 1:
-            save_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
-        else:
-            weight_map, total = {}, 0
-            for s, part in enumerate(np.array_split(np.arange(len(keys)), shards)):
-                name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-                chunk = {keys[j]: tensors[keys[j]] for j in part}
-                save_safetensors(os.path.join(tmp, name), chunk, {"format": "pt"})
-                weight_map.update({k: name for k in chunk})
-                total += sum(x.nbytes for x in chunk.values())
-            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, os.path.join(tmp, name))
-        os.replace(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+# write_hub_checkpoint lives in checkpoint/ (file I/O) and is still importable from here
+__all__ = ["is_quantized_in_hub", "quantize_fp8", "write_hub_checkpoint", "write_lora_adapter"]
 
 
 def is_quantized_in_hub(key: str) -> bool:

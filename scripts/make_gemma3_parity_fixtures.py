@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from make_llama_parity_fixtures import write_readme, write_reference  # noqa: E402
 
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint  # noqa: E402
 from mtp_jax.config import parse_config  # noqa: E402
-from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets.gemma3.synthetic import gemma3_hub_tensors  # noqa: E402
 
 BASE = {

@@ -33,8 +33,8 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint  # noqa: E402
 from mtp_jax.config import parse_config  # noqa: E402
-from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets.llama.synthetic import llama_hub_tensors  # noqa: E402
 
 BASE = {

@@ -18,7 +18,7 @@ import jax
 
 import mtp_jax
 import mtp_jax.scheduler as scheduler
-from mtp_jax.synthetic import write_hub_checkpoint
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from tests.conftest import TINY_CONFIG, oracle_tensors
 
 

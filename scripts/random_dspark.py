@@ -30,9 +30,9 @@ def main() -> int:
     import numpy as np
 
     import mtp_jax
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.drafts.dspark.config import DSparkConfig
     from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
 
     target = mtp_jax.load(args.target, "float32")
     cfg = target.config  # a Llama-family or DeepSeek-V3 target's parsed config (any checkpoint format)

@@ -74,10 +74,10 @@ import numpy as np
 import optax
 from tokenizers import Tokenizer
 
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from mtp_jax.config import ModelConfig, parse_config
 from mtp_jax.drafts.mtp.draft import mtp_chain_teacher_forced
 from mtp_jax.export import hub_tensors_from_params
-from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets import target_for
 from mtp_jax.targets.base import lm_head
 from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config

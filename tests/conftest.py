@@ -62,7 +62,7 @@ import pytest  # noqa: E402
 
 gc.set_threshold(20_000, 20, 20)  # see pytest_collection_finish
 
-from mtp_jax.synthetic import write_hub_checkpoint  # noqa: E402
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint  # noqa: E402
 from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config  # noqa: E402
 from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors, oracle_draft_tensors  # noqa: E402
 from tests import spawns  # noqa: E402

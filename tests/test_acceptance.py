@@ -32,12 +32,12 @@ import pytest
 
 import mtp_jax
 from mtp_jax import sampling
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from mtp_jax.drafts.dflash.config import DFlashConfig
 from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
 from mtp_jax.drafts.eagle3.config import Eagle3Config
 from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
 from mtp_jax.sampling import RowSampling
-from mtp_jax.synthetic import write_hub_checkpoint
 from tests.conftest import TINY_CONFIG, oracle_tensors
 
 accept_argmax = jax.jit(sampling.accept_argmax_drafts)

@@ -61,11 +61,11 @@ def test_bench_on_a_model_without_a_draft_times_plain_decoding(tmp_path, capsys)
     assert [(r["draft"], r["k"]) for r in json.loads(out.read_text())["results"]] == [(None, 0), ("ngram", 2)]
     capsys.readouterr()
     # with EAGLE-3 and DFlash drafts beside it, the draft method (and DFlash's block) is an axis
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.drafts.dflash.config import DFlashConfig
     from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
     from mtp_jax.drafts.eagle3.config import Eagle3Config
     from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
     from tests.drafts.test_dflash import DRAFT_A as DFLASH
     from tests.drafts.test_eagle3 import DRAFT_A, DRAFT_IDS
 
@@ -113,10 +113,10 @@ def test_bench_writes_the_speeds_of_the_confidence_scheduled_step(tmp_path, caps
     import os
 
     import mtp_jax
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.drafts.dspark.config import DSparkConfig
     from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
     from mtp_jax.schedule import SpsTable
-    from mtp_jax.synthetic import write_hub_checkpoint
     from tests.conftest import REPO
     from tests.drafts.test_dspark import DSPARK_A, _target_arrays
 

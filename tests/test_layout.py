@@ -264,7 +264,7 @@ def _family(module: str) -> str | None:
     if (
         len(parts) >= 3
         and parts[:2] in (["mtp_jax", "targets"], ["mtp_jax", "drafts"])
-        and parts[2] != "base"
+        and parts[2] not in ("base", "teacher")  # the seam and the teacher every draft trains on
     ):
         return ".".join(parts[:3])
     return None

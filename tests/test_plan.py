@@ -31,7 +31,8 @@ CHILD = textwrap.dedent(
     import mtp_jax
     from mtp_jax.estimate import per_device_memory
     from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
-    from mtp_jax.synthetic import quantize_fp8, write_hub_checkpoint
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
+    from mtp_jax.synthetic import quantize_fp8
     from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
     from mtp_jax.plan import abstract_params, plan, shard_bytes
     from mtp_jax.sharding import make_mesh

@@ -117,9 +117,9 @@ PROMPTS = [[5, 9, 17, 3], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [100], [8, 8,
 def dspark_model(tmp_path_factory):
     """The Llama test target with test_dspark's draft "a" (a Markov head, a confidence head)."""
     import mtp_jax
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.drafts.dspark.config import DSparkConfig
     from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
     from tests.drafts.test_dspark import DSPARK_A, _target_arrays
     from tests.drafts.test_eagle3 import TARGET
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -283,3 +285,44 @@ def save_safetensors(
         if os.path.exists(tmp):
             os.remove(tmp)
     return 8 + len(blob) + offset
+
+
+def write_hub_checkpoint(
+    directory: str | os.PathLike[str],
+    config: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray],
+    *,
+    shards: int = 1,
+    extra_files: Mapping[str, str] | None = None,
+) -> None:
+    """Write config.json, the tensors (split over ``shards`` files with an index when > 1) and any
+    ``extra_files`` (name -> source path) into a new directory, atomically: everything goes to a
+    temporary sibling first, which is renamed into place at the end."""
+    directory = os.fspath(directory)
+    if os.path.exists(directory):
+        raise FileExistsError(f"refusing to overwrite existing checkpoint directory {directory}")
+    tmp = f"{directory}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(config), f, indent=2)
+            f.write("\n")
+        keys = list(tensors)
+        if shards == 1:
+            save_safetensors(os.path.join(tmp, "model.safetensors"), tensors, {"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for s, part in enumerate(np.array_split(np.arange(len(keys)), shards)):
+                name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+                chunk = {keys[j]: tensors[keys[j]] for j in part}
+                save_safetensors(os.path.join(tmp, name), chunk, {"format": "pt"})
+                weight_map.update({k: name for k in chunk})
+                total += sum(x.nbytes for x in chunk.values())
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, os.path.join(tmp, name))
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

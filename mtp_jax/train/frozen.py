@@ -27,11 +27,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from mtp_jax.checkpoint.formats import checkpoint_format
-from mtp_jax.checkpoint.safetensors_io import CheckpointReader
+from mtp_jax.checkpoint.safetensors_io import CheckpointReader, write_hub_checkpoint
 from mtp_jax.config import ModelConfig, parse_config
 from mtp_jax.embedded import resolve_model_path
 from mtp_jax.model import load, read_model_config
-from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets import target_for
 from mtp_jax.targets.base import Hidden, lm_head
 from mtp_jax.train import distill, target_cache

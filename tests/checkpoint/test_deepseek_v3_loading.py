@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.checkpoint.safetensors_io import SafetensorsFile
+from mtp_jax.checkpoint.safetensors_io import SafetensorsFile, write_hub_checkpoint
 from mtp_jax.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
 from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
 from tests.conftest import TINY_CONFIG

@@ -114,7 +114,7 @@ def test_quantize_round_trip_is_close():
 @pytest.fixture(scope="module")
 def fp8_pair(tmp_path_factory):
     """(FP8 checkpoint, float32 checkpoint of its independently dequantised weights)."""
-    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 
     cfg_dict = fp8_config()
     cfg = DeepseekV3Config.from_dict(cfg_dict)

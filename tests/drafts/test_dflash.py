@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from mtp_jax.drafts.dflash.config import DFlashConfig, dflash_capture, dflash_default_layers
 from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
 from mtp_jax.errors import ConfigError, InvalidRequestError
-from mtp_jax.synthetic import write_hub_checkpoint
 from tests.conftest import check_per_request_k
 from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3_DRAFT
 from tests.drafts.test_eagle3 import REF, TARGET, _inv_freq, _rms, _rope  # L = 3, d = 32, V = 128
@@ -433,7 +433,7 @@ SHARDED_CHILD = textwrap.dedent(
     import mtp_jax
     from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
     from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
     from mtp_jax.drafts.dflash.config import DFlashConfig
     from tests.conftest import check_per_request_k, TINY_CONFIG

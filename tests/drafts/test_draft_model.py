@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from mtp_jax.request import SpeculativeConfig, step_config
-from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets.llama.config import Llama3Config
 from mtp_jax.targets.llama.synthetic import llama_hub_tensors
 from tests.conftest import EMBEDDED_MODEL, REPO, assert_speculated, check_lossless, check_per_request_k

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from mtp_jax.drafts.dspark.config import DSparkConfig
 from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
 from mtp_jax.errors import CheckpointError, ConfigError, InvalidRequestError
-from mtp_jax.synthetic import write_hub_checkpoint
 from tests.conftest import check_per_request_k
 from tests.drafts.test_dflash import DRAFT_A as DFLASH_A
 from tests.drafts.test_dflash import prompt_rows, reference_block_states
@@ -492,7 +492,7 @@ SHARDED_CHILD = textwrap.dedent(
     import mtp_jax
     from mtp_jax.drafts.dspark.config import DSparkConfig
     from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from tests.drafts.test_dspark import DSPARK_A, DSPARK_R, _target_arrays
     from tests.drafts.test_eagle3 import DEEPSEEK_TARGET, TARGET, check_planned_draft
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import mtp_jax
+from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from mtp_jax.drafts.eagle3.config import Eagle3Config, eagle3_capture, parse_eagle3_config
 from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
 from mtp_jax.errors import CheckpointError, ConfigError
-from mtp_jax.synthetic import write_hub_checkpoint
 from mtp_jax.targets.base import PagedAttention
 from tests.conftest import REPO, assert_speculated, check_per_request_k
 
@@ -635,7 +635,7 @@ SHARDED_CHILD = textwrap.dedent(
     import mtp_jax
     from mtp_jax.drafts.eagle3.synthetic import eagle3_hub_tensors
     from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
     from mtp_jax.drafts.eagle3.config import Eagle3Config, parse_eagle3_config
     from tests.conftest import TINY_CONFIG

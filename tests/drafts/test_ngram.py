@@ -181,7 +181,7 @@ SHARDED_CHILD = textwrap.dedent(
     assert len(jax.devices()) == 8
     import mtp_jax
     from mtp_jax.targets.deepseek_v3.synthetic import hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config
     from tests.conftest import TINY_CONFIG
     from tests.drafts.test_eagle3 import TARGET

@@ -145,9 +145,9 @@ def test_the_config_is_read_as_transformers_reads_it(fixtures):
 def test_speculation_is_lossless_across_the_window(fixtures, name, tmp_path):
     """Verification of several tokens per row (each its own window) through the paged cache: the
     n-gram draft accepts on the repeating prompts; foreign EAGLE-3 and DFlash drafts plug in."""
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.drafts.dflash.config import DFlashConfig
     from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
     from tests.drafts.test_dflash import DRAFT_A as DFLASH
     from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3
     from tests.drafts.test_eagle3 import draft_tensors

@@ -47,9 +47,9 @@ def test_each_family_is_its_own_target_with_its_own_extras(fixtures):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_draft_is_lossless(fixtures, name, tmp_path):
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
     from mtp_jax.drafts.dflash.config import DFlashConfig
     from mtp_jax.drafts.dflash.synthetic import dflash_hub_tensors
-    from mtp_jax.synthetic import write_hub_checkpoint
     from tests.drafts.test_dflash import DRAFT_A as DFLASH
     from tests.drafts.test_eagle3 import DRAFT_A as EAGLE3
     from tests.drafts.test_eagle3 import draft_tensors
