@@ -52,3 +52,10 @@ def dense_teacher(logits: jax.Array, vocab_ids: jax.Array | None) -> dict:
         "greedy": jnp.argmax(logits, -1),
         "covered": full[..., vocab_ids].sum(-1),
     }
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits`` [..., V] against hard labels ``targets`` [...] (the text's
+    tokens, where a draft or a target learns the data rather than a teacher)."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0].mean()
