@@ -360,6 +360,117 @@ class StreamChunks:
         return {**self.base, "object": self.kind, "choices": [choice]}
 
 
+def _record(handle: RequestHandle) -> dict:
+    result = handle.result(timeout=0)
+    return {
+        "text": result.text,
+        "finish_reason": FINISH.get(result.finish_reason, result.finish_reason),
+        "tokens": len(result.tokens),
+        "entries": result.logprobs or [],
+        "spec": {
+            "acceptance_length": result.stats["acceptance_length"],
+            "num_draft_tokens": result.stats["num_draft_tokens"],
+            "num_accepted_tokens": result.stats["num_accepted_tokens"],
+        },
+    }
+
+
+def _usage(prompt_len: int, done: list[dict]) -> dict:
+    completion = sum(d["tokens"] for d in done)
+    return {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": completion,
+        "total_tokens": prompt_len + completion,
+    }
+
+
+async def _wait_all(request, handles: list[RequestHandle]) -> None:
+    """Wait for the handles; a client that goes away cancels them."""
+
+    async def drain(h: RequestHandle) -> None:
+        async for _ in h.astream():
+            pass
+
+    work = asyncio.ensure_future(asyncio.gather(*(drain(h) for h in handles)))
+    while not work.done():
+        done, _ = await asyncio.wait({work}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            for h in handles:
+                h.cancel()
+    await work
+
+
+async def _events(
+    handles: list[RequestHandle], prompt_len: int, chunk, include_usage: bool, engine: Engine
+) -> AsyncIterator[bytes]:
+    """Server-sent events: each request's pieces as they come (interleaved), then its end; with
+    log-probabilities, each piece carries those of the tokens whose text it brings (a token
+    holding part of a character waits for the piece that completes it)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
+        given = 0  # tokens whose log-probabilities went out
+        try:
+            async for tokens, text in h.astream():  # ends with the handle's error, if any
+                if text:
+                    entries = h.token_logprobs(given, given + len(tokens))
+                    given += len(tokens)
+                    await queue.put((i, text, entries, None))
+                elif tokens:
+                    await queue.put((i, "", h.token_logprobs(given, given + len(tokens)), None))
+                    given += len(tokens)
+        except RuntimeError:  # the engine failed: the stream says so below
+            pass
+        finally:
+            await queue.put((i, None, None, h))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    done: list[dict] = []
+    held: dict[int, list] = {}  # log-probabilities of tokens whose text has not gone out yet
+    try:
+        for i in range(len(handles)):
+            first = chunk(i, None, None, first=True)
+            if first is not None:
+                yield _sse(first)
+        ended = 0
+        while ended < len(handles):
+            i, text, entries, h = await queue.get()
+            if h is None:
+                if entries:
+                    held.setdefault(i, []).extend(entries)
+                if text:
+                    yield _sse(chunk(i, text, None, entries=held.pop(i, None)))
+                continue
+            ended += 1
+            if h.finish_reason == "error":  # an error event, then the stream ends properly
+                message = f"the engine failed while this request ran: {engine.failure}"
+                yield _sse(_error_body(message, "server_error", code=500))
+                yield b"data: [DONE]\n\n"
+                return
+            record = _record(h)
+            done.append(record)
+            yield _sse(
+                chunk(i, None, record["finish_reason"], spec=record["spec"], entries=held.pop(i, None))
+            )
+        if include_usage:
+            yield _sse({**chunk(0, None, None), "choices": [], "usage": _usage(prompt_len, done)})
+        yield b"data: [DONE]\n\n"
+    finally:  # the client went away (or the stream ended): stop whatever still runs
+        for h in handles:
+            h.cancel()
+        for t in tasks:
+            t.cancel()
+
+
+async def _echo_only(chunk, prompt_len: int, include_usage: bool) -> AsyncIterator[bytes]:
+    """The stream of a request that generates nothing (echo with max_tokens 0)."""
+    yield _sse(chunk(0, None, None, first=True))
+    yield _sse(chunk(0, None, "length"))
+    if include_usage:
+        yield _sse({**chunk(0, None, None), "choices": [], "usage": _usage(prompt_len, [])})
+    yield b"data: [DONE]\n\n"
+
+
 class Server:
     """The routes over one :class:`~mtp_jax.serving.Engine` serving ``model_name``."""
 
@@ -438,106 +549,6 @@ class Server:
 
     # -- responses -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _record(handle: RequestHandle) -> dict:
-        result = handle.result(timeout=0)
-        return {
-            "text": result.text,
-            "finish_reason": FINISH.get(result.finish_reason, result.finish_reason),
-            "tokens": len(result.tokens),
-            "entries": result.logprobs or [],
-            "spec": {
-                "acceptance_length": result.stats["acceptance_length"],
-                "num_draft_tokens": result.stats["num_draft_tokens"],
-                "num_accepted_tokens": result.stats["num_accepted_tokens"],
-            },
-        }
-
-    @staticmethod
-    def _usage(prompt_len: int, done: list[dict]) -> dict:
-        completion = sum(d["tokens"] for d in done)
-        return {
-            "prompt_tokens": prompt_len,
-            "completion_tokens": completion,
-            "total_tokens": prompt_len + completion,
-        }
-
-    async def _wait_all(self, request, handles: list[RequestHandle]) -> None:
-        """Wait for the handles; a client that goes away cancels them."""
-
-        async def drain(h: RequestHandle) -> None:
-            async for _ in h.astream():
-                pass
-
-        work = asyncio.ensure_future(asyncio.gather(*(drain(h) for h in handles)))
-        while not work.done():
-            done, _ = await asyncio.wait({work}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                for h in handles:
-                    h.cancel()
-        await work
-
-    async def _events(
-        self, handles: list[RequestHandle], prompt_len: int, chunk, include_usage: bool
-    ) -> AsyncIterator[bytes]:
-        """Server-sent events: each request's pieces as they come (interleaved), then its end; with
-        log-probabilities, each piece carries those of the tokens whose text it brings (a token
-        holding part of a character waits for the piece that completes it)."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, h: RequestHandle) -> None:
-            given = 0  # tokens whose log-probabilities went out
-            try:
-                async for tokens, text in h.astream():  # ends with the handle's error, if any
-                    if text:
-                        entries = h.token_logprobs(given, given + len(tokens))
-                        given += len(tokens)
-                        await queue.put((i, text, entries, None))
-                    elif tokens:
-                        await queue.put((i, "", h.token_logprobs(given, given + len(tokens)), None))
-                        given += len(tokens)
-            except RuntimeError:  # the engine failed: the stream says so below
-                pass
-            finally:
-                await queue.put((i, None, None, h))
-
-        tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
-        done: list[dict] = []
-        held: dict[int, list] = {}  # log-probabilities of tokens whose text has not gone out yet
-        try:
-            for i in range(len(handles)):
-                first = chunk(i, None, None, first=True)
-                if first is not None:
-                    yield _sse(first)
-            ended = 0
-            while ended < len(handles):
-                i, text, entries, h = await queue.get()
-                if h is None:
-                    if entries:
-                        held.setdefault(i, []).extend(entries)
-                    if text:
-                        yield _sse(chunk(i, text, None, entries=held.pop(i, None)))
-                    continue
-                ended += 1
-                if h.finish_reason == "error":  # an error event, then the stream ends properly
-                    message = f"the engine failed while this request ran: {self.engine.failure}"
-                    yield _sse(_error_body(message, "server_error", code=500))
-                    yield b"data: [DONE]\n\n"
-                    return
-                record = self._record(h)
-                done.append(record)
-                yield _sse(
-                    chunk(i, None, record["finish_reason"], spec=record["spec"], entries=held.pop(i, None))
-                )
-            if include_usage:
-                yield _sse({**chunk(0, None, None), "choices": [], "usage": self._usage(prompt_len, done)})
-            yield b"data: [DONE]\n\n"
-        finally:  # the client went away (or the stream ended): stop whatever still runs
-            for h in handles:
-                h.cancel()
-            for t in tasks:
-                t.cancel()
-
     # -- routes --------------------------------------------------------------------------------
 
     async def completions(self, request):
@@ -603,21 +614,22 @@ class Server:
             )
             if not handles:
                 return StreamingResponse(
-                    self._echo_only(chunk, len(prompt), include_usage), media_type="text/event-stream"
+                    _echo_only(chunk, len(prompt), include_usage), media_type="text/event-stream"
                 )
             return StreamingResponse(
-                self._events(handles, len(prompt), chunk, include_usage), media_type="text/event-stream"
+                _events(handles, len(prompt), chunk, include_usage, self.engine),
+                media_type="text/event-stream",
             )
         if handles:
-            await self._wait_all(request, handles)
-            records = [self._record(h) for h in handles]
+            await _wait_all(request, handles)
+            records = [_record(h) for h in handles]
         kind = "chat.completion" if chat else "text_completion"
         if chat:
             choices = fmt.chat_choices(records, n_top)
         else:
             choices = fmt.completion_choices(records, n_top, echoed, prompt_entries)
         return JSONResponse(
-            {**base, "object": kind, "choices": choices, "usage": self._usage(len(prompt), records)}
+            {**base, "object": kind, "choices": choices, "usage": _usage(len(prompt), records)}
         )
 
     async def _prompt(self, body: Mapping, chat: bool) -> list[int]:
@@ -641,14 +653,6 @@ class Server:
             raise BadRequest("prompt must be a string or a list of token ids (one prompt)", param="prompt")
         return prompt
 
-    async def _echo_only(self, chunk, prompt_len: int, include_usage: bool) -> AsyncIterator[bytes]:
-        """The stream of a request that generates nothing (echo with max_tokens 0)."""
-        yield _sse(chunk(0, None, None, first=True))
-        yield _sse(chunk(0, None, "length"))
-        if include_usage:
-            yield _sse({**chunk(0, None, None), "choices": [], "usage": self._usage(prompt_len, [])})
-        yield b"data: [DONE]\n\n"
-
     async def models(self, request):
         from starlette.responses import JSONResponse
 
@@ -663,55 +667,6 @@ class Server:
             else []
         )
         return JSONResponse({"object": "list", "data": [card, *adapters]})
-
-    async def load_lora_adapter(self, request):
-        return await self._lora_update(request, load=True)
-
-    async def unload_lora_adapter(self, request):
-        return await self._lora_update(request, load=False)
-
-    async def _lora_update(self, request, load: bool):
-        """vLLM's runtime adapter routes: read and check the adapter off the event loop, then the
-        engine writes (or frees) its slot between two steps; nothing compiles."""
-        from starlette.responses import PlainTextResponse
-
-        try:
-            if not self.runtime_lora:
-                raise BadRequest(
-                    "loading and unloading LoRA adapters at run time is off: start the server with "
-                    "--allow-runtime-lora-updating (it lets clients make the server read any adapter "
-                    "directory it can reach)",
-                    403,
-                    "permission_error",
-                )
-            body = await _json_object(request, self.max_request_bytes, self.request_timeout)
-            name = body.get("lora_name")
-            if not isinstance(name, str) or not name:
-                raise BadRequest("lora_name must be a non-empty string", param="lora_name")
-            if name == self.model_name:
-                raise BadRequest(f"{name!r} is the base model's name", param="lora_name")
-            if load:
-                path = body.get("lora_path")
-                if not isinstance(path, str) or not path:
-                    raise BadRequest("lora_path must be a non-empty string", param="lora_path")
-                await asyncio.to_thread(self.engine.load_lora, name, path)
-                return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-            if name not in self.engine.model.loras:
-                loaded = ", ".join(repr(n) for n in self.engine.model.loras) or "none"
-                raise BadRequest(
-                    f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})",
-                    404,
-                    "not_found_error",
-                    "lora_name",
-                )
-            await asyncio.to_thread(self.engine.unload_lora, name)
-            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-        except BadRequest as e:
-            return _error(str(e), e.status, e.kind, e.param)
-        except EngineClosedError as e:
-            return _error(str(e), 503, "server_error")
-        except (ValueError, FileNotFoundError) as e:  # AdapterError, InvalidRequestError included
-            return _error(str(e), param="lora_path" if load else "lora_name")
 
     async def health(self, request):
         from starlette.responses import JSONResponse
@@ -730,14 +685,15 @@ class Server:
         from starlette.applications import Starlette
         from starlette.routing import Route
 
+        adapters = AdapterRoutes(self)
         routes = [
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
-            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
+            Route("/v1/load_lora_adapter", adapters.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", adapters.unload, methods=["POST"]),
         ]
 
         async def not_found(request, exc):
@@ -749,6 +705,63 @@ class Server:
 
         app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found, 500: crashed})
         return _Guard(app, self.api_key, self.max_request_bytes)
+
+
+class AdapterRoutes:
+    """vLLM's runtime LoRA routes (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) of a
+    :class:`Server`: off unless it was started with ``runtime_lora``."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    async def load(self, request):
+        return await self._update(request, load=True)
+
+    async def unload(self, request):
+        return await self._update(request, load=False)
+
+    async def _update(self, request, load: bool):
+        """vLLM's runtime adapter routes: read and check the adapter off the event loop, then the
+        engine writes (or frees) its slot between two steps; nothing compiles."""
+        from starlette.responses import PlainTextResponse
+
+        try:
+            if not self.server.runtime_lora:
+                raise BadRequest(
+                    "loading and unloading LoRA adapters at run time is off: start the server with "
+                    "--allow-runtime-lora-updating (it lets clients make the server read any adapter "
+                    "directory it can reach)",
+                    403,
+                    "permission_error",
+                )
+            body = await _json_object(request, self.server.max_request_bytes, self.server.request_timeout)
+            name = body.get("lora_name")
+            if not isinstance(name, str) or not name:
+                raise BadRequest("lora_name must be a non-empty string", param="lora_name")
+            if name == self.server.model_name:
+                raise BadRequest(f"{name!r} is the base model's name", param="lora_name")
+            if load:
+                path = body.get("lora_path")
+                if not isinstance(path, str) or not path:
+                    raise BadRequest("lora_path must be a non-empty string", param="lora_path")
+                await asyncio.to_thread(self.server.engine.load_lora, name, path)
+                return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+            if name not in self.server.engine.model.loras:
+                loaded = ", ".join(repr(n) for n in self.server.engine.model.loras) or "none"
+                raise BadRequest(
+                    f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})",
+                    404,
+                    "not_found_error",
+                    "lora_name",
+                )
+            await asyncio.to_thread(self.server.engine.unload_lora, name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        except BadRequest as e:
+            return _error(str(e), e.status, e.kind, e.param)
+        except EngineClosedError as e:
+            return _error(str(e), 503, "server_error")
+        except (ValueError, FileNotFoundError) as e:  # AdapterError, InvalidRequestError included
+            return _error(str(e), param="lora_path" if load else "lora_name")
 
 
 class _Guard:
