@@ -15,9 +15,10 @@ from mtp_jax.errors import (
     InvalidRequestError,
     MtpJaxError,
 )
-from mtp_jax.model import Model, ScoreResult, load
+from mtp_jax.model import Model, load
 from mtp_jax.request import SamplingParams, SpeculativeConfig
 from mtp_jax.scheduler import GenerateResult, TokenLogprob
+from mtp_jax.scoring import ScoreResult
 from mtp_jax.serving import Completion, Engine, EngineClosedError, EngineFullError, RequestHandle
 from mtp_jax.sharding import make_mesh
 from mtp_jax.targets.deepseek_v3.config import DeepseekV3Config

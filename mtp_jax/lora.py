@@ -498,6 +498,34 @@ class LoraTable:
             "load the model with a larger max_loras"
         )
 
+    def load(
+        self, stacks: dict, name: str, path: str | os.PathLike[str] | Adapter, values: dict | None
+    ) -> dict:
+        """``stacks`` with adapter ``name`` (read from ``path`` unless already an :class:`Adapter`;
+        ``values``: its slot arrays already made) written into a free slot, recorded here; raises
+        before anything changes when it cannot be applied."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        slot = self.free_slot(name)
+        adapter = path if isinstance(path, Adapter) else read_adapter(path, name)
+        if values is None:
+            values = slot_arrays(adapter, self.sites, self.max_lora_rank, self.num_layers)
+        stacks = write_slot(stacks, slot, values)
+        self.writes[slot] = self.writes.get(slot, 0) + 1
+        self.slots[name] = slot
+        self.paths[name] = adapter.path
+        return stacks
+
+    def unload(self, stacks: dict, name: str) -> dict:
+        """``stacks`` with adapter ``name``'s slot zeroed and freed."""
+        if name not in self.slots:
+            loaded = ", ".join(sorted(self.slots))
+            raise ValueError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded or 'none'})")
+        slot = self.slots.pop(name)
+        self.paths.pop(name)
+        self.writes[slot] = self.writes.get(slot, 0) + 1
+        return write_slot(stacks, slot, None)
+
     def slot_of(self, name: str | None) -> int:
         """The slot of adapter ``name`` (None: 0, no adapter); InvalidRequestError when unknown."""
         return check_names([name], self.slots)[0]

@@ -111,7 +111,7 @@ def test_the_window_and_the_soft_cap_change_the_answer(fixtures):
     logits move far past the parity tolerance."""
     import dataclasses
 
-    from mtp_jax.model import _teacher_forced
+    from mtp_jax.scoring import _teacher_forced
 
     for name, change in (
         ("pattern6_tied", {"layer_types": ("full_attention",) * 12}),
@@ -290,7 +290,7 @@ def test_a_gemma3_gguf_reads_as_its_hub_checkpoint(fixtures, tmp_path):
     named."""
     import dataclasses
 
-    from mtp_jax.model import _teacher_forced
+    from mtp_jax.scoring import _teacher_forced
 
     hub, ref = fixtures["pattern6_tied"]
     src = os.path.join(FIXTURES, "pattern6_tied")
