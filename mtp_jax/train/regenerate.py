@@ -657,7 +657,7 @@ def _progress_line(
     print(
         f"corpus: {current['conversations_done']}/{current['conversations_planned']} conversations "
         f"({current['shards_done']}/{current['shards_planned']} shards), {have:,}{goal} reply tokens, "
-        f"{rate:.1f} tok/s at {slots} slots ({live} live), ETA {_duration(left)}",
+        f"{rate:.1f} tok/s at {slots} slots ({live} live), ETA {_duration(left) if rate > 0 else 'unknown'}",
         file=log,
         flush=True,
     )

@@ -301,3 +301,24 @@ def test_a_missing_source_package_or_its_dependency_is_named(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ImportError, match="its dependency 'no_such_dependency_here' is not"):
         require("half_installed_source", "half-installed-source")
+
+
+def test_the_progress_line_says_the_eta_is_unknown_before_any_token():
+    import io
+
+    from mtp_jax.train.regenerate import _progress_line
+
+    current = {
+        "conversations_done": 640,
+        "conversations_planned": 27712,
+        "shards_done": 40,
+        "shards_planned": 1732,
+        "reply_tokens": 389_718,
+        "target_tokens": 5_000_000,
+    }
+    log = io.StringIO()
+    _progress_line(log, current, 0, 0, 0, 12.0, 24, 16)  # resumed: nothing generated yet
+    assert log.getvalue().rstrip().endswith("0.0 tok/s at 16 slots (24 live), ETA unknown")
+    log = io.StringIO()
+    _progress_line(log, current, 0, 300, 0, 10.0, 16, 16)  # 30 tok/s: 4,610,282 left
+    assert log.getvalue().rstrip().endswith("30.0 tok/s at 16 slots (16 live), ETA 42h41m")
