@@ -176,7 +176,6 @@ class Model(TeacherForced):
             raise InvalidRequestError("text in and out needs the model's directory (tokenizer.json)")
         return TextCodec.from_gguf(self._gguf) if self._gguf is not None else TextCodec.for_path(self.path)
 
-    # --- validation -------------------------------------------------------------------------
     # --- generation -------------------------------------------------------------------------
     def generate(
         self,

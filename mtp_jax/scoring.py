@@ -120,7 +120,6 @@ class TeacherForced:
         naming ``where`` otherwise."""
         return check_token_ids(ids, where, self.config.vocab_size)
 
-    # --- teacher-forced ---------------------------------------------------------------------
     def logits(self, token_ids: object, lora: str | None | Sequence[str | None] = None) -> np.ndarray:
         """Teacher-forced logits: int [B, T] -> float32 [B, T, V]. ``lora``: the LoRA adapter of
         every row, or one per row (None: the base model)."""

@@ -20,7 +20,7 @@ weighted exp(-(j-1)/``--gamma``) (normalised); the labels are the target's own n
 distributions (soft cross-entropy: self-distillation), and ``--own-text`` of each batch is the
 target's own greedy text. The target is frozen. Everything else (optimizer, resumable orbax state,
 progress line, determinism, the shipped checkpoint with eval.json and a card) is
-:mod:`train_eagle3`'s.
+:mod:`mtp_jax.train.frozen`'s.
 """
 
 from __future__ import annotations

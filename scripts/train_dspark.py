@@ -29,7 +29,7 @@ each, recording every step's confidence logits and how many of its drafts were a
 calibrated confidences give against the observed one, in eval.json and the card.
 
 Everything else (optimizer, resumable orbax state, ``--export-every``, the target cache, the
-progress line, the shipped checkpoint with eval.json and a card) is :mod:`train_eagle3`'s.
+progress line, the shipped checkpoint with eval.json and a card) is :mod:`mtp_jax.train.frozen`'s.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ self-distillation, what acceptance measures); step j is weighted ``--step-decay`
 continuations of training-text prompts (generated once, kept beside the training state): at
 temperature 0 a draft is scored on the target's text, not the library's. The target is frozen:
 its features and labels are recomputed every step from its shipped weights, or read from a target
-cache built once (``--target-cache DIR``, :mod:`target_cache`: features and the top ``--cache-k``
-teacher tokens per training token).
+cache built once (``--target-cache DIR``, :mod:`mtp_jax.train.target_cache`: features and the top
+``--cache-k`` teacher tokens per training token).
 
 AdamW with warm-up and cosine decay, clipping at 1.0, deterministic given ``--seed`` (batches are
 drawn from (seed, step), so a resumed run sees the same ones). The training state is saved with
@@ -79,14 +79,6 @@ from mtp_jax.train.frozen import (
     start_run,
 )
 from mtp_jax.train.loop import make_optimizer
-
-# --- the draft's architecture ---------------------------------------------------------------------
-
-
-# --- the objective --------------------------------------------------------------------------------
-
-
-# --- a run against a frozen target (shared with scripts/train_dflash.py) ---------------------------
 
 
 def main() -> int:

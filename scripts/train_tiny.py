@@ -187,12 +187,6 @@ def model_config(vocab_size: int, preset: str, arch: str = "deepseek_v3") -> dic
     }
 
 
-# --- data -------------------------------------------------------------------------------------
-
-
-# --- model ------------------------------------------------------------------------------------
-
-
 def init_hub_tensors(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Hub-layout initial weights: N(0, 0.02) projections (output projections scaled by
     1/sqrt(2·layers)), unit norms, zero correction biases; the MTP copies of the embedding and

@@ -209,13 +209,12 @@ def _fill(
     progress: dict,
     offset: int,
     stop_after: int | None,
+    k: int,
+    feature_dtype: str,
 ) -> bool:
     """Compute the cache's rows batch by batch from the ``batches_done`` recorded in ``progress``
     on, recording each finished batch; True when every batch is done (``stop_after``: at most that
     many in this call)."""
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
-    k, feature_dtype = int(meta["k"]), meta["feature_dtype"]
     progress_path = os.path.join(path, "progress.json")
     done = int(progress["batches_done"])
     arrays = {
@@ -317,7 +316,7 @@ def build(
     # the segments cover the whole stream; a grown cache computes those past what it had
     batches = plan_batches([(a, b) for a, b in pieces if a >= offset], bucket, max_len, token_budget)
     if done < len(batches) and not _fill(
-        path, forward, params, stream, batches, progress, offset, stop_after
+        path, forward, params, stream, batches, progress, offset, stop_after, k, feature_dtype
     ):
         return None
     return TargetCache.open(path)
