@@ -231,6 +231,18 @@ class Constraints:
         self.seconds += time.perf_counter() - t0
         return out.reshape(*shape, self.words)
 
+    def step_masks(self, running: Sequence[Any], drafts, k: int, tree=None) -> np.ndarray | None:
+        """A step's masks [slots, k+1, words] for the requests ``running`` in each slot (None where
+        none; the others' ``id``s), from the ``drafts`` [slots, >= k] the last step left (with a
+        token tree, every node's along its path); None when no running request is constrained."""
+        rows = [(b, req.id) for b, req in enumerate(running) if req is not None and self.constrained(req.id)]
+        if not rows:
+            return None
+        drafts = np.asarray(drafts[:, :k])
+        found = [(req, b * (k + 1), drafts[b]) for b, req in rows]
+        shape = (len(running), k + 1)
+        return self.tree_masks(found, tree, shape) if k and tree is not None else self.masks(found, shape)
+
     def _fill_rows(self, rows: Sequence[tuple[Any, int, Sequence[int]]], out: np.ndarray) -> None:
         along, alone = [], []
         for m, index, drafts in rows:

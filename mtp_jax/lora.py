@@ -498,6 +498,18 @@ class LoraTable:
             "load the model with a larger max_loras"
         )
 
+    def prepare(self, name: str, path: str | os.PathLike[str]) -> tuple[Adapter, dict]:
+        """Adapter ``name`` read from ``path`` and its slot arrays, for :meth:`load` on another
+        thread (a serving engine's): a bad name, a name loaded already, or an adapter these slots
+        cannot hold (its shapes, its rank) is refused here (:class:`~mtp_jax.InvalidRequestError`,
+        :class:`~mtp_jax.AdapterError`), before anything changes."""
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError(f"an adapter's name must be a non-empty string, got {name!r}")
+        if name in self.slots:
+            raise InvalidRequestError(f"a LoRA adapter named {name!r} is loaded already")
+        adapter = read_adapter(path, name)
+        return adapter, slot_arrays(adapter, self.sites, self.max_lora_rank, self.num_layers)
+
     def load(
         self, stacks: dict, name: str, path: str | os.PathLike[str] | Adapter, values: dict | None
     ) -> dict:

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                         system + rng.integers(2, vocab, args.question_len).tolist(), 1, RowSampling.build(1)
                     )
                 )
-            sched._admit()
+            sched.admissions.admit()
             jax.block_until_ready(sched.state.seq_len)
 
         for _ in range(2):

@@ -1,7 +1,7 @@
 """Time one wide admission (8,192 rows of a 3-token prompt, one new token each) on the suite's 8-token
 DeepSeek-V3 test model, with prompt buckets of at least 16 tokens (the old rule) and with
-``mtp_jax.scheduler.shortest_prompt_bucket``, each after an untimed compiling run, under
-``jax.profiler`` (traces in ``--trace-dir``).
+``mtp_jax.scheduler.shortest_prompt_bucket`` (the rule admission uses), each after an untimed
+compiling run, under ``jax.profiler`` (traces in ``--trace-dir``).
 
     PYTHONPATH=. python scripts/profile_wide_prefill.py [--rows 8192]
 """
@@ -17,7 +17,7 @@ import time
 import jax
 
 import mtp_jax
-import mtp_jax.scheduler as scheduler
+import mtp_jax.scheduler.admission as admission  # where the prefill looks the rule up
 from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
 from tests.conftest import TINY_CONFIG, oracle_tensors
 
@@ -44,15 +44,17 @@ def main(argv: list[str] | None = None) -> int:
             temperature=1.0,
         )
 
-    shortest = scheduler.shortest_prompt_bucket
-    for label, rule in (("at least 16", lambda r: 16), ("shortest_prompt_bucket", shortest)):
-        scheduler.shortest_prompt_bucket = rule
-        admit()  # compiling
-        t = time.perf_counter()
-        with jax.profiler.trace(os.path.join(args.trace_dir, label.replace(" ", "-"))):
-            admit()
-        print(f"{label}: {time.perf_counter() - t:.2f} s", flush=True)
-    scheduler.shortest_prompt_bucket = shortest
+    shortest = admission.shortest_prompt_bucket
+    try:
+        for label, rule in (("at least 16", lambda r: 16), ("shortest_prompt_bucket", shortest)):
+            admission.shortest_prompt_bucket = rule
+            admit()  # compiling
+            t = time.perf_counter()
+            with jax.profiler.trace(os.path.join(args.trace_dir, label.replace(" ", "-"))):
+                admit()
+            print(f"{label}: {time.perf_counter() - t:.2f} s", flush=True)
+    finally:
+        admission.shortest_prompt_bucket = shortest
     return 0
 
 

@@ -175,7 +175,7 @@ def check_caches_after_a_hit(model, draft: str | None, lookahead: int) -> None:
             while sched.advance():
                 pass
         req = sched.submit(Request(edge, 3, RowSampling.build(1), logprobs=1))
-        sched._admit()
+        sched.admissions.admit()
         return sched, req
 
     cached, req = admitted_after(True, first)

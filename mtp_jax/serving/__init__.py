@@ -22,9 +22,10 @@ coordinator's key-value store; they replay it and run the same step, so the coll
 ``scripts/launch.py --serve`` runs the server that way.
 
 The package follows those ideas, one module each: :mod:`.handle` (what a caller holds: tokens
-and text as they come, the result, cancel), :mod:`.engine` (submission and the engine's loop),
-:mod:`.replay` (the multi-process event stream and the followers' loop) and :mod:`.warmup`
-(compiling programs before requests need them). Requests are checked by :mod:`mtp_jax.request`,
+and text as they come, the result, cancel), :mod:`.engine` (what other threads call: submission,
+jobs, statistics, closing), :mod:`.thread` (the engine's own thread: its loop, the inbox, the
+requests' ends), :mod:`.replay` (the multi-process event stream and the followers' loop) and
+:mod:`.warmup` (compiling programs before requests need them). Requests are checked by :mod:`mtp_jax.request`,
 the same checks ``Model.generate`` makes.
 """
 

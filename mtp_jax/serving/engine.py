@@ -5,8 +5,6 @@ and pass them in through its inbox."""
 from __future__ import annotations
 
 import functools
-import json
-import logging
 import os
 import queue
 import threading
@@ -20,9 +18,8 @@ import numpy as np
 
 from mtp_jax.autok import batch_controls
 from mtp_jax.distributed import PEER_TIMEOUT_S
-from mtp_jax.errors import AdapterError, InvalidRequestError
+from mtp_jax.errors import InvalidRequestError
 from mtp_jax.request import (
-    CheckedRequest,
     SamplingParams,
     SpeculativeConfig,
     check_request,
@@ -30,16 +27,14 @@ from mtp_jax.request import (
     step_config,
 )
 from mtp_jax.sampling import check_logprobs
-from mtp_jax.scheduler import Request, Scheduler, TokenLogprob, next_power_of_two, pages_needed
+from mtp_jax.scheduler import Scheduler, TokenLogprob, next_power_of_two, occupancy, pages_needed
 from mtp_jax.serving.errors import EngineClosedError, EngineFullError
-from mtp_jax.serving.handle import RequestHandle, StopCheck, token_hook
+from mtp_jax.serving.handle import RequestHandle, StopCheck
 from mtp_jax.serving.replay import Replay
+from mtp_jax.serving.thread import EngineThread
 from mtp_jax.serving.warmup import Warmup
 from mtp_jax.sharding import row_shards
 from mtp_jax.step import StepConfig
-from mtp_jax.text import TextStream
-
-log = logging.getLogger(__name__)
 
 
 def engine_step_config(model, speculative: SpeculativeConfig, slots: int) -> tuple[StepConfig, int]:
@@ -113,10 +108,9 @@ class Engine:
     default: the model's maximum length, at most 4096); ``max_queue`` requests may wait for a slot.
     ``speculative`` (a :class:`~mtp_jax.SpeculativeConfig`), or its fields ``draft`` /
     ``num_speculative_tokens`` / ``draft_sampling`` / ``draft_options`` (or ``draft_block_size``) /
-    ``think_tokens`` as
-    keywords, is the engine's speculation (a request may ask for fewer drafts, or none; ``auto_k``
-    is ``generate``'s alone); ``think_tokens`` enables per-request relaxed acceptance between those
-    markers (see :meth:`mtp_jax.Model.generate`);
+    ``think_tokens`` / ``speculative_tree`` as keywords, is the engine's speculation (a request may
+    ask for fewer drafts, or none; ``auto_k`` is ``generate``'s alone); ``think_tokens`` enables
+    per-request relaxed acceptance between those markers (see :meth:`mtp_jax.Model.generate`);
     ``grammar_masks`` how grammar masks reach the step. With ``row_buckets`` (the default, unless
     rows are split over a data axis) a step covers only the slots up to the last occupied one,
     rounded up to a power of two: a few requests in many slots cost what they would alone, for a
@@ -173,7 +167,6 @@ class Engine:
         self.max_queue = max_queue
         width = pages_needed(max_len, 0, sc)
         self._constraints = None
-        self._grammar_masks = grammar_masks
         self.scheduler = Scheduler(
             model.params,
             sc,
@@ -207,7 +200,8 @@ class Engine:
         self.replay = Replay()
         self.replay.watch(self, peer_timeout_s)
         self.leader = self.replay.leader
-        loop = self._loop if self.leader else functools.partial(self.replay.follow, self)
+        self.worker = EngineThread(self)  # what the engine's own thread does
+        loop = self.worker.run if self.leader else functools.partial(self.replay.follow, self.worker)
         self._thread = threading.Thread(target=loop, name="mtp-jax-engine", daemon=True)
         self._thread.start()
 
@@ -230,11 +224,7 @@ class Engine:
         finish reason "stop"; ``stop_check(token)`` True too (one process only). Text prompts, stop
         strings or ``detokenize`` give the handle the request's text as it comes."""
         self._check_leader("takes requests")
-        if stop_check is not None and self.replay.multi_process:
-            raise InvalidRequestError(
-                "stop_check cannot be replayed on the other processes of a multi-process run: use stop "
-                "strings or stop_token_ids"
-            )
+        self.replay.check_replayable(stop_check)
         if sampling is None:
             sampling = SamplingParams.per_prompt(1, **settings)[0]
         elif settings:
@@ -248,12 +238,7 @@ class Engine:
             context_name=f"the engine's context of {self.max_len} tokens",
             text=detokenize,
         )
-        spec = checked.to_json()  # everything a process needs to build the same request
-        if self.replay.multi_process:
-            try:
-                json.dumps(spec)
-            except (TypeError, ValueError) as e:
-                raise InvalidRequestError(f"the request cannot be sent to the other processes: {e}") from e
+        self.replay.check_replayable(None, checked)
         with self._lock:
             if self._closed:
                 raise EngineClosedError(f"the engine is closed{self._failure_note()}")
@@ -266,38 +251,11 @@ class Engine:
                 )
             rid = self._next_id
             self._next_id += 1
-            handle = self._build(rid, checked, stop_check)
+            handle = self.worker.build(rid, checked, stop_check)
             self._handles[rid] = handle
             self._waiting += 1
         self._inbox.put(("submit", handle))
         return handle
-
-    def _build(self, rid: int, checked: CheckedRequest, stop_check: StopCheck | None) -> RequestHandle:
-        """The request ``checked`` describes, as request ``rid``, and its handle (its grammar added)."""
-        params = checked.params
-        text = TextStream(self.model.text, params.stop) if checked.text else None
-        if params.grammar is not None:
-            self._grammar_for(rid, params.grammar)
-        # time to first token counts the engine's queue too
-        request = Request.from_checked(checked, rid, submitted_at=time.perf_counter())
-        table = self.model.lora
-        if table is not None:  # an adapter reloaded into a slot does not reuse its predecessor's prefixes
-            request.cache_salt += b"|writes:%d" % table.writes.get(checked.lora_slot, 0)
-        handle = RequestHandle(self, request, text)
-        handle._checked = checked
-        stop_ids = frozenset(params.stop_token_ids) or None
-        request.on_token = token_hook(handle, stop_ids, stop_check)
-        request.on_finish = lambda req, handle=handle: self._finished(handle, req.finish)
-        return handle
-
-    def _grammar_for(self, rid: int, spec: dict) -> None:
-        from mtp_jax.grammar import Constraints
-
-        if self._constraints is None:
-            model = self.model
-            constraints = Constraints(model.tokenizer_path, model.config.vocab_size, model.eos_token_ids)
-            self._constraints = constraints  # the scheduler's from the first constrained request on
-        self._constraints.add(rid, spec)
 
     def _cancel(self, handle: RequestHandle) -> None:
         self._inbox.put(("cancel", handle))
@@ -314,58 +272,7 @@ class Engine:
     def _failure_note(self) -> str:
         return f" (its loop failed: {self._failure})" if self._failure is not None else ""
 
-    # -- the engine's thread -----------------------------------------------------------------
-
-    def _finished(self, handle: RequestHandle, reason: str) -> None:
-        with self._lock:
-            self._handles.pop(handle.id, None)
-            self._finished_by[reason] = self._finished_by.get(reason, 0) + 1
-            self._prompt_tokens += len(handle.request.prompt)
-            self._generation_tokens += len(handle.request.tokens)
-        handle._close(reason)
-
-    def _take(self, item) -> bool:
-        kind, value = item
-        if kind == "submit":
-            if value.done:  # cancelled before it reached the scheduler
-                with self._lock:
-                    self._waiting -= 1
-                return True
-            self._schedule(value)
-            self.replay.record("submit", value.id, value._checked.to_json())
-        elif kind == "cancel":
-            request = value.request
-            if request.counters is None:  # not in the scheduler yet: its "submit" item follows
-                self._finished(value, "cancelled")
-                return True
-            waiting = request in self.scheduler.queue
-            self.scheduler.cancel(request)
-            self.replay.record("cancel", value.id)
-            if waiting:
-                with self._lock:
-                    self._waiting -= 1
-        elif kind in ("warmup", "lora_load", "lora_unload", "prompt_logprobs"):
-            argument, done = value
-            try:
-                done.append(self._job(kind, argument))
-            except BaseException as e:
-                # refused (nothing changed; serving goes on): a bad request, or an adapter that
-                # cannot be loaded (e.g. no free slot); anything else ends the loop
-                refused = isinstance(e, (InvalidRequestError, AdapterError)) or (
-                    kind != "warmup" and isinstance(e, ValueError)
-                )
-                done.append(e)
-                if not refused:
-                    raise
-            finally:
-                with done[0]:
-                    done[0].notify_all()
-        elif kind == "warmup_background":
-            self.warming.start(*value)
-        elif kind == "close":
-            self.replay.record("close")
-            return False
-        return True
+    # -- jobs the engine's thread runs between two steps (any thread; serving/thread.py) ------------
 
     def warmup(self, progress: Callable[[int, int], None] | None = None, background: bool = False) -> int:
         """Compile every prefill and step program a request without a grammar can need (each
@@ -381,55 +288,7 @@ class Engine:
             jobs = self.warming.plan()
             self._inbox.put(("warmup_background", (jobs, progress)))
             return len(jobs)
-        return self._on_loop("warmup", progress)
-
-    def _on_loop(self, kind: str, argument: Any) -> Any:
-        """Run job ``kind`` (:meth:`_job`) on the engine's thread between two steps, wait for it and
-        return its result (or raise its error)."""
-        done: list = [threading.Condition()]
-        with done[0]:
-            self._inbox.put((kind, (argument, done)))
-            while len(done) == 1:
-                if not self._thread.is_alive():
-                    raise EngineClosedError(f"the engine is closed{self._failure_note()}")
-                done[0].wait(1.0)
-        if isinstance(done[1], BaseException):
-            raise done[1]
-        return done[1]
-
-    def _job(self, kind: str, argument: Any) -> Any:
-        """(The engine's thread, between two steps.) A warm-up, loading or unloading an adapter, or
-        a prompt's log-probabilities."""
-        if kind == "prompt_logprobs":
-            self.model._lora_slots(argument[2], 1)  # still loaded: refused here, before the others hear
-            # the followers run the same program instead of their next step (see Replay.follow)
-            self.replay.record("prompt_logprobs", *argument)
-            self.replay.publish()
-            return self.model.prompt_logprobs(*argument)
-        if kind == "warmup":
-            if self.scheduler.pending is not None or any(o is not None for o in self.scheduler.owner):
-                raise InvalidRequestError("warm the engine up before requests run (some are running)")
-            # the followers compile the same programs in the same order (and, this message
-            # ending with "warmup", do not step after it: neither does this loop)
-            self.replay.record("warmup")
-            self.replay.publish()
-            return self.warming.run(argument)
-        if kind == "lora_load":
-            name, adapter, values = argument
-            self.model.load_lora(name, adapter, values=values)
-            self.replay.record("lora_load", name, adapter.path)
-            return None
-        name = argument
-        with self._lock:  # no request naming it may be submitted meanwhile (see submit)
-            users = sum(1 for h in self._handles.values() if h._checked.params.lora == name)
-            if users:
-                raise InvalidRequestError(
-                    f"LoRA adapter {name!r} is in use by {users} waiting or running request(s): cancel "
-                    "them or let them finish first"
-                )
-            self.model.unload_lora(name)
-        self.replay.record("lora_unload", name)
-        return None
+        return self.worker.call("warmup", progress)
 
     def prompt_logprobs(
         self, prompt: Sequence[int] | str, n: int = 0, lora: str | None = None
@@ -447,7 +306,7 @@ class Engine:
             )
         n = check_logprobs("prompt_logprobs", n)
         self.model._lora_slots(lora, 1)  # a known adapter (checked again on the engine's thread)
-        return self._on_loop("prompt_logprobs", ([int(t) for t in ids], n, lora))
+        return self.worker.call("prompt_logprobs", ([int(t) for t in ids], n, lora))
 
     # -- LoRA adapters while serving (any thread) ----------------------------------------------
 
@@ -458,22 +317,14 @@ class Engine:
         compiles and requests already running are not disturbed; requests may name ``name`` once
         this returns. The model needs free LoRA slots (``mtp_jax.load(..., max_loras=N)``). The
         other processes of a multi-process run read the adapter from the same path."""
-        from mtp_jax.lora import read_adapter, slot_arrays
-
         self._check_leader("loads adapters")
         table = self.model.lora
         if table is None:
             raise InvalidRequestError(
                 "this engine's model has no LoRA slots: load it with max_loras=N (and max_lora_rank=R)"
             )
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError(f"an adapter's name must be a non-empty string, got {name!r}")
-        if name in table.slots:
-            raise InvalidRequestError(f"a LoRA adapter named {name!r} is loaded already")
-        adapter = read_adapter(path, name)
-        # made here too, so a shape or rank mismatch is refused and the engine's thread only writes
-        values = slot_arrays(adapter, table.sites, table.max_lora_rank, table.num_layers)
-        self._on_loop("lora_load", (name, adapter, values))
+        adapter, values = table.prepare(name, path)  # refused here: the engine's thread only writes
+        self.worker.call("lora_load", (name, adapter, values))
 
     def unload_lora(self, name: str) -> None:
         """Free adapter ``name``'s slot between two steps (nothing compiles). Refused while a request
@@ -482,7 +333,7 @@ class Engine:
         if name not in self.model.loras:
             loaded = ", ".join(repr(n) for n in self.model.loras) or "none"
             raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {loaded})")
-        self._on_loop("lora_unload", name)
+        self.worker.call("lora_unload", name)
 
     def _check_leader(self, what: str) -> None:
         if not self.leader:
@@ -490,109 +341,6 @@ class Engine:
                 f"this is process {self.replay.channel.me} of a multi-process run: process 0's engine "
                 f"{what} (the others follow it)"
             )
-
-    def _schedule(self, handle: RequestHandle) -> None:
-        if handle._checked.params.grammar is not None and self.scheduler.constraints is None:
-            self.scheduler.constraints = self._constraints
-        self.scheduler.submit(handle.request)
-
-    def _loop(self) -> None:
-        running = True
-        while running:
-            held = self.step_gate is not None and not self.step_gate()
-            block = not self.scheduler.busy and not self.warming.jobs
-            try:
-                # held: wait for a submission or job a little, then ask the gate again
-                item = self._inbox.get(timeout=0.005) if held and not block else self._inbox.get(block=block)
-                running = self._take(item)
-                while running:
-                    running = self._take(self._inbox.get_nowait())
-            except queue.Empty:
-                pass
-            # asked again: a gate closed while the loop waited on an empty inbox holds this submission
-            held = self.step_gate is not None and not self.step_gate()
-            job = None
-            if running and not held and not self.scheduler.busy:
-                # idle: one program of a background warm-up instead of a step (the followers too)
-                job = self.warming.next_job()
-                if job is not None:
-                    self.replay.record("warmjob", *job)
-            try:
-                self.replay.publish()
-            except BaseException as e:
-                log.exception("the engine could not reach the other processes")
-                self.fail(e)
-                return
-            if not running:
-                break
-            if held:
-                continue
-            if job is not None:
-                try:
-                    self.warming.compile(job)
-                except BaseException as e:
-                    log.exception("the engine's warm-up failed")
-                    self.fail(e)
-                    return
-                continue
-            queued = len(self.scheduler.queue)
-            try:
-                self.scheduler.advance()
-                self._announce()
-            except BaseException as e:  # the device state is unknown now: fail everything, stop
-                log.exception("the engine's loop failed")
-                self.fail(e)
-                self.replay.abort()
-                return
-            admitted = queued - len(self.scheduler.queue)
-            free = sum(o is None for o in self.scheduler.owner)
-            with self._lock:
-                self._waiting -= max(admitted, 0)
-                self._free_slots = free
-        self.fail(EngineClosedError("the engine was closed"))
-
-    def _announce(self) -> None:
-        fresh, self._fresh = self._fresh, set()
-        for handle in fresh:
-            handle._announce()
-
-    # -- a follower's replay (mtp_jax.serving.replay) ---------------------------------------------
-
-    def follow(self, events: list[list]) -> bool:
-        """(Processes other than 0: their engine thread.) Apply the events process 0's loop
-        recorded before one of its steps (:class:`~mtp_jax.serving.replay.Replay` lists them: the
-        requests it admitted, cancelled, the adapters it loaded or unloaded), then run what it ran
-        next: the same step, warm-up, warm-up program or prompt scoring. False once process 0 has
-        closed the engine (this one is then closed too)."""
-        for kind, *args in events:
-            if kind == "submit":  # rebuilt from what process 0 checked, under its id
-                rid, spec = args
-                handle = self._build(rid, CheckedRequest.from_json(spec), None)
-                with self._lock:
-                    self._handles[rid] = handle
-                self._schedule(handle)
-            elif kind == "cancel":
-                handle = self._handles.get(args[0])
-                if handle is not None:
-                    self.scheduler.cancel(handle.request)
-            elif kind == "lora_load":
-                self.model.load_lora(*args)
-            elif kind == "lora_unload":
-                self.model.unload_lora(args[0])
-            elif kind == "close":
-                self.fail(EngineClosedError("process 0 closed the engine"))
-                return False
-        last = events[-1] if events else [None]
-        if last == ["warmup"]:
-            self.warming.run(None)
-        elif last[0] == "prompt_logprobs":
-            self.model.prompt_logprobs(*last[1:])
-        elif last[0] == "warmjob":
-            self.scheduler.warmup_job(*last[1:])
-        else:
-            self.scheduler.advance()
-            self._announce()
-        return True
 
     def fail(self, error: BaseException) -> None:
         """End the engine with ``error``: every waiting and running request is closed with it (an
@@ -607,7 +355,7 @@ class Engine:
         for handle in handles:
             handle._close("error" if self._failure is not None else "cancelled", self._failure)
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- lifecycle (fail: also the engine's thread and the replay) -----------------------------------
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Stop taking requests, cancel those still waiting or running, and stop the thread. (On the
@@ -636,33 +384,12 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _prefix_stats(self) -> dict:
-        prefix = self.scheduler.prefix
-        if prefix is None:
-            return {"prefix_caching": False}
-        return {
-            "prefix_caching": True,
-            "prefix_cache_queries": prefix.queries,  # prompt tokens looked up
-            "prefix_cache_hits": prefix.hits,  # of those, found cached
-            "cached_pages": prefix.cached,
-        }
-
     def stats(self) -> dict:
         """The engine's counters (the names serving engines export) and its occupancy."""
-        counters = self.scheduler.counters.as_dict()
-        running = sum(o is not None for o in self.scheduler.owner)
         return {
-            **counters,
+            **occupancy(self.scheduler),
             "slots": self.slots,
-            "running": running,
             "waiting": self._waiting,
-            "prefilling": len(self.scheduler.filling),  # of the running: prompts still arriving in chunks
-            "prefill_chunks": self.scheduler.counts["prefill_chunks"],
-            "free_pages": self.scheduler.free_pages,
-            "num_pages": self.scheduler.allocator.num_pages,
-            **self._prefix_stats(),
-            "step_programs": len(self.scheduler.programs),
-            "step_shapes": sorted(self.scheduler.programs),  # (K, rows) of each step program run
             "warmup_left": self.warming.left,  # programs a background warm-up has left
             "finished": dict(self._finished_by),
             "prompt_tokens": self._prompt_tokens,

@@ -13,9 +13,12 @@ from typing import TYPE_CHECKING
 import jax
 
 from mtp_jax.distributed import PEER_TIMEOUT_S, Broadcast, Heartbeat, stream_name
+from mtp_jax.errors import InvalidRequestError
+from mtp_jax.request import CheckedRequest
 
 if TYPE_CHECKING:
     from mtp_jax.serving.engine import Engine
+    from mtp_jax.serving.thread import EngineThread
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,23 @@ class Replay:
     def multi_process(self) -> bool:
         return self.channel is not None
 
+    def check_replayable(self, stop_check: object | None, checked: CheckedRequest | None = None) -> None:
+        """Refuse a request the other processes could not rebuild (InvalidRequestError): a Python
+        ``stop_check`` (checked first, before the request itself), or a request whose description
+        (``checked.to_json()``) is not JSON."""
+        spec = None if checked is None else checked.to_json()  # what a process needs to rebuild it
+        if not self.multi_process:
+            return
+        if stop_check is not None:
+            raise InvalidRequestError(
+                "stop_check cannot be replayed on the other processes of a multi-process run: use "
+                "stop strings or stop_token_ids"
+            )
+        try:
+            json.dumps(spec)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"the request cannot be sent to the other processes: {e}") from e
+
     def record(self, *event) -> None:
         self.events.append(list(event))
 
@@ -72,14 +92,14 @@ class Replay:
             with contextlib.suppress(BaseException):
                 self.channel.send(json.dumps([["close"]]))
 
-    def follow(self, engine: Engine) -> None:
-        """(Processes other than 0: the engine thread's loop.) Hand ``engine`` what process 0's
-        engine did before each of its steps (:meth:`~mtp_jax.serving.engine.Engine.follow` applies
-        it and runs the same step) until process 0 closes the engine."""
+    def follow(self, thread: EngineThread) -> None:
+        """(Processes other than 0: the engine thread's loop.) Hand ``thread`` what process 0's
+        engine did before each of its steps (:meth:`~mtp_jax.serving.thread.EngineThread.follow`
+        applies it and runs the same step) until process 0 closes the engine."""
         try:
-            while engine.follow(json.loads(self.channel.receive())):
+            while thread.follow(json.loads(self.channel.receive())):
                 pass
             self.stop_watching()
         except BaseException as e:
             log.exception("the engine's follower loop failed")
-            engine.fail(e)
+            thread.engine.fail(e)

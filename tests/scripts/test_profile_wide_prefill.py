@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-import mtp_jax.scheduler as scheduler
+import mtp_jax.scheduler.admission as admission
 from tests.conftest import REPO
 
 
@@ -15,8 +15,8 @@ def test_both_rules_are_timed_and_the_rule_is_restored(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("profile_wide_prefill", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    rule = scheduler.shortest_prompt_bucket
+    rule = admission.shortest_prompt_bucket
     assert module.main(["--rows", "1024", "--trace-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "at least 16:" in out and "shortest_prompt_bucket:" in out
-    assert scheduler.shortest_prompt_bucket is rule and rule(1024) == 4
+    assert admission.shortest_prompt_bucket is rule and rule(1024) == 4
