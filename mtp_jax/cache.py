@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,9 +85,10 @@ class PrefixCache:
     equal cache contents for every cache on the page table (the target's, the draft's). A request
     :meth:`take`-s the pages of its longest cached prefix (at least its last prompt token is always
     computed again: its logits give the first new token) and fresh pages for the rest;
-    :meth:`register` names its prompt's full pages once its prefill is dispatched; :meth:`release`
-    gives its pages back. Pages are reference-counted: a named page nobody holds stays cached and
-    is evicted, least recently released first, only when fresh pages run out.
+    :meth:`register` names its prompt's full pages once its prefill is dispatched (and, when it
+    finishes, the full pages of its prompt and reply: the next turn of a chat prefills only its new
+    message); :meth:`release` gives its pages back. Pages are reference-counted: a named page nobody
+    holds stays cached and is evicted, least recently released first, only when fresh pages run out.
 
     ``queries`` and ``hits`` count prompt tokens looked up and found (vLLM's
     ``prefix_cache_queries`` / ``prefix_cache_hits``). Deterministic (no per-process hash seed), so
@@ -154,6 +155,16 @@ class PrefixCache:
         self.queries += len(digests) * self.page_size
         self.hits += len(shared) * self.page_size
         return shared + pages, len(shared)
+
+    def longest(self, digests: Sequence[bytes], shard: int = 0, pending: Iterable = ()) -> int:
+        """How many of ``digests``' first pages are named on ``shard`` (its longest cached prefix),
+        counting the (shard, digest) keys in ``pending`` as named (a prefill in flight names them)."""
+        n = 0
+        for digest in digests:
+            if (shard, digest) not in self._page_of and (shard, digest) not in pending:
+                break
+            n += 1
+        return n
 
     def register(self, digests: Sequence[bytes], pages: Sequence[int]) -> None:
         """Name the request's pages ``pages[j]`` by ``digests[j]`` (its prefill is dispatched: later

@@ -185,6 +185,44 @@ def check_caches_after_a_hit(model, draft: str | None, lookahead: int) -> None:
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def check_reply_cached(model, draft: str | None) -> None:
+    """A finished request names the full pages of its prompt and reply: the next turn (its prompt
+    and reply, then a new message) hits all of them, its caches (the target's, the draft's) hold
+    what the same prompt prefilled alone writes, and its tokens are the same."""
+    page = model.page_size
+    rng = np.random.default_rng(7)
+    first = [int(t) for t in rng.integers(7, 250, page + page // 2)]
+    sc = step_config(model, SpeculativeConfig(draft=draft, num_speculative_tokens=3 if draft else None))
+
+    def scheduler(prefix_caching: bool) -> Scheduler:
+        return Scheduler(
+            model.params, sc, slots=2, width=pages_needed(MAX_LEN, 0, sc), eos_token_ids=(),
+            cache_dtype=jnp.float32, prefix_caching=prefix_caching,
+        )  # fmt: skip
+
+    cached = scheduler(True)
+    turn1 = cached.submit(Request(first, 2 * page, RowSampling.build(1)))
+    while cached.advance():
+        pass
+    text = first + turn1.tokens
+    named = len(cached.prefix.digests(text))
+    assert named * page > len(first)  # pages of the reply are named, not only the prompt's
+    turn2 = text + [int(t) for t in rng.integers(7, 250, 5)]
+    runs = []
+    for sched in (cached, scheduler(False)):
+        req = sched.submit(Request(turn2, 4, RowSampling.build(1), logprobs=1))
+        sched.admissions.admit()
+        runs.append((_prompt_rows(sched, req), req, sched))
+    assert cached.prefix.hits == named * page
+    for got, want in zip(runs[0][0], runs[1][0], strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    for _, _, sched in runs:
+        while sched.advance():
+            pass
+    assert runs[0][1].tokens == runs[1][1].tokens and len(runs[0][1].tokens) == 4
+    assert cached.free_pages == cached.allocator.num_pages
+
+
 def check_chunked(model, draft: str | None) -> None:
     """A request runs while a 5.5-page prompt arrives 16 tokens per iteration (after a cached first
     page it shares with the running one): the running request emits tokens between the chunks;
@@ -251,6 +289,7 @@ def test_deepseek_and_mtp_share_prefixes(deepseek, mtp_engine):
     """MTP's row p pairs the target's state at p with token p + 1: it shares a page only when the
     next token agrees (lookahead 1); a thinking phase opened inside a cached prefix holds."""
     check_caches_after_a_hit(deepseek, "mtp", lookahead=1)
+    check_reply_cached(deepseek, "mtp")
     check_chunked(deepseek, "mtp")
     check_shared_prefixes(mtp_engine, lookahead=1)
     check_shared_prefixes(mtp_engine, lookahead=1, think=5)
@@ -263,9 +302,37 @@ def test_deepseek_and_mtp_share_prefixes(deepseek, mtp_engine):
 def test_llama_drafts_share_prefixes(llama, draft, suffix, lookahead):
     model = llama if suffix is None else llama.with_draft(f"{LLAMA}-{suffix}")
     check_caches_after_a_hit(model, draft, lookahead)
+    check_reply_cached(model, draft)
     check_chunked(model, draft)
     with mtp_jax.Engine(model, slots=2, max_len=MAX_LEN, draft=draft, num_speculative_tokens=3) as engine:
         check_shared_prefixes(engine, lookahead)
+
+
+def test_samples_of_one_prompt_admitted_together_prefill_it_once(deepseek):
+    """Requests on one prompt submitted together (samples of a prompt, a shared system prompt): the
+    first is prefilled, the others wait one iteration and read its pages (hits), with the tokens
+    of the same requests without prefix caching."""
+    page = deepseek.page_size
+    rng = np.random.default_rng(8)
+    prompt = [int(t) for t in rng.integers(7, 250, 2 * page + page // 2)]
+    sc = step_config(deepseek, SpeculativeConfig(draft="mtp", num_speculative_tokens=3))
+    out = []
+    for prefix_caching in (True, False):
+        sched = Scheduler(
+            deepseek.params, sc, slots=2, width=pages_needed(MAX_LEN, 0, sc), eos_token_ids=(),
+            cache_dtype=jnp.float32, prefix_caching=prefix_caching,
+        )  # fmt: skip
+        reqs = [
+            sched.submit(Request(prompt, 6, RowSampling.build(1, temperature=0.8, seed=i))) for i in range(2)
+        ]
+        sched.advance()
+        assert sched.counts["prefills"] == 1 and len(sched.queue) == (1 if prefix_caching else 0)
+        while sched.advance():
+            pass
+        out.append([r.tokens for r in reqs])
+        if prefix_caching:
+            assert sched.prefix.hits == 2 * page and sched.counts["prefills"] == 2
+    assert out[0] == out[1] and out[0][0] != out[0][1]  # equal runs; the seeds differ
 
 
 def test_pressure_evicts_cached_pages_and_stays_exact(mtp_engine):

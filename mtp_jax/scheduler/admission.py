@@ -60,7 +60,10 @@ class Admissions:
 
     def admit(self) -> None:
         """Place waiting requests in free slots with their pages; prefill those whose prompts need
-        no chunks (one prefill for all), queue the others for :meth:`fill`."""
+        no chunks (one prefill for all), queue the others for :meth:`fill`. With prefix caching, a
+        request whose prompt shares pages with one admitted before it in the same call waits for
+        the next (in order: those behind it wait too), when this prefill has named them: a burst of
+        requests on one prompt (samples of one prompt, a shared system prompt) computes it once."""
         sched = self.scheduler
         # Prefill rows are split over the row shards like the state's slots, so each request is
         # prefilled on the devices that hold its slot and pages: shard s of the prefill batch
@@ -71,18 +74,23 @@ class Admissions:
             for s in range(shards)
         ]
         ready: list[Admission] = []
+        naming: set[tuple[int, bytes]] = set()  # the pages this admission's prefill will name
         while sched.queue:
             s = max(range(shards), key=lambda s: (len(free[s]), -s))
             if not free[s]:
                 break
-            req, b = sched.queue.popleft(), free[s].pop(0)
+            req = sched.queue[0]
+            digests = [] if sched.prefix is None else sched.prefix.digests(req.prompt, salt(req))
+            if naming and sched.prefix.longest(digests, s, naming) > sched.prefix.longest(digests, s):
+                break  # it shares pages this prefill writes: admitted next iteration, it reads them
+            sched.queue.popleft()
+            b = free[s].pop(0)
             need = pages_needed(len(req.prompt), req.max_new_tokens, sched.sc)
-            admission = Admission(req, b, s, [], 0)
+            admission = Admission(req, b, s, [], 0, digests)
             if sched.prefix is None:
                 admission.pages = sched.allocator.allocate(need, shard=s)
             else:
-                admission.digests = sched.prefix.digests(req.prompt, salt(req))
-                admission.pages, hit = sched.prefix.take(admission.digests, need, s)
+                admission.pages, hit = sched.prefix.take(digests, need, s)
                 admission.start = hit * sched.sc.page_size
             sched.pages_of[req.id] = admission.pages
             sched.owner[b] = req
@@ -90,13 +98,23 @@ class Admissions:
                 sched.filling.append(admission)  # prefilled a chunk per iteration (:meth:`fill`)
             else:
                 ready.append(admission)
+                naming.update((s, d) for d in digests)
         if ready:
             self.prefill(ready)
 
     def release(self, req: Request, pages: list[int]) -> None:
-        """Give a request's pages back (freed, or with prefix caching: named ones stay cached)."""
-        sched = self.scheduler
-        (sched.allocator if sched.prefix is None else sched.prefix).release(pages)
+        """Give a finished (or cancelled) request's pages back. With prefix caching, first name the
+        full pages of its prompt and of the tokens it was handed: their caches are complete (a
+        position's entries are written by the step that verified the token after it), so a later
+        prompt that continues this text, the next turn of a chat, prefills only what follows. A
+        request whose prompt never finished arriving (no token yet) names nothing."""
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            self.scheduler.allocator.release(pages)
+            return
+        if req.tokens:
+            prefix.register(prefix.digests(req.prompt + req.tokens, salt(req)), pages)
+        prefix.release(pages)
 
     def fill(self) -> bool:
         """Chunked prefill: the next chunk of the first request whose prompt is still arriving, or
