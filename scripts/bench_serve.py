@@ -18,7 +18,13 @@ Two more workloads (``--workload``), each through the engine with a feature off 
 - ``shared-prefix``: ``--requests`` requests (32) that share a ``--system-len``-token system prompt,
   each with its own 32-token question, submitted at once, without and with prefix caching (the
   system prompt seen before, as on a server that has been up a while; an untimed pass of other
-  questions compiles the programs). TTFT, throughput, and whether the texts are equal.
+  questions compiles the programs), and with prefix caching on a system prompt never seen before
+  (the burst prefills it once: the first request, then the others read its pages). TTFT,
+  throughput, the prompt tokens prefilled, and whether the texts are equal.
+- ``multi-turn``: ``--requests`` conversations (8) of ``--turns`` turns (4) at once, each turn's
+  prompt the conversation so far (a ``--system-len``-token opening, then each reply and a 32-token
+  message), without and with prefix caching: the later turns' TTFT, and the prompt tokens
+  prefilled against those a cache of prompt pages alone (no reply pages) would have prefilled.
 - ``logprobs``: the ``--requests`` counts through the engine without and with ``logprobs`` (5
   alternatives per token), alternately, twice each: what asking for log-probabilities costs a
   server's throughput (the step runs its own program for them), and that the texts are equal.
@@ -29,6 +35,7 @@ Two more workloads (``--workload``), each through the engine with a feature off 
 
     python scripts/bench_serve.py --workload shared-prefix --system-len 1024 --json prefix.json
     python scripts/bench_serve.py --workload long-prompt --long-len 2048 --chunk 256
+    python scripts/bench_serve.py --workload multi-turn --system-len 256 --turns 4 --requests 8
 """
 
 from __future__ import annotations
@@ -147,43 +154,134 @@ def shared_prefix(model, args, gen: dict) -> tuple[list[dict], bool]:
     vocab = model.config.vocab_size
     system = rng.integers(2, vocab, args.system_len).tolist()
     questions = [rng.integers(2, vocab, 32).tolist() for _ in range(2 * args.requests[0])]
+    cold = rng.integers(2, vocab, args.system_len).tolist()  # a system prompt the engine never saw
     n = args.requests[0]
     rows, texts = [], {}
-    for caching in (False, True):
+    for caching, label in ((False, "off"), (True, "on"), (True, "on, cold")):
         max_len = args.system_len + 32 + args.new_tokens
         engine = mtp_jax.Engine(
             model, slots=args.slots, max_len=max_len, **gen, max_queue=1024, prefix_caching=caching
         )
-        for part in (questions[n:], questions[:n]):  # untimed (compiles; caches the system prompt), timed
+        for timed, part in ((False, questions[n:]), (True, questions[:n])):  # untimed: compiles, caches
             stamps: list[list] = [[] for _ in range(n)]
+            head = cold if label == "on, cold" and timed else system
+            before = engine.stats().get("prefix_cache_hits", 0)
             t0 = time.perf_counter()
-            runs = [_timed(engine, system + q, args.new_tokens, stamps[i]) for i, q in enumerate(part)]
+            runs = [_timed(engine, head + q, args.new_tokens, stamps[i]) for i, q in enumerate(part)]
             for _, thread in runs:
                 thread.join()
         t1 = max(st[-1][0] for st in stamps)
         ttft = [st[0][0] - t0 for st in stamps]
         stats = engine.stats()
-        texts[caching] = [h.result().tokens for h, _ in runs]
+        texts[label] = [h.result().tokens for h, _ in runs]
+        hits = stats.get("prefix_cache_hits", 0) - before
         row = {
-            "prefix_caching": caching,
+            "prefix_caching": label,
             "requests": n,
             "tok_s": n * args.new_tokens / (t1 - t0),
             "ttft_ms_mean": 1000 * float(np.mean(ttft)),
             "ttft_ms_max": 1000 * float(np.max(ttft)),
+            "prompt_tokens_prefilled": sum(len(head) + len(q) for q in part) - hits,
             "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
             "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
         }
         engine.close()
         rows.append(row)
-        state = "on " if caching else "off"
         print(
-            f"shared prefix of {args.system_len} tokens, {n} requests, prefix caching {state}: "
+            f"shared prefix of {args.system_len} tokens, {n} requests, prefix caching {label}: "
             f"{row['tok_s']:.1f} tok/s, TTFT mean {row['ttft_ms_mean']:.0f} ms "
-            f"(max {row['ttft_ms_max']:.0f})",
+            f"(max {row['ttft_ms_max']:.0f}), {row['prompt_tokens_prefilled']} prompt tokens prefilled",
             flush=True,
         )
-    same = texts[False] == texts[True]
+    same = texts["off"] == texts["on"]  # the cold arm's prompts differ: compared with itself in-run
     print(f"same tokens with and without prefix caching: {same}", flush=True)
+    return rows, same
+
+
+def _conversations(model, args, seed: int) -> list[tuple[list[int], list[list[int]]]]:
+    """``--requests`` conversations: an opening of ``--system-len`` tokens and ``--turns`` messages
+    of 32 random tokens each."""
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    return [
+        (
+            rng.integers(2, vocab, args.system_len).tolist(),
+            [rng.integers(2, vocab, 32).tolist() for _ in range(args.turns)],
+        )
+        for _ in range(args.requests[0])
+    ]
+
+
+def _converse(engine, conversations, new_tokens: int, page: int) -> dict:
+    """Run every conversation at once, each turn's prompt the conversation so far: per turn the
+    TTFTs, the prompt tokens, the replies, and the prompt tokens a cache of prompt pages alone would
+    have found (the previous turn's prompt, whole pages, followed by at least one more token)."""
+    out = {"ttft": [[] for _ in conversations], "prompt": 0, "prompt_only_hits": 0, "tokens": []}
+    lock = threading.Lock()
+
+    def talk(i: int, opening: list[int], messages: list[list[int]]) -> None:
+        history, replies, earlier = list(opening), [], None
+        for message in messages:
+            prompt = history + message
+            done = engine.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True).result()
+            with lock:
+                out["ttft"][i].append(done.stats["time_to_first_token_seconds"])
+                out["prompt"] += len(prompt)
+                if earlier is not None:
+                    out["prompt_only_hits"] += (len(earlier) - 1) // page * page
+            replies.append(done.tokens)
+            earlier, history = prompt, prompt + done.tokens
+        with lock:
+            out["tokens"].append((i, replies))
+
+    threads = [threading.Thread(target=talk, args=(i, *c)) for i, c in enumerate(conversations)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["seconds"] = time.perf_counter() - t0
+    out["tokens"] = [r for _, r in sorted(out["tokens"])]
+    return out
+
+
+def multi_turn(model, args, gen: dict) -> tuple[list[dict], bool]:
+    n = args.requests[0]
+    max_len = args.system_len + args.turns * (32 + args.new_tokens) + 16
+    rows, replies = [], {}
+    for caching in (False, True):
+        engine = mtp_jax.Engine(
+            model, slots=args.slots, max_len=max_len, **gen, max_queue=1024, prefix_caching=caching
+        )
+        _converse(engine, _conversations(model, args, 1), args.new_tokens, model.page_size)  # compiles
+        before = engine.stats().get("prefix_cache_hits", 0)
+        run = _converse(engine, _conversations(model, args, 2), args.new_tokens, model.page_size)
+        hits = engine.stats().get("prefix_cache_hits", 0) - before
+        engine.close()
+        replies[caching] = run["tokens"]
+        later = [t for ttfts in run["ttft"] for t in ttfts[1:]]
+        row = {
+            "prefix_caching": caching,
+            "conversations": n,
+            "turns": args.turns,
+            "seconds": run["seconds"],
+            "ttft_ms_first_turn": 1000 * float(np.mean([t[0] for t in run["ttft"]])),
+            "ttft_ms_later_turns": 1000 * float(np.mean(later)),
+            "prompt_tokens": run["prompt"],
+            "prompt_tokens_prefilled": run["prompt"] - hits,
+            "prompt_tokens_prefilled_prompt_pages_only": run["prompt"] - run["prompt_only_hits"],
+        }
+        rows.append(row)
+        alone = row["prompt_tokens_prefilled_prompt_pages_only"]
+        print(
+            f"{n} conversations x {args.turns} turns, prefix caching {'on ' if caching else 'off'}: "
+            f"{row['seconds']:.1f} s, TTFT first turn {row['ttft_ms_first_turn']:.0f} ms, later turns "
+            f"{row['ttft_ms_later_turns']:.0f} ms; prompt tokens prefilled {row['prompt_tokens_prefilled']} "
+            f"of {row['prompt_tokens']} (prompt pages alone: {alone})",
+            flush=True,
+        )
+    same = replies[False] == replies[True]
+    print(f"same replies with and without prefix caching: {same}", flush=True)
     return rows, same
 
 
@@ -306,11 +404,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32, help="random prompts (no eval.json) only")
     p.add_argument("--json", help="write the results here")
     p.add_argument(
-        "--workload", choices=["requests", "shared-prefix", "long-prompt", "logprobs"], default="requests"
+        "--workload",
+        choices=["requests", "shared-prefix", "multi-turn", "long-prompt", "logprobs"],
+        default="requests",
     )
     p.add_argument("--system-len", type=int, default=1024, help="shared-prefix: the shared prompt's tokens")
     p.add_argument("--long-len", type=int, default=2048, help="long-prompt: the long prompt's tokens")
     p.add_argument("--chunk", type=int, default=256, help="long-prompt: the chunked prefill size")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     args = p.parse_args(argv)
 
     import uvicorn
@@ -328,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == "logprobs":
             results, same = logprobs_cost(model, args, gen, prompts)
         else:
-            run = shared_prefix if args.workload == "shared-prefix" else long_prompt
-            results, same = run(model, args, gen)
+            runs = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "long-prompt": long_prompt}
+            results, same = runs[args.workload](model, args, gen)
         _report(args, path, results, workload=args.workload, draft=draft, same_tokens=same)
         return 0 if same else 1
     rows, ok = [], True
