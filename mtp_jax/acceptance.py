@@ -67,6 +67,8 @@ class Drafter:
     draft: str | None
     k: int
     model_index: int = 0
+    tree: dict | None = None
+    """A ``speculative_tree`` setting to verify instead of a chain of ``k`` (a chained draft)."""
 
 
 def subset(prompts: Sequence[Sequence[str]], n: int, seed: int) -> list[int]:
@@ -113,7 +115,10 @@ def accepted(request_stats: Sequence[dict]) -> dict:
 def _generate(model: Any, drafter: Drafter, prompts: list[list[int]], args, temperature: float, batch: int):
     sampling = args.draft_sampling or ("sampled" if temperature > 0 else "argmax")
     kw: dict[str, Any] = {}
-    if drafter.draft is not None:
+    if drafter.tree is not None:  # a dynamic tree's candidates are the draft's likeliest (exact)
+        sampling = "argmax" if drafter.tree.get("dynamic") else sampling
+        kw = {"draft": drafter.draft, "speculative_tree": drafter.tree, "draft_sampling": sampling}
+    elif drafter.draft is not None:
         kw = {"draft": drafter.draft, "num_speculative_tokens": drafter.k, "draft_sampling": sampling}
     return model.generate(
         prompts,
@@ -380,9 +385,16 @@ def build_parser(prog: str = "mtp-jax bench-acceptance") -> argparse.ArgumentPar
     p.add_argument("--sets", nargs="+", default=list(DEFAULT_SETS), help="set names or prompt files")
     p.add_argument("--subset", type=int, default=16, help="prompts per set (0: every prompt)")
     p.add_argument("--seed", type=int, default=0, help="the subset's and the sampling's seed")
-    p.add_argument("--k", type=int, nargs="+", default=[7], help="drafts per step (chains)")
+    p.add_argument("--k", type=int, nargs="*", default=[7], help="drafts per step (chains; none: trees only)")
+    p.add_argument(
+        "--tree",
+        nargs="*",
+        default=[],
+        metavar="DEPTH,TOPK[,NODES][,dynamic]",
+        help="token trees to measure for each chained draft besides its chains (',dynamic': EAGLE-2's)",
+    )
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch sizes timed")
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 8], help="batch sizes timed (none: no timing)")
     p.add_argument("--timing-prompts", type=int, default=2, help="prompts timed one at a time at batch 1")
     p.add_argument("--acceptance-batch", type=int, default=8, help="rows at a time for the acceptance pass")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -415,11 +427,23 @@ def main(argv: Sequence[str] | None = None, prog: str = "mtp-jax bench-acceptanc
     for flag in ("subset", "max_new_tokens", "timing_prompts", "acceptance_batch"):
         if getattr(args, flag) < (0 if flag == "subset" else 1):
             parser.error(f"--{flag.replace('_', '-')} must be >= {0 if flag == 'subset' else 1}")
-    if min(args.k) < 1 or min(args.batch) < 1 or min(args.temperature) < 0:
+    if min(args.k, default=1) < 1 or min(args.batch, default=1) < 1 or min(args.temperature) < 0:
         parser.error("--k and --batch must be >= 1, --temperature >= 0")
+    from mtp_jax.tree import tree_setting
+
+    trees = []
+    for text in args.tree:
+        try:
+            trees.append((text, tree_setting(text)))
+        except ValueError as e:
+            parser.error(f"--tree: {e}")
+    if not args.k and not trees:
+        parser.error("give --k values, --tree shapes or both")
     for name in args.sets:
         read_set(name)  # a bad file is refused before anything is loaded
     t0 = time.perf_counter()
+    if args.server and trees:
+        parser.error("--tree measures drafts loaded here; a --server speculates as it was started")
     if args.server:
         rows = measure_server(args, progress=lambda s: print(s, file=sys.stderr, flush=True))
     else:
@@ -433,11 +457,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "mtp-jax bench-acceptanc
         drafters = [Drafter("plain", None, 0)]
         for name in args.draft:
             drafters += [Drafter(f"{name} K={k}", name, k) for k in args.k]
+            drafters += [Drafter(f"{name} tree {text}", name, 0, 0, tree) for text, tree in trees]
         for directory in args.draft_model:
             models.append(models[0].with_draft(directory))
             kind = models[-1].default_draft
             label = os.path.basename(os.path.normpath(directory))
             drafters += [Drafter(f"{label} K={k}", kind, k, len(models) - 1) for k in args.k]
+            drafters += [
+                Drafter(f"{label} tree {text}", kind, 0, len(models) - 1, tree) for text, tree in trees
+            ]
         if len(drafters) == 1:
             parser.error("give drafts to measure: --draft-model DIR ... and/or --draft NAME ...")
         rows = measure(models, drafters, args, progress=lambda s: print(s, file=sys.stderr, flush=True))

@@ -165,9 +165,11 @@ def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
         "--speculative-tree",
         type=_tree_arg,
         default=None,
-        metavar="DEPTH,TOPK[,NODES]",
+        metavar="DEPTH,TOPK[,NODES][,dynamic]",
         help="verify a token tree each step instead of a chain of -k drafts: each node's TOPK likeliest "
-        "continuations up to DEPTH, the NODES likeliest drafts (default: all); mtp, eagle3, draft_model",
+        "continuations up to DEPTH, the NODES likeliest drafts (default: all); with ',dynamic' each row's "
+        "own shape every step (EAGLE-2: the NODES of highest cumulative draft probability); mtp, eagle3, "
+        "draft_model",
     )
     g.add_argument(
         "--draft-block-size",
@@ -252,7 +254,7 @@ def _add_serve_parser(sub) -> None:
         "--speculative-tree",
         type=_tree_arg,
         default=None,
-        metavar="DEPTH,TOPK[,NODES]",
+        metavar="DEPTH,TOPK[,NODES][,dynamic]",
         help="verify a token tree each step instead of a chain (see generate --help)",
     )
     sv.add_argument("--grammar-masks", choices=["host", "callback"], default="host")
@@ -628,11 +630,13 @@ def _lora_modules(specs: Sequence[str]) -> dict[str, str] | None:
 
 
 def _tree_arg(text: str) -> dict:
-    """``--speculative-tree DEPTH,TOPK[,NODES]`` as the ``speculative_tree`` setting."""
-    parts = text.split(",")
-    if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"expected DEPTH,TOPK or DEPTH,TOPK,NODES (integers), got {text!r}")
-    return dict(zip(("depth", "topk", "nodes"), (int(p) for p in parts), strict=False))
+    """``--speculative-tree DEPTH,TOPK[,NODES][,dynamic]`` as the ``speculative_tree`` setting."""
+    from mtp_jax.tree import tree_setting
+
+    try:
+        return tree_setting(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _adapter_name(path: str) -> str:

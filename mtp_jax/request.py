@@ -29,7 +29,7 @@ from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_column, check_logpro
 from mtp_jax.schedule import SCHEDULES
 from mtp_jax.step import DRAFT_SAMPLING, StepConfig
 from mtp_jax.text import check_stops
-from mtp_jax.tree import TokenTree
+from mtp_jax.tree import DynamicTree, TokenTree
 from pallas_kernels.paged import QUERY_CHUNK
 
 # the per-row numeric settings and their types (checked by mtp_jax.sampling.CHECKS)
@@ -135,7 +135,9 @@ class SpeculativeConfig:
     depth d, the n drafts likeliest to be accepted; SGLang's ``speculative_num_steps`` /
     ``speculative_eagle_topk`` / ``speculative_num_draft_tokens`` - 1), for a chained draft (mtp,
     eagle3, draft_model). K is then the tree's nodes; a request's ``num_speculative_tokens`` caps
-    the depth it accepts.
+    the depth it accepts. With ``"dynamic": True`` the tree's shape is each row's own, chosen
+    every step (:class:`mtp_jax.tree.DynamicTree`, EAGLE-2: the n candidates of highest cumulative
+    draft probability, expanding the k likeliest per level; draft_sampling "argmax").
     ``schedule``: "fixed" (verify every proposed draft, up to each request's cap) or "confidence"
     (each step verifies the width :func:`mtp_jax.schedule.choose_width` picks from the draft's
     confidences and measured speeds; a draft with a confidence head: DSpark). ``sps_table``: those
@@ -150,7 +152,7 @@ class SpeculativeConfig:
     draft_options: Mapping[str, Any] | None = None
     auto_k: str | os.PathLike[str] | Mapping | Any | None = None
     think_tokens: tuple[int, int] | None = None
-    speculative_tree: Mapping | TokenTree | None = None
+    speculative_tree: Mapping | TokenTree | DynamicTree | None = None
     schedule: str = "fixed"
     sps_table: Any = None
 
@@ -264,6 +266,11 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
             )
         if speculative.auto_k is not None:
             raise InvalidRequestError("auto_k chooses a chain's K; it does not go with speculative_tree")
+        if tree.dynamic and speculative.draft_sampling != "argmax":
+            raise InvalidRequestError(
+                "a dynamic speculative_tree verifies the draft's likeliest tokens (exact for sampled rows "
+                f"too): it needs draft_sampling='argmax', got {speculative.draft_sampling!r}"
+            )
         if relaxed or speculative.think_tokens is not None:
             raise InvalidRequestError(
                 "relaxed acceptance (think_tokens) is not available with token trees yet"
@@ -327,22 +334,28 @@ def check_schedule(speculative: SpeculativeConfig, method: Any, draft_cfg: Any, 
         raise InvalidRequestError("schedule='confidence' verifies a chain, not a speculative_tree")
 
 
-def token_tree(spec: Mapping | TokenTree | None) -> TokenTree | None:
-    """The :class:`~mtp_jax.tree.TokenTree` of a ``speculative_tree`` setting ({"depth", "topk",
-    "nodes"}), or None."""
-    if spec is None or isinstance(spec, TokenTree):
+def token_tree(spec: Mapping | TokenTree | DynamicTree | None) -> TokenTree | DynamicTree | None:
+    """The tree of a ``speculative_tree`` setting ({"depth", "topk", "nodes", "dynamic"}): a
+    static :class:`~mtp_jax.tree.TokenTree`, or with ``"dynamic": True`` a
+    :class:`~mtp_jax.tree.DynamicTree` (EAGLE-2: each row's shape chosen by the draft every step,
+    under the same node budget); or None."""
+    if spec is None or isinstance(spec, (TokenTree, DynamicTree)):
         return spec
-    fields = ("depth", "topk", "nodes")
+    fields = ("depth", "topk", "nodes", "dynamic")
     if not isinstance(spec, Mapping) or set(spec) - set(fields) or not {"depth", "topk"} <= set(spec):
         raise InvalidRequestError(
-            f"speculative_tree must be {{'depth': d, 'topk': k, 'nodes': n}} (nodes optional: the whole "
-            f"tree), got {spec!r}"
+            f"speculative_tree must be {{'depth': d, 'topk': k, 'nodes': n, 'dynamic': False}} (nodes "
+            f"optional: the whole static tree; dynamic optional), got {spec!r}"
         )
     depth, topk = spec["depth"], spec["topk"]
-    nodes = spec.get("nodes")
+    nodes, dynamic = spec.get("nodes"), spec.get("dynamic", False)
+    if not isinstance(dynamic, bool):
+        raise InvalidRequestError(f"speculative_tree's dynamic must be true or false, got {dynamic!r}")
     if nodes is None and all(isinstance(x, int) and not isinstance(x, bool) for x in (depth, topk)):
         nodes = sum(topk**d for d in range(1, depth + 1))
-    tree = TokenTree.build(depth, topk, nodes)
+        if dynamic and depth >= 1 and topk >= 1:  # as many as the dynamic tree has candidates
+            nodes = min(nodes, topk + (depth - 1) * topk**2)
+    tree = DynamicTree(depth, topk, nodes) if dynamic else TokenTree.build(depth, topk, nodes)
     if tree.size > QUERY_CHUNK:
         raise InvalidRequestError(
             f"a token tree has at most {QUERY_CHUNK - 1} draft nodes, got {tree.size - 1}"
@@ -442,6 +455,11 @@ def check_request(
         raise InvalidRequestError(
             f"num_speculative_tokens must be an integer in [0, {most}] ({kind}), "
             f"got {params.num_speculative_tokens!r}"
+        )
+    if params.grammar is not None and sc.tree is not None and sc.tree.dynamic:
+        raise InvalidRequestError(
+            "grammar-constrained requests are not available with a dynamic speculative_tree yet (a static "
+            "tree or a chain takes them)"
         )
     if values["relaxed_topk"] and sc.think_tokens is None:  # generate() sets them for such requests
         raise InvalidRequestError("relaxed_topk needs an engine created with think_tokens and a draft")

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from mtp_jax.drafts import DRAFTS, Draft, Rows, draft_for
-from mtp_jax.drafts.base import DraftContext, at_rows
+from mtp_jax.drafts.base import DraftContext, TreeDrafts, at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
 from mtp_jax.sampling import (
     MAX_LOGPROBS,
@@ -51,7 +51,16 @@ from mtp_jax.schedule import choose_width, cumulative
 from mtp_jax.sharding import constrain_state, replicated, row_shards
 from mtp_jax.targets import PagedAttention, Target, target_for
 from mtp_jax.targets.base import Hidden, TreeMask
-from mtp_jax.tree import TokenTree, accept_tree, along_path, commit_path, node_mask, node_positions
+from mtp_jax.tree import (
+    DynamicTree,
+    RowTrees,
+    TokenTree,
+    accept_tree,
+    along_path,
+    commit_path,
+    node_mask,
+    node_positions,
+)
 
 __all__ = ["DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "prefill_chunk", "step"]
 
@@ -86,9 +95,10 @@ class StepConfig:
     """Also return each emitted token's log-probability and the MAX_LOGPROBS most likely tokens'
     (:class:`mtp_jax.sampling.TokenLogprobs`), from the verified logits; a program of its own, run
     only while some request asks."""
-    tree: TokenTree | None = None
+    tree: TokenTree | DynamicTree | None = None
     """Verify a token tree of drafts (:mod:`mtp_jax.tree`) instead of a chain: ``k`` is then its
-    draft nodes (``tree.size - 1``), the draft a chained one (:attr:`Draft.trees`)."""
+    draft nodes (``tree.size - 1``), the draft a chained one (:attr:`Draft.trees`). A
+    :class:`~mtp_jax.tree.DynamicTree`'s shape is each row's own, chosen by the draft every step."""
     schedule: tuple[float, ...] | None = None
     """Confidence-scheduled verification (:mod:`mtp_jax.schedule`): the engine's steps/s at widths
     1..K+1 for this program's batch; each step verifies the width :func:`mtp_jax.schedule.
@@ -122,6 +132,11 @@ class StepConfig:
             if self.think_tokens is not None:
                 raise ValueError(
                     "relaxed acceptance in thinking phases is not available with token trees yet"
+                )
+            if self.tree.dynamic and self.draft_sampling != "argmax":
+                raise ValueError(
+                    "a dynamic token tree verifies the draft's likeliest tokens (fixed candidates, exact for "
+                    f"sampled rows too): it needs draft_sampling='argmax', got {self.draft_sampling!r}"
                 )
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
@@ -182,6 +197,12 @@ class StepConfig:
     def sampled(self) -> bool:
         return self.k > 0 and self.draft_sampling == "sampled"
 
+    @property
+    def overshoot(self) -> int:
+        """Cache rows a step may write past a row's committed tokens, beyond its K + 1 verified
+        ones: a dynamic tree's draft runs its expanded candidates on scratch rows."""
+        return self.k if self.tree is None or not self.tree.dynamic else max(self.k, self.tree.expanded)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +219,8 @@ class DecodeState:
     num_drafts [B]: how many of the drafts were proposed for the row (its request's cap, and at
     most what the last step proposed: a step may speculate less than K); thinking [B]: inside a
     thinking phase after the committed tokens before next_token; active [B]; sampling: per-row
-    parameters.
+    parameters; tree_parent [B, N]: with a :class:`~mtp_jax.tree.DynamicTree`, each row's proposed
+    tree's parents (the drafts are its nodes 1..N-1), else [B, 0].
     """
 
     target_pages: dict
@@ -213,6 +235,7 @@ class DecodeState:
     active: jax.Array
     sampling: RowSampling
     draft_conf: jax.Array
+    tree_parent: jax.Array
 
 
 def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) -> DecodeState:
@@ -232,7 +255,21 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
         active=jnp.zeros((batch,), bool),
         sampling=RowSampling.build(batch),
         draft_conf=jnp.zeros((batch, sc.k if sc.confident else 0), jnp.float32),
+        tree_parent=jnp.zeros((batch, _dynamic_size(sc)), jnp.int32),
     )
+
+
+def _dynamic_size(sc: StepConfig) -> int:
+    """The nodes of each row's dynamic tree (its root included), 0 without one."""
+    return sc.tree.size if sc.tree is not None and sc.tree.dynamic else 0
+
+
+def _split_tree(new_drafts: Any, parent: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(drafts, parents) of a proposal: a dynamic tree's (:class:`TreeDrafts`), else the drafts
+    and ``parent`` unchanged."""
+    if isinstance(new_drafts, TreeDrafts):
+        return new_drafts.tokens, new_drafts.parent
+    return new_drafts, parent
 
 
 def propose(sc: StepConfig, params: dict, *args) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
@@ -338,14 +375,17 @@ def _first_drafts(params, state, sc, prompt: Rows, page_table, real, sampling, f
     drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
     conf = jnp.zeros((r,) + state.draft_conf.shape[1:], jnp.float32)
+    parent = jnp.zeros((r,) + state.tree_parent.shape[1:], jnp.int32)
     if sc.drafter is None:
-        return drafts, q, conf, jnp.minimum(sampling.num_speculative_tokens, sc.k), state.draft_state
+        count = jnp.minimum(sampling.num_speculative_tokens, sc.k)
+        return drafts, q, conf, count, state.draft_state, parent
     new_drafts, q_new, draft_state, z = propose(
         sc, params, state.draft_state, page_table, prompt, real, sampling, lengths + 1
     )
+    new_drafts, parent = _split_tree(new_drafts, parent)
     new_drafts, count = _proposed(sc, new_drafts, sampling.num_speculative_tokens, first)
     drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
-    return drafts, q, conf if z is None else _room(conf, z), count, draft_state
+    return drafts, q, conf if z is None else _room(conf, z), count, draft_state, parent
 
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
@@ -389,7 +429,7 @@ def prefill(
     first = sample(first_logits, sampling, lengths)
     logprobs = token_logprobs(raw_logits, first, MAX_LOGPROBS) if sc.logprobs else None
     prompt = Rows(tokens, _followed_by(tokens, last, first), positions, valid, hidden, last)
-    drafts, q, conf, count, draft_state = _first_drafts(
+    drafts, q, conf, count, draft_state, parent = _first_drafts(
         params, state, sc, prompt, page_table, real, sampling, first, lengths
     )
     thinking = jnp.zeros((r,), bool) if thinking is None else thinking
@@ -416,6 +456,7 @@ def prefill(
                 active=put(state.active, real),
                 sampling=jax.tree.map(put, state.sampling, sampling),
                 draft_conf=put(state.draft_conf, conf),
+                tree_parent=put(state.tree_parent, parent),
             ),
             sc,
         ),
@@ -547,7 +588,7 @@ def _commit_and_draft(
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
     draft_state, drafts, q, num_drafts = state.draft_state, state.drafts, state.draft_q, state.num_drafts
-    conf = state.draft_conf
+    conf, parent = state.draft_conf, state.tree_parent
     num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.num_speculative_tokens, sc.k), num_drafts)
     thinking = state.thinking
     if sc.think_tokens is not None:
@@ -565,6 +606,8 @@ def _commit_and_draft(
         )
         if z is not None:
             conf = jnp.where(state.active[:, None], _room(conf, z), conf)
+        new_drafts, new_parent = _split_tree(new_drafts, parent)
+        parent = jnp.where(state.active[:, None], new_parent, parent)
         new_drafts, count = _proposed(sc, new_drafts, state.sampling.num_speculative_tokens, new_next)
         drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)
         num_drafts = jnp.where(state.active, count, num_drafts)
@@ -581,6 +624,7 @@ def _commit_and_draft(
         num_drafts=num_drafts,
         thinking=thinking,
         draft_conf=conf,
+        tree_parent=parent,
     )
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
 
@@ -595,24 +639,28 @@ def _tree_verified(params: dict, state: DecodeState, sc: StepConfig, bitmask: ja
     logits along the path [B, D+1, V])."""
     tree, seq = sc.tree, state.seq_len
     tokens = _inputs(state, sc)
+    b = tokens.shape[0]
+    rows = RowTrees.of(state.tree_parent, tree.width, tree.max_depth) if tree.dynamic else tree.rows(b)
     valid = jnp.broadcast_to(state.active[:, None], tokens.shape)
     hidden, logits, target_pages = _target_pass(
         params,
         state,
         sc,
         tokens,
-        node_positions(tree, seq),
+        node_positions(rows, seq),
         valid,
         state.page_table,
         state.sampling.lora_slot,
         logits=True,
-        tree=node_mask(tree, seq),
+        tree=node_mask(rows, seq),
     )
     q = None
     if sc.sampled:  # the law at nodes 0..N-2 (the last node, the deepest, has no children)
         q = jnp.concatenate([state.draft_q, jnp.zeros_like(state.draft_q[:, :1])], axis=1)
     judged = logits if bitmask is None else mask_logits(logits, bitmask)
-    path, emitted, n_acc = accept_tree(judged, tokens, tree, state.sampling, seq + 1, q, state.num_drafts)
+    path, emitted, n_acc = accept_tree(
+        judged, tokens, tree, state.sampling, seq + 1, q, state.num_drafts, rows
+    )
     target_pages = commit_path(target_pages, state.page_table, seq, path, n_acc, state.active, sc.page_size)
     hidden = Hidden(
         *(None if x is None else along_path(x, path, axis=x.ndim - 2) for x in hidden[:3]), *hidden[3:]

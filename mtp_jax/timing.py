@@ -109,9 +109,10 @@ def _timed_state(sc: Any, batch: int, context: int, dtype: Any, lora_slots: Any)
     """The state :func:`time_step` starts from: ``batch`` active rows with pages for ``context``
     tokens and the step's K + 1 more, random next tokens and drafts, the rows' LoRA slots."""
     from mtp_jax.step import init_state
+    from mtp_jax.tree import TokenTree
 
     k, page_size = sc.k, sc.page_size
-    width = -(-(context + 2 * (k + 1)) // page_size)  # the step writes up to K+1 rows past context
+    width = -(-(context + 2 * (sc.overshoot + 1)) // page_size)  # the step writes up to K+1 rows past context
     state = init_state(sc, batch, batch * width, width, dtype)
     rng = np.random.default_rng(0)
     ids = rng.integers(2, sc.cfg.vocab_size, (batch, k + 1)).astype(np.int32)
@@ -122,6 +123,10 @@ def _timed_state(sc: Any, batch: int, context: int, dtype: Any, lora_slots: Any)
         drafts=jnp.asarray(ids[:, 1:]),
         active=jnp.ones((batch,), bool),
     )
+    if state.tree_parent.shape[1]:  # a dynamic tree: the static tree of its budget in every row
+        shape = TokenTree.build(sc.tree.depth, sc.tree.topk, sc.tree.nodes)
+        parent = jnp.broadcast_to(jnp.asarray(shape.parent, jnp.int32), state.tree_parent.shape)
+        state = dataclasses.replace(state, tree_parent=parent)
     if lora_slots is not None:
         slots = jnp.asarray(lora_slots, jnp.int32)
         state = dataclasses.replace(state, sampling=dataclasses.replace(state.sampling, lora_slot=slots))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,7 @@ class TokenTree:
     parent: tuple[int, ...]
     depth: tuple[int, ...]
     rank: tuple[int, ...]
+    dynamic = False  # the shape is the same for every row (:class:`DynamicTree`: each row's own)
 
     @classmethod
     def build(cls, depth: int, topk: int, nodes: int) -> TokenTree:
@@ -84,6 +86,11 @@ class TokenTree:
     def max_depth(self) -> int:
         return max(self.depth)
 
+    @property
+    def width(self) -> int:
+        """The most children a node has."""
+        return int(self.children().shape[1])
+
     def children(self) -> np.ndarray:
         """[size, widest] int32: each node's children by rank, -1 where it has fewer."""
         kids: list[list[int]] = [[] for _ in self.parent]
@@ -110,6 +117,11 @@ class TokenTree:
             out.append(tuple(reversed(path)))
         return out
 
+    def rows(self, b: int) -> RowTrees:
+        """The tree as device data, the same for each of ``b`` rows (:class:`RowTrees`)."""
+        parent = jnp.broadcast_to(jnp.asarray(self.parent, jnp.int32), (b, self.size))
+        return RowTrees.of(parent, self.width, self.max_depth)
+
     def ancestors(self) -> np.ndarray:
         """[size, size] bool: node i may attend to node j (j is i or one of its ancestors): the tree
         attention mask over the nodes (each also attends to the whole committed context)."""
@@ -122,14 +134,108 @@ class TokenTree:
         return mask
 
 
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A token tree whose shape each row chooses at run time (EAGLE-2's dynamic draft tree):
+    the draft expands, level by level, the ``topk`` nodes of highest cumulative draft
+    log-probability (each proposing its ``topk`` likeliest children), ``depth`` levels deep, and
+    the ``nodes`` candidates of highest cumulative log-probability of all it proposed are verified
+    (a node's ancestors are always among them: a path's log-probability only falls). The static
+    part, a node budget and a depth, is the compiled shape; each row's parents are data
+    (:class:`RowTrees`). The candidates are the draft's likeliest tokens (fixed, as for n-gram), so
+    sampled rows are accepted with one-hot laws (:func:`accept_tree` with ``draft_q`` None)."""
+
+    depth: int
+    topk: int
+    nodes: int
+    dynamic = True
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "topk", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(
+                    f"a dynamic token tree's {name} must be a positive integer, got {value!r}"
+                )
+        most = self.topk + (self.depth - 1) * self.topk**2
+        if not self.depth <= self.nodes <= most:
+            raise InvalidRequestError(
+                f"a dynamic token tree of depth {self.depth} and topk {self.topk} verifies between "
+                f"{self.depth} and {most} draft nodes (the candidates it proposes), got nodes={self.nodes}"
+            )
+
+    @property
+    def size(self) -> int:
+        """Nodes, the root included."""
+        return self.nodes + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def width(self) -> int:
+        """The most children a node can have."""
+        return self.topk
+
+    @property
+    def expanded(self) -> int:
+        """The candidates the draft runs through itself (its scratch rows): ``topk`` per level
+        below the root's children's level."""
+        return (self.depth - 1) * self.topk
+
+
+class RowTrees(NamedTuple):
+    """Each row's token tree as device data: ``parent`` [b, N] (node 0 the root, -1; every node
+    after its parent), ``ancestors`` [b, N, N] (node i may attend to node j), ``depth`` [b, N],
+    ``children`` [b, N, c] (each node's children in node order, -1 where it has fewer)."""
+
+    parent: jax.Array
+    ancestors: jax.Array
+    depth: jax.Array
+    children: jax.Array
+
+    @classmethod
+    def of(cls, parent: jax.Array, width: int, max_depth: int) -> RowTrees:
+        """The structure of trees of at most ``width`` children per node, ``max_depth`` deep, from
+        their ``parent`` [b, N]: ancestors by pointer doubling (log2 of the depth gathers)."""
+        b, n = parent.shape
+        own = jnp.arange(n, dtype=jnp.int32)
+        jump = jnp.where(parent >= 0, parent, own[None, :])  # the root is its own parent
+        seen = jnp.broadcast_to(jnp.eye(n, dtype=bool), (b, n, n))
+        for _ in range(max(1, max_depth).bit_length()):  # 2^steps - 1 >= max_depth levels up
+            seen = seen | jnp.take_along_axis(seen, jnp.broadcast_to(jump[:, :, None], (b, n, n)), axis=1)
+            jump = jnp.take_along_axis(jump, jump, axis=1)
+        depth = jnp.sum(seen, axis=-1, dtype=jnp.int32) - 1
+        child = parent[:, None, :] == own[None, :, None]  # [b, node, candidate child]
+        order = jnp.sort(jnp.where(child, own[None, None, :], n), axis=-1)[..., :width]
+        return cls(parent, seen, depth, jnp.where(order < n, order, -1).astype(jnp.int32))
+
+
+def tree_setting(text: str) -> dict:
+    """The ``speculative_tree`` setting written ``DEPTH,TOPK[,NODES][,dynamic]`` (the command
+    lines' form); ValueError naming the expected form otherwise."""
+    parts = [p.strip() for p in text.split(",")]
+    dynamic = parts[-1] == "dynamic"
+    if dynamic:
+        parts.pop()
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+        raise ValueError(
+            f"expected DEPTH,TOPK or DEPTH,TOPK,NODES (integers), then optionally ',dynamic', got {text!r}"
+        )
+    spec = dict(zip(("depth", "topk", "nodes"), (int(p) for p in parts), strict=False))
+    return spec | {"dynamic": True} if dynamic else spec
+
+
 def accept_tree(
     target_logits: jax.Array,
     tokens: jax.Array,
-    tree: TokenTree,
+    tree: TokenTree | DynamicTree,
     params: RowSampling,
     first: jax.Array,
     draft_q: jax.Array | None = None,
     cap: jax.Array | None = None,
+    rows: RowTrees | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Walk ``tree`` from the root and accept the longest path the target allows.
 
@@ -147,9 +253,10 @@ def accept_tree(
     Returns (path [B, D+1]: the accepted nodes from the root, -1 after the last; emitted
     [B, D+1]: the tokens emitted, a path's nodes' tokens after the root then the target's own at
     its end; n_accepted [B]: drafts accepted, so row b emits ``emitted[b, :n_accepted[b] + 1]``),
-    D = tree.max_depth."""
+    D = tree.max_depth. ``rows``: each row's own tree of ``tree``'s size (:class:`RowTrees`;
+    default: ``tree``'s static shape in every row)."""
     b, n, v = target_logits.shape
-    kids = jnp.asarray(tree.children())  # [N, c]
+    kids = (tree.rows(b) if rows is None else rows).children  # [B, N, c]
 
     def processed() -> jax.Array:
         flat = processed_logprobs(target_logits.reshape(b * n, v), repeat_rows(params, n))
@@ -161,20 +268,20 @@ def accept_tree(
         p = jax.lax.cond(jnp.any(params.temperature > 0), processed, nothing)
     greedy_pick = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
     stochastic = params.temperature > 0
-    rows = jnp.arange(b)
+    rows_ = jnp.arange(b)
     cur = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
     path, emitted = [cur], []
     n_acc = jnp.zeros((b,), jnp.int32)
     for d in range(tree.max_depth + 1):
-        child_ids = kids[cur]  # [B, c]
+        child_ids = kids[rows_, cur]  # [B, c]
         given = (child_ids >= 0) & alive[:, None]
         if cap is not None:
             given &= (cap > d)[:, None]
         safe = jnp.maximum(child_ids, 0)
         candidates = jnp.take_along_axis(tokens, safe, axis=1)  # [B, c]
         # greedy rows: the child whose token is the target's argmax at this node, if any
-        target_top = greedy_pick[rows, cur]
+        target_top = greedy_pick[rows_, cur]
         match = given & (candidates == target_top[:, None])
         chosen = jnp.where(match.any(-1), jnp.argmax(match, axis=-1), -1).astype(jnp.int32)
         token = target_top
@@ -182,9 +289,9 @@ def accept_tree(
             if draft_q is None:
                 laws = jax.nn.one_hot(candidates, v, dtype=jnp.float32)
             else:
-                laws = without_replacement(draft_q[rows, cur], candidates)  # [B, c, V]
+                laws = without_replacement(draft_q[rows_, cur], candidates)  # [B, c, V]
             keys = row_keys(params.seed, first + d, ACCEPT)
-            s_chosen, s_token = accept_siblings(p[rows, cur], candidates, laws, keys, given)
+            s_chosen, s_token = accept_siblings(p[rows_, cur], candidates, laws, keys, given)
             chosen = jnp.where(stochastic, s_chosen, chosen)
             token = jnp.where(stochastic, s_token, token)
         moved = alive & (chosen >= 0)
@@ -198,19 +305,19 @@ def accept_tree(
     return jnp.stack(path, axis=1), jnp.stack(emitted, axis=1).astype(jnp.int32), n_acc
 
 
-def node_mask(tree: TokenTree, base: jax.Array) -> TreeMask:
-    """The tree attention of all of ``tree``'s nodes, node n at cache position ``base`` [b] + n."""
-    b, n = base.shape[0], tree.size
+def node_mask(trees: RowTrees, base: jax.Array) -> TreeMask:
+    """The tree attention of all of each row's tree's nodes, node n at cache position ``base`` [b] + n."""
+    n = trees.parent.shape[1]
     return TreeMask(
         positions=base[:, None] + jnp.arange(n, dtype=base.dtype)[None, :],
         base=base,
-        nodes=jnp.broadcast_to(jnp.asarray(tree.ancestors()), (b, n, n)),
+        nodes=trees.ancestors,
     )
 
 
-def node_positions(tree: TokenTree, base: jax.Array) -> jax.Array:
-    """The rotary positions [b, N] of ``tree``'s nodes after the root at ``base`` [b]: its depth on."""
-    return base[:, None] + jnp.asarray(tree.depth, base.dtype)[None, :]
+def node_positions(trees: RowTrees, base: jax.Array) -> jax.Array:
+    """The rotary positions [b, N] of each row's tree's nodes after the root at ``base`` [b]: its depth on."""
+    return base[:, None] + trees.depth.astype(base.dtype)
 
 
 def along_path(x: jax.Array, path: jax.Array, axis: int = 1) -> jax.Array:

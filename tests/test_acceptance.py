@@ -1100,39 +1100,42 @@ def test_a_width_chosen_after_seeing_its_drafts_is_caught_as_biased(small_vocab_
 
 
 TREE_CASES = [
-    # (draft, draft_sampling, parameters): trees of depth 2, the root's two likeliest (or two drawn)
-    # children and the first one's two: multi-draft acceptance among siblings at every node
-    ("mtp", "argmax", "t1"),
-    ("mtp", "sampled", "truncated"),
-    ("eagle3", "sampled", "truncated"),
-    ("draft_model", "argmax", "truncated"),
+    # (draft, draft_sampling, parameters, tree): trees of depth 2, the root's two likeliest (or two
+    # drawn) children and the first one's two: multi-draft acceptance among siblings at every node;
+    # or a dynamic tree (each row's own 4 of the 6 candidates EAGLE-2 proposes, fixed candidates)
+    ("mtp", "argmax", "t1", "static"),
+    ("mtp", "sampled", "truncated", "static"),
+    ("eagle3", "sampled", "truncated", "static"),
+    ("draft_model", "argmax", "truncated", "static"),
+    ("eagle3", "argmax", "truncated", "dynamic"),
 ]
 TREE = {"depth": 2, "topk": 2, "nodes": 4}
+TREES = {"static": TREE, "dynamic": dict(TREE, dynamic=True)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("draft", "draft_sampling", "which"), TREE_CASES, ids=["-".join(c) for c in TREE_CASES]
+    ("draft", "draft_sampling", "which", "shape"), TREE_CASES, ids=["-".join(c) for c in TREE_CASES]
 )
-def test_token_trees_keep_the_first_three_tokens_exact(request, draft, draft_sampling, which):
+def test_token_trees_keep_the_first_three_tokens_exact(request, draft, draft_sampling, which, shape):
     """As :func:`test_generate_first_three_tokens_follow_the_target`, with a token tree verified
     each step: fixed top-2 children (argmax) or two children drawn without replacement (sampled),
-    accepted by recursive rejection among siblings; the joint law of the first three tokens is the
-    target's, exactly."""
+    accepted by recursive rejection among siblings, or a dynamic tree whose shape each row's draft
+    chooses; the joint law of the first three tokens is the target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     params = E2E_PARAMS[which]
     joint = exact_first_three(model, PROMPT, params)
     wrong = first_three_laws(joint)
     n = powered_size(joint.ravel(), wrong)
     result = first_three_of_many_seeds(
-        model, PROMPT, n, draft=draft, speculative_tree=TREE, draft_sampling=draft_sampling, **params
+        model, PROMPT, n, draft=draft, speculative_tree=TREES[shape], draft_sampling=draft_sampling, **params
     )
     at_least = result.stats["acceptance_rate_per_position"]
     low = 0.05 if draft == "mtp" else 0.01  # random drafts are accepted less
     assert low < at_least[1] < at_least[0] < 0.995, at_least  # not vacuous
     tokens = np.asarray(result.tokens)
     cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
-    what = f"first three tokens, tree, {draft_sampling} drafts, {params}"
+    what = f"first three tokens, {shape} tree, {draft_sampling} drafts, {params}"
     assert_distribution(cells, joint.ravel(), what, against=wrong)
     assert_distribution(tokens[:, 0], joint.sum((1, 2)), "first token")
 

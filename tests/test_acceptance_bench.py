@@ -87,6 +87,23 @@ def test_a_small_run_end_to_end(tmp_path, capsys):
     assert eagle["steps"] > 0 and len(eagle["conditional_acceptance_per_position"]) == 2
     assert all(r["tokens_per_second_b1"] > 0 and r["speedup_b2"] > 0 for r in rows)
     assert "### Accepted length per step, temperature 0" in (tmp_path / "r.md").read_text()
+    # token trees instead of chains, static and dynamic, acceptance only (no --batch: nothing timed)
+    argv = ["bench-acceptance", "--model", LLAMA, "--draft-model", EAGLE3, "--sets", str(prompts)]
+    argv += ["--subset", "0", "--k", "--tree", "2,2,4", "2,2,4,dynamic", "--temperature", "0", "1"]
+    argv += ["--batch", "--max-new-tokens", "8", "--json", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["draft"] for r in rows[1:3]] == [
+        "tiny-llama3-stdlib-eagle3 tree 2,2,4",
+        "tiny-llama3-stdlib-eagle3 tree 2,2,4,dynamic",
+    ]
+    for r in rows:
+        assert not any(key.startswith("tokens_per_second") for key in r)
+        if r["draft"] != "plain":
+            assert 1.0 < r["accepted_length"] <= 3.0 and len(r["conditional_acceptance_per_position"]) == 2
+    with pytest.raises(SystemExit):
+        main(["bench-acceptance", "--model", LLAMA, "--draft", "mtp", "--k", "--tree", "2,x"])
+    assert "--tree: expected DEPTH,TOPK" in capsys.readouterr().err
 
 
 class _StandIn(http.server.BaseHTTPRequestHandler):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax.cli import main
+from mtp_jax.cli import _tree_arg, main
 from tests.conftest import EMBEDDED_MODEL, require_extra
 
 FIB = "def fibonacci(n):"
@@ -121,6 +121,8 @@ def test_generate_draft_choices(capsys, embedded, tmp_path):
     with pytest.raises(SystemExit) as exit_:  # argparse's own refusal
         run(capsys, *base, "--speculative-tree", "3,two")
     assert exit_.value.code == 2 and "DEPTH,TOPK" in capsys.readouterr().err
+    assert _tree_arg("3,2,6,dynamic") == {"depth": 3, "topk": 2, "nodes": 6, "dynamic": True}
+    assert _tree_arg("3, 2") == {"depth": 3, "topk": 2}
 
 
 def test_generate_sampling_flags_reproducible(capsys, embedded):
@@ -223,6 +225,7 @@ ERRORS = [
     (["generate", "--prompt", "x", "--relaxed-topk", "2"], ["no <think> and </think>", "think_tokens"]),
     (["generate", "--prompt", "x", "--auto-k", "no-such.json"], ["no-such.json does not exist"]),
     (["generate", "--prompt", "x", "--speculative-tree", "2,2,9"], ["between 2 and 6", "nodes=9"]),
+    (["generate", "--prompt", "x", "--speculative-tree", "2,2,7,dynamic"], ["dynamic", "between 2 and 6"]),
     (
         ["generate", "--prompt", "x", "--draft", "ngram", "--speculative-tree", "2,2"],
         ["proposes token trees"],

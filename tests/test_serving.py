@@ -210,9 +210,16 @@ def test_an_engine_of_token_trees(model):
         ({"depth": 2}, "speculative_tree must be"),
         ({"depth": 4, "topk": 4}, "at most 63 draft nodes"),
         ({"depth": 2, "topk": 2, "nodes": 9}, "got nodes=9"),
+        ({"depth": 2, "topk": 2, "nodes": 7, "dynamic": True}, "between 2 and 6 draft nodes"),
+        ({"depth": 2, "topk": 2, "dynamic": "yes"}, "dynamic must be true or false"),
     ):
         with pytest.raises(mtp_jax.InvalidRequestError, match=words):
             mtp_jax.Engine(model, slots=2, max_len=48, draft="mtp", speculative_tree=bad)
+    dynamic = {"depth": 2, "topk": 2, "dynamic": True}
+    with pytest.raises(mtp_jax.InvalidRequestError, match="draft_sampling='argmax'"):
+        mtp_jax.Engine(
+            model, slots=2, max_len=48, draft="mtp", speculative_tree=dynamic, draft_sampling="sampled"
+        )
     with pytest.raises(mtp_jax.InvalidRequestError, match="proposes token trees"):
         mtp_jax.Engine(model, slots=2, max_len=48, draft="ngram", speculative_tree=tree)
 

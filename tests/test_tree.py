@@ -4,6 +4,7 @@ chi-square, with children drawn from a different draft without replacement or fi
 
 from __future__ import annotations
 
+import functools
 import os
 import textwrap
 
@@ -234,7 +235,7 @@ def test_tree_attention_and_the_kv_shift(target_model):
 
     _, pages = write(fresh(), prompt, 0)
     seq = jnp.asarray([len(prompt)], jnp.int32)
-    got, pages = write(pages, nodes, 0, node_mask(tree, seq), node_positions(tree, seq))
+    got, pages = write(pages, nodes, 0, node_mask(tree.rows(1), seq), node_positions(tree.rows(1), seq))
     for n in range(tree.size):
         path = [n]
         while tree.parent[path[-1]] >= 0:
@@ -267,9 +268,10 @@ def _tree_model(which: str):
     return mtp_jax.load(LLAMA, "float32", page_size=4, draft_model=LLAMA + draft), which
 
 
-SHAPES = {  # two shapes for MTP, one each for the others
-    "mtp": ({"depth": 3, "topk": 2, "nodes": 7}, {"depth": 3, "topk": 3}),
-    "eagle3": ({"depth": 3, "topk": 3},),
+DYNAMIC = {"depth": 3, "topk": 2, "nodes": 6, "dynamic": True}
+SHAPES = {  # two static shapes for MTP, one each for the others; a dynamic tree for MTP and EAGLE-3
+    "mtp": ({"depth": 3, "topk": 2, "nodes": 7}, {"depth": 3, "topk": 3}, DYNAMIC),
+    "eagle3": ({"depth": 3, "topk": 3}, DYNAMIC),
     "draft_model": ({"depth": 3, "topk": 2, "nodes": 7},),
 }
 
@@ -278,8 +280,9 @@ SHAPES = {  # two shapes for MTP, one each for the others
 def test_greedy_trees_are_lossless_and_a_row_stays_itself(which):
     """Every chained draft with trees: greedy rows emit exactly plain decoding's tokens (a sampled
     row beside them changes nothing); a sampled row emits the same tokens in another slot beside
-    other requests; a tree of one child per node is its chain, step for step; a request's
-    num_speculative_tokens caps the depth it accepts."""
+    other requests; a tree of one child per node (static or dynamic) is its chain, step for step; a
+    request's num_speculative_tokens caps the depth it accepts. Dynamic trees (each row's shape its
+    own, chosen every step) the same."""
     model, draft = _tree_model(which)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, model.config.vocab_size, n).tolist() for n in (5, 9, 14)]
@@ -290,6 +293,10 @@ def test_greedy_trees_are_lossless_and_a_row_stays_itself(which):
     assert as_tree.tokens == plain
     for stat in ("steps", "num_accepted_tokens_per_pos"):
         assert as_tree.stats[stat] == chain.stats[stat], stat
+    if which == "mtp":
+        as_dynamic = model.generate(prompts, speculative_tree={"depth": 3, "topk": 1, "dynamic": True}, **kw)
+        for stat in ("steps", "num_accepted_tokens_per_pos"):
+            assert as_dynamic.stats[stat] == chain.stats[stat], stat
     for shape in SHAPES[which]:
         tree = model.generate(prompts, speculative_tree=shape, **kw)
         assert tree.tokens == plain, shape
@@ -303,10 +310,9 @@ def test_greedy_trees_are_lossless_and_a_row_stays_itself(which):
             moved, speculative_tree=shape, temperature=[0.0, 0.7, 0.9], seed=[0, 9, 5], **kw
         )
         assert elsewhere.tokens[2] == mixed.tokens[1]
-    capped = model.generate(
-        prompts, speculative_tree=SHAPES[which][0], num_speculative_tokens=[1, 1, 1], **kw
-    )
-    assert capped.tokens == plain and capped.stats["num_accepted_tokens_per_pos"][1] == 0
+    for shape in (SHAPES[which][0], SHAPES[which][-1]):
+        capped = model.generate(prompts, speculative_tree=shape, num_speculative_tokens=[1, 1, 1], **kw)
+        assert capped.tokens == plain and capped.stats["num_accepted_tokens_per_pos"][1] == 0
 
 
 MESH_CHILD = textwrap.dedent(
@@ -329,6 +335,13 @@ MESH_CHILD = textwrap.dedent(
         runs = {
             "argmax": dict(spec, draft=draft),
             "sampled": dict(spec, draft=draft, draft_sampling="sampled", temperature=0.9, seed=[1, 2, 3, 4]),
+            "dynamic": dict(
+                spec,
+                draft=draft,
+                speculative_tree=dict(tree, dynamic=True),
+                temperature=[0, 0.8, 0, 0.8],
+                seed=[1, 2, 3, 4],
+            ),
         }
         want = {how: one.generate(prompts, **kw).tokens for how, kw in runs.items()}
         for axes in meshes:
@@ -345,5 +358,119 @@ MESH_CHILD = textwrap.dedent(
 @pytest.mark.child(MESH_CHILD, EMBEDDED_MODEL, LLAMA)
 def test_trees_on_meshes_match_one_device(child_output):
     """DeepSeek-V3 with MTP trees expert- and data-parallel, Llama with EAGLE-3 trees tensor- and
-    data-parallel: the tokens of one device, greedy and sampled (the KV shift on sharded pages)."""
+    data-parallel: the tokens of one device, greedy and sampled (the KV shift on sharded pages),
+    static and dynamic trees."""
     assert "TREE-MESH-OK" in child_output
+
+
+# --- dynamic trees (EAGLE-2): each row's shape chosen by the draft ---------------------------------
+
+M, T, V_FAKE = 10_007, 64, 12
+
+
+def _fake_draft(table: np.ndarray):
+    """A draft whose distribution after a node is a function of the whole path that reaches it, read
+    two ways that must agree: through its cache under the tree mask (the scratch rows the mask
+    shows, in order) and through the recycled state it was fed (its parent's). Its depth (the
+    rotary row) goes in too. A wrong mask, a wrong state gather or a wrong row changes the logits."""
+    table = jnp.asarray(table)
+
+    def advance(fed, state, cache, rows, mask):
+        b, f = fed.shape
+        slot = mask.positions - mask.base[:, None]  # scratch rows [b, f]
+        cache = cache.at[jnp.arange(b)[:, None], slot].set(fed)
+        r = cache.shape[1]
+        seen = mask.nodes & (jnp.arange(r)[None, None, :] <= slot[:, :, None])
+        h = jnp.broadcast_to(cache[:, :1] * 0 + ROOT_HASH, (b, f))
+        for j in range(r):
+            h = jnp.where(seen[:, :, j], (h * 31 + cache[:, None, j] + 1) % M, h)
+        carried = (state * 31 + fed + 1) % M
+        depth = rows - mask.base[:, None] + 1
+        return table[(h + 7 * carried + 13 * depth) % T], h, cache
+
+    return advance
+
+
+ROOT_HASH = 5
+
+
+def _reference_dynamic(table: np.ndarray, depth: int, topk: int, nodes: int) -> set:
+    """EAGLE-2's tree written out: the token paths of the ``nodes`` candidates of highest cumulative
+    log-probability, expanding the ``topk`` likeliest of each level."""
+
+    def logq(x):
+        x = x - x.max()
+        return x - np.log(np.exp(x).sum())
+
+    def dist(h, d):  # the fake draft's law after the path of hash h at depth d (both reads agree)
+        return logq(table[(h + 7 * h + 13 * d) % T])
+
+    root = logq(table[ROOT_HASH % T])
+    cands = []  # (score, path, hash)
+    front = []
+    for t in np.argsort(-root, kind="stable")[:topk]:
+        c = (root[t], (int(t),), (ROOT_HASH * 31 + int(t) + 1) % M)
+        cands.append(c)
+        front.append(c)
+    for level in range(1, depth):
+        kids = []
+        for score, path, h in front:
+            lq = dist(h, level)
+            for t in np.argsort(-lq, kind="stable")[:topk]:
+                kids.append((score + lq[t], path + (int(t),), (h * 31 + int(t) + 1) % M))
+        cands += kids
+        front = sorted(kids, key=lambda c: -c[0])[:topk]
+    best = sorted(cands, key=lambda c: -c[0])[:nodes]
+    return {c[1] for c in best}
+
+
+@pytest.mark.parametrize(("depth", "topk", "nodes"), [(3, 2, 6), (4, 3, 12), (2, 4, 5), (5, 2, 9)])
+def test_dynamic_tree_keeps_the_likeliest_candidates(depth, topk, nodes):
+    """The dynamic draft tree (mtp_jax.drafts.base.dynamic_tree_drafts) against EAGLE-2's selection
+    written out above, for a fake draft that reads its path through the tree mask and the recycled
+    state: the same nodes (as token paths), each after its parent, on every row."""
+    from mtp_jax.drafts.base import DraftContext, dynamic_tree_drafts
+    from mtp_jax.tree import DynamicTree, RowTrees
+
+    b = 6
+    tree = DynamicTree(depth, topk, nodes)
+    ctx = DraftContext(None, None, nodes, False, 4, tree=tree)
+    rows = []
+    for i in range(b):  # each row its own draft (a different table): different shapes
+        table = np.random.default_rng(i).normal(size=(T, V_FAKE)).astype(np.float32) * 2
+        propose = functools.partial(dynamic_tree_drafts, ctx, jnp.full((1,), 9), advance=_fake_draft(table))
+        drafts, q, _ = jax.jit(propose)(
+            jnp.asarray(table[ROOT_HASH % T])[None],
+            jnp.full((1,), ROOT_HASH),
+            jnp.full((1, tree.expanded), -1),
+        )
+        parent, tokens = np.asarray(drafts.parent[0]), np.asarray(drafts.tokens[0])
+        assert parent[0] == -1 and all(0 <= parent[n] < n for n in range(1, nodes + 1)), parent
+        paths = []
+        for n in range(1, nodes + 1):
+            up = paths[parent[n] - 1] if parent[n] else ()
+            paths.append(up + (int(tokens[n - 1]),))
+        assert set(paths) == _reference_dynamic(table, depth, topk, nodes), i
+        structure = RowTrees.of(drafts.parent, tree.width, tree.max_depth)
+        assert [len(p) for p in paths] == np.asarray(structure.depth[0, 1:]).tolist()
+        rows.append(tuple(parent))
+    assert len(set(rows)) > 1  # the rows chose different shapes
+
+
+def test_row_trees_match_the_static_tree():
+    """RowTrees (ancestors by pointer doubling, depths, children) of random trees against the
+    static tree's own, written in Python (TokenTree.ancestors / children)."""
+    from mtp_jax.tree import RowTrees
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        n = int(rng.integers(2, 24))
+        parent = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[parent[i]] + 1
+        tree = TokenTree(tuple(parent), tuple(depth), tuple(0 for _ in parent))
+        got = RowTrees.of(jnp.asarray([parent], jnp.int32), tree.width, tree.max_depth)
+        assert np.array_equal(np.asarray(got.ancestors[0]), tree.ancestors())
+        assert np.asarray(got.depth[0]).tolist() == depth
+        assert np.array_equal(np.asarray(got.children[0]), tree.children())

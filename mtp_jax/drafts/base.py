@@ -15,6 +15,7 @@ K+1 verified rows, of which the accepted ones (and the bonus token) are valid.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -71,8 +72,9 @@ class DraftContext:
     mesh: Any = None
     """The step's mesh (None on one device)."""
     tree: Any = None
-    """A :class:`mtp_jax.tree.TokenTree` to propose instead of a chain (then ``k`` is its draft
-    nodes), for drafts with :attr:`Draft.trees`; None: a chain of ``k``."""
+    """A :class:`mtp_jax.tree.TokenTree` (or :class:`~mtp_jax.tree.DynamicTree`) to propose instead
+    of a chain (then ``k`` is its draft nodes), for drafts with :attr:`Draft.trees`; None: a chain
+    of ``k``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +248,8 @@ def chain_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.A
     current, and the unused logits compile away)."""
     if ctx.k == 0:
         return no_drafts(logits.shape[0]) + (cache,)
+    if ctx.tree is not None and ctx.tree.dynamic:
+        return dynamic_tree_drafts(ctx, first_pos, logits, state, cache, advance)
     if ctx.tree is not None:
         return tree_drafts(ctx, sampling, first_pos, logits, state, cache, advance)
     d, q = choose(logits, ctx.sampled, sampling, first_pos)
@@ -313,6 +317,79 @@ def tree_drafts(ctx, sampling: RowSampling, first_pos: jax.Array, logits: jax.Ar
     v = logits.shape[-1]
     qs = jnp.stack([jnp.zeros((b, v), jnp.float32) if x is None else x for x in q_at[: n - 1]], axis=1)
     return drafts, qs, cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeDrafts:
+    """A proposal of trees whose shape each row chose (:class:`mtp_jax.tree.DynamicTree`): the
+    nodes' tokens [b, N-1] (nodes 1..N-1) and their parents [b, N] (node 0 the root, -1)."""
+
+    tokens: jax.Array
+    parent: jax.Array
+
+
+def dynamic_tree_drafts(ctx, first_pos: jax.Array, logits: jax.Array, state, cache, advance):
+    """EAGLE-2's dynamic tree (``ctx.tree``, :class:`mtp_jax.tree.DynamicTree` of depth D, topk k,
+    N - 1 nodes): the root's k likeliest tokens under the draft are the first level's candidates;
+    at each next level the k candidates of highest cumulative log-probability (the frontier) run
+    through ``advance`` at once (as :func:`chain_drafts` describes; frontier slot i of level l
+    sits in the draft's cache at row first_pos - 1 + (l - 1) k + i, seeing the committed rows and
+    its frontier ancestors) and each proposes its k likeliest children. Of all the candidates,
+    the N - 1 of highest cumulative log-probability are the tree (ties to the earlier candidate, so
+    a node's parent, never less likely and proposed before it, is always kept), in the order they
+    were proposed (parents first). Returns (:class:`TreeDrafts`, q [b, N-1, 0]: the candidates are
+    fixed, cache)."""
+    tree = ctx.tree
+    k, expanded, nodes = tree.topk, tree.expanded, tree.nodes
+    b = logits.shape[0]
+    row0 = first_pos - 1
+    logq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    front_tokens = likeliest(logq, k)  # [b, k]
+    front_score = jnp.take_along_axis(logq, front_tokens, axis=-1)
+    front_ids = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # candidate ids
+    tokens, scores, parents = [front_tokens], [front_score], [jnp.full((b, k), -1, jnp.int32)]
+    front_state = jax.tree.map(lambda x: jnp.repeat(x[:, None], k, axis=1), state)
+    slots = jnp.arange(k, dtype=jnp.int32)
+    seen = jnp.broadcast_to(jax.nn.one_hot(slots, max(expanded, 1), dtype=bool), (b, k, max(expanded, 1)))
+    proposed = k
+    for level in range(1, tree.depth):
+        mask = TreeMask(positions=row0[:, None] + ((level - 1) * k + slots)[None, :], base=row0, nodes=seen)
+        rows = jnp.broadcast_to(row0[:, None] + level - 1, (b, k))
+        level_logits, level_state, cache = advance(front_tokens, front_state, cache, rows, mask)
+        level_logq = jax.nn.log_softmax(level_logits.astype(jnp.float32), axis=-1)  # [b, k, V]
+        kids = likeliest(level_logq, k)  # [b, k, k]
+        kid_score = front_score[:, :, None] + jnp.take_along_axis(level_logq, kids, axis=-1)
+        kid_score = kid_score.reshape(b, k * k)
+        kids = kids.reshape(b, k * k)
+        tokens.append(kids)
+        scores.append(kid_score)
+        parents.append(jnp.repeat(front_ids, k, axis=1))
+        if level < tree.depth - 1:  # the next frontier: the k likeliest children
+            best = likeliest(kid_score, k)  # [b, k]
+            src = best // k  # the frontier slot each is a child of
+            front_tokens = jnp.take_along_axis(kids, best, axis=1)
+            front_score = jnp.take_along_axis(kid_score, best, axis=1)
+            front_ids = proposed + best
+            front_state = jax.tree.map(functools.partial(at_slots, index=src), level_state)
+            seen = at_slots(seen, src) | jax.nn.one_hot(level * k + slots, expanded, dtype=bool)[None]
+        proposed += k * k
+    tokens, scores, parents = (jnp.concatenate(x, axis=1) for x in (tokens, scores, parents))
+    _, chosen = jax.lax.top_k(scores, nodes)  # equal scores: the earlier candidate first
+    chosen = jnp.sort(chosen, axis=1)  # proposal order: each parent before its children
+    rows_ = jnp.arange(b)[:, None]
+    numbers = jnp.broadcast_to(jnp.arange(1, nodes + 1, dtype=jnp.int32), (b, nodes))
+    index = jnp.zeros((b, proposed), jnp.int32).at[rows_, chosen].set(numbers)  # candidate -> node
+    up = jnp.take_along_axis(parents, chosen, axis=1)
+    parent = jnp.where(up >= 0, jnp.take_along_axis(index, jnp.maximum(up, 0), axis=1), 0)
+    parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], axis=1)
+    drafts = TreeDrafts(jnp.take_along_axis(tokens, chosen, axis=1), parent)
+    return drafts, jnp.zeros((b, nodes, 0), jnp.float32), cache
+
+
+def at_slots(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b, i]] for x [b, s, ...] and index [b, i]."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
 def likeliest(scores: jax.Array, m: int) -> jax.Array:

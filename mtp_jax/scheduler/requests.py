@@ -182,8 +182,9 @@ def lora_slot(req: Request) -> int:
 
 def pages_needed(prompt_len: int, max_new_tokens: int, sc: StepConfig) -> int:
     """Cache pages a request owns: its prompt, its new tokens and the speculative overshoot of the
-    last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late)."""
-    return math.ceil((prompt_len + max_new_tokens + 2 * (sc.k + 1)) / sc.page_size)
+    last steps (target rows up to K ahead, MTP rows up to 2K ahead, one step read late; a dynamic
+    tree's scratch rows, :attr:`mtp_jax.step.StepConfig.overshoot`)."""
+    return math.ceil((prompt_len + max_new_tokens + 2 * (sc.overshoot + 1)) / sc.page_size)
 
 
 def logprob_rows(logprobs, index):
