@@ -130,8 +130,9 @@ def _generate(model: Any, drafter: Drafter, prompts: list[list[int]], args, temp
     )
 
 
-def measure(models: list[Any], drafters: list[Drafter], args, progress=print) -> list[dict]:
-    """Every (set, temperature, drafter) row: acceptance over the subset, speed at each batch."""
+def measure(models: list[Any], drafters: list[Drafter], args, progress=print, on_row=None) -> list[dict]:
+    """Every (set, temperature, drafter) row: acceptance over the subset, speed at each batch;
+    ``on_row(rows)`` after each (a long run's partial results written as it goes)."""
     rows = []
     for name in args.sets:
         indices, texts = first_turns(name, args.subset, args.seed)
@@ -167,6 +168,8 @@ def measure(models: list[Any], drafters: list[Drafter], args, progress=print) ->
                     if batch in plain_speed:
                         row[f"speedup_b{batch}"] = speed / plain_speed[batch]
                 rows.append(row)
+                if on_row is not None:
+                    on_row(rows)
                 tau = row["accepted_length"]
                 speeds = "  ".join(
                     f"b{b} {row[f'tokens_per_second_b{b}']:.1f} tok/s"
@@ -442,6 +445,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "mtp-jax bench-acceptanc
     for name in args.sets:
         read_set(name)  # a bad file is refused before anything is loaded
     t0 = time.perf_counter()
+    command = "mtp-jax bench-acceptance " + " ".join(sys.argv[2:] if argv is None else argv)
+
+    def report(rows: list[dict], partial: bool = False) -> dict:
+        done = {"command": command, "seconds": time.perf_counter() - t0, "rows": rows}
+        return done | {"partial": True} if partial else done
+
     if args.server and trees:
         parser.error("--tree measures drafts loaded here; a --server speculates as it was started")
     if args.server:
@@ -468,16 +477,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "mtp-jax bench-acceptanc
             ]
         if len(drafters) == 1:
             parser.error("give drafts to measure: --draft-model DIR ... and/or --draft NAME ...")
-        rows = measure(models, drafters, args, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    report = {
-        "command": "mtp-jax bench-acceptance " + " ".join(sys.argv[2:] if argv is None else argv),
-        "seconds": time.perf_counter() - t0,
-        "rows": rows,
-    }
+        rows = measure(
+            models,
+            drafters,
+            args,
+            progress=lambda s: print(s, file=sys.stderr, flush=True),
+            on_row=lambda rows: (
+                args.json and _write(args.json, json.dumps(report(rows, partial=True), indent=1))
+            ),
+        )
+    out = report(rows)
     table = markdown(rows)
     print(table)
     if args.json:
-        _write(args.json, json.dumps(report, indent=1))
+        _write(args.json, json.dumps(out, indent=1))
     if args.markdown:
         _write(args.markdown, table)
     if args.plot:

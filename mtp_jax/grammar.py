@@ -212,8 +212,19 @@ class Constraints:
         self, rows: Sequence[tuple[int, int, Sequence[int]]], tree, shape: tuple[int, ...]
     ) -> np.ndarray:
         """Bitmasks [*shape, words] for rows (request, flat index of a token tree's root, the
-        tree's draft tokens [N-1]) of a :class:`mtp_jax.tree.TokenTree`: node n's row after the
-        committed text and the tokens of n's path below the root (each leaf's path at once)."""
+        tree's draft tokens [N-1]) of a :class:`mtp_jax.tree.TokenTree` (or a list of them, each
+        row's own): node n's row after the committed text and the tokens of n's path below the root
+        (each leaf's path at once, over the rows of one shape)."""
+        if isinstance(tree, list):  # rows of the same shape together
+            out = np.full((int(np.prod(shape)), self.words), -1, np.int32)
+            groups: dict[Any, list] = {}
+            for row, own in zip(rows, tree, strict=True):
+                groups.setdefault(own, []).append(row)
+            for own, group in groups.items():
+                masks = self.tree_masks(group, own, shape).reshape(-1, self.words)
+                for _, index, _ in group:
+                    out[index : index + own.size] = masks[index : index + own.size]
+            return out.reshape(*shape, self.words)
         t0 = time.perf_counter()
         out = np.full((int(np.prod(shape)), self.words), -1, np.int32)
         nodes = [np.concatenate([[0], np.asarray(drafts)]) for _, _, drafts in rows]  # node 0: committed
@@ -234,14 +245,20 @@ class Constraints:
     def step_masks(self, running: Sequence[Any], drafts, k: int, tree=None) -> np.ndarray | None:
         """A step's masks [slots, k+1, words] for the requests ``running`` in each slot (None where
         none; the others' ``id``s), from the ``drafts`` [slots, >= k] the last step left (with a
-        token tree, every node's along its path); None when no running request is constrained."""
+        token tree, every node's along its path; ``tree`` a list: each slot's own tree, a dynamic
+        tree's rows, None for slots without a constrained request); None when no running request
+        is constrained."""
         rows = [(b, req.id) for b, req in enumerate(running) if req is not None and self.constrained(req.id)]
         if not rows:
             return None
         drafts = np.asarray(drafts[:, :k])
         found = [(req, b * (k + 1), drafts[b]) for b, req in rows]
         shape = (len(running), k + 1)
-        return self.tree_masks(found, tree, shape) if k and tree is not None else self.masks(found, shape)
+        if not k or tree is None:
+            return self.masks(found, shape)
+        if isinstance(tree, list):
+            tree = [tree[b] for b, _ in rows]
+        return self.tree_masks(found, tree, shape)
 
     def _fill_rows(self, rows: Sequence[tuple[Any, int, Sequence[int]]], out: np.ndarray) -> None:
         along, alone = [], []

@@ -456,11 +456,6 @@ def check_request(
             f"num_speculative_tokens must be an integer in [0, {most}] ({kind}), "
             f"got {params.num_speculative_tokens!r}"
         )
-    if params.grammar is not None and sc.tree is not None and sc.tree.dynamic:
-        raise InvalidRequestError(
-            "grammar-constrained requests are not available with a dynamic speculative_tree yet (a static "
-            "tree or a chain takes them)"
-        )
     if values["relaxed_topk"] and sc.think_tokens is None:  # generate() sets them for such requests
         raise InvalidRequestError("relaxed_topk needs an engine created with think_tokens and a draft")
     stop_ids = ()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -76,6 +77,22 @@ class TokenTree:
             depth=(0, *(len(p) for p in kept)),
             rank=(0, *(p[-1] for p in kept)),
         )
+
+    @classmethod
+    def from_parents(cls, parent: Sequence[int]) -> TokenTree:
+        """The tree of one row's ``parent`` list (node 0 the root, every node after its parent; a
+        dynamic tree's row), siblings ranked in node order."""
+        parent = tuple(int(p) for p in parent)
+        if not parent or parent[0] >= 0 or any(not 0 <= p < n for n, p in enumerate(parent) if n):
+            raise ValueError(
+                f"not a tree in node order (the root first, then each node after its parent): {parent}"
+            )
+        depth, rank, seen = [0], [0], [0] * len(parent)
+        for p in parent[1:]:
+            depth.append(depth[p] + 1)
+            rank.append(seen[p])
+            seen[p] += 1
+        return cls(parent=(-1, *parent[1:]), depth=tuple(depth), rank=tuple(rank))
 
     @property
     def size(self) -> int:

@@ -96,27 +96,35 @@ def _check_schema(text: str) -> None:
     assert obj["kind"] in ("list", "dict", "set") and isinstance(obj["ok"], bool)
 
 
-@pytest.mark.parametrize("method", ["mtp", "dflash", "mtp-tree"])  # EAGLE-3: the callback test below
+@pytest.mark.parametrize("method", ["mtp", "dflash", "mtp-tree", "mtp-dynamic"])  # EAGLE-3: callback test
 def test_every_output_is_valid_and_complete(targets, tok, method):
     """Sampled generations at K = 3 under a JSON schema and a regex (half the rows each, plus
     unconstrained rows): all constrained outputs complete and valid; the unconstrained rows are
     exactly what they are without any grammar in the batch (checked with MTP). The MTP chain's
     twelve requests share eight slots (a freed slot's grammar state is the next request's); the
-    other runs admit all twelve at once (each admission's row count compiles its own prefill)."""
-    method, tree = method.removesuffix("-tree"), method.endswith("-tree")
+    other runs admit all twelve at once (each admission's row count compiles its own prefill). A
+    dynamic tree's masks follow each row's own tree."""
+    shape = {
+        "-tree": {"depth": 3, "topk": 2, "nodes": 6},
+        "-dynamic": {"depth": 3, "topk": 2, "dynamic": True},
+    }
+    tree = next((t for suffix, t in shape.items() if method.endswith(suffix)), None)
+    method = method.split("-")[0]
     model = targets[method]
     texts = ["def main():\n", "import os\n", "class A:\n    x = ", "# comment\n"] * 3
     prompts = [_prompt(model, tok, t) for t in texts]
     grammars = [{"json_schema": SCHEMA}, {"regex": REGEX}, None] * 4
-    k = {"speculative_tree": {"depth": 3, "topk": 2, "nodes": 6}} if tree else {"num_speculative_tokens": 3}
+    k = {"speculative_tree": tree} if tree else {"num_speculative_tokens": 3}
     slots = 8 if method == "mtp" and not tree else len(prompts)
     kw = dict(max_new_tokens=48, temperature=1.0, seed=list(range(12)), draft=method, max_batch=slots, **k)
-    out = model.generate(prompts, grammar=grammars, draft_sampling="sampled", **kw)
+    dynamic = bool(tree and tree.get("dynamic"))  # its own shape per row; fixed (argmax) candidates
+    kw["draft_sampling"] = "argmax" if dynamic else "sampled"
+    out = model.generate(prompts, grammar=grammars, **kw)
     # the masks of unconstrained rows are all ones whatever the draft: one method shows it (on the
     # synchronous engine path a grammar uses, which must not change tokens either)
     free = None
-    if method == "mtp":  # (with a tree, too)
-        free = model.generate(prompts, draft_sampling="sampled", pipelined=False, **kw)
+    if method == "mtp" and not dynamic:  # (with a tree, too)
+        free = model.generate(prompts, pipelined=False, **kw)
     for i, new in enumerate(out.tokens):
         if grammars[i] is None:
             assert free is None or new == free.tokens[i], i

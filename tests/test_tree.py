@@ -310,7 +310,7 @@ def test_greedy_trees_are_lossless_and_a_row_stays_itself(which):
             moved, speculative_tree=shape, temperature=[0.0, 0.7, 0.9], seed=[0, 9, 5], **kw
         )
         assert elsewhere.tokens[2] == mixed.tokens[1]
-    for shape in (SHAPES[which][0], SHAPES[which][-1]):
+    for shape in {id(s): s for s in (SHAPES[which][0], SHAPES[which][-1])}.values():  # first, dynamic
         capped = model.generate(prompts, speculative_tree=shape, num_speculative_tokens=[1, 1, 1], **kw)
         assert capped.tokens == plain and capped.stats["num_accepted_tokens_per_pos"][1] == 0
 
@@ -469,8 +469,13 @@ def test_row_trees_match_the_static_tree():
         depth = [0] * n
         for i in range(1, n):
             depth[i] = depth[parent[i]] + 1
-        tree = TokenTree(tuple(parent), tuple(depth), tuple(0 for _ in parent))
+        tree = TokenTree.from_parents(parent)
+        assert tree.depth == tuple(depth) and tree.parent == tuple(parent)
+        assert all(tree.rank[m] == parent[1:m].count(parent[m]) for m in range(1, n))
         got = RowTrees.of(jnp.asarray([parent], jnp.int32), tree.width, tree.max_depth)
         assert np.array_equal(np.asarray(got.ancestors[0]), tree.ancestors())
         assert np.asarray(got.depth[0]).tolist() == depth
         assert np.array_equal(np.asarray(got.children[0]), tree.children())
+    for bad in ([0, 0], [-1, 2, 0], []):
+        with pytest.raises(ValueError, match="not a tree in node order"):
+            TokenTree.from_parents(bad)

@@ -23,6 +23,7 @@ from mtp_jax.scheduler.requests import (
 )
 from mtp_jax.sharding import row_shards, state_shardings
 from mtp_jax.step import StepConfig, deactivate, host_orchestrated_step, init_state, step
+from mtp_jax.tree import TokenTree
 
 
 class Scheduler:
@@ -156,6 +157,18 @@ class Scheduler:
         return bool(self.queue) or self.pending is not None or any(o is not None for o in self.owner)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _row_trees(self, running: Sequence[Request | None]):
+        """The token tree the grammar masks follow: the static one, or with a dynamic tree each
+        constrained slot's own (the parents the last step proposed; None elsewhere)."""
+        tree = self.sc.tree
+        if tree is None or not tree.dynamic or not any(self._constrained(r) for r in running):
+            return tree
+        parents = np.asarray(self.state.tree_parent)
+        return [
+            TokenTree.from_parents(parents[b]) if self._constrained(r) else None
+            for b, r in enumerate(running)
+        ]
 
     def _constrained(self, req: Request | None) -> bool:
         return self.constraints is not None and req is not None and self.constraints.constrained(req.id)
@@ -298,7 +311,9 @@ class Scheduler:
             masks = (
                 None
                 if self.constraints is None
-                else self.constraints.step_masks(running, self.state.drafts, sc_now.k, self.sc.tree)
+                else self.constraints.step_masks(
+                    running, self.state.drafts, sc_now.k, self._row_trees(running)
+                )
             )
         drafted = np.minimum(self.proposed, sc_now.k)
         for b, req in enumerate(running):
