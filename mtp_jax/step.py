@@ -491,7 +491,8 @@ def prefill_chunk(
     if sc.drafter is not None:
         last = jnp.maximum(counts - 1, 0)
         rows = Rows(tokens, _followed_by(tokens, last, after), positions, valid, hidden, last)
-        consume = dataclasses.replace(sc, k=0, schedule=None)  # only consume: nothing proposed mid-prompt
+        # only consume: nothing proposed mid-prompt (no chain, no tree)
+        consume = dataclasses.replace(sc, k=0, schedule=None, tree=None)
         draft_state = propose(
             consume,
             params,

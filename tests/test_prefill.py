@@ -223,15 +223,17 @@ def check_reply_cached(model, draft: str | None) -> None:
     assert cached.free_pages == cached.allocator.num_pages
 
 
-def check_chunked(model, draft: str | None) -> None:
+def check_chunked(model, draft: str | None, tree: dict | None = None) -> None:
     """A request runs while a 5.5-page prompt arrives 16 tokens per iteration (after a cached first
     page it shares with the running one): the running request emits tokens between the chunks;
-    both requests' tokens, and the long prompt's caches, are those of one whole prefill."""
+    both requests' tokens, and the long prompt's caches, are those of one whole prefill (with
+    ``tree``: speculating with that token tree)."""
     page = model.page_size
     rng = np.random.default_rng(4)
     prompt = [int(t) for t in rng.integers(7, 250, 5 * page + page // 2)]
     running = prompt[: page + 4] + [int(t) for t in rng.integers(7, 250, 6)]  # shares the first page
-    sc = step_config(model, SpeculativeConfig(draft=draft, num_speculative_tokens=3 if draft else None))
+    k = None if draft is None or tree is not None else 3
+    sc = step_config(model, SpeculativeConfig(draft=draft, num_speculative_tokens=k, speculative_tree=tree))
 
     def run(chunk: int | None):
         sched = Scheduler(
@@ -291,6 +293,7 @@ def test_deepseek_and_mtp_share_prefixes(deepseek, mtp_engine):
     check_caches_after_a_hit(deepseek, "mtp", lookahead=1)
     check_reply_cached(deepseek, "mtp")
     check_chunked(deepseek, "mtp")
+    check_chunked(deepseek, "mtp", {"depth": 3, "topk": 2, "nodes": 5, "dynamic": True})
     check_shared_prefixes(mtp_engine, lookahead=1)
     check_shared_prefixes(mtp_engine, lookahead=1, think=5)
 
