@@ -65,6 +65,7 @@ SHIPPED_DRAFTS = {
     # draft method: (checkpoint directory, K of the greedy check, least acceptance length there)
     "eagle3": ("smollm2-135m-instruct-eagle3", 3, 1.5),
     "dflash": ("smollm2-135m-instruct-dflash", 7, 1.3),
+    "dspark": ("smollm2-135m-instruct-dspark", 7, 1.3),
 }
 
 
