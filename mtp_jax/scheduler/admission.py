@@ -38,7 +38,7 @@ def check_fits(req: Request, sc: StepConfig, width: int) -> None:
     """Refuse a request a scheduler of step ``sc`` and ``width`` pages per slot cannot run: its
     prompt and new tokens past a slot's cache, or sampling in greedy-only programs."""
     if pages_needed(len(req.prompt), req.max_new_tokens, sc) > width:
-        room = width * sc.page_size - 2 * (sc.k + 1)
+        room = width * sc.page_size - 2 * (sc.overshoot + 1)
         raise ValueError(
             f"a prompt of {len(req.prompt)} tokens with max_new_tokens={req.max_new_tokens} needs "
             f"{len(req.prompt) + req.max_new_tokens} tokens of cache; a slot holds {room}"
