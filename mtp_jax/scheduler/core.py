@@ -158,18 +158,6 @@ class Scheduler:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _row_trees(self, running: Sequence[Request | None]):
-        """The token tree the grammar masks follow: the static one, or with a dynamic tree each
-        constrained slot's own (the parents the last step proposed; None elsewhere)."""
-        tree = self.sc.tree
-        if tree is None or not tree.dynamic or not any(self._constrained(r) for r in running):
-            return tree
-        parents = np.asarray(self.state.tree_parent)
-        return [
-            TokenTree.from_parents(parents[b]) if self._constrained(r) else None
-            for b, r in enumerate(running)
-        ]
-
     def _constrained(self, req: Request | None) -> bool:
         return self.constraints is not None and req is not None and self.constraints.constrained(req.id)
 
@@ -308,13 +296,10 @@ class Scheduler:
             ids = [req.id if self._constrained(req) else -1 for req in running]
             grammar_rows = jnp.asarray(ids, jnp.int32)
         else:
-            masks = (
-                None
-                if self.constraints is None
-                else self.constraints.step_masks(
-                    running, self.state.drafts, sc_now.k, self._row_trees(running)
-                )
-            )
+            masks = None
+            if self.constraints is not None:
+                trees = grammar_trees(self.sc, self.state, [self._constrained(r) for r in running])
+                masks = self.constraints.step_masks(running, self.state.drafts, sc_now.k, trees)
         drafted = np.minimum(self.proposed, sc_now.k)
         for b, req in enumerate(running):
             if req is not None:
@@ -414,3 +399,14 @@ def verified_drafts(drafted: np.ndarray, emitted: np.ndarray) -> np.ndarray:
     width (``emitted`` [rows, K+1] holds -1 past it; rows: the slots the step computed)."""
     width = np.sum(emitted >= 0, axis=1)
     return np.concatenate([np.minimum(drafted[: len(width)], width - 1), drafted[len(width) :]])
+
+
+def grammar_trees(sc: StepConfig, state, constrained: Sequence[bool]):
+    """The token tree a step's grammar masks follow: the static one, or with a dynamic tree each
+    constrained slot's own (the parents the last step proposed, read from ``state``; None
+    elsewhere)."""
+    tree = sc.tree
+    if tree is None or not tree.dynamic or not any(constrained):
+        return tree
+    parents = np.asarray(state.tree_parent)
+    return [TokenTree.from_parents(parents[b]) if c else None for b, c in enumerate(constrained)]
