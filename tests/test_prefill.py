@@ -265,6 +265,8 @@ def check_chunked(model, draft: str | None, tree: dict | None = None) -> None:
     assert sched.prefix.hits == page and sched.counts["prefill_chunks"] == 1 + 4
     assert whole[3] == 1 and chunked[3] == 5  # whole: at once; chunked: an iteration per chunk
     assert chunked[4] >= 4 and chunked[4] > whole[4]  # tokens of the running request meanwhile
+    if tree is not None:  # not vacuous: the tree run accepted drafts
+        assert sched.counters.num_accepted_tokens > 0
     assert sched.free_pages == sched.allocator.num_pages and not sched.filling
 
 
