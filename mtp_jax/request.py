@@ -354,7 +354,7 @@ def token_tree(spec: Mapping | TokenTree | DynamicTree | None) -> TokenTree | Dy
     if nodes is None and all(isinstance(x, int) and not isinstance(x, bool) for x in (depth, topk)):
         nodes = sum(topk**d for d in range(1, depth + 1))
         if dynamic and depth >= 1 and topk >= 1:  # as many as the dynamic tree has candidates
-            nodes = min(nodes, topk + (depth - 1) * topk**2)
+            nodes = min(nodes, DynamicTree.candidates(depth, topk))
     tree = DynamicTree(depth, topk, nodes) if dynamic else TokenTree.build(depth, topk, nodes)
     if tree.size > QUERY_CHUNK:
         raise InvalidRequestError(

@@ -174,7 +174,7 @@ class DynamicTree:
                 raise InvalidRequestError(
                     f"a dynamic token tree's {name} must be a positive integer, got {value!r}"
                 )
-        most = self.topk + (self.depth - 1) * self.topk**2
+        most = self.candidates(self.depth, self.topk)
         if not self.depth <= self.nodes <= most:
             raise InvalidRequestError(
                 f"a dynamic token tree of depth {self.depth} and topk {self.topk} verifies between "
@@ -189,6 +189,11 @@ class DynamicTree:
     @property
     def max_depth(self) -> int:
         return self.depth
+
+    @staticmethod
+    def candidates(depth: int, topk: int) -> int:
+        """The candidates a dynamic tree of ``depth`` and ``topk`` proposes (the most it verifies)."""
+        return topk + (depth - 1) * topk**2
 
     @property
     def width(self) -> int:
