@@ -350,3 +350,24 @@ class Target:
         logits = lm_head(params, h)
         cap = self.logit_softcap(cfg)
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def initial_hub_tensors(
+    shapes: Mapping[str, tuple[int, ...]], seed: int, depth: int
+) -> dict[str, np.ndarray]:
+    """Initial weights for training from scratch, by hub name: N(0, 0.02) projections (output
+    projections ``o_proj``/``down_proj`` scaled by 1/sqrt(2·depth), GPT-2's rule for ``depth``
+    residual layers), unit norms, zero router correction biases; drawn in name order from ``seed``."""
+    rng = np.random.default_rng(seed)
+    out_scale = 1.0 / math.sqrt(2 * depth)
+    tensors = {}
+    for name in sorted(shapes):
+        shape = tuple(shapes[name])
+        if name.endswith("norm.weight") or "layernorm" in name:
+            tensors[name] = np.ones(shape, np.float32)
+        elif name.endswith("e_score_correction_bias"):
+            tensors[name] = np.zeros(shape, np.float32)
+        else:
+            std = 0.02 * (out_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0)
+            tensors[name] = (rng.standard_normal(shape) * std).astype(np.float32)
+    return tensors

@@ -445,7 +445,7 @@ def run_training(
     load: Callable[[CheckpointReader, dict], dict] | None = None,
     may_differ: tuple[str, ...] = (),
 ) -> tuple[dict, int, float] | None:
-    """:func:`train_tiny.train_loop` on the run's data: (state, first step of this run, seconds), or
+    """:func:`mtp_jax.train.loop.train_loop` on the run's data: (state, first step of this run, seconds), or
     None when stopped early.
 
     ``may_differ``: config.json keys a run may change from its partial's (DFlash's draft
