@@ -138,8 +138,8 @@ def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
         metavar=_draft_metavar(),
         default="auto",
         help="speculative decoding draft (any registered draft method): auto = the --draft-model when "
-        "given, else the checkpoint's MTP layer when it has one; ngram = prompt lookup (no weights, any "
-        "model); none = plain",
+        "given, else the checkpoint's MTP layer when it has one; ngram = prompt lookup, suffix = suffix "
+        "decoding (no weights, any model); none = plain",
     )
     g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
     g.add_argument(
@@ -169,7 +169,7 @@ def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
         help="verify a token tree each step instead of a chain of -k drafts: each node's TOPK likeliest "
         "continuations up to DEPTH, the NODES likeliest drafts (default: all); with ',dynamic' each row's "
         "own shape every step (EAGLE-2: the NODES of highest cumulative draft probability); mtp, eagle3, "
-        "draft_model",
+        "draft_model, and suffix (dynamic only: the likeliest continuations seen)",
     )
     g.add_argument(
         "--draft-block-size",
@@ -177,6 +177,7 @@ def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
         default=None,
         help="DFlash: tokens per proposed block (default: the draft's trained block; -k: one less)",
     )
+    _add_draft_option(g)
     g.add_argument(
         "--draft-sampling",
         choices=["argmax", "sampled"],
@@ -242,13 +243,14 @@ def _add_serve_parser(sub) -> None:
         metavar=_draft_metavar(),
         default="auto",
         help="auto = the --draft-model when given, else the checkpoint's MTP layer; ngram = prompt "
-        "lookup (no weights); none = plain",
+        "lookup, suffix = suffix decoding (no weights); none = plain",
     )
     sv.add_argument(
         "--draft-model", help="a separately trained draft's directory (EAGLE-3, DFlash, or a draft model)"
     )
     sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     sv.add_argument("--draft-sampling", choices=["argmax", "sampled"], default="argmax")
+    _add_draft_option(sv)
     _add_schedule_args(sv)
     sv.add_argument(
         "--speculative-tree",
@@ -440,6 +442,7 @@ def _generate(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=args.draft_sampling,
         draft_block_size=args.draft_block_size,
+        draft_options=dict(args.draft_option or ()),
         speculative_tree=args.speculative_tree,
         schedule=args.schedule,
         sps_table=args.sps_table,
@@ -639,6 +642,29 @@ def _tree_arg(text: str) -> dict:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _add_draft_option(group) -> None:
+    group.add_argument(
+        "--draft-option",
+        type=_draft_option,
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a setting of the draft's own (repeatable; the value read as JSON, else text), e.g. suffix "
+        "decoding's max_match=16, index_slots=0",
+    )
+
+
+def _draft_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of --draft-option: the value as JSON (numbers, true/false), else as text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def _adapter_name(path: str) -> str:
     """The name a LoRA adapter directory given on the command line goes by (its directory's name)."""
     return os.path.basename(os.path.normpath(path))
@@ -655,6 +681,7 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         num_speculative_tokens=args.num_speculative_tokens,
         draft_sampling=getattr(args, "draft_sampling", "argmax"),
         speculative_tree=getattr(args, "speculative_tree", None),
+        draft_options=dict(getattr(args, "draft_option", None) or ()),
         schedule=getattr(args, "schedule", "fixed"),
         sps_table=getattr(args, "sps_table", None),
     )

@@ -35,7 +35,9 @@ class RowSampling:
     top_p (1 = off), min_p (0 = off), seed (uint32); and how drafts are accepted for the row:
     num_speculative_tokens (the most drafts a step may accept; a step verifying fewer caps it), relaxed_topk
     (0 = strict acceptance) and relaxed_delta (:func:`relaxed_ok`, inside a thinking phase only);
-    and the row's LoRA adapter slot, lora_slot (0 = none; :mod:`mtp_jax.lora`)."""
+    and the row's LoRA adapter slot, lora_slot (0 = none; :mod:`mtp_jax.lora`); and its tenant, the
+    scheduler's number for its cache salt and adapter (rows of different tenants never see each
+    other's text in engine-wide draft state: the suffix draft's index)."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -46,6 +48,7 @@ class RowSampling:
     relaxed_topk: jax.Array
     relaxed_delta: jax.Array
     lora_slot: jax.Array
+    tenant: jax.Array
 
     @classmethod
     def build(
@@ -60,6 +63,7 @@ class RowSampling:
         relaxed_topk: int | Sequence[int] = 0,
         relaxed_delta: float | Sequence[float] = 0.0,
         lora_slot: int | Sequence[int] = 0,
+        tenant: int | Sequence[int] = 0,
     ) -> RowSampling:
         """Validate scalar-or-per-row values and broadcast them to [batch]."""
         temperature = per_row("temperature", temperature, batch, float)
@@ -71,6 +75,7 @@ class RowSampling:
         relaxed_topk = per_row("relaxed_topk", relaxed_topk, batch, int)
         relaxed_delta = per_row("relaxed_delta", relaxed_delta, batch, float)
         lora_slot = per_row("lora_slot", lora_slot, batch, int)
+        tenant = per_row("tenant", tenant, batch, int)
         named = {
             "temperature": temperature,
             "top_k": top_k,
@@ -81,6 +86,7 @@ class RowSampling:
             "relaxed_topk": relaxed_topk,
             "relaxed_delta": relaxed_delta,
             "lora_slot": lora_slot,
+            "tenant": tenant,
         }
         for name, (values, given) in named.items():
             check_column(name, values, given)
@@ -94,6 +100,7 @@ class RowSampling:
             relaxed_topk,
             relaxed_delta,
             lora_slot,
+            tenant,
         ) = (x[0] for x in named.values())
         # any k >= the vocabulary keeps everything, so huge values clamp safely into int32
         top_k = np.minimum(_as_column(top_k), 2**31 - 1)
@@ -107,6 +114,7 @@ class RowSampling:
             relaxed_topk=jnp.asarray(relaxed_topk, jnp.int32),
             relaxed_delta=jnp.asarray(relaxed_delta, jnp.float32),
             lora_slot=jnp.asarray(lora_slot, jnp.int32),
+            tenant=jnp.asarray(tenant, jnp.int32),
         )
 
     def pad(self, batch: int) -> RowSampling:
@@ -125,6 +133,7 @@ CHECKS: dict[str, tuple[Callable[[np.ndarray], np.ndarray], str]] = {
     "relaxed_topk": (lambda k: (k >= 0) & (k < 2**31), ">= 0 (0 disables it)"),
     "relaxed_delta": (lambda d: (d >= 0.0) & (d <= 1.0), "in [0, 1]"),
     "lora_slot": (lambda v: (v >= 0) & (v < 2**31), ">= 0"),
+    "tenant": (lambda v: (v >= 0) & (v < 2**31), ">= 0"),
 }
 """The range of each per-row sampling value, by the name requests give it: a test of an array of
 values (elementwise, so that a batch of thousands of rows is checked at once)."""

@@ -881,6 +881,17 @@ def small_vocab_ngram(small_vocab_model):
     return small_vocab_model
 
 
+@pytest.fixture(scope="module")
+def small_vocab_suffix(small_vocab_model):
+    """Nor does suffix decoding."""
+    return small_vocab_model
+
+
+@pytest.fixture(scope="module")
+def small_vocab_suffix_index(small_vocab_model):
+    return small_vocab_model
+
+
 def exact_first_three(model, prompt: list[int], params: dict, lora: str | None = None) -> np.ndarray:
     """P(t1, t2, t3) [V, V, V] of the first three generated tokens: the product of the processed
     teacher-forced conditionals, over every two-token continuation of the prompt."""
@@ -965,6 +976,10 @@ E2E_CASES = [
     # deterministic drafts copied from the row's own text (q one-hot in sampled mode)
     ("ngram", 2, "argmax", "truncated"),
     ("ngram", 2, "sampled", "truncated"),
+    # suffix decoding: from the row's own text, and (the requests in four waves) from the index of
+    # the earlier waves' outputs (fixed candidates: the likeliest continuations seen)
+    ("suffix", 2, "sampled", "truncated"),
+    ("suffix_index", 2, "argmax", "truncated"),
     # the target with a LoRA adapter (verification adapted, the MTP draft on base weights)
     ("mtp_lora", 2, "sampled", "truncated"),
     # another model's chained distribution
@@ -983,9 +998,10 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     steps) is the target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     lora = "lora" if draft.endswith("_lora") else None
-    draft = draft.split("_vocab")[0].removesuffix("_lora")
+    waves = 4 if draft == "suffix_index" else 1  # later waves drafted from the earlier ones' outputs
+    draft = draft.split("_vocab")[0].removesuffix("_lora").removesuffix("_index")
     params = E2E_PARAMS[which]
-    prompt = NGRAM_PROMPT if draft == "ngram" else PROMPT
+    prompt = NGRAM_PROMPT if draft == "ngram" or (draft == "suffix" and waves == 1) else PROMPT
     joint = exact_first_three(model, prompt, params, lora)
     if lora:  # not vacuous: the adapted law is far from the base model's
         assert np.abs(joint - exact_first_three(model, prompt, params)).sum() > 0.2
@@ -993,16 +1009,20 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
         assert (joint == 0).sum() > 100  # the truncation removes something at every step
     wrong = first_three_laws(joint)
     n = powered_size(joint.ravel(), wrong)
-    result = first_three_of_many_seeds(
-        model,
-        prompt,
-        n,
-        draft=draft,
-        num_speculative_tokens=k,
-        draft_sampling=draft_sampling,
-        **params,
-        **({"lora": lora} if lora else {}),
+    settings = dict(
+        draft=draft, num_speculative_tokens=k, draft_sampling=draft_sampling, max_batch=n // waves
     )
+    result = first_three_of_many_seeds(
+        model, prompt, n, **settings, **params, **({"lora": lora} if lora else {})
+    )
+    if waves > 1:  # not vacuous: the index proposed, more than the rows' own texts alone would
+        alone = first_three_of_many_seeds(
+            model, prompt, n, **settings, draft_options={"index_slots": 0}, **params
+        )
+        assert result.stats["num_accepted_tokens"] > 1.2 * alone.stats["num_accepted_tokens"], (
+            result.stats["num_accepted_tokens"],
+            alone.stats["num_accepted_tokens"],
+        )
     # not vacuous: drafts are accepted at each position, but not always
     at_least = result.stats["acceptance_rate_per_position"]
     per_position = [at_least[0]] + [at_least[j] / at_least[j - 1] for j in range(1, k)]

@@ -192,6 +192,13 @@ class Draft:
     only on tokens up to its own position (a draft model, DFlash's context, n-gram's tokens).
     Automatic prefix caching shares a page only between prompts that also agree on that many tokens
     after it (:class:`mtp_jax.cache.PrefixCache`); a value too small would share wrong entries."""
+    learner: Callable[[Any], Any] | None = None
+    """``learner(draft_cfg)``: for a draft that learns from finished requests (the suffix draft's
+    engine-wide index), the host object a scheduler keeps for it: ``finished(prompt, output,
+    tenant)`` when a request that drafted finishes (``tenant``: the scheduler's number for its cache
+    salt and LoRA adapter, also each row's ``RowSampling.tenant``), and ``apply(draft_state) ->
+    draft_state`` between steps, writing what it learned into the draft's device state. None: it
+    learns nothing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,6 +432,12 @@ def _children(logits: jax.Array, width: int, sampled: bool, sampling: RowSamplin
     drawn = likeliest(scores, width).reshape(b, f, width)
     drawn = jnp.where(sampling.temperature[:, None, None] > 0, drawn, top)
     return drawn, q.reshape(b, f, v)
+
+
+def fixed_draft_logits(drafts: jax.Array, vocab_size: int) -> jax.Array:
+    """Teacher-forced "logits" [..., V] of a draft that proposes fixed tokens ``drafts`` [...]: 0 at
+    the draft, -inf elsewhere (a weightless draft's distribution)."""
+    return jnp.where(jax.nn.one_hot(drafts, vocab_size, dtype=jnp.float32) > 0, 0.0, -jnp.inf)
 
 
 def no_drafts(b: int) -> tuple[jax.Array, jax.Array]:

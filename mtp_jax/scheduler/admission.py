@@ -57,6 +57,10 @@ class Admissions:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.tenants: dict[bytes, int] = {}  # salt (cache salt and adapter) -> the rows' tenant number
+        method, sc = scheduler.sc.draft_method, scheduler.sc
+        learns = method is not None and method.learner is not None and sc.k > 0
+        self.learner = method.learner(sc.draft_cfg) if learns else None
 
     def admit(self) -> None:
         """Place waiting requests in free slots with their pages; prefill those whose prompts need
@@ -65,6 +69,10 @@ class Admissions:
         the next (in order: those behind it wait too), when this prefill has named them: a burst of
         requests on one prompt (samples of one prompt, a shared system prompt) computes it once."""
         sched = self.scheduler
+        if self.learner is not None:  # what finished requests taught the draft, before the next step
+            sched.state = dataclasses.replace(
+                sched.state, draft_state=self.learner.apply(sched.state.draft_state)
+            )
         # Prefill rows are split over the row shards like the state's slots, so each request is
         # prefilled on the devices that hold its slot and pages: shard s of the prefill batch
         # takes requests for free slots of shard s, filled evenly across shards.
@@ -108,13 +116,21 @@ class Admissions:
         position's entries are written by the step that verified the token after it), so a later
         prompt that continues this text, the next turn of a chat, prefills only what follows. A
         request whose prompt never finished arriving (no token yet) names nothing."""
-        prefix = self.scheduler.prefix
+        sched = self.scheduler
+        if self.learner is not None and req.tokens and sched.row_k(req):
+            self.learner.finished(req.prompt, req.tokens, self.tenant(req))  # written at the next admit
+        prefix = sched.prefix
         if prefix is None:
-            self.scheduler.allocator.release(pages)
+            sched.allocator.release(pages)
             return
         if req.tokens:
             prefix.register(prefix.digests(req.prompt + req.tokens, salt(req)), pages)
         prefix.release(pages)
+
+    def tenant(self, req: Request) -> int:
+        """The number of ``req``'s tenant (its cache salt and adapter; :func:`salt`), in order of
+        first admission: rows of different tenants never share what a draft learns."""
+        return self.tenants.setdefault(salt(req), len(self.tenants))
 
     def fill(self) -> bool:
         """Chunked prefill: the next chunk of the first request whose prompt is still arriving, or
@@ -172,7 +188,7 @@ class Admissions:
             rows[i], lengths[i], starts[i] = b, len(req.prompt), a.start
             thinking[i] = thinking_before(sched.sc.think_tokens, req.prompt, a.start)
             tables[i] = a.pages
-            row_sampling[i] = req.sampling
+            row_sampling[i] = dataclasses.replace(req.sampling, tenant=np.full(1, self.tenant(req), np.int32))
             reqs.append((i, req))
             sched.proposed[b] = sched.row_k(req)
         # prompt lengths (after their cached prefixes) padded to a power of two per admission (one

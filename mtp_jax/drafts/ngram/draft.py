@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from mtp_jax.cache import localize, slots_for
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, no_drafts
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, fixed_draft_logits, no_drafts
 from mtp_jax.sharding import ROW_AXES, shard_index, spec_entry, split_axes
 
 MAX_N = 4
@@ -86,12 +86,13 @@ def _history(tokens: jax.Array, page_table: jax.Array) -> jax.Array:
     return tokens[page_table].reshape(page_table.shape[0], -1)
 
 
-def _write_and_look_up(
-    tokens, table, slots, next_slots, values, next_values, first_pos, k: int, page: int, mesh, rows
+def write_and_look_up(
+    tokens, table, slots, next_slots, values, next_values, first_pos, *extra, look, page: int, mesh, rows
 ):
     """Write the committed tokens (values [b, t] at slots [b, t], next_values [b] at next_slots
-    [b]) into the buffer [P, page] and look the drafts up ([b, k]). With ``rows`` (mesh axes),
-    inside ``shard_map``: this shard's pages and rows, global page ids made local."""
+    [b]) into the buffer [P, page] and ``look(history [b, W * page], first_pos [b], *extra)`` up (a
+    tuple of per-row arrays). With ``rows`` (mesh axes), inside ``shard_map``: this shard's pages
+    and rows, global page ids made local."""
     if rows:
         n = tokens.shape[0]
         first = shard_index(mesh, rows) * n
@@ -101,16 +102,17 @@ def _write_and_look_up(
     flat = flat.at[slots.reshape(-1)].set(values.reshape(-1), mode="drop")
     flat = flat.at[next_slots].set(next_values, mode="drop")
     tokens = flat.reshape(tokens.shape)
-    drafts = (
-        lookup(_history(tokens, table), first_pos, k, none=-1)
-        if k
-        else jnp.zeros((table.shape[0], 0), jnp.int32)
-    )
-    return drafts, tokens
+    return look(_history(tokens, table), first_pos, *extra), tokens
 
 
-def _extend_and_propose(params, ctx, tokens, page_table, rows: Rows, active, sampling, first_pos):
-    """Write the committed rows' tokens and the committed next token, then look the drafts up."""
+def buffer_and_look_up(
+    ctx, tokens, page_table, rows: Rows, first_pos, look, outputs: int, by_row=(), shared=()
+):
+    """Write the committed rows' tokens and the committed next token into the paged buffer
+    ``tokens`` [P, page], then ``look(history, first_pos, *by_row, *shared)`` up per row
+    (``outputs`` arrays [b, ...]; on a mesh split over rows like the buffer's pages, with the
+    ``by_row`` arrays [b, ...] split the same way and the ``shared`` ones whole on every shard).
+    Returns (the outputs, the new buffer)."""
     page, b = ctx.page_size, page_table.shape[0]
     slots = slots_for(page_table, rows.positions, rows.valid, page)
     last_pos = at_rows(rows.positions, rows.last) + 1
@@ -123,19 +125,31 @@ def _extend_and_propose(params, ctx, tokens, page_table, rows: Rows, active, sam
         rows.tokens,
         at_rows(rows.next_tokens, rows.last),
         first_pos,
+        *by_row,
+        *shared,
     )
     split = () if ctx.mesh is None else split_axes(ctx.mesh, ROW_AXES, b, tokens.shape[0])
     if not split:
-        drafts, tokens = _write_and_look_up(*args, ctx.k, page, None, ())
+        return write_and_look_up(*args, look=look, page=page, mesh=None, rows=())
+    r = spec_entry(split)
+    rowwise, one = PartitionSpec(r, None), PartitionSpec(r)
+    whole = jax.tree.map(lambda _: PartitionSpec(), tuple(shared))
+    return jax.shard_map(
+        lambda *a: write_and_look_up(*a, look=look, page=page, mesh=ctx.mesh, rows=split),
+        mesh=ctx.mesh,
+        in_specs=(rowwise, rowwise, rowwise, one, rowwise, one, one, *(one,) * len(by_row), *whole),
+        out_specs=((one,) * outputs, rowwise),
+    )(*args)
+
+
+def _extend_and_propose(params, ctx, tokens, page_table, rows: Rows, active, sampling, first_pos):
+    """Write the committed rows' tokens and the committed next token, then look the drafts up."""
+    b = page_table.shape[0]
+    if ctx.k == 0:
+        look = lambda history, n: (jnp.zeros((history.shape[0], 0), jnp.int32),)  # noqa: E731
     else:
-        r = spec_entry(split)
-        by_row, one = PartitionSpec(r, None), PartitionSpec(r)
-        drafts, tokens = jax.shard_map(
-            lambda *a: _write_and_look_up(*a, ctx.k, page, ctx.mesh, split),
-            mesh=ctx.mesh,
-            in_specs=(by_row, by_row, by_row, one, by_row, one, one),
-            out_specs=(by_row, by_row),
-        )(*args)
+        look = lambda history, n: (lookup(history, n, ctx.k, none=-1),)  # noqa: E731
+    (drafts,), tokens = buffer_and_look_up(ctx, tokens, page_table, rows, first_pos, look, 1)
     if ctx.k == 0:
         return no_drafts(b) + (tokens,)
     if ctx.sampled:  # deterministic drafts: q is one-hot (acceptance min(1, p(d)), exact residual)
@@ -151,12 +165,13 @@ def _teacher_forced(params, ctx, tokens: jax.Array, hidden) -> jax.Array:
     drafts = jax.vmap(lambda n: lookup(tokens, jnp.full((tokens.shape[0],), n, jnp.int32), 1)[:, 0])(
         jnp.arange(2, t + 1, dtype=jnp.int32)
     )  # [T-1, b]
-    onehot = jax.nn.one_hot(drafts.T, ctx.cfg.vocab_size, dtype=jnp.float32)
-    return jnp.where(onehot > 0, 0.0, -jnp.inf)
+    return fixed_draft_logits(drafts.T, ctx.cfg.vocab_size)
 
 
-def _step_reads(params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int) -> StepReads:
-    """The rows' token buffers (int32), scanned once."""
+def token_buffer_reads(
+    params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int
+) -> StepReads:
+    """The rows' token buffers (int32), scanned once (n-gram's and suffix decoding's reads)."""
     return StepReads(kv=float(positions * 4))
 
 
@@ -168,7 +183,7 @@ DRAFT = Draft(
     state_logical=lambda names, rank: ("pages",) + (None,) * (rank - 1),
     extend_and_propose=_extend_and_propose,
     teacher_forced=_teacher_forced,
-    step_reads=_step_reads,
+    step_reads=token_buffer_reads,
     proposes_per_row=True,
     title="n-gram",
     weights=False,

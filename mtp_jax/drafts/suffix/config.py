@@ -1,0 +1,89 @@
+"""The suffix draft's settings (``SpeculativeConfig.draft_options`` / ``draft_options={...}``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from mtp_jax.errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class SuffixConfig:
+    """How the suffix draft matches and how large a tree it proposes (static: part of the step's
+    compiled shape).
+
+    The paper's rules: the longest suffix of the text (at most ``max_match`` tokens, at least
+    ``min_match``) that occurred before selects the continuations that followed it; a node's
+    score is its empirical probability (the share of those continuations that pass through it);
+    nodes under ``min_prob`` are not proposed, and a row proposes at most ``spec_factor`` x the
+    match length nodes (a long match is trusted with a larger tree).
+    """
+
+    max_match: int = 12
+    """Longest suffix matched against the row's own text (prompt and output)."""
+    min_match: int = 2
+    """Shortest suffix matched."""
+    occurrences: int = 16
+    """Latest occurrences of the matched suffix in the row's own text whose continuations are counted."""
+    spec_factor: float = 1.0
+    """Nodes proposed per matched token (the paper's max_spec_factor)."""
+    spec_offset: float = 0.0
+    """Nodes proposed beyond ``spec_factor`` x the match length (the paper's max_spec_offset)."""
+    min_prob: float = 0.1
+    """Least empirical probability of a proposed node (the paper's min_token_prob)."""
+    index_slots: int = 4096
+    """Entries of the engine-wide index of finished outputs on the device (a power of two; 0: off)."""
+    index_match: int = 8
+    """Longest context the engine-wide index is keyed by (at least ``min_match``)."""
+    index_paths: int = 4
+    """Continuations kept per context in the engine-wide index (the most frequent)."""
+    index_outputs: int = 4096
+    """Finished outputs the engine-wide index remembers (the oldest are forgotten first)."""
+
+    def __post_init__(self) -> None:
+        ints = ("max_match", "min_match", "occurrences", "index_match", "index_paths", "index_outputs")
+        for name in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(
+                    f"suffix draft option {name} must be a positive integer, got {value!r}"
+                )
+        slots = self.index_slots
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0 or slots & (slots - 1):
+            raise InvalidRequestError(
+                f"suffix draft option index_slots must be 0 or a power of two, got {slots!r}"
+            )
+        if not self.min_match <= self.max_match:
+            raise InvalidRequestError(
+                f"suffix draft options need min_match <= max_match, got {self.min_match} > {self.max_match}"
+            )
+        if not self.min_match <= self.index_match:
+            raise InvalidRequestError(
+                "suffix draft options need min_match <= index_match, got "
+                f"{self.min_match} > {self.index_match}"
+            )
+        for name in ("spec_factor", "spec_offset", "min_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise InvalidRequestError(f"suffix draft option {name} must be a number >= 0, got {value!r}")
+        if self.min_prob > 1:
+            raise InvalidRequestError(f"suffix draft option min_prob is a probability, got {self.min_prob!r}")
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the engine-wide index of finished outputs is on."""
+        return self.index_slots > 0
+
+
+OPTIONS = tuple(f.name for f in dataclasses.fields(SuffixConfig))
+
+
+def suffix_config(options: Mapping[str, Any]) -> SuffixConfig:
+    """The settings ``options`` names (the rest at their defaults); InvalidRequestError naming an
+    unknown one."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise InvalidRequestError(f"unknown suffix draft options {unknown}; it takes {list(OPTIONS)}")
+    return SuffixConfig(**{name: value for name, value in options.items()})
