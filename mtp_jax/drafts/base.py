@@ -197,8 +197,10 @@ class Draft:
     engine-wide index), the host object a scheduler keeps for it: ``finished(prompt, output,
     tenant)`` when a request that drafted finishes (``tenant``: the scheduler's number for its cache
     salt and LoRA adapter, also each row's ``RowSampling.tenant``), and ``apply(draft_state) ->
-    draft_state`` between steps, writing what it learned into the draft's device state. None: it
-    learns nothing."""
+    draft_state`` between steps, writing what it learned into the draft's device state; optionally
+    ``seeds() -> [(prompt, output, salt)]``, outputs counted before the first request (``salt`` as
+    :func:`mtp_jax.scheduler.admission.salt` names a request's tenant), and ``stats() -> dict``,
+    shown in the engine's statistics as ``draft_learned``. None: it learns nothing."""
 
 
 @dataclasses.dataclass(frozen=True)

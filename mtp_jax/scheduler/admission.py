@@ -61,6 +61,9 @@ class Admissions:
         method, sc = scheduler.sc.draft_method, scheduler.sc
         learns = method is not None and method.learner is not None and sc.k > 0
         self.learner = method.learner(sc.draft_cfg) if learns else None
+        if self.learner is not None and hasattr(self.learner, "seeds"):  # outputs it starts from
+            for prompt, output, salt in self.learner.seeds():
+                self.learner.finished(prompt, output, self.tenants.setdefault(salt, len(self.tenants)))
 
     def admit(self) -> None:
         """Place waiting requests in free slots with their pages; prefill those whose prompts need

@@ -343,6 +343,9 @@ def occupancy(sched: Scheduler) -> dict:
         out["prefix_cache_queries"] = sched.prefix.queries  # prompt tokens looked up
         out["prefix_cache_hits"] = sched.prefix.hits  # of those, found cached
         out["cached_pages"] = sched.prefix.cached
+    learner = sched.admissions.learner
+    if learner is not None and hasattr(learner, "stats"):  # what a learning draft has learned
+        out["draft_learned"] = learner.stats()
     return out
 
 

@@ -286,10 +286,13 @@ def test_the_engine_learns_across_requests(model):
         for salt in (None, None, "other"):
             handle = engine.submit(prompt, max_new_tokens=40, ignore_eos=True, cache_salt=salt)
             runs.append(handle.result(timeout=300))
+        engine_stats = engine.stats()
     assert [list(r.tokens) for r in runs] == [plain] * 3
     steps = [r.stats["steps"] for r in runs]
     assert steps[1] < steps[0] / 2, steps  # the second read the first's output from the index
     assert steps[2] == steps[0], steps  # another tenant: its own text only, as the first
+    learned = engine_stats["draft_learned"]
+    assert learned["outputs"] == 3 and learned["contexts"] > 0 and learned["entries_written"] > 0, learned
 
 
 SHARDED_CHILD = textwrap.dedent(
@@ -364,3 +367,31 @@ def test_the_command_line_takes_its_options():
         text=True,
     )
     assert bad.returncode != 0 and "index_slots must be 0 or a power of two" in bad.stderr
+
+
+def test_the_index_starts_from_a_seed_file(model, tmp_path):
+    """Outputs written to a file earlier (as a server's log would hold them) are drafted from by
+    the first request; a malformed line is refused by number."""
+    import json
+
+    prompt = encode(model, "import os\nclass Reader:\n    def __init__(self, path):\n")
+    plain = model.generate([prompt], max_new_tokens=48, ignore_eos=True).tokens[0]
+    seed = tmp_path / "outputs.jsonl"
+    seed.write_text(json.dumps({"prompt": prompt, "output": plain}) + "\n\n")
+    settings = dict(max_new_tokens=48, ignore_eos=True, draft="suffix", num_speculative_tokens=8)
+    cold = model.generate([prompt], **settings)
+    warm = model.generate([prompt], **settings, draft_options={"index_seed": str(seed)})
+    assert warm.tokens == cold.tokens == [plain]
+    assert warm.stats["steps"] < cold.stats["steps"] / 2, (warm.stats["steps"], cold.stats["steps"])
+    other = tmp_path / "other.jsonl"  # another tenant's outputs: not proposed
+    other.write_text(json.dumps({"prompt": prompt, "output": plain, "cache_salt": "them"}) + "\n")
+    assert (
+        model.generate([prompt], **settings, draft_options={"index_seed": str(other)}).stats["steps"]
+        == (cold.stats["steps"])
+    )
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": prompt, "output": plain}) + "\n" + '{"output": ["a"]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl, line 2"):
+        model.generate([prompt], **settings, draft_options={"index_seed": str(bad)})
+    with pytest.raises(InvalidRequestError, match="index_seed must name a file"):
+        model.generate([prompt], **settings, draft_options={"index_seed": str(tmp_path / "none")})

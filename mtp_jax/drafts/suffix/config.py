@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +42,9 @@ class SuffixConfig:
     """Continuations kept per context in the engine-wide index (the most frequent)."""
     index_outputs: int = 4096
     """Finished outputs the engine-wide index remembers (the oldest are forgotten first)."""
+    index_seed: str | None = None
+    """A JSON-lines file of earlier outputs the index starts from (``{"prompt": ids, "output": ids,
+    "cache_salt": text}`` per line; ``cache_salt`` optional: the tenant they belong to)."""
 
     def __post_init__(self) -> None:
         ints = ("max_match", "min_match", "occurrences", "index_match", "index_paths", "index_outputs")
@@ -68,6 +72,12 @@ class SuffixConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise InvalidRequestError(f"suffix draft option {name} must be a number >= 0, got {value!r}")
+        if self.index_seed is not None and not (
+            isinstance(self.index_seed, str) and os.path.isfile(self.index_seed)
+        ):
+            raise InvalidRequestError(
+                f"suffix draft option index_seed must name a file, got {self.index_seed!r}"
+            )
         if self.min_prob > 1:
             raise InvalidRequestError(f"suffix draft option min_prob is a probability, got {self.min_prob!r}")
 

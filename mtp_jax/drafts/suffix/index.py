@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import json
 from collections.abc import Sequence
 
 import jax
@@ -143,6 +144,29 @@ class SuffixIndex:
         return slots, rows
 
 
+def read_seed_file(path: str) -> list[tuple[list[int], list[int], bytes]]:
+    """:meth:`Learner.seeds` of the JSON-lines file at ``path``."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                prompt, output = record.get("prompt", []), record["output"]
+                salt = record.get("cache_salt")
+                ok = all(
+                    isinstance(x, list) and all(isinstance(t, int) and t >= 0 for t in x)
+                    for x in (prompt, output)
+                )
+                if not ok or not (salt is None or isinstance(salt, str)):
+                    raise ValueError("prompt and output must be lists of token ids, cache_salt text")
+            except (ValueError, KeyError, AttributeError) as e:
+                raise ValueError(f"{path}, line {number}: not a suffix index seed ({e})") from None
+            out.append((prompt, output, (b"" if salt is None else b"salt:" + salt.encode()) + b"lora:0"))
+    return out
+
+
 class Learner:
     """What a scheduler holds for a draft that learns from finished requests
     (:attr:`mtp_jax.drafts.base.Draft.learner`): ``finished`` counts one, ``apply`` writes what
@@ -153,6 +177,18 @@ class Learner:
 
     def finished(self, prompt: Sequence[int], output: Sequence[int], tenant: int) -> None:
         self.index.finished(prompt, output, tenant)
+
+    def seeds(self) -> list[tuple[list[int], list[int], bytes]]:
+        """The outputs of ``index_seed`` (a JSON-lines file of {"prompt": ids, "output": ids,
+        "cache_salt": optional text}) as (prompt, output, salt), the salt as the scheduler names a
+        request's (its cache salt, no adapter), for the scheduler to count under each one's tenant
+        before the first request; [] without one. ValueError naming the line of a bad record."""
+        path = self.index.cfg.index_seed
+        return [] if path is None else read_seed_file(path)
+
+    def stats(self) -> dict:
+        """Outputs indexed and forgotten, contexts counted, device entries written."""
+        return {**self.index.stats, "contexts": len(self.index.counts)}
 
     def apply(self, draft_state: dict) -> dict:
         """``draft_state`` with the index's pending updates written (unchanged without any)."""
