@@ -14,6 +14,7 @@ from mtp_jax.drafts.eagle3.draft import DRAFT as EAGLE3
 from mtp_jax.drafts.mtp.draft import DRAFT as MTP
 from mtp_jax.drafts.ngram.draft import DRAFT as NGRAM
 from mtp_jax.drafts.suffix.draft import DRAFT as SUFFIX
+from mtp_jax.drafts.suffix.hybrid import hybrid
 from mtp_jax.targets import register_target
 from mtp_jax.targets.deepseek_v3 import checkpoint as deepseek_v3_checkpoint
 from mtp_jax.targets.deepseek_v3.config import DEEPSEEK_V3_MODEL_TYPES, parse_deepseek_v3
@@ -62,4 +63,6 @@ register_draft(EAGLE3)
 register_draft(DFLASH)
 register_draft(NGRAM)
 register_draft(SUFFIX)
-register_draft(DRAFT_MODEL)  # last: it recognises any target checkpoint
+register_draft(DRAFT_MODEL)  # last of those read from a directory: it recognises any target checkpoint
+for neural in (MTP, EAGLE3, DFLASH, DSPARK, DRAFT_MODEL):  # suffix decoding with a neural fallback
+    register_draft(hybrid(neural))

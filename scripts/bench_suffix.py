@@ -11,7 +11,10 @@ with ``--seed``):
   greedy: after the first answer each turn asks for an edit of the whole code ("rename ...", "add
   type hints ..."), and its prompt is the conversation so far: the answer repeats most of the last;
 - ``chat``: ``--chat-prompts`` MT-Bench first turns, greedy: free text, where drafting from
-  repetition seldom pays (the goal there is not to lose).
+  repetition seldom pays (the goal there is not to lose);
+- ``mix``: the rollout, then the chat prompts, in one engine run: where hybrid drafting
+  (``--draft-model DIR``: the neural draft alone, and ``suffix_<neural>``) must match the better of
+  its parts.
 
 Each (workload, batch, method) runs on a fresh engine after an untimed pass of the same workload
 with ``--warm-tokens`` new tokens on another engine of the same settings (which compiles the
@@ -21,6 +24,8 @@ accepted length, and whether every output equals plain decoding's (seeded sampli
 position's token from the same key, so the texts must be identical; the run fails otherwise).
 
     python scripts/bench_suffix.py --model smollm2-135m-instruct --json benchmarks/suffix/smollm2.json
+    python scripts/bench_suffix.py --model smollm2-135m-instruct --workload mix \
+        --draft-model checkpoints/smollm2-135m-instruct-eagle3 --methods suffix eagle3 suffix_eagle3
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
 
 import mtp_jax  # noqa: E402
 from mtp_jax.acceptance import first_turns, render  # noqa: E402
@@ -133,12 +140,20 @@ def workloads(model, args) -> dict:
             lambda n: rollout_jobs(chat, 1, 0.0, n),
             f"{len(chat)} MT-Bench first turns, greedy",
         ),
+        "mix": (
+            lambda n: rollout_jobs(rollout, args.samples, args.temperature, n, then=chat),
+            f"the rollout ({len(rollout)} x {args.samples}), then {len(chat)} MT-Bench first turns",
+        ),
     }
 
 
 def methods(args) -> dict:
     out = {"plain": {}, "ngram": {"draft": "ngram", "num_speculative_tokens": args.k}}
     out["suffix"] = {"draft": "suffix", "num_speculative_tokens": args.k}
+    if args.draft_model:  # the neural draft alone, and suffix decoding with it as the fallback
+        name = args.neural
+        out[name] = {"draft": name, "num_speculative_tokens": args.neural_k}
+        out[f"suffix_{name}"] = {"draft": f"suffix_{name}", "num_speculative_tokens": args.k}
     if args.tree:
         out["suffix tree"] = {"draft": "suffix", "speculative_tree": tree_setting(args.tree)}
     return out
@@ -149,9 +164,13 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="checkpoint (default: the embedded model); smollm2-135m-instruct")
-    parser.add_argument("--workload", nargs="+", default=["rollout", "code-edit", "chat"])
+    parser.add_argument("--workload", nargs="+", default=["rollout", "code-edit", "chat"], help="or mix")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--k", type=int, default=8, help="drafts per step of n-gram and suffix chains")
+    parser.add_argument("--draft-model", help="a neural draft's directory: it and suffix decoding beside it")
+    parser.add_argument("--neural", default="eagle3", help="the draft method of --draft-model")
+    parser.add_argument("--neural-k", type=int, default=3, help="K of the neural draft alone")
+    parser.add_argument("--methods", nargs="+", help="run only these (plain always runs first)")
     parser.add_argument(
         "--tree", help="also suffix decoding with this dynamic tree (DEPTH,TOPK,NODES,dynamic)"
     )
@@ -162,13 +181,13 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--chat-prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--warm-tokens", type=int, default=8)
+    parser.add_argument("--warm-tokens", type=int, default=48)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     path = model_path(resolve_model_path(args.model) if args.model else None)
-    model = mtp_jax.load(path, "float32")
+    model = mtp_jax.load(path, "float32", draft_model=args.draft_model)
     loads = workloads(model, args)
     unknown = sorted(set(args.workload) - set(loads))
     if unknown:
@@ -178,9 +197,13 @@ def main() -> int:
         make, what = loads[name]
         for batch in args.batch:
             plain = None
-            for method, settings in methods(args).items():
+            chosen = methods(args)
+            if args.methods:
+                chosen = {m: v for m, v in chosen.items() if m == "plain" or m in args.methods}
+            for method, settings in chosen.items():
                 run(model, settings, batch, make(args.warm_tokens), args.max_len)  # compiles, untimed
                 result = run(model, settings, batch, make(args.new_tokens), args.max_len)
+                jax.clear_caches()  # a process keeps too many executables otherwise (vm.max_map_count)
                 outputs = result.pop("outputs")
                 if plain is None:
                     plain = (outputs, result["tokens_per_second"])

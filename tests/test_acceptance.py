@@ -892,6 +892,11 @@ def small_vocab_suffix_index(small_vocab_model):
     return small_vocab_model
 
 
+@pytest.fixture(scope="module")
+def small_vocab_hybrid(small_vocab_model):
+    return small_vocab_model
+
+
 def exact_first_three(model, prompt: list[int], params: dict, lora: str | None = None) -> np.ndarray:
     """P(t1, t2, t3) [V, V, V] of the first three generated tokens: the product of the processed
     teacher-forced conditionals, over every two-token continuation of the prompt."""
@@ -980,6 +985,8 @@ E2E_CASES = [
     # the earlier waves' outputs (fixed candidates: the likeliest continuations seen)
     ("suffix", 2, "sampled", "truncated"),
     ("suffix_index", 2, "argmax", "truncated"),
+    # ... beside the MTP layer: each row's drafts from one of the two by its suffix tree's score
+    ("hybrid", 2, "sampled", "truncated"),
     # the target with a LoRA adapter (verification adapted, the MTP draft on base weights)
     ("mtp_lora", 2, "sampled", "truncated"),
     # another model's chained distribution
@@ -998,10 +1005,14 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     steps) is the target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     lora = "lora" if draft.endswith("_lora") else None
-    waves = 4 if draft == "suffix_index" else 1  # later waves drafted from the earlier ones' outputs
-    draft = draft.split("_vocab")[0].removesuffix("_lora").removesuffix("_index")
+    waves = 4 if draft in ("suffix_index", "hybrid") else 1  # later waves drafted from earlier outputs
+    draft = (
+        draft.split("_vocab")[0].removesuffix("_lora").removesuffix("_index").replace("hybrid", "suffix_mtp")
+    )
     params = E2E_PARAMS[which]
-    prompt = NGRAM_PROMPT if draft == "ngram" or (draft == "suffix" and waves == 1) else PROMPT
+    prompt = (
+        NGRAM_PROMPT if draft in ("ngram", "suffix_mtp") or (draft == "suffix" and waves == 1) else PROMPT
+    )
     joint = exact_first_three(model, prompt, params, lora)
     if lora:  # not vacuous: the adapted law is far from the base model's
         assert np.abs(joint - exact_first_three(model, prompt, params)).sum() > 0.2
@@ -1015,7 +1026,10 @@ def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_
     result = first_three_of_many_seeds(
         model, prompt, n, **settings, **params, **({"lora": lora} if lora else {})
     )
-    if waves > 1:  # not vacuous: the index proposed, more than the rows' own texts alone would
+    if draft == "suffix_mtp":  # not vacuous: some rows drafted from the suffix tree
+        alone = first_three_of_many_seeds(model, prompt, n, **{**settings, "draft": "mtp"}, **params)
+        assert alone.stats["num_draft_tokens"] != result.stats["num_draft_tokens"]
+    elif waves > 1:  # not vacuous: the index proposed, more than the rows' own texts alone would
         alone = first_three_of_many_seeds(
             model, prompt, n, **settings, draft_options={"index_slots": 0}, **params
         )

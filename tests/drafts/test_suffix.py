@@ -395,3 +395,28 @@ def test_the_index_starts_from_a_seed_file(model, tmp_path):
         model.generate([prompt], **settings, draft_options={"index_seed": str(bad)})
     with pytest.raises(InvalidRequestError, match="index_seed must name a file"):
         model.generate([prompt], **settings, draft_options={"index_seed": str(tmp_path / "none")})
+
+
+# -- hybrid: suffix decoding with a neural fallback -----------------------------------------------
+
+
+def test_hybrid_is_lossless_and_falls_back_to_the_neural_draft(model):
+    """suffix_mtp: greedy tokens are plain decoding's; with an unreachable threshold every row
+    drafts from the MTP layer (the same steps and counts as draft="mtp"); with the default one the
+    repeated text is drafted from the suffix tree (fewer steps than the MTP layer alone)."""
+    prompts = [encode(model, REPEATING), encode(model, "import os\n")]
+    settings = dict(max_new_tokens=40, ignore_eos=True, num_speculative_tokens=4)
+    plain = model.generate(prompts, max_new_tokens=40, ignore_eos=True).tokens
+    mtp = model.generate(prompts, draft="mtp", **settings)
+    never = model.generate(prompts, draft="suffix_mtp", draft_options={"threshold": 1e9}, **settings)
+    hybrid = model.generate(prompts, draft="suffix_mtp", **settings)
+    assert mtp.tokens == never.tokens == hybrid.tokens == plain
+    for key in ("steps", "num_draft_tokens", "num_accepted_tokens"):
+        assert never.stats[key] == mtp.stats[key], key
+    suffix = model.generate(prompts, draft="suffix", **settings)
+    assert hybrid.stats["steps"] != mtp.stats["steps"]  # some rows drafted from their text
+    assert hybrid.stats["acceptance_length"] >= 0.95 * max(
+        mtp.stats["acceptance_length"], suffix.stats["acceptance_length"]
+    ), (hybrid.stats["acceptance_length"], mtp.stats["acceptance_length"], suffix.stats["acceptance_length"])
+    with pytest.raises(InvalidRequestError, match="proposes token trees"):
+        model.generate(prompts, draft="suffix_mtp", speculative_tree=TREE, max_new_tokens=4)

@@ -46,6 +46,13 @@ class SuffixConfig:
     """A JSON-lines file of earlier outputs the index starts from (``{"prompt": ids, "output": ids,
     "cache_salt": text}`` per line; ``cache_salt`` optional: the tenant they belong to)."""
 
+    threshold: float = 1.0
+    """With a neural draft beside it (``draft="suffix_eagle3"``, ...): a row drafts from the suffix
+    tree when its score (the expected number of its drafts accepted) reaches this, else from the
+    neural draft."""
+    fallback: Any = None
+    """The neural draft's config when it is the fallback of a hybrid (set by the draft, not an option)."""
+
     def __post_init__(self) -> None:
         ints = ("max_match", "min_match", "occurrences", "index_match", "index_paths", "index_outputs")
         for name in ints:
@@ -68,7 +75,7 @@ class SuffixConfig:
                 "suffix draft options need min_match <= index_match, got "
                 f"{self.min_match} > {self.index_match}"
             )
-        for name in ("spec_factor", "spec_offset", "min_prob"):
+        for name in ("spec_factor", "spec_offset", "min_prob", "threshold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise InvalidRequestError(f"suffix draft option {name} must be a number >= 0, got {value!r}")
@@ -87,7 +94,7 @@ class SuffixConfig:
         return self.index_slots > 0
 
 
-OPTIONS = tuple(f.name for f in dataclasses.fields(SuffixConfig))
+OPTIONS = tuple(f.name for f in dataclasses.fields(SuffixConfig) if f.name != "fallback")
 
 
 def suffix_config(options: Mapping[str, Any]) -> SuffixConfig:

@@ -172,8 +172,9 @@ class Learner:
     (:attr:`mtp_jax.drafts.base.Draft.learner`): ``finished`` counts one, ``apply`` writes what
     changed into the draft's device state."""
 
-    def __init__(self, cfg: SuffixConfig) -> None:
+    def __init__(self, cfg: SuffixConfig, at: str | None = None) -> None:
         self.index = SuffixIndex(cfg)
+        self.at = at  # the key of the suffix draft's state inside a composite draft's (a hybrid's)
 
     def finished(self, prompt: Sequence[int], output: Sequence[int], tenant: int) -> None:
         self.index.finished(prompt, output, tenant)
@@ -196,4 +197,10 @@ class Learner:
         if pending is None:
             return draft_state
         slots, rows = pending
-        return {**draft_state, "index": _write(draft_state["index"], slots, rows)}
+        if self.at is not None:
+            return {**draft_state, self.at: self.apply_to(draft_state[self.at], slots, rows)}
+        return self.apply_to(draft_state, slots, rows)
+
+    @staticmethod
+    def apply_to(state: dict, slots, rows) -> dict:
+        return {**state, "index": _write(state["index"], slots, rows)}

@@ -119,9 +119,10 @@ def context_keys(recent: jax.Array, tenant: jax.Array, depth: int) -> jax.Array:
 
 
 def host_key(context_newest_first: list[int] | tuple[int, ...], tenant: int) -> int:
-    """The hash key of one context (newest token first) under ``tenant``, as the device computes it."""
-    with np.errstate(over="ignore"):
-        h = HASH_BASIS ^ (np.uint32(tenant) * TENANT_MIX)
-        for token in context_newest_first:
-            h = (h ^ np.uint32(token)) * HASH_PRIME
-        return int((h ^ np.uint32(len(context_newest_first))) * HASH_PRIME)
+    """The hash key of one context (newest token first) under ``tenant``, as the device computes it
+    (:func:`context_keys`), in plain integers (a host index hashes thousands per finished request)."""
+    mask, prime = 0xFFFFFFFF, int(HASH_PRIME)
+    h = int(HASH_BASIS) ^ ((tenant * int(TENANT_MIX)) & mask)
+    for token in context_newest_first:
+        h = ((h ^ (token & mask)) * prime) & mask
+    return ((h ^ len(context_newest_first)) * prime) & mask

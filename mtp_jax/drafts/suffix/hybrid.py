@@ -1,0 +1,130 @@
+"""Hybrid drafting: suffix decoding where its tree is trusted, a neural draft elsewhere, chosen per
+row and per step inside the one jitted step (issue 66's item 3; Arctic Inference runs suffix
+decoding beside EAGLE the same way).
+
+``hybrid(NEURAL)`` is a draft named ``suffix_<neural>`` (registered in :mod:`mtp_jax.builtin` for the
+shipped neural drafts). Every step both run: the neural draft consumes the committed rows and
+proposes its K (its caches stay current whichever is used), and the suffix draft looks its matches
+up; a row whose suffix proposal scores at least ``threshold`` (the expected number of its drafts
+accepted: the sum of its nodes' empirical probabilities) verifies the suffix chain, the others the
+neural chain. The choice depends only on the row's text and the index, never on the neural
+draft's draws, so each row's drafts follow one law (the neural draft's q, or one-hot for the fixed
+suffix candidates) and acceptance stays exact. A suffix chain shorter than K marks the rest -1
+(the step verifies only its leading drafts). Chains only (no token trees).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.drafts.base import Draft, Rows, StepReads
+from mtp_jax.drafts.ngram.draft import buffer_and_look_up, token_buffer_reads
+from mtp_jax.drafts.suffix.config import OPTIONS, SuffixConfig, suffix_config
+from mtp_jax.drafts.suffix.draft import DRAFT as SUFFIX
+from mtp_jax.drafts.suffix.draft import propose_rows
+from mtp_jax.drafts.suffix.index import Learner
+
+
+def _config(ctx) -> SuffixConfig:
+    return ctx.draft_cfg
+
+
+def hybrid(neural: Draft) -> Draft:
+    """The draft ``suffix_<neural.name>``: suffix decoding with ``neural`` as its fallback."""
+
+    def inner(ctx):
+        """The neural draft's view of the step: its own config."""
+        return dataclasses.replace(ctx, draft_cfg=_config(ctx).fallback)
+
+    def init_state(ctx, num_pages: int, dtype) -> dict:
+        return {
+            "suffix": SUFFIX.init_state(ctx, num_pages, dtype),
+            "neural": neural.init_state(inner(ctx), num_pages, dtype),
+        }
+
+    def state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
+        own = SUFFIX if names[0] == "suffix" else neural
+        return own.state_logical(names[1:], rank)
+
+    def extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
+        cfg = _config(ctx)
+        drafts, q, neural_state, *_ = neural.extend_and_propose(
+            params, inner(ctx), state["neural"], page_table, rows, active, sampling, first_pos
+        )
+        k = ctx.k
+
+        def look(history, n, tenant, index):
+            if k == 0:
+                return jnp.zeros((history.shape[0], 0), jnp.int32), jnp.zeros((history.shape[0],))
+            tokens, _, _, score = propose_rows(history, n, tenant, index, cfg, k, 1, k)
+            return tokens, score
+
+        (tokens, score), buffer = buffer_and_look_up(
+            ctx,
+            state["suffix"]["tokens"],
+            page_table,
+            rows,
+            first_pos,
+            look,
+            2,
+            by_row=(sampling.tenant,),
+            shared=(state["suffix"]["index"],),
+        )
+        state = {"suffix": {**state["suffix"], "tokens": buffer}, "neural": neural_state}
+        if k == 0:
+            return drafts, q, state
+        use = (score >= cfg.threshold) & (tokens[:, 0] >= 0)
+        drafts = jnp.where(use[:, None], tokens, drafts)
+        if ctx.sampled:  # the fixed suffix candidates' law is one-hot
+            fixed = jax.nn.one_hot(tokens, q.shape[-1], dtype=q.dtype)
+            q = jnp.where(use[:, None, None], fixed, q)
+        return drafts, q, state
+
+    def configure(
+        draft_cfg: Any, k: int | None, options: Mapping[str, Any]
+    ) -> tuple[SuffixConfig, int | None]:
+        own = {name: value for name, value in options.items() if name in OPTIONS}
+        rest = {name: value for name, value in options.items() if name not in OPTIONS}
+        if neural.configure is not None:
+            draft_cfg, k = neural.configure(draft_cfg, k, rest)
+        return dataclasses.replace(suffix_config(own), fallback=draft_cfg), k
+
+    def step_reads(
+        params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int
+    ) -> StepReads:
+        inner_reads = StepReads()
+        if neural.step_reads is not None:
+            inner_reads = neural.step_reads(
+                params, cfg, draft_cfg.fallback, k, batch, positions, cache_itemsize
+            )
+        buffer = token_buffer_reads(params, cfg, draft_cfg, k, batch, positions, cache_itemsize)
+        return dataclasses.replace(inner_reads, kv=inner_reads.kv + buffer.kv)
+
+    ctx_name = f"suffix_{neural.name}"
+    return Draft(
+        name=ctx_name,
+        available=neural.available,
+        capture=lambda ctx: neural.capture(inner(ctx)),
+        init_state=init_state,
+        state_logical=state_logical,
+        extend_and_propose=extend_and_propose,
+        teacher_forced=lambda params, ctx, tokens, hidden: neural.teacher_forced(
+            params, inner(ctx), tokens, hidden
+        ),
+        step_reads=step_reads,
+        params_group=neural.params_group,
+        param_logical=neural.param_logical,
+        proposes_per_row=True,
+        title=f"suffix decoding + {neural.title or neural.name}",
+        configure=configure,
+        options=OPTIONS + tuple(o for o in neural.options if o not in OPTIONS),
+        default_k=neural.default_k,
+        weights=False,  # asked for by name
+        cache_lookahead=neural.cache_lookahead,
+        learner=lambda cfg: Learner(cfg, at="suffix") if cfg.indexed else None,
+    )
