@@ -73,7 +73,10 @@ def run(model, settings: dict, batch: int, jobs, max_len: int) -> dict:
     }
 
 
-def rollout_jobs(prompts: list[list[int]], samples: int, temperature: float, new_tokens: int):
+def rollout_jobs(prompts: list[list[int]], samples: int, temperature: float, new_tokens: int, then=()):
+    """Each prompt ``samples`` times (seeds 1000 i + s), in order; then the ``then`` prompts once
+    each, greedy."""
+
     def jobs(engine) -> list[list[int]]:
         handles = [
             engine.submit(
@@ -82,6 +85,7 @@ def rollout_jobs(prompts: list[list[int]], samples: int, temperature: float, new
             for i, p in enumerate(prompts)
             for s in range(samples)
         ]
+        handles += [engine.submit(p, max_new_tokens=new_tokens, ignore_eos=True) for p in then]
         return [list(h.result(timeout=3600).tokens) for h in handles]
 
     return jobs

@@ -588,7 +588,11 @@ def acceptance_lengths(
     each), through the public API: the written draft loaded beside the target."""
     if not ks or not ids:
         return {}
-    model = load(target, "float32", draft_model=draft)
+    return acceptance_by_k(load(target, "float32", draft_model=draft), ids, ks, method, new_tokens)
+
+
+def acceptance_by_k(model, ids: list[list[int]], ks: list[int], method: str, new_tokens: int) -> dict:
+    """{str(K): greedy acceptance length} of ``model`` drafting with ``method`` over ``ids``."""
     out = {}
     for k in ks:
         result = model.generate(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ from mtp_jax.targets import target_for
 from mtp_jax.targets.base import lm_head
 from mtp_jax.train.cards import ACCEPTANCE_TOKENS
 from mtp_jax.train.data import BOS, EOS
-from mtp_jax.train.frozen import load_params
+from mtp_jax.train.frozen import acceptance_by_k, load_params
 
 Losses = Callable[[dict, ModelConfig, jax.Array, int], tuple[jax.Array, dict]]
 
@@ -103,14 +102,7 @@ def acceptance_lengths(
 
     model = Model(cfg, params, dtype="float32", eos_token_ids=[EOS])
     ids = [[BOS, *tok.encode(t, add_special_tokens=False).ids] for t in texts]
-    out = {}
-    for k in ks:
-        result = model.generate(
-            ids, max_new_tokens=ACCEPTANCE_TOKENS, draft=draft, num_speculative_tokens=k, max_batch=8
-        )
-        out[str(k)] = result.stats["acceptance_length"]
-        print(f"acceptance length K={k}: {out[str(k)]:.2f}", file=sys.stderr)
-    return out
+    return acceptance_by_k(model, ids, ks, draft, ACCEPTANCE_TOKENS)
 
 
 def write_checkpoint(

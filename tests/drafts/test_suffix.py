@@ -408,7 +408,9 @@ def test_hybrid_is_lossless_and_falls_back_to_the_neural_draft(model):
     settings = dict(max_new_tokens=40, ignore_eos=True, num_speculative_tokens=4)
     plain = model.generate(prompts, max_new_tokens=40, ignore_eos=True).tokens
     mtp = model.generate(prompts, draft="mtp", **settings)
-    never = model.generate(prompts, draft="suffix_mtp", draft_options={"threshold": 1e9}, **settings)
+    never = model.generate(
+        prompts, draft="suffix_mtp", draft_options={"threshold": 1e9, "neural_k": 4}, **settings
+    )
     hybrid = model.generate(prompts, draft="suffix_mtp", **settings)
     assert mtp.tokens == never.tokens == hybrid.tokens == plain
     for key in ("steps", "num_draft_tokens", "num_accepted_tokens"):

@@ -50,6 +50,9 @@ class SuffixConfig:
     """With a neural draft beside it (``draft="suffix_eagle3"``, ...): a row drafts from the suffix
     tree when its score (the expected number of its drafts accepted) reaches this, else from the
     neural draft."""
+    neural_k: int | None = None
+    """With a neural draft beside it: the drafts it proposes per step (default: its own default K,
+    at most the step's K; the suffix chain may be longer): its chained passes cost each step."""
     fallback: Any = None
     """The neural draft's config when it is the fallback of a hybrid (set by the draft, not an option)."""
 
@@ -61,6 +64,9 @@ class SuffixConfig:
                 raise InvalidRequestError(
                     f"suffix draft option {name} must be a positive integer, got {value!r}"
                 )
+        nk = self.neural_k
+        if nk is not None and (isinstance(nk, bool) or not isinstance(nk, int) or nk < 1):
+            raise InvalidRequestError(f"suffix draft option neural_k must be a positive integer, got {nk!r}")
         slots = self.index_slots
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0 or slots & (slots - 1):
             raise InvalidRequestError(

@@ -34,48 +34,53 @@ def _config(ctx) -> SuffixConfig:
     return ctx.draft_cfg
 
 
-def hybrid(neural: Draft) -> Draft:
-    """The draft ``suffix_<neural.name>``: suffix decoding with ``neural`` as its fallback."""
+def _look(cfg: SuffixConfig, k: int):
+    """Each row's suffix chain of ``k`` and its score, from its text (and the index)."""
 
-    def inner(ctx):
-        """The neural draft's view of the step: its own config."""
-        return dataclasses.replace(ctx, draft_cfg=_config(ctx).fallback)
+    def look(history, n, tenant, index):
+        if k == 0:
+            return jnp.zeros((history.shape[0], 0), jnp.int32), jnp.zeros((history.shape[0],))
+        tokens, _, _, score = propose_rows(history, n, tenant, index, cfg, k, 1, k)
+        return tokens, score
 
-    def init_state(ctx, num_pages: int, dtype) -> dict:
+    return look
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hybrid:
+    """The functions of ``suffix_<neural>`` (see the module docstring)."""
+
+    neural: Draft
+
+    def inner(self, ctx):
+        """The neural draft's view of the step: its own config, its own K."""
+        cfg = _config(ctx)
+        return dataclasses.replace(ctx, draft_cfg=cfg.fallback, k=min(ctx.k, cfg.neural_k))
+
+    def init_state(self, ctx, num_pages: int, dtype) -> dict:
         return {
             "suffix": SUFFIX.init_state(ctx, num_pages, dtype),
-            "neural": neural.init_state(inner(ctx), num_pages, dtype),
+            "neural": self.neural.init_state(self.inner(ctx), num_pages, dtype),
         }
 
-    def state_logical(names: list[str], rank: int) -> tuple[str | None, ...]:
-        own = SUFFIX if names[0] == "suffix" else neural
+    def state_logical(self, names: list[str], rank: int) -> tuple[str | None, ...]:
+        own = SUFFIX if names[0] == "suffix" else self.neural
         return own.state_logical(names[1:], rank)
 
-    def extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
-        cfg = _config(ctx)
-        drafts, q, neural_state, *_ = neural.extend_and_propose(
-            params, inner(ctx), state["neural"], page_table, rows, active, sampling, first_pos
+    def extend_and_propose(self, params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
+        cfg, k = _config(ctx), ctx.k
+        drafts, q, neural_state, *_ = self.neural.extend_and_propose(
+            params, self.inner(ctx), state["neural"], page_table, rows, active, sampling, first_pos
         )
-        k = ctx.k
-
-        def look(history, n, tenant, index):
-            if k == 0:
-                return jnp.zeros((history.shape[0], 0), jnp.int32), jnp.zeros((history.shape[0],))
-            tokens, _, _, score = propose_rows(history, n, tenant, index, cfg, k, 1, k)
-            return tokens, score
-
+        short = k - drafts.shape[1]  # the neural draft proposes fewer: the rest unproposed (-1)
+        drafts = jnp.pad(drafts, ((0, 0), (0, short)), constant_values=-1)
+        q = jnp.pad(q, ((0, 0), (0, short), (0, 0)))
+        suffix = state["suffix"]
         (tokens, score), buffer = buffer_and_look_up(
-            ctx,
-            state["suffix"]["tokens"],
-            page_table,
-            rows,
-            first_pos,
-            look,
-            2,
-            by_row=(sampling.tenant,),
-            shared=(state["suffix"]["index"],),
-        )
-        state = {"suffix": {**state["suffix"], "tokens": buffer}, "neural": neural_state}
+            ctx, suffix["tokens"], page_table, rows, first_pos, _look(cfg, k), 2,
+            by_row=(sampling.tenant,), shared=(suffix["index"],),
+        )  # fmt: skip
+        state = {"suffix": {**suffix, "tokens": buffer}, "neural": neural_state}
         if k == 0:
             return drafts, q, state
         use = (score >= cfg.threshold) & (tokens[:, 0] >= 0)
@@ -86,42 +91,49 @@ def hybrid(neural: Draft) -> Draft:
         return drafts, q, state
 
     def configure(
-        draft_cfg: Any, k: int | None, options: Mapping[str, Any]
-    ) -> tuple[SuffixConfig, int | None]:
-        own = {name: value for name, value in options.items() if name in OPTIONS}
+        self, draft_cfg: Any, k: int | None, options: Mapping[str, Any]
+    ) -> tuple[SuffixConfig, int]:
+        """Its own options and the neural draft's (resolved alone: its K is ``neural_k``, by default
+        its own default); K (default: the larger of ``SUFFIX.default_k`` and the neural K)."""
+        own = suffix_config({name: value for name, value in options.items() if name in OPTIONS})
         rest = {name: value for name, value in options.items() if name not in OPTIONS}
-        if neural.configure is not None:
-            draft_cfg, k = neural.configure(draft_cfg, k, rest)
-        return dataclasses.replace(suffix_config(own), fallback=draft_cfg), k
+        neural_k = own.neural_k
+        if self.neural.configure is not None:
+            draft_cfg, neural_k = self.neural.configure(draft_cfg, neural_k, rest)
+        neural_k = self.neural.default_k if neural_k is None else neural_k
+        k = max(neural_k, SUFFIX.default_k) if k is None else k
+        return dataclasses.replace(own, fallback=draft_cfg, neural_k=neural_k), k
 
     def step_reads(
-        params, cfg, draft_cfg, k: int, batch: int, positions: int, cache_itemsize: int
+        self, params, cfg, draft_cfg, k: int, batch: int, positions: int, itemsize: int
     ) -> StepReads:
-        inner_reads = StepReads()
-        if neural.step_reads is not None:
-            inner_reads = neural.step_reads(
-                params, cfg, draft_cfg.fallback, k, batch, positions, cache_itemsize
-            )
-        buffer = token_buffer_reads(params, cfg, draft_cfg, k, batch, positions, cache_itemsize)
-        return dataclasses.replace(inner_reads, kv=inner_reads.kv + buffer.kv)
+        reads = StepReads()
+        if self.neural.step_reads is not None:
+            reads = self.neural.step_reads(params, cfg, draft_cfg.fallback, k, batch, positions, itemsize)
+        buffer = token_buffer_reads(params, cfg, draft_cfg, k, batch, positions, itemsize)
+        return dataclasses.replace(reads, kv=reads.kv + buffer.kv)
 
-    ctx_name = f"suffix_{neural.name}"
+    def teacher_forced(self, params, ctx, tokens, hidden):
+        return self.neural.teacher_forced(params, self.inner(ctx), tokens, hidden)
+
+
+def hybrid(neural: Draft) -> Draft:
+    """The draft ``suffix_<neural.name>``: suffix decoding with ``neural`` as its fallback."""
+    h = _Hybrid(neural)
     return Draft(
-        name=ctx_name,
+        name=f"suffix_{neural.name}",
         available=neural.available,
-        capture=lambda ctx: neural.capture(inner(ctx)),
-        init_state=init_state,
-        state_logical=state_logical,
-        extend_and_propose=extend_and_propose,
-        teacher_forced=lambda params, ctx, tokens, hidden: neural.teacher_forced(
-            params, inner(ctx), tokens, hidden
-        ),
-        step_reads=step_reads,
+        capture=lambda ctx: neural.capture(h.inner(ctx)),
+        init_state=h.init_state,
+        state_logical=h.state_logical,
+        extend_and_propose=h.extend_and_propose,
+        teacher_forced=h.teacher_forced,
+        step_reads=h.step_reads,
         params_group=neural.params_group,
         param_logical=neural.param_logical,
         proposes_per_row=True,
         title=f"suffix decoding + {neural.title or neural.name}",
-        configure=configure,
+        configure=h.configure,
         options=OPTIONS + tuple(o for o in neural.options if o not in OPTIONS),
         default_k=neural.default_k,
         weights=False,  # asked for by name

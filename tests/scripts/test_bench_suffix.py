@@ -1,0 +1,41 @@
+"""scripts/bench_suffix.py: its workloads end to end on the embedded model, small (the outputs of
+every method checked equal to plain decoding's by the script itself)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.scripts.test_train_tiny import import_script
+
+
+@pytest.mark.slow
+def test_the_workloads_run_and_report(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "suffix.json"
+    argv = ["bench_suffix.py", "--workload", "rollout", "code-edit", "mix", "--batch", "2"]
+    argv += [
+        "--prompts",
+        "2",
+        "--samples",
+        "2",
+        "--conversations",
+        "2",
+        "--turns",
+        "2",
+        "--chat-prompts",
+        "1",
+    ]
+    argv += ["--new-tokens", "8", "--warm-tokens", "4", "--max-len", "512", "--methods", "suffix"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--json", str(out)])
+    assert import_script(os.path.join(REPO, "scripts", "bench_suffix.py")).main() == 0
+    report = json.loads(out.read_text())
+    rows = {(r["workload"], r["method"]): r for r in report["rows"]}
+    assert set(rows) == {(w, m) for w in ("rollout", "code-edit", "mix") for m in ("plain", "suffix")}
+    assert rows["rollout", "plain"]["tokens"] == 2 * 2 * 8 and rows["mix", "suffix"]["tokens"] == 5 * 8
+    assert rows["rollout", "suffix"]["draft_learned"]["outputs"] == 4  # the index counted each sample
+    assert rows["rollout", "plain"]["vs_plain"] == 1.0
+    assert "suffix" in capsys.readouterr().err
