@@ -248,9 +248,12 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
     options, forms = draft_options(speculative)
     for name in options:
         if method is None or name not in method.options:
-            takers = [d.title or d.name for d in DRAFTS.values() if name in d.options]
+            takers = [d.name for d in DRAFTS.values() if name in d.options]
+            owners = (
+                ", ".join(takers[:-1]) + (" or " if len(takers) > 1 else "") + (takers[-1] if takers else "")
+            )
             raise InvalidRequestError(
-                f"{forms[name]} is a {' or '.join(takers) or 'draft'} setting; the draft is {draft!r}"
+                f"{forms[name]} is a setting of draft={owners or 'another draft'}; the draft is {draft!r}"
             )
     tree = token_tree(speculative.speculative_tree)
     if tree is not None:

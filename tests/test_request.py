@@ -179,7 +179,8 @@ def test_a_checked_request_travels_as_json(model):
 def test_a_drafts_own_settings_come_from_its_configure_hook(model):
     """``draft_block_size`` belongs to drafts with a configure hook; others refuse it by name."""
     with pytest.raises(
-        mtp_jax.InvalidRequestError, match="draft_block_size=4 is a DSpark or DFlash setting; the draft is"
+        mtp_jax.InvalidRequestError,
+        match="draft_block_size=4 is a setting of draft=dspark, dflash.*; the draft is",
     ):
         step_config(model, SpeculativeConfig("mtp", draft_block_size=4))
     assert step_config(model, SpeculativeConfig("mtp")).k == mtp_jax.drafts.DRAFTS["mtp"].default_k == 3

@@ -416,7 +416,10 @@ def test_bad_drafts_are_refused_by_name(tmp_path, models):
         models["a"].generate([[1, 2]], draft="dflash", num_speculative_tokens=3, draft_block_size=3)
     with pytest.raises(InvalidRequestError, match=r"draft_block_size must be an integer in \[2, 4\].*got 5"):
         models["a"].generate([[1, 2]], draft="dflash", draft_block_size=5)
-    with pytest.raises(InvalidRequestError, match="draft_block_size=2 is a DSpark or DFlash setting"):
+    with pytest.raises(
+        InvalidRequestError,
+        match="draft_block_size=2 is a setting of draft=dspark, dflash, suffix_dflash or suffix_dspark",
+    ):
         models["a"].generate([[1, 2]], draft_block_size=2)
     assert jax.tree.leaves(models["a"].params["dflash"]["layers"])[0].shape[0] == 2  # stacked layers
 

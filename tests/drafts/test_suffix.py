@@ -270,7 +270,7 @@ def test_the_index_proposes_earlier_outputs_and_never_another_tenants(model):
 
 def test_a_static_tree_or_an_unknown_option_is_refused(model):
     prompt = encode(model, "import os\n")
-    with pytest.raises(InvalidRequestError, match="slots.*setting"):
+    with pytest.raises(InvalidRequestError, match="slots.*is a setting of draft="):
         model.generate([prompt], max_new_tokens=4, draft="suffix", draft_options={"slots": 4})
     with pytest.raises(InvalidRequestError, match="dynamic"):
         model.generate([prompt], max_new_tokens=4, draft="suffix", speculative_tree={"depth": 2, "topk": 2})
