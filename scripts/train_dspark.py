@@ -207,6 +207,12 @@ def main() -> int:
     parser.add_argument("--confidence-weight", type=float, default=1.0)
     parser.add_argument("--calibration-seeds", type=int, default=8, help="rollouts per held-out prompt")
     parser.add_argument("--mask-token-id", type=int, help="the mask token (default as train_dflash.py's)")
+    parser.add_argument(
+        "--no-frozen-copies",
+        action="store_true",
+        help="ship without DeepSpec's copies of the target's embedding and head (the loader checks them "
+        "only when present; for a large vocabulary they are most of the file: SmolLM2's 135 -> 28 MB)",
+    )
     args = parser.parse_args()
     if args.card:
         rewrite_card(args.card, card)
@@ -297,7 +303,7 @@ def main() -> int:
     if done is None:
         return 0
     state, start, seconds = done
-    tensors = export(state)
+    tensors = (export_partial if args.no_frozen_copies else export)(state)
     held = evaluate(
         bf16_rounded(state["draft"]),
         params,

@@ -44,7 +44,7 @@ def test_smoke_run_resumes_from_its_exported_draft_and_ships_a_calibrated_draft(
     assert json.loads((partial / "progress.json").read_text())["step"] == 2
     assert "lm_head.weight" not in CheckpointReader(str(partial)).keys()  # the target's copies: not kept
     shutil.rmtree(tmp_path / "draft.train")
-    second = finish(start(out, "--export-every", "2"))
+    second = finish(start(out, "--export-every", "2", "--no-frozen-copies"))
     assert second.returncode == 0, second.stderr
     assert "starting from the draft at step 2" in second.stderr and "step 4/4" in second.stderr
     assert "calibration: temperatures" in second.stderr
@@ -56,7 +56,8 @@ def test_smoke_run_resumes_from_its_exported_draft_and_ships_a_calibrated_draft(
     temps = raw["confidence_temperatures"]
     assert len(temps) == 4 and all(t > 0 for t in temps)
     keys = set(CheckpointReader(str(out)).keys())
-    assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight", "lm_head.weight"} <= keys
+    assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight"} <= keys
+    assert not keys & {"lm_head.weight", "embed_tokens.weight"}  # --no-frozen-copies
     report = json.loads((out / "eval.json").read_text())
     c = report["calibration"]
     assert c["fit"]["prompts"] == 4 and c["heldout"]["prompts"] == 4 and c["heldout"]["steps"] > 0
