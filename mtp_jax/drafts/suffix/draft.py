@@ -87,17 +87,15 @@ def index_match(index: dict, recent: jax.Array, tenant: jax.Array, cfg: SuffixCo
 def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width: int, depth: int):
     """Each row's proposal from its own text ``history`` [b, L] (first ``n`` [b] known) and, with
     the index on, the engine-wide ``index``: (tokens [b, nodes], -1 where none; parent [b, nodes];
-    source [b]: 0 none, 1 the row's own text, 2 the index; score [b]: the chosen tree's, the expected
-    number of its tokens accepted)."""
+    score [b]: the chosen tree's, the expected number of its tokens accepted)."""
     ends, m = latest_occurrences(history, n, cfg.max_match, cfg.min_match, cfg.occurrences)
     cont = continuations(history, ends, n, depth)
     own = budget(m, cfg.spec_factor, cfg.spec_offset, nodes)
     tokens, parent, score = frequency_tree(
         cont, (ends >= 0).astype(jnp.float32), nodes, width, own, cfg.min_prob
     )
-    source = jnp.where(tokens[:, 0] >= 0, 1, 0)
     if not cfg.indexed:
-        return tokens, parent, source, score
+        return tokens, parent, score
     b, length = history.shape
     back = (n - 1)[:, None] - jnp.arange(cfg.index_match)[None, :]
     recent = jnp.where(back >= 0, jnp.take_along_axis(history, jnp.clip(back, 0, length - 1), axis=1), -2)
@@ -111,7 +109,7 @@ def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width
     pick = (g_score > score) & (g_tokens[:, 0] >= 0)
     tokens = jnp.where(pick[:, None], g_tokens, tokens)
     parent = jnp.where(pick[:, None], g_parent, parent)
-    return tokens, parent, jnp.where(pick, 2, source), jnp.where(pick, g_score, score)
+    return tokens, parent, jnp.where(pick, g_score, score)
 
 
 def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
@@ -123,7 +121,7 @@ def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, samp
     def look(history, n, tenant, index):
         if ctx.k == 0:
             return (jnp.zeros((history.shape[0], 0), jnp.int32),) * 2
-        tokens, parent, _, _ = propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
+        tokens, parent, _ = propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
         if ctx.tree is not None:  # a row without a node proposes its newest token in its place
             tokens = jnp.where(tokens >= 0, tokens, at_rows(history, jnp.maximum(n - 1, 0))[:, None])
         return tokens, parent

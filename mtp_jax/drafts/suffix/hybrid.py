@@ -40,7 +40,7 @@ def _look(cfg: SuffixConfig, k: int):
     def look(history, n, tenant, index):
         if k == 0:
             return jnp.zeros((history.shape[0], 0), jnp.int32), jnp.zeros((history.shape[0],))
-        tokens, _, _, score = propose_rows(history, n, tenant, index, cfg, k, 1, k)
+        tokens, _, score = propose_rows(history, n, tenant, index, cfg, k, 1, k)
         return tokens, score
 
     return look
