@@ -148,8 +148,7 @@ def calibration_report(logits: np.ndarray, verified: np.ndarray, accepted: np.nd
 def calibrate(run, raw: dict, tensors: dict, seeds: int, new_tokens: int) -> tuple[dict, dict]:
     """Fit the temperatures on rollouts of the first half of the held-out prompts and measure them on
     the second half. Returns (config.json with ``confidence_temperatures``, the report)."""
-    texts = run.target_eval.get("prompts", [])[: run.args.acceptance_prompts]
-    prompts = [run.encode_prompt(t) for t in texts]
+    prompts = run.prompt_ids(run.args.acceptance_prompts)
     if len(prompts) < 2:
         raise SystemExit("calibration needs at least two held-out prompts in the target's eval.json")
     fit, check = prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]

@@ -40,7 +40,20 @@ def acceptance_setup(r: dict) -> str:
 
 
 def data_sentence(d: dict) -> str:
-    """The card's account of the training data, stdlib or chat."""
+    """The card's account of the training data: stdlib, chat or a corpus."""
+    if d.get("kind") == "corpus":
+        sampling = d.get("sampling", {})
+        sources = ", ".join(
+            f"{s} {row['conversations']:,}" for s, row in sorted(d["by_source"]["train"].items())
+        )
+        return (
+            f"The target's own text: the self-distillation corpus `{d['corpus']}` ({d['shards']} shards; "
+            f"{d['train_conversations']:,} conversations by source: {sources}; {d['train_tokens']:,} tokens, "
+            f"{d['train_reply_tokens']:,} of them replies the target regenerated at temperature "
+            f"{sampling.get('temperature')}, top-p {sampling.get('top_p')}); {d['heldout_conversations']} "
+            f"conversations ({d['heldout_fraction']:.0%}, by a hash of their id) held out, their first turns "
+            "the acceptance prompts. The corpus's CARD.md has its sources, licences and decontamination."
+        )
     if d.get("kind") == "chat":
         return (
             f"The target's own text: {d['replies']}, to {d['train_prompts']:,} "
@@ -54,8 +67,8 @@ def data_sentence(d: dict) -> str:
 
 
 def own_text_clause(d: dict, t: dict) -> str:
-    """How much of each batch was the target's own greedy text (all of it, for chat data)."""
-    if d.get("kind") == "chat":
+    """How much of each batch was the target's own greedy text (all of it, for chat or corpus data)."""
+    if d.get("kind") in ("chat", "corpus"):
         return ""
     windows = f" from {t['own_text_windows']:,} windows" if t.get("own_text_windows") else ""
     return f"; {t['own_text']:.0%} of each batch{windows} of the target's own greedy continuations"
@@ -63,7 +76,7 @@ def own_text_clause(d: dict, t: dict) -> str:
 
 def usage_line(r: dict, method: str) -> str:
     """How to run the draft with its target."""
-    if r["data"].get("kind") == "chat":
+    if r["data"].get("kind") in ("chat", "corpus"):
         model = r.get("target_path", r["target"])
         return (
             f"    mtp-jax generate --model {model} --draft {method} \\\n"

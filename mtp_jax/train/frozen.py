@@ -33,7 +33,7 @@ from mtp_jax.embedded import resolve_model_path
 from mtp_jax.model import load, read_model_config
 from mtp_jax.targets import target_for
 from mtp_jax.targets.base import Hidden, lm_head
-from mtp_jax.train import distill, target_cache
+from mtp_jax.train import distill, shards, target_cache
 from mtp_jax.train.cards import ACCEPTANCE_TOKENS, report_command
 from mtp_jax.train.data import (
     BOS,
@@ -71,10 +71,24 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data",
         default="auto",
-        choices=["auto", "stdlib", "chat"],
+        choices=["auto", "stdlib", "chat", "corpus"],
         help="stdlib: the standard-library text the tiny targets were trained on; chat: the target's own "
-        "replies to chat and code prompts (scripts/distill.py); auto: stdlib for a target trained "
-        "here (it has eval.json), chat otherwise",
+        "replies to chat and code prompts (scripts/distill.py); corpus: a self-distillation corpus of "
+        "the target (--corpus, scripts/build_corpus.py); auto: stdlib for a target trained here (it "
+        "has eval.json), chat otherwise",
+    )
+    parser.add_argument(
+        "--corpus",
+        metavar="DIR",
+        help="corpus data: the corpus directory (default: training/corpus-TARGET); a run reads the shards "
+        "finished when it started, and a resumed run the same ones",
+    )
+    parser.add_argument(
+        "--corpus-heldout",
+        type=float,
+        default=shards.HELDOUT_FRACTION,
+        metavar="FRACTION",
+        help="corpus data: the share of conversations held out, chosen by a hash of their id",
     )
     parser.add_argument("--reply-tokens", type=int, default=160, help="chat data: longest target reply")
     parser.add_argument(
@@ -159,6 +173,8 @@ class Run:
     held_stream: np.ndarray
     start: float = dataclasses.field(default_factory=time.perf_counter)
     own_windows: np.ndarray | None = None
+    held_prompts: list[list[int]] | None = None
+    """The held-out prompts as token ids (corpus data: first turns as the corpus rendered them)."""
     data: dict = dataclasses.field(default_factory=dict)
     """eval.json's account of the data (chat data; stdlib data is described by its module split)."""
     train_starts: np.ndarray | None = None
@@ -182,6 +198,12 @@ class Run:
         if self.data.get("kind") == "chat":
             return self.tok.encode_chat([{"role": "user", "content": text}])
         return [BOS, *self.tok.encode(text, add_special_tokens=False).ids]
+
+    def prompt_ids(self, n: int | None = None) -> list[list[int]]:
+        """The first ``n`` (default: all) held-out prompts as the target sees them."""
+        if self.held_prompts is not None:
+            return self.held_prompts[:n]
+        return [self.encode_prompt(t) for t in self.target_eval.get("prompts", [])[:n]]
 
     @property
     def length(self) -> int:
@@ -219,8 +241,10 @@ def _check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         )
     if not 0.0 <= args.own_text <= 1.0:
         parser.error(f"--own-text is a fraction in [0, 1], got {args.own_text}")
-    if data == "chat":
+    if data in ("chat", "corpus"):
         args.own_text = 0.0  # the data already is the target's own text
+    if not 0.0 < args.corpus_heldout < 1.0:
+        parser.error(f"--corpus-heldout is a fraction in (0, 1), got {args.corpus_heldout}")
     if args.preset == "smoke":  # a few seconds end to end
         args.max_files, args.batch, args.seq = args.max_files or 8, 2, 32
         args.own_text_windows, args.eval_windows = min(args.own_text_windows, 2), min(args.eval_windows, 4)
@@ -261,6 +285,8 @@ def start_run(
         check(cfg, data)
     if data == "chat":
         return start_chat_run(args, workdir, t0, target_raw)
+    if data == "corpus":
+        return start_corpus_run(args, workdir, t0, target_raw)
     params = load_params(args.target, cfg)
     tok = Tokenizer.from_file(os.path.join(args.target, "tokenizer.json"))
     with open(os.path.join(args.target, "eval.json"), encoding="utf-8") as f:
@@ -339,6 +365,94 @@ def start_chat_run(args: argparse.Namespace, workdir: str, t0: float, target_raw
         start=t0,
         data=data,
         train_starts=train_starts,
+    )
+
+
+def _corpus_split(args: argparse.Namespace, workdir: str, model: Any) -> tuple[str, dict, shards.CorpusSplit]:
+    """(the corpus directory, its manifest, its split) for ``--data corpus``, checked against the
+    target; the shards read are pinned in the workdir so that a resumed run sees the same data."""
+    name = os.path.basename(os.path.normpath(args.target_name)).removesuffix(".gguf")
+    directory = args.corpus or os.path.join("training", f"corpus-{name}")
+    try:
+        manifest = shards.read_manifest(directory)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--corpus: {e}") from None
+    ident = manifest.get("identity", {})
+    if ident.get("target") != name or ident.get("vocab_size") != model.config.vocab_size:
+        raise SystemExit(
+            f"--corpus {directory} holds the text of {ident.get('target')!r} (vocabulary "
+            f"{ident.get('vocab_size')}), not of the target {name!r} (vocabulary {model.config.vocab_size}): "
+            "a draft learns its own target's text"
+        )
+    pinned = os.path.join(workdir, "corpus-shards.json")
+    names = None
+    if os.path.isfile(pinned):
+        with open(pinned, encoding="utf-8") as f:
+            names = json.load(f)
+    try:
+        split = shards.split_corpus(directory, args.corpus_heldout, names)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--corpus: {e}") from None
+    os.makedirs(workdir, exist_ok=True)
+    shards.write_json(pinned, split.shards)
+    return directory, manifest, split
+
+
+def start_corpus_run(args: argparse.Namespace, workdir: str, t0: float, target_raw: dict) -> Run:
+    """A target's own self-distillation corpus (:mod:`mtp_jax.train.regenerate`): its training
+    conversations as the stream, held-out ones (a hash of the id) for evaluation, their first turns,
+    the sources in turn, ``--eval-prompts`` per source, as the acceptance prompts."""
+    model = load(args.target, "float32", layer_buffers=False)
+    directory, manifest, split = _corpus_split(args, workdir, model)
+    taken: dict[str, int] = {}
+    prompts = []
+    for ids, source in zip(split.held_prompts, split.held_sources, strict=True):
+        if taken.get(source, 0) < args.eval_prompts:
+            taken[source] = taken.get(source, 0) + 1
+            prompts.append(ids)
+
+    def total(side: str, key: str) -> int:
+        return sum(row[key] for row in split.counts[side].values())
+
+    print(
+        f"data: corpus {directory}, {len(split.shards)} shards; {total('train', 'conversations')} train / "
+        f"{total('heldout', 'conversations')} held-out conversations; {len(split.train_stream):,} train / "
+        f"{len(split.held_stream):,} held-out tokens; {len(prompts)} acceptance prompts "
+        f"({time.perf_counter() - t0:.0f}s)",
+        file=sys.stderr,
+    )
+    ident = manifest.get("identity", {})
+    data = {
+        "kind": "corpus",
+        "corpus": directory,
+        "shards": len(split.shards),
+        "heldout_fraction": args.corpus_heldout,
+        "sampling": ident.get("settings", {}),
+        "train_conversations": total("train", "conversations"),
+        "heldout_conversations": total("heldout", "conversations"),
+        "train_tokens": int(len(split.train_stream)),
+        "train_reply_tokens": total("train", "reply_tokens"),
+        "heldout_tokens": int(len(split.held_stream)),
+        "by_source": split.counts,
+        "acceptance_sources": dict(sorted(taken.items())),
+    }
+    return Run(
+        args,
+        workdir,
+        0,
+        target_raw,
+        model.config,
+        model.params,
+        model.text,
+        {"prompts": [model.text.decode(p, skip_special_tokens=False) for p in prompts]},
+        [],
+        [],
+        split.train_stream,
+        split.held_stream,
+        start=t0,
+        held_prompts=prompts,
+        data=data,
+        train_starts=split.train_starts,
     )
 
 
@@ -539,7 +653,7 @@ def ship(run: Run, raw: dict, tensors: dict, report: dict, method: str, render) 
         report["acceptance"] = acceptance_lengths(
             args.target,
             staged,
-            [run.encode_prompt(t) for t in prompts],
+            run.prompt_ids(args.acceptance_prompts),
             args.acceptance_k,
             method,
             args.acceptance_tokens,

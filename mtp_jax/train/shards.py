@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import re
@@ -216,6 +217,105 @@ def iter_conversations(directory: str, sources: Sequence[str] | None = None) -> 
         for c in read_shard(os.path.join(directory, name)):
             if (sources is None or c.source in sources) and c.reply_tokens:
                 yield c
+
+
+HELDOUT_FRACTION = 0.02
+"""The share of a corpus's conversations the training scripts hold out (by a hash of the id)."""
+
+
+def held_out(conversation_id: str, fraction: float) -> bool:
+    """Whether a conversation is held out: a fixed function of its id, so a corpus that grows keeps
+    every conversation it had on the same side of the split."""
+    h = int.from_bytes(hashlib.sha256(conversation_id.encode()).digest()[:8], "big")
+    return h < fraction * 2.0**64
+
+
+def first_turn(c: Conversation) -> np.ndarray:
+    """The conversation up to its first reply token: the first user turn as the target was prompted
+    with it (chat template and generation prompt included)."""
+    return c.tokens[: int(np.argmax(c.reply_mask))]
+
+
+@dataclasses.dataclass
+class CorpusSplit:
+    """A corpus as a draft trains on it: the training conversations as one stream, the held-out
+    ones as another, and the held-out first turns as prompts."""
+
+    shards: list[str]
+    train_stream: np.ndarray
+    train_starts: np.ndarray  # where each training conversation starts in the stream
+    held_stream: np.ndarray
+    held_prompts: list[list[int]]  # held-out first turns, the sources taken in turn
+    held_sources: list[str]  # each prompt's source
+    counts: dict[str, dict[str, dict[str, int]]]  # {"train"|"heldout": {source: counts}}
+
+
+def read_manifest(directory: str) -> dict:
+    """A corpus directory's manifest; a directory that is not a corpus is named."""
+    path = os.path.join(directory, "manifest.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{directory} is not a corpus (no manifest.json): build one with scripts/build_corpus.py"
+        )
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def split_corpus(directory: str, fraction: float, shards: Sequence[str] | None = None) -> CorpusSplit:
+    """The finished shards of ``directory`` (or exactly the named ``shards``: a resumed run reads what
+    it started with while the corpus grows) split by :func:`held_out`."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"the held-out fraction must be in (0, 1), got {fraction}")
+    names = (
+        list(shards)
+        if shards is not None
+        else sorted(n for n in os.listdir(directory) if SHARD_PATTERN.match(n))
+    )
+    missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+    if missing:
+        raise FileNotFoundError(
+            f"{directory} lacks {len(missing)} shard(s) this run started with: {missing[:3]}"
+        )
+    if not names:
+        raise ValueError(f"{directory} has no finished shard yet")
+    train: list[np.ndarray] = []
+    held: list[np.ndarray] = []
+    prompts: dict[str, list[list[int]]] = {}
+    counts: dict[str, dict[str, dict[str, int]]] = {"train": {}, "heldout": {}}
+    for name in names:
+        for c in read_shard(os.path.join(directory, name)):
+            if not c.reply_tokens:
+                continue
+            side = "heldout" if held_out(c.id, fraction) else "train"
+            (held if side == "heldout" else train).append(c.tokens)
+            if side == "heldout":
+                prompts.setdefault(c.source, []).append(first_turn(c).tolist())
+            row = counts[side].setdefault(c.source, {"conversations": 0, "tokens": 0, "reply_tokens": 0})
+            row["conversations"] += 1
+            row["tokens"] += len(c.tokens)
+            row["reply_tokens"] += c.reply_tokens
+    if not train or not held:
+        raise ValueError(
+            f"{directory}: {len(train)} training and {len(held)} held-out conversations at a held-out "
+            f"fraction of {fraction}: both sides need at least one (grow the corpus or change the fraction)"
+        )
+    order = sorted(prompts)
+    interleaved = [
+        (prompts[s][i], s)
+        for i in range(max(len(v) for v in prompts.values()))
+        for s in order
+        if i < len(prompts[s])
+    ]
+    lengths = np.asarray([len(t) for t in train], np.int64)
+    return CorpusSplit(
+        names,
+        np.concatenate(train).astype(np.int32),
+        np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
+        np.concatenate(held).astype(np.int32),
+        [p for p, _ in interleaved],
+        [s for _, s in interleaved],
+        counts,
+    )
 
 
 def write_json(path: str, value: object) -> None:

@@ -77,6 +77,52 @@ def test_smoke_runs_write_loadable_drafts_and_resume_deterministically(tmp_path)
     assert spec.tokens == plain.tokens
 
 
+@pytest.mark.slow
+def test_corpus_data_trains_on_the_shards_it_started_with(tmp_path):
+    """--data corpus: the held-out conversations' first turns are the acceptance prompts; a run
+    resumed after the corpus grew reads the shards it started with (the same draft as a straight
+    run); a corpus of another target is refused by name."""
+    from tests.train.test_corpus import write_fake_corpus
+
+    corpus = tmp_path / "corpus"
+    write_fake_corpus(corpus, "tiny-llama3-stdlib", 2048, 24)
+    data = ["--data", "corpus", "--corpus", str(corpus), "--corpus-heldout", "0.3", "--acceptance-k", "2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    shutil.copytree(corpus, tmp_path / "fixed")  # the straight run's corpus does not grow
+    fixed = [*data[:2], "--corpus", str(tmp_path / "fixed"), *data[4:]]
+    running = start(straight, LLAMA, *fixed, "--target-cache", str(tmp_path / "cache-a"))
+    first = finish(
+        start(resumed, LLAMA, *data, "--stop-after", "2", "--target-cache", str(tmp_path / "cache-b"))
+    )
+    assert first.returncode == 0, first.stderr
+    assert "data: corpus" in first.stderr and "6 shards" in first.stderr
+    write_fake_corpus(corpus, "tiny-llama3-stdlib", 2048, 8, seed=1, first=6)  # the corpus grows
+    second = finish(start(resumed, LLAMA, *data, "--target-cache", str(tmp_path / "cache-b")))
+    run = finish(running)
+    assert run.returncode == 0, run.stderr
+    assert second.returncode == 0, second.stderr
+    assert "resuming from step 2" in second.stderr and "6 shards" in second.stderr
+    assert (straight / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+    with open(straight / "eval.json") as f:
+        report = json.load(f)
+    d = report["data"]
+    assert (
+        d["kind"] == "corpus"
+        and d["shards"] == 6
+        and d["train_conversations"] + d["heldout_conversations"] == 24
+    )
+    assert set(d["acceptance_sources"]) <= {"chat", "math", "code"} and report["acceptance"]["2"] >= 1.0
+    assert len(report["prompts"]) == sum(d["acceptance_sources"].values())
+    card = (straight / "README.md").read_text()
+    assert "self-distillation corpus" in card and "held out" in card
+
+    other = tmp_path / "other"
+    write_fake_corpus(other, "smollm2-135m-instruct", 49152, 8)
+    refused = finish(start(tmp_path / "o", LLAMA, "--data", "corpus", "--corpus", str(other)))
+    assert refused.returncode != 0 and "holds the text of 'smollm2-135m-instruct'" in refused.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_deepseek_target_gets_an_mla_draft_of_its_widths(tmp_path):
     """The draft the script builds for the DeepSeek-V3 target: SGLang's MLA layout at the target's
     widths, its head the target's rows of the draft vocabulary, loadable as published."""

@@ -322,3 +322,66 @@ def test_the_progress_line_says_the_eta_is_unknown_before_any_token():
     log = io.StringIO()
     _progress_line(log, current, 0, 300, 0, 10.0, 16, 16)  # 30 tok/s: 4,610,282 left
     assert log.getvalue().rstrip().endswith("30.0 tok/s at 16 slots (16 live), ETA 42h41m")
+
+
+# --- (e) the split the training scripts read (--data corpus) -----------------------------------
+
+
+def write_fake_corpus(directory, target: str, vocab: int, conversations: int, seed: int = 0, first: int = 0):
+    """Shards of random conversations in the corpus layout (prompt, then a reply) with a manifest:
+    what ``--data corpus`` reads, without a regeneration run. ``first``: the first shard's number."""
+    from mtp_jax.train.shards import Conversation, write_json, write_shard
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(directory, exist_ok=True)
+    write_json(
+        os.path.join(directory, "manifest.json"), {"identity": {"target": target, "vocab_size": vocab}}
+    )
+    sources = ("chat", "math", "code")
+    convs = []
+    for i in range(first * 4, first * 4 + conversations):
+        prompt, reply = int(rng.integers(4, 12)), int(rng.integers(20, 60))
+        tokens = rng.integers(3, vocab, prompt + reply).astype(np.int32)
+        mask = np.arange(prompt + reply) >= prompt
+        convs.append(Conversation(f"{sources[i % 3]}:{i}", sources[i % 3], i, tokens, mask, ("eos",), "done"))
+    for n in range(0, len(convs), 4):
+        write_shard(directory, first + n // 4, n, convs[n : n + 4], plan_digest="fake", vocab_size=vocab)
+    return convs
+
+
+def test_the_corpus_split_is_a_function_of_the_ids_and_pins_its_shards(tmp_path):
+    from mtp_jax.train.shards import first_turn, held_out, split_corpus
+
+    convs = write_fake_corpus(tmp_path / "c", "t", 500, 24)
+    split = split_corpus(str(tmp_path / "c"), 0.3)
+    held = [c for c in convs if held_out(c.id, 0.3)]
+    train = [c for c in convs if not held_out(c.id, 0.3)]
+    assert 0 < len(held) < len(convs)
+    np.testing.assert_array_equal(split.train_stream, np.concatenate([c.tokens for c in train]))
+    np.testing.assert_array_equal(split.held_stream, np.concatenate([c.tokens for c in held]))
+    assert split.train_starts.tolist() == np.cumsum([0] + [len(c.tokens) for c in train[:-1]]).tolist()
+    assert sorted(map(tuple, split.held_prompts)) == sorted(tuple(first_turn(c).tolist()) for c in held)
+    # the sources in turn: no source twice in a row while another still has prompts
+    assert split.held_sources[: len(set(split.held_sources))] == sorted(set(split.held_sources))
+    assert split.counts["heldout"] and sum(r["conversations"] for r in split.counts["train"].values()) == len(
+        train
+    )
+    # the first turn is the prompt exactly (up to the first reply token)
+    c = convs[0]
+    assert (
+        first_turn(c).tolist() == c.tokens[: int(np.argmax(c.reply_mask))].tolist()
+        and len(first_turn(c)) >= 4
+    )
+    # a grown corpus: the pinned shards read the same; the whole one keeps every earlier id's side
+    write_fake_corpus(tmp_path / "c", "t", 500, 8, seed=1, first=6)
+    again = split_corpus(str(tmp_path / "c"), 0.3, split.shards)
+    np.testing.assert_array_equal(again.train_stream, split.train_stream)
+    grown = split_corpus(str(tmp_path / "c"), 0.3)
+    assert len(grown.shards) == 8 and len(grown.train_stream) > len(split.train_stream)
+    np.testing.assert_array_equal(grown.held_stream[: len(split.held_stream)], split.held_stream)
+    with pytest.raises(FileNotFoundError, match="lacks 1 shard"):
+        split_corpus(str(tmp_path / "c"), 0.3, ["shard-00099.npz"])
+    with pytest.raises(ValueError, match="both sides need at least one"):
+        split_corpus(str(tmp_path / "c"), 1e-9)
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        split_corpus(str(tmp_path / "c"), 1.0)
