@@ -61,13 +61,8 @@ def draft_vocabulary(streams: list[np.ndarray], vocab_size: int, size: int) -> n
     return np.sort(order[:size]).astype(np.int32)
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments every draft-training script against a frozen target takes."""
-    parser.add_argument(
-        "--target",
-        help="the frozen target: a checkpoint directory trained here, or a real model (directory or .gguf); "
-        "required unless --card",
-    )
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the training text comes from: stdlib, the target's chat replies, or its corpus."""
     parser.add_argument(
         "--data",
         default="auto",
@@ -99,6 +94,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="chat data: where the target's replies are kept (default: beside --workdir; commit it to "
         "carry them to another machine)",
     )
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every draft-training script against a frozen target takes."""
+    parser.add_argument(
+        "--target",
+        help="the frozen target: a checkpoint directory trained here, or a real model (directory or .gguf); "
+        "required unless --card",
+    )
+    _add_data_arguments(parser)
     parser.add_argument("--partial", help="where --export-every writes the draft (default: OUT.partial)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="chat data: held-out prompts per kind")
     parser.add_argument("--out", help="draft directory to write (must not exist)")
