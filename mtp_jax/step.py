@@ -768,8 +768,9 @@ def step(
 
 def _at_width(params: dict, state: DecodeState, sc: StepConfig, verified: Callable, width) -> tuple:
     """``verified(k, params, state)`` at the step's width: the one the confidence schedule picks
-    (or ``width``, forced), one token per row when a draft that proposes per row proposed nothing,
-    else K + 1."""
+    (or ``width``, forced); for a chain of a draft that proposes per row, the narrowest of
+    :func:`verify_widths` that holds every active row's drafts (one token per row when none has
+    one); else K + 1 (a token tree is verified whole)."""
     b = state.seq_len.shape[0]
     if sc.schedule is not None:  # the width the confidences and the measured speeds pick
         if width is None:
@@ -777,13 +778,24 @@ def _at_width(params: dict, state: DecodeState, sc: StepConfig, verified: Callab
             width = choose_width(a, cap, state.active, sc.schedule, not sc.schedule_global)
         branches = [functools.partial(verified, w) for w in range(sc.k + 1)]
         return one_of(width - 1, branches, params, state, _blank(b, sc))
-    if sc.k and sc.drafter is not None and sc.drafter.proposes_per_row:
-        # no active row has a draft: verify one token per row, as plain decoding (the rows' tokens are
-        # the same either way: a row capped at 0 drafts samples exactly as plain decoding does)
-        drafting = jnp.any(state.active & (state.num_drafts > 0))
-        chain, plain = functools.partial(verified, sc.k), functools.partial(verified, 0)
-        return either(drafting, chain, plain, params, state, _blank(b, sc))
+    if sc.k and sc.tree is None and sc.drafter is not None and sc.drafter.proposes_per_row:
+        # the narrowest width that holds every active row's drafts: one token per row, as plain
+        # decoding, when none has a draft. The rows' tokens are the same at any such width (every
+        # proposed draft is verified; the acceptance draws are keyed by position, not by width)
+        widths = verify_widths(sc)
+        need = 1 + jnp.max(jnp.where(state.active, jnp.minimum(state.num_drafts, sc.k), 0))
+        index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < need)
+        branches = [functools.partial(verified, w - 1) for w in widths]
+        return one_of(index, branches, params, state, _blank(b, sc))
     return verified(sc.k, params, state)
+
+
+def verify_widths(sc: StepConfig) -> tuple[int, ...]:
+    """The widths a step of a draft that proposes per row verifies at (ascending): 1, the
+    draft's own (:attr:`mtp_jax.drafts.base.Draft.verify_widths`) and K + 1."""
+    method = sc.drafter
+    extra = () if method is None or method.verify_widths is None else method.verify_widths(sc.draft_cfg, sc.k)
+    return tuple(sorted({1, sc.k + 1, *(w for w in extra if 1 < w <= sc.k)}))
 
 
 def _blank(b: int, sc: StepConfig) -> tuple:

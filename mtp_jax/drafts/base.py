@@ -129,8 +129,14 @@ class Draft:
     checkpoint, or has no config)."""
     proposes_per_row: bool = False
     """The draft marks drafts it has no proposal for with -1 (a row's drafts count up to the first
-    such); a step where no active row has a draft verifies one token per row, as plain decoding,
-    instead of K + 1 (:func:`mtp_jax.step.either` in :func:`mtp_jax.step.step`)."""
+    such); a step verifies at the narrowest of its widths (:attr:`verify_widths`; at least 1 and
+    K + 1) that holds every active row's drafts: one token per row, as plain decoding, when no
+    active row has a draft (:func:`mtp_jax.step.one_of` in :func:`mtp_jax.step.step`)."""
+    verify_widths: Callable[[Any, int], tuple[int, ...]] | None = None
+    """``verify_widths(draft_cfg, k)``: for a draft that :attr:`proposes_per_row`, the widths
+    between 1 and K + 1 (tokens verified per row) worth a branch of the step of their own: each is
+    one more target pass compiled into the step program, and saves, whenever every active row
+    proposed that few drafts, the verification of K + 1. None: only 1 and K + 1."""
     title: str = ""
     """How messages name it (e.g. "EAGLE-3"; default: its name)."""
     check_plan: Callable[[Any, Any, int], None] | None = None

@@ -102,6 +102,7 @@ class Scheduler:
         self.pending = None
         self.counters = SpecCounters(self.depth)
         self.counts = {"steps": 0, "prefills": 0, "prefill_chunks": 0}
+        self.widths: collections.Counter[int] = collections.Counter()  # steps by tokens verified per row
         self.first_step_seconds = 0.0
         self.first_admitted: float | None = None  # when the first admission's prefill returned
         self._next_id = 0
@@ -245,6 +246,8 @@ class Scheduler:
 
     def _process(self, emitted, n_emit, logprobs, owners: list[Request | None], drafted, conf=None) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
+        if len(emitted):  # -1 past the width a chain's step verified (a tree verifies every node)
+            self.widths[int(np.max(np.sum(emitted >= 0, axis=1)))] += 1
         drafted = verified_drafts(drafted, emitted)
         lp, done = None if logprobs is None else jax.tree.map(np.asarray, logprobs), []
         expected = confidences(conf, drafted, n_emit, owners, self.on_verified)
@@ -338,6 +341,7 @@ def occupancy(sched: Scheduler) -> dict:
         "prefix_caching": sched.prefix is not None,
         "step_programs": len(sched.programs),
         "step_shapes": sorted(sched.programs),  # (K, rows) of each step program run
+        "steps_per_width": steps_per_width(sched),
     }
     if sched.prefix is not None:
         out["prefix_cache_queries"] = sched.prefix.queries  # prompt tokens looked up
@@ -347,6 +351,12 @@ def occupancy(sched: Scheduler) -> dict:
     if learner is not None and hasattr(learner, "stats"):  # what a learning draft has learned
         out["draft_learned"] = learner.stats()
     return out
+
+
+def steps_per_width(sched: Scheduler) -> dict[str, int]:
+    """Steps by the tokens they verified per row ("1": plain decoding's width; a chain of a draft
+    that proposes per row runs at the narrowest of its widths that holds its rows' drafts)."""
+    return {str(w): n for w, n in sorted(sched.widths.items())}
 
 
 def _check_options(

@@ -14,7 +14,7 @@ import numpy as np
 
 from mtp_jax.grammar import Constraints
 from mtp_jax.request import CheckedRequest, row_sampling
-from mtp_jax.scheduler.core import Scheduler
+from mtp_jax.scheduler.core import Scheduler, steps_per_width
 from mtp_jax.scheduler.programs import next_power_of_two
 from mtp_jax.scheduler.requests import (
     TIMINGS,
@@ -126,6 +126,7 @@ def _run_stats(
         "new_tokens": new_tokens,
         "steps": sched.counts["steps"],
         "step_programs": len(sched.programs),
+        "steps_per_width": steps_per_width(sched),
         "step_num_speculative_tokens": sorted({k for k, _ in sched.variants}),
         "prefill_calls": sched.counts["prefills"],
         "acceptance_length": spec.pop("acceptance_length"),

@@ -189,6 +189,9 @@ def test_options_are_checked():
         SuffixConfig(min_match=5, max_match=3)
     with pytest.raises(InvalidRequestError, match="min_prob"):
         SuffixConfig(min_prob=1.5)
+    with pytest.raises(InvalidRequestError, match="widths must be a list of positive integers"):
+        SuffixConfig(widths="2,3")
+    assert SuffixConfig(widths=[3, 2, 3]).widths == (2, 3)  # hashable, ascending
 
 
 # -- through generate ----------------------------------------------------------------------------
@@ -220,6 +223,37 @@ def test_greedy_is_lossless_with_drafts_accepted(model, tree):
     )
     assert spec.tokens == plain.tokens
     assert spec.stats["acceptance_length"] > 1.3, spec.stats  # drafts were proposed and accepted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_step_verifies_at_the_narrowest_width_that_holds_its_rows_drafts(model, temperature):
+    """Short suffix chains (half a node per matched token) with widths 2 and 3 compiled in: steps
+    run at those widths where every row proposed that few drafts, and the tokens, steps and accepted
+    drafts are those of the same run verifying K + 1 (every proposed draft is verified either way,
+    and the acceptance draws are keyed by position, not by width)."""
+    prompts = [encode(model, REPEATING), encode(model, "import os\n"), encode(model, REPEATING)[:9]]
+    settings = dict(
+        max_new_tokens=40, ignore_eos=True, num_speculative_tokens=4, temperature=temperature, seed=3
+    )
+    wide = model.generate(prompts, draft="suffix", draft_options={"spec_factor": 0.5}, **settings)
+    narrow = model.generate(
+        prompts, draft="suffix", draft_options={"spec_factor": 0.5, "widths": [2, 3]}, **settings
+    )
+    assert narrow.tokens == wide.tokens
+    assert narrow.stats["steps"] == wide.stats["steps"]
+    assert narrow.stats["num_accepted_tokens"] == wide.stats["num_accepted_tokens"] > 0
+    assert set(wide.stats["steps_per_width"]) <= {"1", "5"}
+    assert set(narrow.stats["steps_per_width"]) & {"2", "3"}, narrow.stats["steps_per_width"]
+    assert sum(narrow.stats["steps_per_width"].values()) == narrow.stats["steps"]
+
+
+def test_a_hybrid_verifies_its_neural_drafts_at_their_own_width(model):
+    """suffix_mtp at K = 5 with MTP's 3: rows that draft from the MTP layer verify 4 tokens, not 6."""
+    prompts = [encode(model, "import os\n"), encode(model, "class Stack:\n")]
+    settings = dict(max_new_tokens=24, ignore_eos=True, num_speculative_tokens=5)
+    neural = model.generate(prompts, draft="suffix_mtp", draft_options={"threshold": 1e9}, **settings)
+    assert neural.tokens == model.generate(prompts, max_new_tokens=24, ignore_eos=True).tokens
+    assert set(neural.stats["steps_per_width"]) == {"4"}, neural.stats["steps_per_width"]
 
 
 def repeated_requests(model, prompts, **options):

@@ -53,10 +53,23 @@ class SuffixConfig:
     neural_k: int | None = None
     """With a neural draft beside it: the drafts it proposes per step (default: its own default K,
     at most the step's K; the suffix chain may be longer): its chained passes cost each step."""
+    widths: tuple[int, ...] = ()
+    """Verification widths (tokens per row, between 1 and K + 1) a step may run at besides 1 and
+    K + 1: each is a branch of the step program (compiled once), and a step verifies at the
+    narrowest that holds every active row's drafts. With a neural draft beside it, its K + 1 is
+    always one (rows that draft from it propose that many)."""
     fallback: Any = None
     """The neural draft's config when it is the fallback of a hybrid (set by the draft, not an option)."""
 
     def __post_init__(self) -> None:
+        widths = self.widths
+        if not isinstance(widths, (list, tuple)) or any(
+            isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths
+        ):
+            raise InvalidRequestError(
+                f"suffix draft option widths must be a list of positive integers, got {widths!r}"
+            )
+        object.__setattr__(self, "widths", tuple(sorted(set(widths))))  # hashable: part of the step
         ints = ("max_match", "min_match", "occurrences", "index_match", "index_paths", "index_outputs")
         for name in ints:
             value = getattr(self, name)

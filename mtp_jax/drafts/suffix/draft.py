@@ -168,6 +168,7 @@ DRAFT = Draft(
     teacher_forced=_teacher_forced,
     step_reads=token_buffer_reads,
     proposes_per_row=True,
+    verify_widths=lambda cfg, k: getattr(cfg, "widths", ()),
     title="suffix decoding",
     weights=False,
     trees=True,

@@ -132,6 +132,7 @@ def hybrid(neural: Draft) -> Draft:
         params_group=neural.params_group,
         param_logical=neural.param_logical,
         proposes_per_row=True,
+        verify_widths=lambda cfg, k: (*cfg.widths, cfg.neural_k + 1),
         title=f"suffix decoding + {neural.title or neural.name}",
         configure=h.configure,
         options=OPTIONS + tuple(o for o in neural.options if o not in OPTIONS),
