@@ -70,6 +70,8 @@ def run(model, settings: dict, batch: int, jobs, max_len: int) -> dict:
         "tokens_per_second": tokens / wall,
         "acceptance_length": stats.get("acceptance_length"),
         "draft_learned": stats.get("draft_learned"),
+        "steps_per_width": stats.get("steps_per_width"),
+        "steps": sum((stats.get("steps_per_width") or {}).values()),  # the engine's steps
     }
 
 
@@ -158,6 +160,9 @@ def methods(args) -> dict:
         name = args.neural
         out[name] = {"draft": name, "num_speculative_tokens": args.neural_k}
         out[f"suffix_{name}"] = {"draft": f"suffix_{name}", "num_speculative_tokens": args.k}
+    if args.widths:  # the same chains with more verification widths compiled into the step
+        for name in [m for m in out if m.startswith("suffix")]:
+            out[f"{name} widths"] = {**out[name], "draft_options": {"widths": args.widths}}
     if args.tree:
         out["suffix tree"] = {"draft": "suffix", "speculative_tree": tree_setting(args.tree)}
     return out
@@ -177,6 +182,12 @@ def main() -> int:
     parser.add_argument("--methods", nargs="+", help="run only these (plain always runs first)")
     parser.add_argument(
         "--tree", help="also suffix decoding with this dynamic tree (DEPTH,TOPK,NODES,dynamic)"
+    )
+    parser.add_argument(
+        "--widths",
+        type=int,
+        nargs="+",
+        help="also each suffix method with these verification widths (the draft option widths)",
     )
     parser.add_argument("--prompts", type=int, default=4, help="rollout prompts (spread over the four sets)")
     parser.add_argument("--samples", type=int, default=8)
@@ -216,13 +227,14 @@ def main() -> int:
                         f"{name}, batch {batch}: {method}'s outputs differ from plain decoding's"
                     )
                 row = {"workload": name, "what": what, "batch": batch, "method": method, **result}
+                row["ms_per_step"] = 1e3 * result["seconds"] / max(result.get("steps", 0), 1)
                 row["vs_plain"] = result["tokens_per_second"] / plain[1]
                 rows.append(row)
                 print(
                     f"{name:9s} batch {batch}: {method:11s} {result['tokens_per_second']:7.1f} tok/s "
                     f"({row['vs_plain']:.2f}x plain), accepted length "
                     f"{result['acceptance_length'] or 1.0:.2f}, {result['tokens']} tokens in "
-                    f"{result['seconds']:.1f}s",
+                    f"{result['seconds']:.1f}s, steps by width {result.get('steps_per_width')}",
                     file=sys.stderr,
                     flush=True,
                 )

@@ -29,12 +29,30 @@ def test_the_workloads_run_and_report(tmp_path, monkeypatch, capsys):
         "--chat-prompts",
         "1",
     ]
-    argv += ["--new-tokens", "8", "--warm-tokens", "4", "--max-len", "512", "--methods", "suffix"]
+    argv += [
+        "--new-tokens",
+        "8",
+        "--warm-tokens",
+        "4",
+        "--max-len",
+        "512",
+        "--methods",
+        "suffix",
+        "suffix widths",
+    ]
+    argv += ["--widths", "2", "3"]
     monkeypatch.setattr(sys, "argv", [*argv, "--json", str(out)])
     assert import_script(os.path.join(REPO, "scripts", "bench_suffix.py")).main() == 0
     report = json.loads(out.read_text())
     rows = {(r["workload"], r["method"]): r for r in report["rows"]}
-    assert set(rows) == {(w, m) for w in ("rollout", "code-edit", "mix") for m in ("plain", "suffix")}
+    methods = ("plain", "suffix", "suffix widths")
+    assert set(rows) == {(w, m) for w in ("rollout", "code-edit", "mix") for m in methods}
+    assert set(rows["rollout", "suffix"]["steps_per_width"]) <= {"1", "9"}  # K = 8
+    assert (
+        sum(rows["rollout", "suffix widths"]["steps_per_width"].values())
+        == rows["rollout", "suffix widths"]["steps"]
+    )
+    assert rows["rollout", "suffix widths"]["ms_per_step"] > 0
     assert rows["rollout", "plain"]["tokens"] == 2 * 2 * 8 and rows["mix", "suffix"]["tokens"] == 5 * 8
     assert rows["rollout", "suffix"]["draft_learned"]["outputs"] == 4  # the index counted each sample
     assert rows["rollout", "plain"]["vs_plain"] == 1.0
