@@ -111,6 +111,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per run (shared by the slots)")
     parser.add_argument("--prompt-len", type=int, default=32, help="random prompts only: tokens each")
+    parser.add_argument(
+        "--prompt-sets",
+        nargs="+",
+        metavar="SET",
+        help='prompts from these benchmark sets (mt-bench, humaneval, mbpp, gsm8k) or {"turns": [...]} '
+        "JSON-lines files: first turns (chat-rendered when the model has a template), --prompts in all, "
+        "the sets in turn, drawn with seed 0",
+    )
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-baseline", action="store_true", help="skip the host-orchestrated baseline")
@@ -144,7 +152,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def held_out_prompts(model, path: str | None, args: argparse.Namespace) -> tuple[list[list[int]], str]:
-    """Held-out prompts from the checkpoint's eval.json when present, else random token ids."""
+    """``--prompt-sets``' first turns; else held-out prompts from the checkpoint's eval.json when
+    present, else random token ids."""
+    if getattr(args, "prompt_sets", None):
+        from mtp_jax.acceptance import first_turns, render
+
+        per_set = -(-args.prompts // len(args.prompt_sets))
+        texts = [first_turns(name, per_set, 0)[1] for name in args.prompt_sets]
+        mixed = [t[i] for i in range(per_set) for t in texts if i < len(t)][: args.prompts]
+        if len(mixed) < args.prompts:
+            raise SystemExit(
+                f"--prompt-sets {args.prompt_sets} hold {len(mixed)} prompts, fewer than --prompts"
+            )
+        return [render(model, t) for t in mixed], f"{len(mixed)} first turns of {', '.join(args.prompt_sets)}"
     eval_path = None if path is None else os.path.join(path, "eval.json")
     if eval_path and os.path.isfile(eval_path) and model.tokenizer_path is not None:
         with open(eval_path, encoding="utf-8") as f:

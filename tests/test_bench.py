@@ -142,3 +142,25 @@ def test_bench_writes_the_speeds_of_the_confidence_scheduled_step(tmp_path, caps
     assert sps.meta["draft"] == "dspark"
     assert main(["bench", "--model", model, "--k", "0", "--sps-table", str(table)]) == 2
     assert "needs a draft with a confidence head" in capsys.readouterr().err
+
+
+def test_prompt_sets_give_first_turns_the_sets_in_turn():
+    """--prompt-sets: the first turns of the named sets, the sets taken in turn, --prompts in all
+    (rendered as the model reads them), the same on every run; too few is refused by name."""
+    import argparse
+
+    import mtp_jax
+    from mtp_jax.acceptance import first_turns
+    from mtp_jax.bench import held_out_prompts
+    from tests.conftest import EMBEDDED_MODEL
+
+    model = mtp_jax.load(EMBEDDED_MODEL, "float32")
+    args = argparse.Namespace(prompts=5, prompt_len=8, prompt_sets=["mt-bench", "gsm8k"])
+    ids, note = held_out_prompts(model, EMBEDDED_MODEL, args)
+    chat, math = first_turns("mt-bench", 3, 0)[1], first_turns("gsm8k", 3, 0)[1]
+    assert ids == [model.text.encode(t) for t in (chat[0], math[0], chat[1], math[1], chat[2])]
+    assert note == "5 first turns of mt-bench, gsm8k"
+    with pytest.raises(SystemExit, match="fewer than --prompts"):
+        held_out_prompts(
+            model, None, argparse.Namespace(prompts=10**6, prompt_len=8, prompt_sets=["mt-bench"])
+        )
