@@ -135,6 +135,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "(a draft with a confidence head: dspark), for generate/serve --schedule confidence --sps-table",
     )
     parser.add_argument(
+        "--sps-from",
+        metavar="FILE",
+        help="with --schedule: the steps/s table an earlier --sps-table run wrote (its batch sizes and "
+        "widths), instead of measuring it again",
+    )
+    parser.add_argument(
         "--schedule",
         action="store_true",
         help="also run each draft with a confidence head (dspark) at every K > 0 under the confidence "
@@ -239,6 +245,8 @@ def run(args: argparse.Namespace) -> dict:
 
     if min(args.batch) < 1 or min(args.k or [0]) < 0 or args.prompts < 1 or args.repeats < 1:
         raise ValueError("--batch, --prompts and --repeats must be >= 1 and --k >= 0")
+    if getattr(args, "sps_from", None) and not os.path.isfile(args.sps_from):
+        raise ValueError(f"--sps-from {args.sps_from}: no such file (write one with --sps-table)")
     if args.block_size is not None and min(args.block_size) < 2:
         raise ValueError("--block-size must be >= 2 (an anchor and one draft)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -263,12 +271,18 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"{name} has no draft to speculate with: only --k 0 (plain decoding) can run")
         prompts, prompt_note = held_out_prompts(model, None if args.synthetic else path, args)
         triples, trained_blocks = _bench_triples(drafts, owners, args)
-        if args.schedule:  # the speeds the schedule weighs, measured before any configuration runs
+        if args.schedule and args.sps_from:  # speeds measured by an earlier run
+            args.sps_table = args.sps_from
+        elif args.schedule:  # the speeds the schedule weighs, measured before any configuration runs
             args.sps_table = args.sps_table or os.path.join(tmp, "sps.json")
             write_sps_table(args, drafts, owners)
+            jax.clear_caches()
         rows = []
         for batch in args.batch:
             rows += _bench_batch(batch, triples, trained_blocks, drafts, owners, model, prompts, args)
+            # one batch size's programs are done with: a process that kept every one of a long run's
+            # executables runs out of memory maps (LLVM: "Unable to allocate section memory")
+            jax.clear_caches()
         if args.sps_table and not args.schedule:
             write_sps_table(args, drafts, owners)
     return {

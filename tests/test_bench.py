@@ -140,6 +140,15 @@ def test_bench_writes_the_speeds_of_the_confidence_scheduled_step(tmp_path, caps
     sps = SpsTable.load(table)
     assert sps.k == 4 and sorted(sps.tables) == [1, 2] and all(len(r) == 5 for r in sps.tables.values())
     assert sps.meta["draft"] == "dspark"
+    # a later run schedules on that table without measuring it again
+    again = tmp_path / "again.json"
+    argv = [a for a in argv if a not in ("--sps-table", str(table))] + ["--batch", "2"]
+    assert main([*argv, "--json", str(again), "--schedule", "--sps-from", str(table)]) == 0
+    assert "SPS: batch" not in capsys.readouterr().err
+    assert [r.get("schedule") for r in json.loads(again.read_text())["results"]] == [None, "confidence"]
+    assert main([*argv, "--schedule", "--sps-from", str(tmp_path / "none.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--sps-from" in err and "no such file" in err
     assert main(["bench", "--model", model, "--k", "0", "--sps-table", str(table)]) == 2
     assert "needs a draft with a confidence head" in capsys.readouterr().err
 
