@@ -453,6 +453,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "for them), alternating with the plain one three times",
     )
     parser.add_argument("--k", type=int, nargs="+", default=[0, 1, 3], help="drafts per step (0: plain)")
+    parser.add_argument(
+        "--tree",
+        nargs="+",
+        default=[],
+        metavar="DEPTH,TOPK,NODES[,dynamic]",
+        help="also time a step verifying each token tree (a chained draft: MTP, EAGLE-3, the draft model; "
+        "dynamic: EAGLE-2's, each row's shape chosen by the draft inside the step), after the K rows",
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024, help="committed tokens per row")
     parser.add_argument("--page-size", type=int, default=64)
@@ -479,6 +487,13 @@ def run(args: argparse.Namespace) -> dict:
         flush=True,
     )
     rows = [_time_k(args, params, cfg, k, dtype, draft_cfg, method, bandwidth) for k in args.k]
+    for spec in args.tree:  # each tree's step: K is its draft nodes
+        from mtp_jax.request import token_tree
+        from mtp_jax.tree import tree_setting
+
+        tree = token_tree(tree_setting(spec))
+        row = _time_k(args, params, cfg, tree.size - 1, dtype, draft_cfg, method, bandwidth, tree=tree)
+        rows.append({**row, "tree": spec})
     return {
         "model": name,
         "dtype": dtype_name,
@@ -580,9 +595,11 @@ def _time_k(
     draft_cfg: Any,
     method: str | None,
     bandwidth: float,
+    tree: Any = None,
 ) -> dict:
     """One K's row: the step timed (with log-probabilities, and with no draft, when asked), its
-    bytes against the roofline, the profile's costliest operations."""
+    bytes against the roofline, the profile's costliest operations; with ``tree``, the step that
+    verifies that token tree (K: its draft nodes)."""
     from mtp_jax.drafts import DRAFTS
 
     print(f"K = {k}: compiling and timing ...", file=sys.stderr, flush=True)
@@ -599,7 +616,7 @@ def _time_k(
     memory: dict = {}
     host: dict = {}
     kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
-    kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft)
+    kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft, tree=tree)
     try:
         profile_dir = None if args.profile is None else os.path.join(args.profile, f"k{k}")
         seconds = time_step(params, cfg, profile_dir=profile_dir, memory=memory, host=host, **kw)
@@ -618,7 +635,7 @@ def _time_k(
         extra = {"alternated_step_ms": plain * 1e3, "logprobs_step_ms": with_lp * 1e3}
         print(f"K = {k}: with log-probabilities {with_lp * 1e3:.3f} ms against {plain * 1e3:.3f} ms "
               f"({with_lp / plain:.2f}x)", file=sys.stderr, flush=True)  # fmt: skip
-    if k and DRAFTS[method].proposes_per_row:  # what a step without any match costs
+    if k and tree is None and DRAFTS[method].proposes_per_row:  # what a step without any match costs
         none = time_step(params, cfg, drafts=0, **kw)
         extra["no_match_step_ms"] = none * 1e3
         print(
@@ -679,8 +696,9 @@ def table(report: dict) -> str:
                 p["kv"],
             )
         )
+        label = f"{r['k']} (tree {r['tree']})" if "tree" in r else r["k"]
         lines.append(
-            f"| {r['k']} | {r['step_ms']:.3f} | {r['bytes'] / 1e6:.1f} | {split} | "
+            f"| {label} | {r['step_ms']:.3f} | {r['bytes'] / 1e6:.1f} | {split} | "
             f"{r['roofline_ms']:.3f} | {r['over_roofline']:.1f}x | {temp} | {r['dispatch_ms']:.3f} |"
         )
     return "\n".join(lines)

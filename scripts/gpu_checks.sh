@@ -3,12 +3,13 @@
 # kernel sweep and the unified step against its roofline (with a jax.profiler trace), for every
 # target x draft at real sizes with random weights. Logs and JSON go to OUT_DIR (default ./gpu-out).
 # Stages: env tests kernels mla dense step step_eagle3 step_dflash llama llama_eagle3 llama_dflash llama_ngram
-# step_dsf smollm2 smollm2_ngram smollm2_suffix (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf
+# step_dsf smollm2 smollm2_ngram smollm2_suffix smollm2_tree (default: env tests kernels step), e.g. `bash scripts/gpu_checks.sh env tests`; step_dsf
 # repeats step with XLA's dynamic-slice fusion on; smollm2 times SmolLM2-135M's shape (random weights) plain and with its
 # shipped EAGLE-3 draft's shape at batch 1, 8 and 32 (SMOL_BATCH, SMOL_K); smollm2_ngram the same shape with n-gram
 # drafts (K = 3, 5, 8: SMOL_NGRAM_K), each step verifying K + 1 tokens as where the lookup matched (and, beside
 # it, the step without a match), then scripts/bench_either.py (the step's two widths by loops or lax.cond);
-# smollm2_suffix the same with suffix decoding's drafts (K = 4, 8: SMOL_SUFFIX_K; its lookup and frequency tree). PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
+# smollm2_suffix the same with suffix decoding's drafts (K = 4, 8: SMOL_SUFFIX_K; its lookup and frequency tree);
+# smollm2_tree the EAGLE-3 draft's shape verifying static and dynamic (EAGLE-2) token trees (SMOL_TREES). PACK=FILE.tgz re-packs OUT_DIR's reports (not the traces) into FILE after
 # every stage, so a run cut short still returns what it finished. Each stage runs under its own time limit (seconds: TESTS_S / KERNELS_S / STEP_S) so a
 # hang in one leaves the others their time; a timed-out pytest is interrupted (SIGINT) so that it
 # still prints its summary.
@@ -72,12 +73,14 @@ for stage in $stages; do
         --json "$OUT_DIR/step_dsf.json" >"$OUT_DIR/step_dsf.md" 2>"$OUT_DIR/step_dsf.log"
       echo "step_dsf rc=$?"; cat "$OUT_DIR/step_dsf.md"; tail -5 "$OUT_DIR/step_dsf.log"
       ;;
-    smollm2|smollm2_ngram|smollm2_suffix)  # item 5, issues 32 and 66: the real model's shapes; tokens/s = rows x tokens per step
+    smollm2|smollm2_ngram|smollm2_suffix|smollm2_tree)  # item 5, issues 32 and 66: the real model's shapes; tokens/s = rows x tokens per step
       # (the acceptance length, measured end to end on the CPU with the real weights) / step
       case $stage in
         smollm2) draft_args="--draft-config checkpoints/smollm2-135m-instruct-eagle3/config.json --k ${SMOL_K:-0 2 3}" ;;
         smollm2_ngram) draft_args="--draft ngram --k ${SMOL_NGRAM_K:-0 3 5 8}" ;;
         smollm2_suffix) draft_args="--draft suffix --k ${SMOL_SUFFIX_K:-0 4 8}" ;;
+        smollm2_tree) draft_args="--draft-config checkpoints/smollm2-135m-instruct-eagle3/config.json --k 0 3 \
+          --tree ${SMOL_TREES:-4,3,24 4,3,24,dynamic 6,3,24,dynamic}" ;;
       esac
       for b in ${SMOL_BATCH:-1 8 32}; do
         prof=""; [ "$b" = 1 ] && prof="--profile $OUT_DIR/prof_$stage"

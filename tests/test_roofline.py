@@ -189,6 +189,8 @@ def test_bench_step_with_a_random_eagle3_draft(tmp_path):
         "--layer-buffers",
         "on",
         "--logprobs",
+        "--tree",
+        "2,2,4,dynamic",
     ]
     args += ["--context", "40", "--page-size", "8", "--iters", "2", "--copy-mb", "8", "--json", str(out)]
     run = _run(*args, cwd=str(tmp_path))
@@ -196,7 +198,10 @@ def test_bench_step_with_a_random_eagle3_draft(tmp_path):
     report = json.loads(out.read_text())
     assert "eagle3" in report["model"] and "draft_vocab_size=512" in report["model"]
     assert report["layer_buffers"] is True  # the unrolled layers over per-layer buffers ran
-    (row,) = report["results"]
+    row, tree = report["results"]
+    # --tree: the step verifying a dynamic tree of 4 draft nodes, after the K rows
+    assert (tree["k"], tree["tree"], tree["draft"]) == (4, "2,2,4,dynamic", "eagle3") and tree["step_ms"] > 0
+    assert "| 4 (tree 2,2,4,dynamic) |" in run.stdout
     assert row["draft"] == "eagle3" and row["step_ms"] > 0 and row["bytes_by_part"]["draft_weights"] > 0
     # --logprobs: the step with log-probabilities timed beside the one without, alternately
     assert row["logprobs_step_ms"] > 0 and row["alternated_step_ms"] > 0
