@@ -57,3 +57,18 @@ def test_the_workloads_run_and_report(tmp_path, monkeypatch, capsys):
     assert rows["rollout", "suffix"]["draft_learned"]["outputs"] == 4  # the index counted each sample
     assert rows["rollout", "plain"]["vs_plain"] == 1.0
     assert "suffix" in capsys.readouterr().err
+
+
+def test_widths_add_each_suffix_method_with_the_draft_option():
+    import argparse
+
+    script = import_script(os.path.join(REPO, "scripts", "bench_suffix.py"))
+    args = argparse.Namespace(k=8, draft_model="d", neural="eagle3", neural_k=3, tree=None, widths=[2, 3])
+    chosen = script.methods(args)
+    assert chosen["suffix widths"] == {
+        "draft": "suffix",
+        "num_speculative_tokens": 8,
+        "draft_options": {"widths": [2, 3]},
+    }
+    assert chosen["suffix_eagle3 widths"]["draft_options"] == {"widths": [2, 3]}
+    assert "eagle3 widths" not in chosen and "ngram widths" not in chosen
