@@ -71,6 +71,34 @@ SMALL = {
 }
 
 
+def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """The confidence schedule's: its steps/s table written, reused, and the scheduled runs; auto-K."""
+    parser.add_argument(
+        "--sps-table",
+        metavar="FILE",
+        help="write the steps/s of the confidence-scheduled step at widths 1..max(--k)+1 per --batch "
+        "(a draft with a confidence head: dspark), for generate/serve --schedule confidence --sps-table",
+    )
+    parser.add_argument(
+        "--sps-from",
+        metavar="FILE",
+        help="with --schedule: the steps/s table an earlier --sps-table run wrote (its batch sizes and "
+        "widths), instead of measuring it again",
+    )
+    parser.add_argument(
+        "--schedule",
+        action="store_true",
+        help="also run each draft with a confidence head (dspark) at every K > 0 under the confidence "
+        "schedule (each step's width picked from its confidences and the steps/s table, measured first: "
+        "written to --sps-table when given)",
+    )
+    parser.add_argument(
+        "--auto-k",
+        metavar="FILE",
+        help="also run each draft with this auto-K table (K up to the largest --k) at every batch size",
+    )
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -128,30 +156,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="write the best K per batch size and draft (plain decoding included) here, for "
         "generate --auto-k FILE",
     )
-    parser.add_argument(
-        "--sps-table",
-        metavar="FILE",
-        help="write the steps/s of the confidence-scheduled step at widths 1..max(--k)+1 per --batch "
-        "(a draft with a confidence head: dspark), for generate/serve --schedule confidence --sps-table",
-    )
-    parser.add_argument(
-        "--sps-from",
-        metavar="FILE",
-        help="with --schedule: the steps/s table an earlier --sps-table run wrote (its batch sizes and "
-        "widths), instead of measuring it again",
-    )
-    parser.add_argument(
-        "--schedule",
-        action="store_true",
-        help="also run each draft with a confidence head (dspark) at every K > 0 under the confidence "
-        "schedule (each step's width picked from its confidences and the steps/s table, measured first: "
-        "written to --sps-table when given)",
-    )
-    parser.add_argument(
-        "--auto-k",
-        metavar="FILE",
-        help="also run each draft with this auto-K table (K up to the largest --k) at every batch size",
-    )
+    _add_schedule_arguments(parser)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG plot here (needs matplotlib: pip install '.[plot]')")
     return parser

@@ -64,7 +64,10 @@ DSPARK_0 = {
     "markov_rank": 0,
     "enable_confidence_head": False,
 }
-CONFIGS = {"a": DSPARK_A, "r": DSPARK_R, "g": DSPARK_G, "0": DSPARK_0}
+# "a" with a draft vocabulary (mtp-jax's extension): 96 of the 128 target ids, W2 over them
+DSPARK_V = {**DSPARK_A, "draft_vocab_size": 96}
+VOCAB_IDS = np.sort(np.random.default_rng(5).choice(128, 96, replace=False)).astype(np.int32)
+CONFIGS = {"a": DSPARK_A, "r": DSPARK_R, "g": DSPARK_G, "0": DSPARK_0, "v": DSPARK_V}
 
 
 def _target_arrays(model) -> tuple[np.ndarray, np.ndarray]:
@@ -90,7 +93,10 @@ def drafts(target, tmp_path_factory) -> dict:
     embed, head = _target_arrays(target)
     out = {}
     for name, raw in CONFIGS.items():
-        tensors = dspark_hub_tensors(DSparkConfig.from_dict(raw), embed, head, seed=3, std=0.05, head_std=0.5)
+        ids = VOCAB_IDS if raw.get("draft_vocab_size") else None
+        tensors = dspark_hub_tensors(
+            DSparkConfig.from_dict(raw), embed, head, seed=3, std=0.05, head_std=0.5, draft_ids=ids
+        )
         write_hub_checkpoint(root / name, raw, tensors)
         out[name] = (str(root / name), tensors, raw)
     return out
@@ -119,8 +125,11 @@ def reference_dspark(t, raw, tokens, embed, head, perturb=None) -> tuple[np.ndar
     h = reference_block_states(t, dflash_view, REF["hidden_states"], tokens, ids, embed)  # [b, T, B, d]
     if perturb == "dflash_rows":
         h = np.concatenate([h[:, :, 1:], h[:, :, -1:]], 2)
+    vocab_ids = np.arange(len(t["d2t"])) + t["d2t"] if "d2t" in t else None  # a draft vocabulary
     t = {k: np.asarray(v, f64) for k, v in t.items()}
     base = h @ np.asarray(head, f64).T
+    if vocab_ids is not None:  # its logits at its ids only (-inf at the others), W2 over them
+        base = np.where(np.isin(np.arange(base.shape[-1]), vocab_ids), base, -np.inf)
     b, n, bs, _ = h.shape
     r, kind = raw["markov_rank"], raw.get("markov_head_type", "vanilla")
     temps = raw.get("confidence_temperatures") or [1.0] * bs
@@ -148,6 +157,9 @@ def reference_dspark(t, raw, tokens, embed, head, perturb=None) -> tuple[np.ndar
                         state = _sigmoid(gate) * state + (1 - _sigmoid(gate)) * np.tanh(cand)
                         u = np.tanh(o)
                     bias = w2 @ u
+                    if vocab_ids is not None:
+                        bias = np.zeros(base.shape[-1]).copy()
+                        bias[vocab_ids] = w2 @ u
                 if perturb == "no_bias":
                     bias = 0 * bias
                 logits[row, i, k] = base[row, i, k] + bias
@@ -162,6 +174,11 @@ def reference_dspark(t, raw, tokens, embed, head, perturb=None) -> tuple[np.ndar
 
 
 def _rel(got, want) -> float:
+    """Relative error over the finite entries (a draft vocabulary's logits are -inf at the other
+    target ids: those must agree exactly)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    got, want = np.where(np.isfinite(want), got, 0.0), np.where(np.isfinite(want), want, 0.0)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
@@ -192,6 +209,9 @@ def test_draft_logits_and_confidences_match_the_papers_equations(drafts, models,
         assert _rel(got, wrong) > 1e-2, perturb
     logits, conf = _teacher_forced(model, tokens)
     np.testing.assert_allclose(np.asarray(logits), got, rtol=1e-6, atol=1e-6)
+    if raw.get("draft_vocab_size"):  # nothing outside the draft vocabulary can be drafted
+        outside = np.setdiff1d(np.arange(128), VOCAB_IDS)
+        assert np.isneginf(got[..., outside]).all() and np.isfinite(got[..., VOCAB_IDS]).all()
     if want_conf is None:
         assert conf is None
     else:
@@ -234,7 +254,7 @@ def test_deepspec_layout_round_trips_bit_exact(drafts, models, target, tmp_path)
 
 
 # --- in the unified step ---------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["a", "r", "g"])
+@pytest.mark.parametrize("name", ["a", "r", "g", "v"])
 def test_decode_block_samples_each_slot_from_its_biased_distribution(models, name):
     """extend_and_propose on whole prompts: greedy drafts are the teacher-forced block's argmax chain
     at the last token; sampled drafts come with q at slot k = the processed softmax of the block's
@@ -270,7 +290,14 @@ def test_decode_block_samples_each_slot_from_its_biased_distribution(models, nam
         want = np.asarray(logits)[:, t - 1]  # the block at the last prompt token, given the drafts
         expect = np.stack([draft_probs(jnp.asarray(want[:, j]), sampling) for j in range(k)], 1)
         np.testing.assert_allclose(np.asarray(q), expect, rtol=1e-4, atol=1e-6)
-        differs += int(np.abs(want - greedy_logits).max() > 1e-3)
+        finite = np.isfinite(want)  # a draft vocabulary's -inf elsewhere
+        gap = np.where(finite, want, 0.0) - np.where(finite, greedy_logits, 0.0)
+        differs += int(np.abs(gap).max() > 1e-3)
+        if name == "v":
+            assert (
+                np.isin(drafts, VOCAB_IDS).all()
+                and not np.asarray(q)[..., ~np.isin(np.arange(128), VOCAB_IDS)].any()
+            )
     assert differs, "the sampled drafts left the argmax chain nowhere: the check would not see a wrong prefix"
 
 
@@ -591,3 +618,21 @@ def test_grammar_masks_on_a_target_with_a_tokenizer(tmp_path, monkeypatch):
     spec = model.generate(["# a function\n", "# another\n"], **kw, draft="dspark", num_speculative_tokens=4)
     assert spec.tokens == plain.tokens and spec.stats["num_draft_tokens"] > 0
     assert all(t.startswith("def ") for t in plain.texts)
+
+
+@pytest.mark.parametrize("name", ["a", "v"])
+def test_plan_declares_the_loaders_tree(models, name):
+    """``Draft.abstract_params`` (mtp-jax plan, random-weight timings): the loaded draft's structure,
+    shapes and dtypes, a draft vocabulary's head columns and map included."""
+    from mtp_jax.plan import abstract_params
+    from mtp_jax.sharding import make_mesh
+
+    model = models[name]
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    abstract = abstract_params(model.config, mesh, jnp.float32, weights="bf16", draft_cfg=model.draft_config)
+    real = model.params["dspark"]
+    assert jax.tree.structure(abstract["dspark"]) == jax.tree.structure(real)
+    for a, r in zip(jax.tree.leaves(abstract["dspark"]), jax.tree.leaves(real), strict=True):
+        assert (a.shape, a.dtype) == (r.shape, r.dtype)
+    if name == "v":
+        assert real["markov"]["w2"].shape == (8, 96) and real["lm_head"].shape == (32, 96)

@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mtp_jax.checkpoint.hub_layout import as_numpy, linear_to_hub
-from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, report_unused
+from mtp_jax.checkpoint.hub_layout import as_numpy, linear_to_hub, vocab_map_tensors
+from mtp_jax.checkpoint.loader import HubTensors, assemble_groups, read_vocab_map, report_unused
 from mtp_jax.checkpoint.safetensors_io import CheckpointReader
 from mtp_jax.drafts.dspark.config import DSparkConfig, dspark_capture, is_dspark_config, parse_dspark_config
 from mtp_jax.errors import ConfigError
@@ -70,13 +70,15 @@ def _check_frozen(reader: CheckpointReader, target_params: dict | None, vocab: i
     return read
 
 
-def _heads(t: HubTensors, cfg: DSparkConfig, vocab: int) -> dict:
+def _heads(t: HubTensors, cfg: DSparkConfig, vocab: int, draft_vocab: int) -> dict:
+    """The Markov and confidence heads; W1 is looked up by the previous token's target id, W2 covers
+    the draft vocabulary (``draft_vocab``: the target's whole one without ``d2t``)."""
     d, r = cfg.hidden_size, cfg.markov_rank
     tree: dict[str, Any] = {}
     if r > 0:
         m = {
             "w1": t.get("markov_head.markov_w1.weight", (vocab, r)),
-            "w2": np.ascontiguousarray(t.get("markov_head.markov_w2.weight", (vocab, r)).T),
+            "w2": np.ascontiguousarray(t.get("markov_head.markov_w2.weight", (draft_vocab, r)).T),
         }
         if cfg.markov_head_type == "rnn":
             m["joint"] = t.linear("markov_head.joint_proj.weight", 3 * r, 2 * r + d)
@@ -126,19 +128,32 @@ def load_dspark(
         d, b.num_attention_heads, b.num_key_value_heads, b.head_dim, b.intermediate_size, qk_norm=True
     )
     layers = [layer_from_leaves(t, f"layers.{i}.", leaves) for i in range(b.num_hidden_layers)]
+    draft_vocab = cfg.draft_vocab_size or vocab
+    if draft_vocab > vocab:
+        raise ConfigError(f"{path}: draft_vocab_size {draft_vocab} exceeds the target's {vocab} tokens")
     tree = {
         "fc": t.linear("fc.weight", d, len(cfg.capture) * d),
         "hidden_norm": t.get("hidden_norm.weight", (d,)),
         "norm": t.get("norm.weight", (d,)),
         "layers": jax.tree.map(lambda *xs: np.stack(xs), *layers),
-        **_heads(t, cfg, vocab),
+        **_heads(t, cfg, vocab, draft_vocab),
     }
     used = set(t.used) | set(_check_frozen(reader, target_params, vocab, d))
+    d2t = "d2t" if "d2t" in reader else None
+    ids = read_vocab_map(reader, d2t, "t2d" if "t2d" in reader else None, draft_vocab, vocab, used)
+    if ids is not None:  # the block's head: the target's columns for those ids, read at load
+        if target_params is None:
+            raise ConfigError(f"{path}: a DSpark draft vocabulary needs the target's head (target_params)")
+        tree["draft_to_target"] = ids
+        cols = head_columns(target_params, ids)
+        tree["lm_head"] = cols if t.dtype is None else cols.astype(t.dtype)
     report_unused(reader, used, strict=strict, logger=log)
     head = {0: "no sequential head"}.get(
         cfg.markov_rank, f"a {cfg.markov_head_type} head of rank {cfg.markov_rank}"
     )
     conf = "a confidence head" + ("" if cfg.confidence_temperatures is None else " (calibrated)")
+    if ids is not None:
+        head += f", a draft vocabulary of {draft_vocab} of the target's {vocab} tokens"
     note = (
         f"DSpark draft {path}: {b.num_hidden_layers} layers, block size {b.block_size}, {head}, "
         f"{conf if cfg.confidence_head else 'no confidence head'}, mask id {cfg.mask_token_id}; reads target "
@@ -184,6 +199,10 @@ def dspark_config_dict(cfg: DSparkConfig, target_raw: dict) -> dict:
         raw["confidence_head_with_markov"] = cfg.confidence_with_markov
     if cfg.confidence_temperatures is not None:
         raw["confidence_temperatures"] = list(cfg.confidence_temperatures)
+    if cfg.draft_vocab_size is not None:
+        raw["draft_vocab_size"] = cfg.draft_vocab_size
+    else:
+        raw.pop("draft_vocab_size", None)
     return raw
 
 
@@ -220,4 +239,6 @@ def dspark_hub_tensors_from_params(
         c = tree["confidence"]
         t["confidence_head.proj.weight"] = as_numpy(c["w"], dtype).reshape(1, -1)
         t["confidence_head.proj.bias"] = as_numpy(c["b"], dtype).reshape(1)
+    if "draft_to_target" in tree:  # the head is the target's columns: only the map is stored
+        t.update(vocab_map_tensors(np.asarray(tree["draft_to_target"]), vocab))
     return t

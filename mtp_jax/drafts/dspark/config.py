@@ -64,6 +64,12 @@ class DSparkConfig:
         return self.backbone.vocab_size
 
     @property
+    def draft_vocab_size(self) -> int | None:
+        """A draft vocabulary (mtp-jax's extension, as DFlash's: ``draft_vocab_size`` with ``d2t``):
+        the block's head and the Markov head's W2 cover those target ids only; None: all of them."""
+        return self.backbone.draft_vocab_size
+
+    @property
     def confidence_width(self) -> int:
         """The confidence head's input: h_k, and W1[x_{k-1}] when it reads the Markov feature."""
         with_markov = self.markov_rank > 0 and self.confidence_with_markov

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, choose, no_drafts
+from mtp_jax.drafts.base import Draft, Rows, StepReads, at_rows, choose, in_target_vocab, no_drafts
 from mtp_jax.drafts.dflash.draft import (
     check_block_plan,
     configure_block,
@@ -37,7 +37,7 @@ from mtp_jax.drafts.dspark.checkpoint import is_dspark, load_dspark
 from mtp_jax.drafts.dspark.config import DSparkConfig, parse_dspark_draft
 from mtp_jax.drafts.dspark.heads import confidence_logit, initial_state, markov_step, teacher_forced_heads
 from mtp_jax.param_bytes import nbytes
-from mtp_jax.targets.base import Hidden, lm_head
+from mtp_jax.targets.base import Hidden, head_logits, lm_head
 
 GROUP = "dspark"
 
@@ -60,19 +60,34 @@ def block_outputs(params, ctx, state, page_table, rows: Rows, first_pos):
     return h, at_rows(rows.next_tokens, rows.last), state
 
 
+def base_logits(params: dict, h: jax.Array) -> jax.Array:
+    """The block's unbiased logits from its norm(x) ``h`` [..., d]: the target's head [..., V], or
+    with a draft vocabulary its columns for those ids [..., Vd] (float32)."""
+    p = params[GROUP]
+    return lm_head(params, h) if "draft_to_target" not in p else head_logits(p["lm_head"], h)
+
+
+def to_target_vocab(params: dict, z: jax.Array) -> jax.Array:
+    """Logits over the draft vocabulary placed at their target ids (-inf elsewhere); unchanged
+    without one."""
+    p = params[GROUP]
+    return in_target_vocab(z, p.get("draft_to_target"), params["embed"].shape[0])
+
+
 def sample_block(params, cfg: DSparkConfig, h, anchors, k: int, sampled: bool, sampling, first_pos):
     """The block's first ``k`` drafts, left to right: each slot's logits biased by the previous
-    draft (the anchor for slot 0) and chosen from them. Returns (drafts [b, k], q [b, k, V] or
+    draft (the anchor for slot 0) and chosen from them (over the draft vocabulary's target ids when
+    it has one: -inf elsewhere, so q is zero there). Returns (drafts [b, k], q [b, k, V] or
     [b, k, 0], confidence logits [b, k] or None)."""
     p = params[GROUP]
-    base = lm_head(params, h[:, :k])  # [b, k, V]
+    base = base_logits(params, h[:, :k])  # [b, k, V or Vd]
     prev, state = anchors, initial_state(cfg, anchors.shape)
     drafts, qs, conf = [], [], []
     for j in range(k):
         if cfg.confidence_head:
             conf.append(confidence_logit(p, cfg, h[:, j], prev, j))
         bias, state = markov_step(p, cfg, h[:, j], prev, state)
-        z = base[:, j] if bias is None else base[:, j] + bias
+        z = to_target_vocab(params, base[:, j] if bias is None else base[:, j] + bias)
         prev, q = choose(z, sampled, sampling, first_pos + j)
         drafts.append(prev)
         qs.append(q)
@@ -98,12 +113,16 @@ def teacher_forced_block(params: dict, cfg: DSparkConfig, tokens: jax.Array, fea
     and past the sequence's end the argmax of the slot before (greedy decoding's). Returns (float32
     logits [b, T, B, V], slot k predicting token i + 1 + k; confidence logits [b, T, B] or None)."""
     h = teacher_forced_blocks(params, cfg.backbone, tokens, features, GROUP)  # [b, T, B, d]
-    base = lm_head(params, h)
+    base = base_logits(params, h)
     t, slots = tokens.shape[1], cfg.block_size
     index = jnp.arange(t)[:, None] + jnp.arange(slots)[None, :]  # [T, B]: the previous token's position
     known = index < t
     given = jnp.take(tokens, jnp.minimum(index, t - 1), axis=1)  # [b, T, B]
-    return teacher_forced_heads(params[GROUP], cfg, h, base, given, jnp.broadcast_to(known, given.shape))
+    ids = params[GROUP].get("draft_to_target")
+    logits, conf = teacher_forced_heads(
+        params[GROUP], cfg, h, base, given, jnp.broadcast_to(known, given.shape), ids
+    )
+    return to_target_vocab(params, logits), conf
 
 
 def _teacher_forced(params, ctx, tokens, hidden):
@@ -145,10 +164,14 @@ def _abstract_params(c: DSparkConfig, shapes) -> dict:
 
     tree = DFLASH.abstract_params(dataclasses.replace(c.backbone, capture=c.capture), shapes)
     d, r, v, plain = c.hidden_size, c.markov_rank, c.vocab_size, shapes.plain
+    vd = c.draft_vocab_size or v
+    if c.draft_vocab_size is not None and c.draft_vocab_size != v:
+        tree["lm_head"] = plain(d, vd)
+        tree["draft_to_target"] = plain(vd, dtype=jnp.int32)
     if r > 0:
         if v is None:
             raise ValueError("planning a DSpark draft with a Markov head needs vocab_size in its config")
-        tree["markov"] = {"w1": plain(v, r), "w2": plain(r, v)}
+        tree["markov"] = {"w1": plain(v, r), "w2": plain(r, vd)}
         if c.markov_head_type == "rnn":
             tree["markov"].update(joint=plain(2 * r + d, 3 * r), joint_bias=plain(3 * r))
         elif c.markov_head_type == "gated":

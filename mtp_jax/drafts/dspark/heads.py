@@ -74,13 +74,20 @@ def confidence_logit(p: dict, cfg: DSparkConfig, h: jax.Array, prev: jax.Array, 
 
 
 def teacher_forced_heads(
-    p: dict, cfg: DSparkConfig, h: jax.Array, base: jax.Array, prev: jax.Array, known: jax.Array | None = None
+    p: dict,
+    cfg: DSparkConfig,
+    h: jax.Array,
+    base: jax.Array,
+    prev: jax.Array,
+    known: jax.Array | None = None,
+    draft_to_target: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Every slot of blocks at once with the previous tokens given (training's teacher forcing):
-    h [..., B, d], base logits [..., B, V], prev [..., B] (the anchor, then the true tokens);
-    ``known`` [..., B] (default: all): where False, slot k's previous token is instead the argmax of
-    slot k - 1's biased logits (greedy decoding's, past a sequence's end). Returns (the biased
-    logits [..., B, V], confidence logits [..., B] or None)."""
+    h [..., B, d], base logits [..., B, V], prev [..., B] (the anchor, then the true tokens, target
+    ids); ``known`` [..., B] (default: all): where False, slot k's previous token is instead the
+    argmax of slot k - 1's biased logits (greedy decoding's, past a sequence's end). With a draft
+    vocabulary (``draft_to_target`` [Vd]) the logits are over it and that argmax is mapped to its
+    target id. Returns (the biased logits [..., B, V or Vd], confidence logits [..., B] or None)."""
     logits, conf = [], []
     state, last = initial_state(cfg, h.shape[:-2]), prev[..., 0]
     for k in range(h.shape[-2]):
@@ -90,4 +97,6 @@ def teacher_forced_heads(
         bias, state = markov_step(p, cfg, h[..., k, :], x, state)
         logits.append(base[..., k, :] if bias is None else base[..., k, :] + bias)
         last = jnp.argmax(logits[-1], -1).astype(prev.dtype)
+        if draft_to_target is not None:
+            last = draft_to_target[last].astype(prev.dtype)
     return jnp.stack(logits, -2), (jnp.stack(conf, -1) if conf else None)
