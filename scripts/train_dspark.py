@@ -64,7 +64,7 @@ from mtp_jax.drafts.dspark.checkpoint import (
 from mtp_jax.drafts.dspark.config import HEAD_TYPES
 from mtp_jax.drafts.dspark.draft import dspark_features
 from mtp_jax.drafts.dspark.losses import LossWeights
-from mtp_jax.drafts.dspark.training import draft_config, draft_losses, evaluate, init_draft
+from mtp_jax.drafts.dspark.training import FIXED, draft_config, draft_losses, evaluate, init_draft
 from mtp_jax.train.cards import (
     acceptance_setup,
     data_sentence,
@@ -76,6 +76,8 @@ from mtp_jax.train.frozen import (
     add_run_arguments,
     attach_target_cache,
     bf16_rounded,
+    draft_vocabulary,
+    keep_vocabulary,
     report_for,
     run_training,
     ship,
@@ -207,6 +209,12 @@ def main() -> int:
     parser.add_argument("--calibration-seeds", type=int, default=8, help="rollouts per held-out prompt")
     parser.add_argument("--mask-token-id", type=int, help="the mask token (default as train_dflash.py's)")
     parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        help="a draft vocabulary of the N most frequent training tokens (mtp-jax's d2t extension: the "
+        "block's head is the target's columns for them, W2 covers them only; default: the whole one)",
+    )
+    parser.add_argument(
         "--no-frozen-copies",
         action="store_true",
         help="ship without DeepSpec's copies of the target's embedding and head (the loader checks them "
@@ -237,6 +245,10 @@ def main() -> int:
             args.mask_token_id = 0 if data == "chat" else PAD  # chat conversations never contain id 0
         if not 0 <= args.mask_token_id < cfg.vocab_size:
             parser.error(f"--mask-token-id {args.mask_token_id} is not a token id of the target")
+        if args.draft_vocab is not None and not 1 <= args.draft_vocab <= cfg.vocab_size:
+            parser.error(
+                f"--draft-vocab {args.draft_vocab} must be in [1, {cfg.vocab_size}] (the target's vocabulary)"
+            )
 
     run = start_run(args, parser, check)
     cfg, params = run.cfg, run.params
@@ -251,8 +263,16 @@ def main() -> int:
         args.markov_rank,
         args.head,
         not args.no_confidence,
+        args.draft_vocab,
     )
-    dcfg, tree = init_draft(raw, cfg, params, args.seed)
+    ids = None
+    if "draft_vocab_size" in raw:  # the vocabulary a saved state was trained with, whatever the data says now
+        vocab_file = os.path.join(run.workdir, "draft_vocabulary.npy")
+        ids = np.load(vocab_file) if os.path.isfile(vocab_file) else None
+        ids = draft_vocabulary([run.train_stream], cfg.vocab_size, args.draft_vocab) if ids is None else ids
+        keep_vocabulary(vocab_file, ids)
+    dcfg, tree = init_draft(raw, cfg, params, args.seed, ids)
+    fixed = {k: tree.pop(k) for k in FIXED if k in tree}  # the vocabulary and the target's columns
     weights = LossWeights(args.ce_weight, args.l1_weight, args.confidence_weight, args.decay)
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
@@ -263,7 +283,7 @@ def main() -> int:
         cached = {k: v for k, v in batch.items() if k != "window"} or None
 
         def objective(t: dict) -> tuple[jax.Array, dict]:
-            return draft_losses(t, target, cfg, dcfg, batch["window"], anchors, weights, cached)
+            return draft_losses({**t, **fixed}, target, cfg, dcfg, batch["window"], anchors, weights, cached)
 
         (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(state["draft"])
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["draft"])
@@ -290,10 +310,20 @@ def main() -> int:
     state = {"draft": tree, "opt_state": optimizer.init(tree), "step": jnp.zeros((), jnp.int32)}
 
     def export(st: dict) -> dict:
-        return dspark_hub_tensors_from_params(st["draft"], dcfg, params, ml_dtypes.bfloat16)
+        return dspark_hub_tensors_from_params({**st["draft"], **fixed}, dcfg, params, ml_dtypes.bfloat16)
 
     def load(reader: CheckpointReader, raw: dict) -> dict:
-        return load_dspark(reader, raw, cfg, jnp.float32, strict=True, verbose=False)[1]
+        loaded = load_dspark(reader, raw, cfg, jnp.float32, strict=True, verbose=False, target_params=params)[
+            1
+        ]
+        for key in FIXED:  # the partial's vocabulary, whatever this run's data would choose
+            if key in loaded:
+                fixed[key] = loaded.pop(key)
+        if "draft_to_target" in fixed:
+            keep_vocabulary(
+                os.path.join(run.workdir, "draft_vocabulary.npy"), np.asarray(fixed["draft_to_target"])
+            )
+        return loaded
 
     def export_partial(st: dict) -> dict:  # without the target's frozen copies: the loader checks them only
         return {k: v for k, v in export(st).items() if k not in FROZEN}
@@ -304,7 +334,7 @@ def main() -> int:
     state, start, seconds = done
     tensors = (export_partial if args.no_frozen_copies else export)(state)
     held = evaluate(
-        bf16_rounded(state["draft"]),
+        {**bf16_rounded(state["draft"]), **fixed},
         params,
         cfg,
         dcfg,
@@ -325,6 +355,7 @@ def main() -> int:
         "markov_rank": args.markov_rank,
         "head": args.head,
         "confidence_head": dcfg.confidence_head,
+        "draft_vocab_size": dcfg.draft_vocab_size or cfg.vocab_size,
         "parameters": int(n_params),
     }
     training = {"anchors": args.anchors, "loss_weights": dataclasses.asdict(weights)}
@@ -350,6 +381,11 @@ def card(raw: dict, r: dict) -> str:
         if dr["markov_rank"]
         else "no sequential head"
     )
+    if dr.get("draft_vocab_size", raw["vocab_size"]) < raw["vocab_size"]:
+        head += (
+            f", over a draft vocabulary of the {dr['draft_vocab_size']:,} most frequent training tokens "
+            "(`d2t`; the block's head is the target's columns for them)"
+        )
     calibration = "No confidence head."
     c = r.get("calibration")
     if c is not None:

@@ -74,6 +74,84 @@ def test_smoke_run_resumes_from_its_exported_draft_and_ships_a_calibrated_draft(
     assert spec.tokens == plain.tokens
 
 
+@pytest.mark.slow
+@pytest.mark.spawns
+def test_smoke_run_with_a_draft_vocabulary(tmp_path):
+    """--draft-vocab: the most frequent training tokens (as EAGLE-3's and DFlash's), W2 over them,
+    the head the target's columns (only d2t / t2d stored); it loads strictly and speculates
+    losslessly."""
+    out = tmp_path / "draft"
+    run = finish(start(out, "--draft-vocab", "700", "--no-frozen-copies"))
+    assert run.returncode == 0, run.stderr
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["draft_vocab_size"] == 700
+    reader = CheckpointReader(str(out))
+    assert reader.shape("markov_head.markov_w2.weight") == (700, 8) and reader.get("t2d").sum() == 700
+    assert "draft vocabulary of the 700 most frequent" in (out / "README.md").read_text()
+    model = mtp_jax.load(LLAMA, "float32", strict=True, draft_model=str(out))
+    ids = np.asarray(model.params["dspark"]["draft_to_target"])
+    assert len(ids) == 700 and np.all(np.diff(ids) > 0)
+    prompt = [[0, 5, 9, 17, 3, 40]]
+    plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    spec = model.generate(prompt, max_new_tokens=8, ignore_eos=True, draft="dspark", num_speculative_tokens=4)
+    assert spec.tokens == plain.tokens
+
+
+def test_the_loss_over_a_draft_vocabulary_is_the_restricted_one(small_draft):
+    """With a draft vocabulary the loss compares the draft's distribution over it with the target's
+    renormalised over it; labels outside it drop out of the cross-entropy only."""
+    from mtp_jax.drafts.dspark.draft import dspark_features, teacher_forced_block
+    from mtp_jax.drafts.dspark.losses import LossWeights, dspark_losses
+    from mtp_jax.drafts.dspark.training import FIXED
+    from mtp_jax.targets import target_for
+    from mtp_jax.targets.base import lm_head
+
+    script, cfg, params, _, _ = small_draft
+    with open(os.path.join(LLAMA, "config.json")) as f:
+        target_raw = json.load(f)
+    raw = script.draft_config(target_raw, cfg, 1, [-1, 1], 4, 2, 8, "vanilla", True, 500)
+    ids = np.sort(np.random.default_rng(2).choice(cfg.vocab_size, 500, replace=False)).astype(np.int32)
+    dcfg, tree = script.init_draft(raw, cfg, params, seed=1, ids=ids)
+    assert set(FIXED) <= set(tree) and tree["markov"]["w2"].shape == (8, 500)
+    rng = np.random.default_rng(1)
+    outside = int(np.setdiff1d(np.arange(cfg.vocab_size), ids)[0])
+    window = jnp.asarray(rng.choice(ids, (2, 25)), jnp.int32).at[0, 7].set(outside)
+    anchors = jnp.asarray([[0, 4, 9], [2, 10, 15]], jnp.int32)
+    weights = LossWeights(0.3, 0.6, 0.8, 2.0)
+    got = script.draft_losses(tree, params, cfg, dcfg, window, anchors, weights)[1]
+    # the same from dspark_losses fed the restricted pieces by hand
+    inputs = window[:, :-1]
+    positions = jnp.broadcast_to(jnp.arange(24), inputs.shape)
+    hidden, _ = target_for(cfg).forward(params, cfg, inputs, positions, capture=dcfg.capture)
+    full, conf = teacher_forced_block({**params, "dspark": tree}, dcfg, inputs, dspark_features(dcfg, hidden))
+    rows = np.asarray(anchors)[..., None] + np.arange(4)
+    b = np.arange(2)[:, None]
+    labels = np.asarray(window)[b[..., None], rows + 1]
+    draft_logits = np.asarray(full)[b, np.asarray(anchors)][..., ids]  # its finite entries
+    target = np.asarray(lm_head(params, hidden.post_norm))[b[..., None], rows][..., ids]
+    to_draft = np.full(cfg.vocab_size, -1)
+    to_draft[ids] = np.arange(500)
+    inside = to_draft[labels] >= 0
+    assert not inside.all()  # a label outside the vocabulary is among them
+    conf = np.asarray(conf)[b, np.asarray(anchors)]
+    want = dspark_losses(
+        draft_logits,
+        target,
+        np.maximum(to_draft[labels], 0),
+        np.ones(labels.shape, bool),
+        conf,
+        weights,
+        inside,
+    )
+    for key in ("loss", "ce", "l1", "confidence", "acceptance"):
+        np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=2e-5, err_msg=key)
+    # not vacuous: counting the outside label's cross-entropy (at draft id 0) changes the loss
+    wrong = dspark_losses(
+        draft_logits, target, np.maximum(to_draft[labels], 0), np.ones(labels.shape, bool), conf, weights
+    )
+    assert abs(float(wrong["ce"]) - float(got["ce"])) > 1e-3
+
+
 def load_script():
     return import_script(SCRIPT)
 

@@ -42,13 +42,15 @@ def dspark_losses(
     labels_valid: jax.Array,
     confidence_logits: jax.Array | None,
     weights: LossWeights = LossWeights(),
+    ce_valid: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The weighted mean losses over every counted slot of blocks [..., B]: ``draft_logits`` and
     ``target_logits`` [..., B, V] (slot k predicting the same token, the target's distribution
     being its next-token one there), ``labels`` [..., B] the true tokens, ``labels_valid`` [..., B].
     Returns {"loss", "ce", "l1", "confidence" (0 without a head), "acceptance": the mean analytic
     acceptance sum(min(p_d, p_t)) over the counted slots}; the targets of the confidence term are
-    not differentiated (as DeepSpec detaches them)."""
+    not differentiated (as DeepSpec detaches them). ``ce_valid`` [..., B]: where False the slot's
+    cross-entropy is not counted (a draft vocabulary without the true token: the other terms are)."""
     f32 = jnp.float32
     slots = labels.shape[-1]
     w = jnp.exp(-jnp.arange(slots, dtype=f32) / weights.decay) * valid_slots(labels_valid)
@@ -59,8 +61,12 @@ def dspark_losses(
     ce = -jnp.take_along_axis(logp_d, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     l1 = jnp.sum(jnp.abs(p_d - p_t), axis=-1)
     accept = jax.lax.stop_gradient(jnp.clip(jnp.sum(jnp.minimum(p_d, p_t), axis=-1), 0.0, 1.0))
+    w_ce, total_ce = w, total
+    if ce_valid is not None:
+        w_ce = w * ce_valid.astype(f32)
+        total_ce = jnp.maximum(jnp.sum(w_ce), 1e-9)
     out = {
-        "ce": jnp.sum(w * ce) / total,
+        "ce": jnp.sum(w_ce * ce) / total_ce,
         "l1": jnp.sum(w * l1) / total,
         "acceptance": jnp.sum(w * accept) / total,
         "confidence": jnp.zeros((), f32),

@@ -28,7 +28,7 @@ from mtp_jax.drafts.dspark.losses import LossWeights, dspark_losses
 from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
 from mtp_jax.drafts.teacher import top_k_teacher
 from mtp_jax.targets import target_for
-from mtp_jax.targets.base import head_columns, lm_head
+from mtp_jax.targets.base import head_columns, head_logits, lm_head
 
 
 def draft_config(
@@ -41,9 +41,11 @@ def draft_config(
     rank: int,
     head: str,
     confidence: bool,
+    draft_vocab: int | None = None,
 ) -> dict:
     """config.json as DeepSpec writes it: DFlash's backbone for this target
-    (:func:`mtp_jax.drafts.dflash.training.draft_config`) with the DSpark fields."""
+    (:func:`mtp_jax.drafts.dflash.training.draft_config`) with the DSpark fields; ``draft_vocab``:
+    mtp-jax's draft vocabulary of that many target ids (``draft_vocab_size``)."""
     backbone = parse_dflash_config(dflash_draft_config(target, cfg, layers, [0], block, mask))
     dcfg = DSparkConfig(
         backbone=backbone,
@@ -53,7 +55,10 @@ def draft_config(
         markov_head_type=head,
         confidence_head=confidence,
     )
-    return {**dspark_config_dict(dcfg, target), "model_type": "qwen3"}
+    raw = {**dspark_config_dict(dcfg, target), "model_type": "qwen3"}
+    if draft_vocab is not None and draft_vocab != cfg.vocab_size:
+        raw["draft_vocab_size"] = draft_vocab
+    return raw
 
 
 def target_arrays(params: dict, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,13 +68,16 @@ def target_arrays(params: dict, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return embed, head
 
 
-def init_draft(raw: dict, cfg: ModelConfig, params: dict, seed: int) -> tuple[DSparkConfig, dict]:
+def init_draft(
+    raw: dict, cfg: ModelConfig, params: dict, seed: int, ids: np.ndarray | None = None
+) -> tuple[DSparkConfig, dict]:
     """HF's default initialisation (DeepSpec's): N(0, 0.02) weights (output projections / sqrt(2 n),
     as the other drafts here), unit norms, zero biases; built in DeepSpec's layout and read back by
-    the loader."""
+    the loader. ``ids``: the draft vocabulary's target ids (the config's ``draft_vocab_size`` of
+    them); the tree then holds ``draft_to_target`` and the head's columns (:data:`FIXED`)."""
     dcfg = DSparkConfig.from_dict(raw)
     embed, head = target_arrays(params, cfg.vocab_size)
-    tensors = dspark_hub_tensors(dcfg, embed, head, seed, std=0.02)
+    tensors = dspark_hub_tensors(dcfg, embed, head, seed, std=0.02, draft_ids=ids)
     rng = np.random.default_rng([seed, 3])
     for name in sorted(tensors):
         if name.endswith("norm.weight"):
@@ -83,7 +91,22 @@ def init_draft(raw: dict, cfg: ModelConfig, params: dict, seed: int) -> tuple[DS
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "init")
         write_hub_checkpoint(path, raw, tensors)
-        return load_dspark(CheckpointReader(path), raw, cfg, jnp.float32, strict=True, verbose=False)
+        reader = CheckpointReader(path)
+        return load_dspark(reader, raw, cfg, jnp.float32, strict=True, verbose=False, target_params=params)
+
+
+FIXED = ("draft_to_target", "lm_head")
+"""A draft vocabulary's ids and the target head's columns for them: in the tree, not trained."""
+
+
+def _draft_labels(ids: jax.Array | None, vocab_size: int, labels: jax.Array):
+    """With a draft vocabulary (``ids`` [Vd]): the labels as draft ids (0 where outside), a mask of
+    those inside, and a function mapping draft ids back to target ids; without one, as given."""
+    if ids is None:
+        return labels, None, lambda x: x
+    to_draft = jnp.full((vocab_size,), -1, jnp.int32).at[ids].set(jnp.arange(ids.shape[0], dtype=jnp.int32))
+    d = to_draft[labels]
+    return jnp.maximum(d, 0), d >= 0, lambda x: ids[x]
 
 
 def draft_losses(
@@ -126,19 +149,25 @@ def draft_losses(
     flat = block_pos.reshape(b, -1)
     prev = jnp.take_along_axis(window, flat, axis=1).reshape(block_pos.shape)  # slot k reads token a + k
     labels = jnp.take_along_axis(window, flat + 1, axis=1).reshape(block_pos.shape)
-    draft_logits, conf = teacher_forced_heads(tree, dcfg, h, lm_head(params, h), prev)
-    if cached is None:
+    ids = tree.get("draft_to_target")
+    base = lm_head(params, h) if ids is None else head_logits(tree["lm_head"], h)
+    draft_logits, conf = teacher_forced_heads(tree, dcfg, h, base, prev, None, ids)  # over V or Vd
+    if cached is None:  # the target's distribution, over the draft vocabulary renormalised
         teacher = jnp.take_along_axis(logits, flat[..., None], axis=1).reshape(*block_pos.shape, -1)
-        target_logp = jax.nn.log_softmax(teacher.astype(jnp.float32), axis=-1)
         greedy = jnp.argmax(teacher, -1)
+        teacher = teacher if ids is None else jnp.take(teacher, ids, axis=-1)
+        target_logp = jax.nn.log_softmax(teacher.astype(jnp.float32), axis=-1)
     else:
         top = [jnp.take_along_axis(cached[k], flat[..., None], axis=1) for k in ("top_ids", "top_logp")]
-        teacher = top_k_teacher(*(x.reshape(*block_pos.shape, -1) for x in top), None, cfg.vocab_size)
+        teacher = top_k_teacher(*(x.reshape(*block_pos.shape, -1) for x in top), ids, cfg.vocab_size)
         target_logp, greedy = jnp.log(teacher["probs"]), teacher["greedy"]
-    out = dspark_losses(draft_logits, target_logp, labels, jnp.ones(labels.shape, bool), conf, weights)
+    labels, inside, to_target = _draft_labels(ids, cfg.vocab_size, labels)
+    out = dspark_losses(
+        draft_logits, target_logp, labels, jnp.ones(labels.shape, bool), conf, weights, inside
+    )
     p_d, p_t = jax.nn.softmax(draft_logits, -1), jnp.exp(target_logp)
     out["level_acceptance"] = jnp.minimum(p_d, p_t).sum(-1).mean((0, 1))
-    out["level_agreement"] = (jnp.argmax(draft_logits, -1) == greedy).mean((0, 1))
+    out["level_agreement"] = (to_target(jnp.argmax(draft_logits, -1)) == greedy).mean((0, 1))
     return out["loss"], out
 
 
