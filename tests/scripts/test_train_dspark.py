@@ -272,3 +272,53 @@ def test_the_draft_it_builds_for_a_deepseek_target_loads():
     assert raw["model_type"] == "qwen3" and dcfg.capture == (0, 6) and dcfg.block_size == 7
     assert tree["markov"]["w1"].shape == (cfg.vocab_size, 16) and "gate" in tree["markov"]
     np.testing.assert_array_equal(np.asarray(tree["norm"]), 1.0)
+
+
+def test_a_trained_draft_restricted_to_a_draft_vocabulary_drafts_its_conditional(tmp_path, monkeypatch):
+    """scripts/restrict_dspark_vocab.py: a full-vocabulary DSpark with W2's rows of the most frequent
+    tokens and d2t added; its teacher-forced logits are the full draft's on those ids, -inf elsewhere
+    (its distribution: the full one conditioned on the vocabulary); bad input refused by name."""
+    from mtp_jax.checkpoint.safetensors_io import write_hub_checkpoint
+    from mtp_jax.drafts.dspark.config import DSparkConfig
+    from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
+    from mtp_jax.train.frozen import draft_vocabulary
+    from tests.drafts.test_dspark import DSPARK_A, TARGET, _target_arrays, _teacher_forced
+
+    target = mtp_jax.load(TARGET, "float32")
+    embed, head = _target_arrays(target)
+    full = tmp_path / "full"
+    write_hub_checkpoint(
+        full, DSPARK_A, dspark_hub_tensors(DSparkConfig.from_dict(DSPARK_A), embed, head, seed=3)
+    )
+    replies = tmp_path / "replies.jsonl"
+    rng = np.random.default_rng(0)
+    replies.write_text(
+        "".join(
+            json.dumps({"prompt": "p", "reply": rng.zipf(1.3, 40).clip(0, 127).tolist()}) + "\n"
+            for _ in range(30)
+        )
+    )
+    script = import_script(os.path.join(REPO, "scripts", "restrict_dspark_vocab.py"))
+    out = tmp_path / "restricted"
+    argv = ["restrict_dspark_vocab.py", "--draft", str(full), "--tokens", str(replies), "--vocab", "50"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out)])
+    assert script.main() == 0
+    ids = draft_vocabulary([script.token_stream(str(replies))], 128, 50)
+    a = mtp_jax.load(TARGET, "float32", strict=True, draft_model=str(full))
+    b = mtp_jax.load(TARGET, "float32", strict=True, draft_model=str(out))
+    np.testing.assert_array_equal(np.asarray(b.params["dspark"]["draft_to_target"]), ids)
+    tokens = np.asarray([[5, 9, 17, 3, 40, 2, 2, 7]])
+    got, want = np.asarray(_teacher_forced(b, tokens)[0]), np.asarray(_teacher_forced(a, tokens)[0])
+    # blocks inside the sequence (every slot's previous token given): the same logits on the vocabulary
+    whole = tokens.shape[1] - DSPARK_A["block_size"] + 1
+    np.testing.assert_allclose(got[:, :whole][..., ids], want[:, :whole][..., ids], rtol=1e-5, atol=1e-5)
+    assert np.isneginf(np.delete(got, ids, axis=-1)).all()
+    for extra, message in (
+        (["--draft", str(out)], "already has a draft vocabulary"),
+        (["--vocab", "500"], r"must be in \[1, 128\]"),
+        (["--draft", str(tmp_path)], "config.json"),
+    ):
+        monkeypatch.setattr(sys, "argv", [*argv, "--out", str(tmp_path / "x"), *extra])
+        with pytest.raises((SystemExit, FileNotFoundError), match=message):
+            script.main()
+    assert not (tmp_path / "x").exists()
