@@ -354,6 +354,17 @@ def start_chat_run(args: argparse.Namespace, workdir: str, t0: float, target_raw
         "train_tokens": int(len(train_stream)),
         "heldout_tokens": int(len(held_stream)),
     }
+    run = _model_run(args, workdir, target_raw, model, (train_stream, held_stream), start=t0, data=data)
+    run.target_eval, run.train_starts = {"prompts": [p["text"] for p in evaluation]}, train_starts
+    return run
+
+
+def _model_run(
+    args: argparse.Namespace, workdir: str, target_raw: dict, model: Any, streams: tuple, **fields: Any
+) -> Run:
+    """A run on a loaded real model's own text (chat replies or a corpus): its codec, no stdlib
+    module split, nothing of its own text mixed in (the data already is)."""
+    train, held = streams
     return Run(
         args,
         workdir,
@@ -361,15 +372,13 @@ def start_chat_run(args: argparse.Namespace, workdir: str, t0: float, target_raw
         target_raw,
         model.config,
         model.params,
-        codec,
-        {"prompts": [p["text"] for p in evaluation]},
+        model.text,
+        {},
         [],
         [],
-        train_stream,
-        held_stream,
-        start=t0,
-        data=data,
-        train_starts=train_starts,
+        train,
+        held,
+        **fields,
     )
 
 
@@ -441,24 +450,12 @@ def start_corpus_run(args: argparse.Namespace, workdir: str, t0: float, target_r
         "by_source": split.counts,
         "acceptance_sources": dict(sorted(taken.items())),
     }
-    return Run(
-        args,
-        workdir,
-        0,
-        target_raw,
-        model.config,
-        model.params,
-        model.text,
-        {"prompts": [model.text.decode(p, skip_special_tokens=False) for p in prompts]},
-        [],
-        [],
-        split.train_stream,
-        split.held_stream,
-        start=t0,
-        held_prompts=prompts,
-        data=data,
-        train_starts=split.train_starts,
-    )
+    run = _model_run(
+        args, workdir, target_raw, model, (split.train_stream, split.held_stream),
+        start=t0, held_prompts=prompts, data=data, train_starts=split.train_starts,
+    )  # fmt: skip
+    run.target_eval = {"prompts": [model.text.decode(p, skip_special_tokens=False) for p in prompts]}
+    return run
 
 
 def attach_target_cache(
