@@ -196,23 +196,32 @@ def generate_replies(
 ) -> list[list[int]]:
     """The target's greedy reply (token ids, EOS included when it ended) to each chat-rendered
     prompt, appended to ``path`` (JSON lines: the prompt and its reply) batch by batch: a rerun
-    resumes where it stopped, from the lines whose prompts are still the same."""
+    resumes where it stopped, from the lines whose prompts are still the same. Lines past the
+    prompts asked for (a run over more of the same prompts: ``--max-prompts``) are kept; the file
+    is cut only at a line that no longer holds (another prompt, or a line an interruption cut
+    short), rewritten whole under a temporary name and renamed."""
     done: list[list[int]] = []
     if os.path.isfile(path):
+        stale = False
         with open(path, encoding="utf-8") as f:
             for line, p in zip(f, prompts, strict=False):
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:
-                    break  # a line cut short by an interruption: regenerate from there
+                    stale = True  # a line cut short by an interruption: regenerate from there
+                    break
                 if row.get("prompt") != p["text"]:
-                    break  # another prompt set: regenerate from here
+                    stale = True  # another prompt set: regenerate from here
+                    break
                 done.append(row["reply"])
-        with open(path, "w", encoding="utf-8") as f:  # keep only what still holds
-            f.writelines(
-                json.dumps({"prompt": p["text"], "reply": r}) + "\n"
-                for p, r in zip(prompts, done, strict=False)
-            )
+        if stale:  # keep only what still holds
+            temporary = f"{path}.tmp{os.getpid()}"
+            with open(temporary, "w", encoding="utf-8") as f:
+                f.writelines(
+                    json.dumps({"prompt": p["text"], "reply": r}) + "\n"
+                    for p, r in zip(prompts, done, strict=False)
+                )
+            os.replace(temporary, path)
     t0, start = time.perf_counter(), len(done)
     with open(path, "a", encoding="utf-8") as f:
         for i in range(len(done), len(prompts), batch):
