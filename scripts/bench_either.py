@@ -1,10 +1,10 @@
-"""The n-gram step's two widths chosen by ``lax.cond`` or by ``step.either``, alternated in one process.
+"""The n-gram step's two widths chosen by ``lax.cond`` or by ``step.one_of``'s loops, alternated in a process.
 
     python scripts/bench_either.py --model smollm2-135m-instruct --k 8 --context 300 --rounds 8 \
         --json benchmarks/smollm2/either-vs-cond-k8.json
 
 A draft that proposes per row (n-gram) runs a step that verifies K + 1 tokens per row when some row
-has drafts and one token per row when none has. ``step.either`` makes that choice with two
+has drafts and one token per row when none has. ``step.one_of`` makes that choice with two
 ``while_loop``s of zero or one trip; ``lax.cond`` made it before, and XLA copies a buffer that a
 conditional's branch updates in place: the KV page pools, twice a step. On a GPU each loop test
 reads its predicate back to the host (a conditional reads one), so the trade may differ there:
@@ -78,10 +78,10 @@ def main() -> int:
         model = mtp_jax.load(model_path(args.model), dtype=dtype)
         cfg, params, source = model.config, model.params, os.path.basename(model.path)
     page = args.page_size
-    loops = step_module.either
+    loops = step_module.one_of  # the step's choice among its widths (n-gram: 1 and K + 1)
 
-    def cond(pred, if_true, if_false, params, state, blank):
-        return jax.lax.cond(pred, if_true, if_false, params, state)
+    def cond(index, branches, params, state, blank):  # the conditional it replaced
+        return jax.lax.switch(index, branches, params, state)
 
     def build(k: int, either) -> tuple:
         sc = StepConfig(cfg, page, k, "ngram" if k else None)
@@ -96,18 +96,18 @@ def main() -> int:
             drafts=jnp.asarray(ids[:, 1:]),
             active=jnp.ones((1,), bool),
         )
-        step_module.either = either
+        step_module.one_of = either
         step.clear_cache()  # the traced program depends on the patched global, not on the arguments
         try:
             compiled = step.lower(params, state, sc).compile()
         finally:
-            step_module.either = loops
+            step_module.one_of = loops
         pool = jax.tree.leaves(state.target_pages)[0]
         shape = f"[{','.join(map(str, pool.shape))}]"
         copies = sum(1 for line in compiled.as_text().splitlines() if " copy(" in line and shape in line)
         if k and copies and either is loops:
             print(
-                f"note: the step.either program copies a KV pool {copies} times", file=sys.stderr, flush=True
+                f"note: the step.one_of program copies a KV pool {copies} times", file=sys.stderr, flush=True
             )
         return compiled, [state], copies
 

@@ -261,7 +261,8 @@ def test_regeneration_killed_and_resumed_equals_one_run(tmp_path, monkeypatch):
         generate_corpus(model, plan, early, settings, **kwargs)
     progress = json.loads(Path(early, "progress.json").read_text())
     assert progress["shards_done"] == 0
-    assert progress["runs"][-1]["engine_reply_tokens"] > 0 and progress["runs"][-1]["seconds"] > 0
+    # the killed run's work is on record (its seconds, rounded to 0.1 s, may be 0.0 on a fast machine)
+    assert progress["runs"][-1]["engine_reply_tokens"] > 0 and progress["runs"][-1]["seconds"] >= 0
 
     conversations = list(iter_conversations(whole))
     assert [c.index for c in conversations] == list(range(7))
