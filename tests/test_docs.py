@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 
 from tests.conftest import REPO
 
@@ -117,3 +118,28 @@ def test_the_architecture_picture_names_real_modules():
     assert named, "the picture names no module"
     missing = sorted(n for n in named if not os.path.exists(os.path.join(REPO, "mtp_jax", n)))
     assert not missing, missing
+
+
+def test_the_architecture_picture_shows_every_target_and_draft():
+    """The seam's boxes list every target and draft folder, and the PNG is drawn from this .dot."""
+    import importlib.util
+
+    with open(os.path.join(REPO, "docs", "architecture.dot"), encoding="utf-8") as f:
+        dot = f.read()
+    for family in ("targets", "drafts"):
+        base = os.path.join(REPO, "mtp_jax", family)
+        folders = [d for d in os.listdir(base) if os.path.exists(os.path.join(base, d, "__init__.py"))]
+        assert folders
+        missing = sorted(d for d in folders if f"{d}/" not in dot)
+        assert not missing, f"docs/architecture.dot does not show {family} {missing}"
+    spec = importlib.util.spec_from_file_location(
+        "draw_architecture", os.path.join(REPO, "scripts", "draw_architecture.py")
+    )
+    draw = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("draw_architecture", draw)  # its dataclasses look their module up
+    spec.loader.exec_module(draw)
+    graph = draw.parse_dot()  # every node placed, every edge between nodes
+    assert {"step", "targets", "drafts"} <= set(graph.nodes)
+    assert draw.recorded_hash() == draw.source_hash(), (
+        "docs/architecture.png is behind docs/architecture.dot: run python scripts/draw_architecture.py"
+    )
