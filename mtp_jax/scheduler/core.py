@@ -72,6 +72,12 @@ class Scheduler:
     ) -> None:
         _check_options(sc, slots, fused, constraints, grammar_masks, chunked_prefill, on_verified)
         self.on_verified, self.reads_confidence = on_verified, sc.confident and jax.process_count() == 1
+        # a draft that proposes per row (n-gram, suffix) may have fewer drafts for a row than its K:
+        # the rows' own counts are copied before each step (one process: a multi-host run counts K)
+        method = sc.draft_method
+        self.reads_counts = (
+            method is not None and method.proposes_per_row and sc.tree is None and jax.process_count() == 1
+        )
         self.chunk = chunked_prefill
         self.filling: collections.deque[Admission] = collections.deque()  # prompts still arriving
         self.callback = constraints is not None and grammar_masks == "callback"
@@ -248,7 +254,7 @@ class Scheduler:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         if len(emitted):  # -1 past the width a chain's step verified (a tree verifies every node)
             self.widths[int(np.max(np.sum(emitted >= 0, axis=1)))] += 1
-        drafted = verified_drafts(drafted, emitted)
+        drafted = verified_drafts(np.asarray(drafted), emitted)
         lp, done = None if logprobs is None else jax.tree.map(np.asarray, logprobs), []
         expected = confidences(conf, drafted, n_emit, owners, self.on_verified)
         for b, req in enumerate(owners):
@@ -304,6 +310,10 @@ class Scheduler:
                 trees = grammar_trees(self.sc, self.state, [self._constrained(r) for r in running])
                 masks = self.constraints.step_masks(running, self.state.drafts, sc_now.k, trees)
         drafted = np.minimum(self.proposed, sc_now.k)
+        if self.reads_counts and sc_now.k and not sc_now.draft_idle:
+            # the drafts each row holds (fewer than K where its text had no match): read with the
+            # step's tokens, copied before the step takes (donates) the state
+            drafted = jnp.minimum(jnp.copy(self.state.num_drafts), sc_now.k)
         for b, req in enumerate(running):
             if req is not None:
                 self.proposed[b] = min(self.row_k(req), sc_now.k)

@@ -291,6 +291,43 @@ def test_a_step_without_matches_verifies_one_token_per_row(models):
     assert spec.stats["acceptance_length"] == 1 and spec.stats["num_accepted_tokens"] == 0
 
 
+def replay_counts(prompt: list[int], reply: list[int], k: int, new_tokens: int) -> tuple[int, int, int, int]:
+    """(steps, steps that verified drafts, drafts verified, drafts accepted) of greedy n-gram
+    speculation walked on the host: the first token from the prefill; each step proposes the
+    reference's K drafts when the history has a match (none otherwise), accepts those equal to
+    the greedy ``reply`` (longer than ``new_tokens`` so the last step can be judged) and emits one
+    more, until ``new_tokens`` are out."""
+    out, steps, drafting, drafted, accepted = 1, 0, 0, 0, 0
+    while out < new_tokens:
+        history = prompt + reply[:out]
+        drafts = [] if match(history) is None else reference(history, k)
+        a = 0
+        while a < len(drafts) and drafts[a] == reply[out + a]:
+            a += 1
+        steps, drafting, drafted, accepted = steps + 1, drafting + bool(drafts), drafted + len(drafts), accepted + a
+        out += a + 1
+    return steps, drafting, drafted, accepted
+
+
+def test_the_drafts_counted_are_the_rows_own():
+    """num_draft_tokens counts the drafts each row held, not K per step: a step whose row had no
+    match verified none. Checked against a walk of the greedy replies on the host, on prompts
+    where some steps match and some do not (K per drafting step would count more)."""
+    model = mtp_jax.load(LLAMA, "float32", page_size=4)
+    prompts = [[5, 9, 17, 3, 5, 9, 17, 3, 5, 9], [40, 2, 2, 7, 91, 13, 13, 60, 1, 77, 5], [11, 12, 13, 14]]
+    k, n = 4, 24
+    replies = model.generate(prompts, max_new_tokens=n + k + 1, ignore_eos=True).tokens
+    want = np.zeros(4, int)
+    for prompt, reply in zip(prompts, replies, strict=True):
+        want += replay_counts(prompt, reply, k, n)
+    out = model.generate(prompts, max_new_tokens=n, ignore_eos=True, draft="ngram", num_speculative_tokens=k)
+    st = out.stats
+    assert out.tokens == [r[:n] for r in replies]
+    got = [st["num_drafts"], st["num_draft_tokens"], st["num_accepted_tokens"]]
+    assert got == want[1:].tolist(), (got, want)
+    assert 0 < want[1] < want[0] and want[2] < k * want[0]  # some rows' steps without a match
+
+
 @pytest.mark.parametrize("which", ["llama", "deepseek"])
 def test_the_step_updates_the_caches_in_place(models, which):
     """Choosing between the step that verifies K + 1 tokens and the one that verifies one must not
