@@ -304,7 +304,8 @@ def replay_counts(prompt: list[int], reply: list[int], k: int, new_tokens: int) 
         a = 0
         while a < len(drafts) and drafts[a] == reply[out + a]:
             a += 1
-        steps, drafting, drafted, accepted = steps + 1, drafting + bool(drafts), drafted + len(drafts), accepted + a
+        steps, drafting = steps + 1, drafting + bool(drafts)
+        drafted, accepted = drafted + len(drafts), accepted + a
         out += a + 1
     return steps, drafting, drafted, accepted
 
