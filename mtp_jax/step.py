@@ -220,7 +220,9 @@ class DecodeState:
     most what the last step proposed: a step may speculate less than K); thinking [B]: inside a
     thinking phase after the committed tokens before next_token; active [B]; sampling: per-row
     parameters; tree_parent [B, N]: with a :class:`~mtp_jax.tree.DynamicTree`, each row's proposed
-    tree's parents (the drafts are its nodes 1..N-1), else [B, 0].
+    tree's parents (the drafts are its nodes 1..N-1), else [B, 0]; draft_source [B]: with a draft
+    of several :attr:`~mtp_jax.drafts.Draft.sources`, the index of the one each row's drafts came
+    from (-1: none; the scheduler counts drafts by it), else -1.
     """
 
     target_pages: dict
@@ -236,6 +238,7 @@ class DecodeState:
     sampling: RowSampling
     draft_conf: jax.Array
     tree_parent: jax.Array
+    draft_source: jax.Array
 
 
 def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) -> DecodeState:
@@ -256,6 +259,7 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
         sampling=RowSampling.build(batch),
         draft_conf=jnp.zeros((batch, sc.k if sc.confident else 0), jnp.float32),
         tree_parent=jnp.zeros((batch, _dynamic_size(sc)), jnp.int32),
+        draft_source=jnp.full((batch,), -1, jnp.int32),
     )
 
 
@@ -272,11 +276,16 @@ def _split_tree(new_drafts: Any, parent: jax.Array) -> tuple[jax.Array, jax.Arra
     return new_drafts, parent
 
 
-def propose(sc: StepConfig, params: dict, *args) -> tuple[jax.Array, jax.Array, Any, jax.Array | None]:
-    """``sc.drafter.extend_and_propose(params, context, *args)``: (drafts, q, draft state, and the
-    drafts' calibrated confidence logits [b, K] from a draft with a confidence head, else None)."""
+def propose(sc: StepConfig, params: dict, *args) -> tuple[jax.Array, jax.Array, Any, jax.Array | None, Any]:
+    """``sc.drafter.extend_and_propose(params, context, *args)``: (drafts, q, draft state, the
+    drafts' calibrated confidence logits [b, K] from a draft with a confidence head, else None, and
+    each row's proposal's source [b] from a draft with :attr:`~mtp_jax.drafts.Draft.sources`, else
+    None)."""
     out = sc.drafter.extend_and_propose(params, sc.draft_context, *args)
-    return out if sc.confident else (*out, None)
+    drafts, q, draft_state, *extra = out
+    z = extra.pop(0) if sc.confident else None
+    source = extra.pop(0) if sc.drafter.sources else None
+    return drafts, q, draft_state, z, source
 
 
 def forward_paged(
@@ -370,22 +379,25 @@ def _followed_by(tokens: jax.Array, last: jax.Array, after: jax.Array) -> jax.Ar
 
 def _first_drafts(params, state, sc, prompt: Rows, page_table, real, sampling, first, lengths):
     """The draft's first proposal after a prompt (:func:`prefill`): (drafts [R, K], q, confidences,
-    each row's draft count, the draft's state); without a draft, only the counts (its cap)."""
+    each row's draft count, the draft's state, tree parents, sources); without a draft, only the
+    counts (its cap)."""
     r = prompt.tokens.shape[0]
     drafts = jnp.zeros((r, state.drafts.shape[1]), jnp.int32)
     q = jnp.zeros((r,) + state.draft_q.shape[1:], jnp.float32)
     conf = jnp.zeros((r,) + state.draft_conf.shape[1:], jnp.float32)
     parent = jnp.zeros((r,) + state.tree_parent.shape[1:], jnp.int32)
+    none = jnp.full((r,), -1, jnp.int32)
     if sc.drafter is None:
         count = jnp.minimum(sampling.num_speculative_tokens, sc.k)
-        return drafts, q, conf, count, state.draft_state, parent
-    new_drafts, q_new, draft_state, z = propose(
+        return drafts, q, conf, count, state.draft_state, parent, none
+    new_drafts, q_new, draft_state, z, source = propose(
         sc, params, state.draft_state, page_table, prompt, real, sampling, lengths + 1
     )
     new_drafts, parent = _split_tree(new_drafts, parent)
     new_drafts, count = _proposed(sc, new_drafts, sampling.num_speculative_tokens, first)
     drafts, q = _room(drafts, new_drafts), _room(q, q_new) if sc.sampled else q
-    return drafts, q, conf if z is None else _room(conf, z), count, draft_state, parent
+    source = none if source is None else source
+    return drafts, q, conf if z is None else _room(conf, z), count, draft_state, parent, source
 
 
 @functools.partial(jax.jit, static_argnames=("sc",), donate_argnames=("state",))
@@ -429,7 +441,7 @@ def prefill(
     first = sample(first_logits, sampling, lengths)
     logprobs = token_logprobs(raw_logits, first, MAX_LOGPROBS) if sc.logprobs else None
     prompt = Rows(tokens, _followed_by(tokens, last, first), positions, valid, hidden, last)
-    drafts, q, conf, count, draft_state, parent = _first_drafts(
+    drafts, q, conf, count, draft_state, parent, source = _first_drafts(
         params, state, sc, prompt, page_table, real, sampling, first, lengths
     )
     thinking = jnp.zeros((r,), bool) if thinking is None else thinking
@@ -457,6 +469,7 @@ def prefill(
                 sampling=jax.tree.map(put, state.sampling, sampling),
                 draft_conf=put(state.draft_conf, conf),
                 tree_parent=put(state.tree_parent, parent),
+                draft_source=put(state.draft_source, source),
             ),
             sc,
         ),
@@ -589,7 +602,7 @@ def _commit_and_draft(
     new_seq = seq + n_emit
     new_next = jnp.take_along_axis(emitted, n_acc[:, None], axis=1)[:, 0]
     draft_state, drafts, q, num_drafts = state.draft_state, state.drafts, state.draft_q, state.num_drafts
-    conf, parent = state.draft_conf, state.tree_parent
+    conf, parent, source = state.draft_conf, state.tree_parent, state.draft_source
     num_drafts = jnp.where(state.active, jnp.minimum(state.sampling.num_speculative_tokens, sc.k), num_drafts)
     thinking = state.thinking
     if sc.think_tokens is not None:
@@ -602,11 +615,13 @@ def _commit_and_draft(
         positions = seq[:, None] + jnp.arange(k1, dtype=jnp.int32)
         valid = state.active[:, None] & (jnp.arange(k1)[None, :] <= n_acc[:, None])
         committed = Rows(tokens, emitted, positions, valid, hidden, n_acc)
-        new_drafts, new_q, draft_state, z = propose(
+        new_drafts, new_q, draft_state, z, new_source = propose(
             sc, params, draft_state, state.page_table, committed, state.active, state.sampling, new_seq + 1
         )
         if z is not None:
             conf = jnp.where(state.active[:, None], _room(conf, z), conf)
+        if new_source is not None:
+            source = jnp.where(state.active, new_source, source)
         new_drafts, new_parent = _split_tree(new_drafts, parent)
         parent = jnp.where(state.active[:, None], new_parent, parent)
         new_drafts, count = _proposed(sc, new_drafts, state.sampling.num_speculative_tokens, new_next)
@@ -626,6 +641,7 @@ def _commit_and_draft(
         thinking=thinking,
         draft_conf=conf,
         tree_parent=parent,
+        draft_source=source,
     )
     return replicated(n_emit, sc.mesh), new_state  # replicated: every process reads the counts
 

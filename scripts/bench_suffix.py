@@ -71,8 +71,17 @@ def run(model, settings: dict, batch: int, jobs, max_len: int) -> dict:
         "acceptance_length": stats.get("acceptance_length"),
         "draft_learned": stats.get("draft_learned"),
         "steps_per_width": stats.get("steps_per_width"),
+        "drafts_by_source": stats.get("drafts_by_source"),
         "steps": sum((stats.get("steps_per_width") or {}).values()),  # the engine's steps
     }
+
+
+def by_source(sources: dict | None) -> str:
+    """The accepted and drafted counts by source, as a progress line's tail (empty without)."""
+    if not sources:
+        return ""
+    parts = [f"{name} {v['accepted']}/{v['drafts']}" for name, v in sources.items() if name != "none"]
+    return ", accepted/drafted by source: " + ", ".join(parts)
 
 
 def rollout_jobs(prompts: list[list[int]], samples: int, temperature: float, new_tokens: int, then=()):
@@ -234,7 +243,8 @@ def main() -> int:
                     f"{name:9s} batch {batch}: {method:11s} {result['tokens_per_second']:7.1f} tok/s "
                     f"({row['vs_plain']:.2f}x plain), accepted length "
                     f"{result['acceptance_length'] or 1.0:.2f}, {result['tokens']} tokens in "
-                    f"{result['seconds']:.1f}s, steps by width {result.get('steps_per_width')}",
+                    f"{result['seconds']:.1f}s, steps by width {result.get('steps_per_width')}"
+                    + by_source(result.get("drafts_by_source")),
                     file=sys.stderr,
                     flush=True,
                 )

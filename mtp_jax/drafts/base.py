@@ -137,6 +137,12 @@ class Draft:
     between 1 and K + 1 (tokens verified per row) worth a branch of the step of their own: each is
     one more target pass compiled into the step program, and saves, whenever every active row
     proposed that few drafts, the verification of K + 1. None: only 1 and K + 1."""
+    sources: tuple[str, ...] = ()
+    """For a draft that takes each row's proposal from one of several sources (suffix decoding: the
+    row's own text or the engine-wide index; the hybrid: also its neural draft), their names. Its
+    ``extend_and_propose`` then returns, last, each row's source [b] int32 (an index into these
+    names, -1 where it proposed nothing), and the statistics count steps, drafts and accepted
+    drafts by source (``drafts_by_source``; in a single-process run). Empty: one source."""
     title: str = ""
     """How messages name it (e.g. "EAGLE-3"; default: its name)."""
     check_plan: Callable[[Any, Any, int], None] | None = None

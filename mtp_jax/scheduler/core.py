@@ -75,9 +75,11 @@ class Scheduler:
         # a draft that proposes per row (n-gram, suffix) may have fewer drafts for a row than its K:
         # the rows' own counts are copied before each step (one process: a multi-host run counts K)
         method = sc.draft_method
-        self.reads_counts = (
-            method is not None and method.proposes_per_row and sc.tree is None and jax.process_count() == 1
-        )
+        one = jax.process_count() == 1
+        self.reads_counts = method is not None and method.proposes_per_row and sc.tree is None and one
+        # a draft of several sources (suffix: the row's text or the index): its rows' sources, read
+        # the same way, count the drafts by source
+        self.sources = method.sources if method is not None and one else ()
         self.chunk = chunked_prefill
         self.filling: collections.deque[Admission] = collections.deque()  # prompts still arriving
         self.callback = constraints is not None and grammar_masks == "callback"
@@ -250,19 +252,25 @@ class Scheduler:
         """Compile every program of :meth:`warmup_jobs` now (no request running); how many ran."""
         return warmup(self, max_prompt_len, ks, progress)
 
-    def _process(self, emitted, n_emit, logprobs, owners: list[Request | None], drafted, conf=None) -> None:
+    def _process(
+        self, emitted, n_emit, logprobs, owners: list[Request | None], drafted, conf=None, sources=None
+    ) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         if len(emitted):  # -1 past the width a chain's step verified (a tree verifies every node)
             self.widths[int(np.max(np.sum(emitted >= 0, axis=1)))] += 1
         drafted = verified_drafts(np.asarray(drafted), emitted)
         lp, done = None if logprobs is None else jax.tree.map(np.asarray, logprobs), []
         expected = confidences(conf, drafted, n_emit, owners, self.on_verified)
+        sources = None if sources is None else np.asarray(sources)
         for b, req in enumerate(owners):
             if req is None or req.finish:
                 continue
             k = int(n_emit[b])
-            self.counters.add(int(drafted[b]), k, float(expected[b]))
-            req.counters.add(int(drafted[b]), k, float(expected[b]))
+            source = None
+            if sources is not None:
+                source = self.sources[sources[b]] if 0 <= sources[b] < len(self.sources) else "none"
+            self.counters.add(int(drafted[b]), k, float(expected[b]), source)
+            req.counters.add(int(drafted[b]), k, float(expected[b]), source)
             if self._emit(req, emitted[b, :k], logprob_rows(lp, (b, slice(0, k)))):
                 done.append(b)
         self._release(done)
@@ -309,11 +317,14 @@ class Scheduler:
             if self.constraints is not None:
                 trees = grammar_trees(self.sc, self.state, [self._constrained(r) for r in running])
                 masks = self.constraints.step_masks(running, self.state.drafts, sc_now.k, trees)
-        drafted = np.minimum(self.proposed, sc_now.k)
-        if self.reads_counts and sc_now.k and not sc_now.draft_idle:
-            # the drafts each row holds (fewer than K where its text had no match): read with the
-            # step's tokens, copied before the step takes (donates) the state
-            drafted = jnp.minimum(jnp.copy(self.state.num_drafts), sc_now.k)
+        drafted, sources = np.minimum(self.proposed, sc_now.k), None
+        if sc_now.k and not sc_now.draft_idle:
+            # the drafts each row holds (fewer than K where its text had no match) and where they
+            # came from: read with the step's tokens, copied before the step takes (donates) the state
+            if self.reads_counts:
+                drafted = jnp.minimum(jnp.copy(self.state.num_drafts), sc_now.k)
+            if self.sources:
+                sources = jnp.copy(self.state.draft_source)
         for b, req in enumerate(running):
             if req is not None:
                 self.proposed[b] = min(self.row_k(req), sc_now.k)
@@ -334,7 +345,7 @@ class Scheduler:
         self.counts["steps"] += 1
         if self.pending is not None:
             self._read_pending()
-        self.pending = (emitted, n_emit, logprobs, running, drafted, conf)
+        self.pending = (emitted, n_emit, logprobs, running, drafted, conf, sources)
         return True
 
 

@@ -62,15 +62,22 @@ class SpecCounters:
     that verified n drafts (the lengths a confidence schedule chose, or the caps);
     expected_accepted_tokens: with a draft that estimates its confidence (in a single-process run),
     the accepted drafts its calibrated confidences expected (the sum over verified drafts of their
-    running products: set against num_accepted_tokens, the calibration's check)."""
+    running products: set against num_accepted_tokens, the calibration's check);
+    drafts_by_source: with a draft of several :attr:`~mtp_jax.drafts.Draft.sources` (suffix
+    decoding, the hybrid; a single-process run), for each source ("none": no proposal) the
+    row-steps whose drafts came from it, their drafts verified and their drafts accepted."""
 
     def __init__(self, k: int) -> None:
         self.steps = self.emitted = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.per_pos = np.zeros(k, np.int64)
         self.per_length = np.zeros(k + 1, np.int64)
         self.expected = 0.0
+        self.by_source: dict[str, list[int]] = {}
 
-    def add(self, drafted: int, emitted: int, expected: float = 0.0) -> None:
+    def add(self, drafted: int, emitted: int, expected: float = 0.0, source: str | None = None) -> None:
+        if source is not None:
+            counts = self.by_source.setdefault(source, [0, 0, 0])
+            counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + drafted, counts[2] + emitted - 1
         self.steps += 1
         self.expected += expected
         self.per_length[min(drafted, len(self.per_length) - 1)] += 1
@@ -93,7 +100,13 @@ class SpecCounters:
             "acceptance_rate_per_position": [float(x) / steps for x in self.per_pos],
             "draft_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
             "expected_accepted_tokens": self.expected,
+            **({"drafts_by_source": self.sources()} if self.by_source else {}),
         }
+
+    def sources(self) -> dict[str, dict[str, int]]:
+        """``drafts_by_source``: {source: {"steps", "drafts", "accepted"}}, sources in name order."""
+        keys = ("steps", "drafts", "accepted")
+        return {name: dict(zip(keys, self.by_source[name], strict=True)) for name in sorted(self.by_source)}
 
 
 TIMINGS = ("time_to_first_token_seconds", "time_per_output_token_seconds")

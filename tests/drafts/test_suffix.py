@@ -269,12 +269,32 @@ def repeated_requests(model, prompts, **options):
     )
 
 
+def check_sources(result, names) -> None:
+    """``drafts_by_source`` (run and requests) uses only ``names``, and adds up to the row-steps,
+    the drafts verified and the drafts accepted (no proposal: no drafts)."""
+    for stats in (result.stats, *result.request_stats):
+        by = stats["drafts_by_source"]
+        assert set(by) <= set(names), by
+        assert sum(v["drafts"] for v in by.values()) == stats["num_draft_tokens"]
+        assert sum(v["accepted"] for v in by.values()) == stats["num_accepted_tokens"]
+        assert by.get("none", {"drafts": 0})["drafts"] == 0
+    row_steps = sum(r["steps"] for r in result.request_stats)
+    assert sum(v["steps"] for v in result.stats["drafts_by_source"].values()) == row_steps
+
+
 def test_the_index_proposes_earlier_outputs_and_never_another_tenants(model):
     prompt = encode(model, "import os\nclass Reader:\n    def __init__(self, path):\n")
     plain = model.generate([prompt], max_new_tokens=48, ignore_eos=True).tokens[0]
     alone = repeated_requests(model, [prompt] * 3, index_slots=0)
     learned = repeated_requests(model, [prompt] * 3)
     assert alone.tokens == learned.tokens == [plain] * 3
+    check_sources(alone, ("text", "none"))
+    check_sources(learned, ("text", "index", "none"))
+    # the index learns a request's output when it finishes: the first request drafts from its own
+    # text only, the later ones mostly from the index, and accept those drafts
+    first, *later = (r["drafts_by_source"] for r in learned.request_stats)
+    assert "index" not in first
+    assert all(by["index"]["accepted"] > by.get("text", {"accepted": 0})["accepted"] for by in later), later
     # the second and third requests accept the first's output: far fewer steps
     assert learned.stats["acceptance_length"] > alone.stats["acceptance_length"] + 1.0, (
         learned.stats["acceptance_length"],
@@ -449,6 +469,11 @@ def test_hybrid_is_lossless_and_falls_back_to_the_neural_draft(model):
     assert mtp.tokens == never.tokens == hybrid.tokens == plain
     for key in ("steps", "num_draft_tokens", "num_accepted_tokens"):
         assert never.stats[key] == mtp.stats[key], key
+    check_sources(never, ("neural",))
+    check_sources(hybrid, ("text", "neural"))  # the index learns only when a request finishes
+    assert hybrid.stats["drafts_by_source"]["text"]["accepted"] > 0
+    assert hybrid.stats["drafts_by_source"]["neural"]["drafts"] > 0
+    assert "drafts_by_source" not in mtp.stats  # a draft of one source
     suffix = model.generate(prompts, draft="suffix", **settings)
     assert hybrid.stats["steps"] != mtp.stats["steps"]  # some rows drafted from their text
     assert hybrid.stats["acceptance_length"] >= 0.95 * max(

@@ -56,6 +56,9 @@ def test_the_workloads_run_and_report(tmp_path, monkeypatch, capsys):
     assert rows["rollout", "plain"]["tokens"] == 2 * 2 * 8 and rows["mix", "suffix"]["tokens"] == 5 * 8
     assert rows["rollout", "suffix"]["draft_learned"]["outputs"] == 4  # the index counted each sample
     assert rows["rollout", "plain"]["vs_plain"] == 1.0
+    sources = rows["rollout", "suffix"]["drafts_by_source"]  # the samples after the first: the index
+    assert set(sources) <= {"text", "index", "none"} and sources["none"]["drafts"] == 0, sources
+    assert rows["rollout", "plain"]["drafts_by_source"] is None
     assert "suffix" in capsys.readouterr().err
 
 

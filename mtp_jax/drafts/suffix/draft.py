@@ -37,6 +37,10 @@ from mtp_jax.drafts.suffix.index import INDEX_DEPTH, Learner, empty_index
 from mtp_jax.drafts.suffix.tree import budget, context_keys, continuations, frequency_tree, latest_occurrences
 from mtp_jax.errors import InvalidRequestError
 
+SOURCES = ("text", "index")
+"""Where a row's suffix proposal came from: its own prompt and output, or the engine-wide index of
+earlier requests' outputs (:attr:`mtp_jax.drafts.Draft.sources`)."""
+
 
 def _config(ctx) -> SuffixConfig:
     return ctx.draft_cfg if isinstance(ctx.draft_cfg, SuffixConfig) else SuffixConfig()
@@ -87,7 +91,8 @@ def index_match(index: dict, recent: jax.Array, tenant: jax.Array, cfg: SuffixCo
 def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width: int, depth: int):
     """Each row's proposal from its own text ``history`` [b, L] (first ``n`` [b] known) and, with
     the index on, the engine-wide ``index``: (tokens [b, nodes], -1 where none; parent [b, nodes];
-    score [b]: the chosen tree's, the expected number of its tokens accepted)."""
+    score [b]: the chosen tree's, the expected number of its tokens accepted; source [b]: 0 its
+    own text, 1 the index, -1 no proposal, as :data:`SOURCES` names them)."""
     ends, m = latest_occurrences(history, n, cfg.max_match, cfg.min_match, cfg.occurrences)
     cont = continuations(history, ends, n, depth)
     own = budget(m, cfg.spec_factor, cfg.spec_offset, nodes)
@@ -95,7 +100,7 @@ def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width
         cont, (ends >= 0).astype(jnp.float32), nodes, width, own, cfg.min_prob
     )
     if not cfg.indexed:
-        return tokens, parent, score
+        return tokens, parent, score, jnp.where(tokens[:, 0] >= 0, 0, -1)
     b, length = history.shape
     back = (n - 1)[:, None] - jnp.arange(cfg.index_match)[None, :]
     recent = jnp.where(back >= 0, jnp.take_along_axis(history, jnp.clip(back, 0, length - 1), axis=1), -2)
@@ -109,7 +114,8 @@ def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width
     pick = (g_score > score) & (g_tokens[:, 0] >= 0)
     tokens = jnp.where(pick[:, None], g_tokens, tokens)
     parent = jnp.where(pick[:, None], g_parent, parent)
-    return tokens, parent, jnp.where(pick, g_score, score)
+    source = jnp.where(pick, 1, jnp.where(tokens[:, 0] >= 0, 0, -1))
+    return tokens, parent, jnp.where(pick, g_score, score), source
 
 
 def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
@@ -120,25 +126,27 @@ def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, samp
 
     def look(history, n, tenant, index):
         if ctx.k == 0:
-            return (jnp.zeros((history.shape[0], 0), jnp.int32),) * 2
-        tokens, parent, _ = propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
+            empty = jnp.zeros((history.shape[0], 0), jnp.int32)
+            return empty, empty, jnp.full((history.shape[0],), -1, jnp.int32)
+        tokens, parent, _, source = propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
         if ctx.tree is not None:  # a row without a node proposes its newest token in its place
             tokens = jnp.where(tokens >= 0, tokens, at_rows(history, jnp.maximum(n - 1, 0))[:, None])
-        return tokens, parent
+        return tokens, parent, source
 
     tenant = sampling.tenant
-    (tokens, parent), buffer = buffer_and_look_up(
-        ctx, state["tokens"], page_table, rows, first_pos, look, 2, by_row=(tenant,), shared=(state["index"],)
+    (tokens, parent, source), buffer = buffer_and_look_up(
+        ctx, state["tokens"], page_table, rows, first_pos, look, 3, by_row=(tenant,), shared=(state["index"],)
     )
     state = {**state, "tokens": buffer}
     if ctx.k == 0:
-        return no_drafts(b) + (state,)
+        return no_drafts(b) + (state, source)
     if ctx.tree is not None:
         root = jnp.full((b, 1), -1, jnp.int32)
-        return TreeDrafts(tokens, jnp.concatenate([root, parent], axis=1)), jnp.zeros((b, nodes, 0)), state
+        tree = TreeDrafts(tokens, jnp.concatenate([root, parent], axis=1))
+        return tree, jnp.zeros((b, nodes, 0)), state, source
     if ctx.sampled:  # fixed drafts: q is one-hot (acceptance min(1, p(d)), exact residual)
-        return tokens, jax.nn.one_hot(tokens, ctx.cfg.vocab_size, dtype=jnp.float32), state
-    return tokens, jnp.zeros((b, ctx.k, 0), jnp.float32), state
+        return tokens, jax.nn.one_hot(tokens, ctx.cfg.vocab_size, dtype=jnp.float32), state, source
+    return tokens, jnp.zeros((b, ctx.k, 0), jnp.float32), state, source
 
 
 def _teacher_forced(params, ctx, tokens: jax.Array, hidden) -> jax.Array:
@@ -168,6 +176,7 @@ DRAFT = Draft(
     teacher_forced=_teacher_forced,
     step_reads=token_buffer_reads,
     proposes_per_row=True,
+    sources=SOURCES,
     verify_widths=lambda cfg, k: getattr(cfg, "widths", ()),
     title="suffix decoding",
     weights=False,

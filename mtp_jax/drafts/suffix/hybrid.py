@@ -26,8 +26,12 @@ from mtp_jax.drafts.base import Draft, Rows, StepReads
 from mtp_jax.drafts.ngram.draft import buffer_and_look_up, token_buffer_reads
 from mtp_jax.drafts.suffix.config import OPTIONS, SuffixConfig, suffix_config
 from mtp_jax.drafts.suffix.draft import DRAFT as SUFFIX
+from mtp_jax.drafts.suffix.draft import SOURCES as SUFFIX_SOURCES
 from mtp_jax.drafts.suffix.draft import propose_rows
 from mtp_jax.drafts.suffix.index import Learner
+
+SOURCES = (*SUFFIX_SOURCES, "neural")
+"""A hybrid row's drafts come from the suffix draft's sources or from its neural draft."""
 
 
 def _config(ctx) -> SuffixConfig:
@@ -35,13 +39,14 @@ def _config(ctx) -> SuffixConfig:
 
 
 def _look(cfg: SuffixConfig, k: int):
-    """Each row's suffix chain of ``k`` and its score, from its text (and the index)."""
+    """Each row's suffix chain of ``k``, its score and its source, from its text (and the index)."""
 
     def look(history, n, tenant, index):
+        b = history.shape[0]
         if k == 0:
-            return jnp.zeros((history.shape[0], 0), jnp.int32), jnp.zeros((history.shape[0],))
-        tokens, _, score = propose_rows(history, n, tenant, index, cfg, k, 1, k)
-        return tokens, score
+            return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,)), jnp.full((b,), -1, jnp.int32)
+        tokens, _, score, source = propose_rows(history, n, tenant, index, cfg, k, 1, k)
+        return tokens, score, source
 
     return look
 
@@ -76,19 +81,20 @@ class _Hybrid:
         drafts = jnp.pad(drafts, ((0, 0), (0, short)), constant_values=-1)
         q = jnp.pad(q, ((0, 0), (0, short), (0, 0)))
         suffix = state["suffix"]
-        (tokens, score), buffer = buffer_and_look_up(
-            ctx, suffix["tokens"], page_table, rows, first_pos, _look(cfg, k), 2,
+        (tokens, score, source), buffer = buffer_and_look_up(
+            ctx, suffix["tokens"], page_table, rows, first_pos, _look(cfg, k), 3,
             by_row=(sampling.tenant,), shared=(suffix["index"],),
         )  # fmt: skip
         state = {"suffix": {**suffix, "tokens": buffer}, "neural": neural_state}
         if k == 0:
-            return drafts, q, state
+            return drafts, q, state, source
         use = (score >= cfg.threshold) & (tokens[:, 0] >= 0)
         drafts = jnp.where(use[:, None], tokens, drafts)
         if ctx.sampled:  # the fixed suffix candidates' law is one-hot
             fixed = jax.nn.one_hot(tokens, q.shape[-1], dtype=q.dtype)
             q = jnp.where(use[:, None, None], fixed, q)
-        return drafts, q, state
+        neural = SOURCES.index("neural") if short < k else -1  # the neural draft proposed some
+        return drafts, q, state, jnp.where(use, source, neural)
 
     def configure(
         self, draft_cfg: Any, k: int | None, options: Mapping[str, Any]
@@ -132,6 +138,7 @@ def hybrid(neural: Draft) -> Draft:
         params_group=neural.params_group,
         param_logical=neural.param_logical,
         proposes_per_row=True,
+        sources=SOURCES,
         verify_widths=lambda cfg, k: (*cfg.widths, cfg.neural_k + 1),
         title=f"suffix decoding + {neural.title or neural.name}",
         configure=h.configure,
