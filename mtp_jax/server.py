@@ -870,6 +870,13 @@ def prometheus_text(st: dict, model_name: str) -> str:
         "mtp_jax:spec_decode_steps_per_verified_drafts_total", "counter", "Row-steps by drafts verified.",
         [(f'drafts="{n}"', v) for n, v in enumerate(st.get("steps_per_verified_drafts", []))],
     )  # fmt: skip
+    metric(
+        "mtp_jax:spec_decode_drafts_by_source_total", "counter",
+        "Row-steps, draft tokens verified and draft tokens accepted by where the row's drafts came "
+        "from (suffix decoding: text, index, none; a hybrid: also neural).",
+        [(f'source="{source}",count="{what}"', v)
+         for source, counts in st.get("drafts_by_source", {}).items() for what, v in counts.items()],
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

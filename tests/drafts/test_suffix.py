@@ -27,6 +27,7 @@ from mtp_jax.drafts.suffix.tree import (
     latest_occurrences,
 )
 from mtp_jax.errors import InvalidRequestError
+from mtp_jax.server import prometheus_text
 from tests.conftest import EMBEDDED_MODEL
 
 # -- the rules, in plain Python ------------------------------------------------------------------
@@ -347,6 +348,12 @@ def test_the_engine_learns_across_requests(model):
     assert steps[2] == steps[0], steps  # another tenant: its own text only, as the first
     learned = engine_stats["draft_learned"]
     assert learned["outputs"] == 3 and learned["contexts"] > 0 and learned["entries_written"] > 0, learned
+    # the second request drafted from the index, the first and the other tenant's never
+    by = [r.stats["drafts_by_source"] for r in runs]
+    assert by[1]["index"]["accepted"] > 0 and "index" not in by[0] and "index" not in by[2], by
+    text = prometheus_text(engine_stats, "m").splitlines()
+    name = 'mtp_jax:spec_decode_drafts_by_source_total{model_name="m",source="index",count="accepted"}'
+    assert f"{name} {engine_stats['drafts_by_source']['index']['accepted']}" in text
 
 
 SHARDED_CHILD = textwrap.dedent(
