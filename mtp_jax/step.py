@@ -283,6 +283,15 @@ def propose(sc: StepConfig, params: dict, *args) -> tuple[jax.Array, jax.Array, 
     None)."""
     out = sc.drafter.extend_and_propose(params, sc.draft_context, *args)
     drafts, q, draft_state, *extra = out
+    want = int(sc.confident) + bool(sc.drafter.sources)
+    if len(extra) != want:
+        raise TypeError(
+            f"draft {sc.drafter.name!r}: extend_and_propose returned {3 + len(extra)} values, expected "
+            f"{3 + want} (drafts, q, state"
+            + (", confidence logits" if sc.confident else "")
+            + (", each row's source" if sc.drafter.sources else "")
+            + ")"
+        )
     z = extra.pop(0) if sc.confident else None
     source = extra.pop(0) if sc.drafter.sources else None
     return drafts, q, draft_state, z, source

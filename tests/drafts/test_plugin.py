@@ -101,3 +101,36 @@ def test_registration_is_checked(echo):
     assert param_logical("echo_w", ["head"], 2) == ("vocab", "vocab")
     with pytest.raises(mtp_jax.InvalidRequestError, match="unknown draft 'nope'"):
         mtp_jax.load(LLAMA, "float32").generate([[1, 2]], draft="nope")
+
+
+def test_a_draft_of_several_sources_reports_them_and_must_return_them():
+    """A draft that declares ``sources`` returns each row's source last: the statistics count its
+    drafts by source; one that declares them and returns none is refused by name."""
+
+    def by_parity(params, sc, state, page_table, rows, active, sampling, first_pos):
+        drafts, q, state = _echo(params, sc, state, page_table, rows, active, sampling, first_pos)
+        newest = at_rows(rows.next_tokens, rows.last)
+        return drafts, q, state, (newest % 2).astype(jnp.int32)
+
+    model = mtp_jax.load(LLAMA, "float32")
+    parity = {"name": "parity", "sources": ("even", "odd"), "extend_and_propose": by_parity}
+    register_draft(Draft(**{**ECHO.__dict__, **parity}))
+    try:
+        kw = dict(max_new_tokens=8, ignore_eos=True, num_speculative_tokens=2)
+        out = model.generate(PROMPTS, draft="parity", **kw)
+        by = out.stats["drafts_by_source"]
+        assert set(by) == {"even", "odd"}, by  # the prompts' newest tokens: 8 and 3, 7
+        assert sum(v["steps"] for v in by.values()) == sum(r["steps"] for r in out.request_stats)
+        assert sum(v["drafts"] for v in by.values()) == out.stats["num_draft_tokens"]
+        assert sum(v["accepted"] for v in by.values()) == out.stats["num_accepted_tokens"]
+        first = out.request_stats[0]["drafts_by_source"]  # its first step echoes the prompt's 8
+        assert first["even"]["steps"] >= 1, first
+    finally:
+        unregister_draft("parity")
+    silent = Draft(**{**ECHO.__dict__, "name": "silent", "sources": ("a", "b")})
+    register_draft(silent)
+    try:
+        with pytest.raises(TypeError, match="'silent': extend_and_propose returned 3 values, expected 4"):
+            model.generate(PROMPTS, max_new_tokens=4, draft="silent", num_speculative_tokens=2)
+    finally:
+        unregister_draft("silent")
