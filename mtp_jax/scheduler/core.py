@@ -15,6 +15,7 @@ from mtp_jax.cache import PrefixCache, ShardedPageAllocator
 from mtp_jax.grammar import Constraints
 from mtp_jax.scheduler.admission import Admission, Admissions, check_fits
 from mtp_jax.scheduler.programs import next_power_of_two, warmup, warmup_job, warmup_jobs
+from mtp_jax.scheduler.reads import RowReads
 from mtp_jax.scheduler.requests import (
     Request,
     SpecCounters,
@@ -71,15 +72,7 @@ class Scheduler:
         on_verified: VerifiedCallback | None = None,
     ) -> None:
         _check_options(sc, slots, fused, constraints, grammar_masks, chunked_prefill, on_verified)
-        self.on_verified, self.reads_confidence = on_verified, sc.confident and jax.process_count() == 1
-        # a draft that proposes per row (n-gram, suffix) may have fewer drafts for a row than its K:
-        # the rows' own counts are copied before each step (one process: a multi-host run counts K)
-        method = sc.draft_method
-        one = jax.process_count() == 1
-        self.reads_counts = method is not None and method.proposes_per_row and sc.tree is None and one
-        # a draft of several sources (suffix: the row's text or the index): its rows' sources, read
-        # the same way, count the drafts by source
-        self.sources = method.sources if method is not None and one else ()
+        self.on_verified, self.reads = on_verified, RowReads.of(sc)
         self.chunk = chunked_prefill
         self.filling: collections.deque[Admission] = collections.deque()  # prompts still arriving
         self.callback = constraints is not None and grammar_masks == "callback"
@@ -252,9 +245,7 @@ class Scheduler:
         """Compile every program of :meth:`warmup_jobs` now (no request running); how many ran."""
         return warmup(self, max_prompt_len, ks, progress)
 
-    def _process(
-        self, emitted, n_emit, logprobs, owners: list[Request | None], drafted, conf=None, sources=None
-    ) -> None:
+    def _process(self, emitted, n_emit, logprobs, owners: list, drafted, conf, sources) -> None:
         emitted, n_emit = np.asarray(emitted), np.asarray(n_emit)
         if len(emitted):  # -1 past the width a chain's step verified (a tree verifies every node)
             self.widths[int(np.max(np.sum(emitted >= 0, axis=1)))] += 1
@@ -266,9 +257,7 @@ class Scheduler:
             if req is None or req.finish:
                 continue
             k = int(n_emit[b])
-            source = None
-            if sources is not None:
-                source = self.sources[sources[b]] if 0 <= sources[b] < len(self.sources) else "none"
+            source = self.reads.source(sources, drafted, b)
             self.counters.add(int(drafted[b]), k, float(expected[b]), source)
             req.counters.add(int(drafted[b]), k, float(expected[b]), source)
             if self._emit(req, emitted[b, :k], logprob_rows(lp, (b, slice(0, k)))):
@@ -317,14 +306,7 @@ class Scheduler:
             if self.constraints is not None:
                 trees = grammar_trees(self.sc, self.state, [self._constrained(r) for r in running])
                 masks = self.constraints.step_masks(running, self.state.drafts, sc_now.k, trees)
-        drafted, sources = np.minimum(self.proposed, sc_now.k), None
-        if sc_now.k and not sc_now.draft_idle:
-            # the drafts each row holds (fewer than K where its text had no match) and where they
-            # came from: read with the step's tokens, copied before the step takes (donates) the state
-            if self.reads_counts:
-                drafted = jnp.minimum(jnp.copy(self.state.num_drafts), sc_now.k)
-            if self.sources:
-                sources = jnp.copy(self.state.draft_source)
+        drafted, conf, sources = self.reads.before_step(self.state, sc_now, self.proposed)
         for b, req in enumerate(running):
             if req is not None:
                 self.proposed[b] = min(self.row_k(req), sc_now.k)
@@ -335,8 +317,6 @@ class Scheduler:
         extra = {"rows": rows} if rows < self.slots else {}
         if self.callback:
             extra["grammar_key"] = self.grammar_key
-        # the verified drafts' confidences: copied before the step takes (donates) the state
-        conf = jnp.copy(self.state.draft_conf[:, : sc_now.k]) if self.reads_confidence and sc_now.k else None
         t_call = time.perf_counter()
         args = (masks, grammar_rows) if self.callback else (masks,)
         emitted, n_emit, self.state, logprobs = self.step_fn(self.params, self.state, sc_now, *args, **extra)

@@ -125,6 +125,11 @@ def test_a_draft_of_several_sources_reports_them_and_must_return_them():
         assert sum(v["accepted"] for v in by.values()) == out.stats["num_accepted_tokens"]
         first = out.request_stats[0]["drafts_by_source"]  # its first step echoes the prompt's 8
         assert first["even"]["steps"] >= 1, first
+        # a request that speculates nothing (K = 0) verified no draft: every row-step of it is "none"
+        mixed = model.generate(PROMPTS, draft="parity", **{**kw, "num_speculative_tokens": [2, 0, 1]})
+        plain_row = mixed.request_stats[1]
+        nothing = {"steps": plain_row["steps"], "drafts": 0, "accepted": 0}
+        assert plain_row["drafts_by_source"] == {"none": nothing}, plain_row
     finally:
         unregister_draft("parity")
     silent = Draft(**{**ECHO.__dict__, "name": "silent", "sources": ("a", "b")})
