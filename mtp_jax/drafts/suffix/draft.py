@@ -114,7 +114,7 @@ def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width
     pick = (g_score > score) & (g_tokens[:, 0] >= 0)
     tokens = jnp.where(pick[:, None], g_tokens, tokens)
     parent = jnp.where(pick[:, None], g_parent, parent)
-    source = jnp.where(pick, 1, jnp.where(tokens[:, 0] >= 0, 0, -1))
+    source = jnp.where(tokens[:, 0] >= 0, pick.astype(jnp.int32), -1)  # 1: the index, 0: its text
     return tokens, parent, jnp.where(pick, g_score, score), source
 
 
