@@ -38,7 +38,7 @@ class RowReads:
         drafted, sources = np.minimum(proposed, sc.k), None
         if sc.k and not sc.draft_idle:
             if self.counts:  # fewer than K where the row's text had no match
-                drafted = jnp.minimum(jnp.copy(state.num_drafts), sc.k)
+                drafted = jnp.minimum(state.num_drafts, sc.k)  # a new buffer: read before the step
             if self.sources:
                 sources = jnp.copy(state.draft_source)
         conf = jnp.copy(state.draft_conf[:, : sc.k]) if self.confidence and sc.k else None
