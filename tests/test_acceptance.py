@@ -1142,6 +1142,8 @@ TREE_CASES = [
     ("eagle3", "sampled", "truncated", "static"),
     ("draft_model", "argmax", "truncated", "static"),
     ("eagle3", "argmax", "truncated", "dynamic"),
+    # ... per row the suffix tree of the row's own text or the MTP layer's dynamic tree
+    ("hybrid", "argmax", "truncated", "dynamic"),
 ]
 TREE = {"depth": 2, "topk": 2, "nodes": 4}
 TREES = {"static": TREE, "dynamic": dict(TREE, dynamic=True)}
@@ -1158,12 +1160,16 @@ def test_token_trees_keep_the_first_three_tokens_exact(request, draft, draft_sam
     chooses; the joint law of the first three tokens is the target's, exactly."""
     model = request.getfixturevalue("small_vocab_model" if draft == "mtp" else f"small_vocab_{draft}")
     params = E2E_PARAMS[which]
-    joint = exact_first_three(model, PROMPT, params)
+    prompt, draft = (NGRAM_PROMPT, "suffix_mtp") if draft == "hybrid" else (PROMPT, draft)
+    joint = exact_first_three(model, prompt, params)
     wrong = first_three_laws(joint)
     n = powered_size(joint.ravel(), wrong)
     result = first_three_of_many_seeds(
-        model, PROMPT, n, draft=draft, speculative_tree=TREES[shape], draft_sampling=draft_sampling, **params
+        model, prompt, n, draft=draft, speculative_tree=TREES[shape], draft_sampling=draft_sampling, **params
     )
+    if draft == "suffix_mtp":  # not vacuous: rows verified each kind of tree, and accepted from it
+        by_source = result.stats["drafts_by_source"]
+        assert by_source["text"]["accepted"] > 0 and by_source["neural"]["accepted"] > 0, by_source
     at_least = result.stats["acceptance_rate_per_position"]
     low = 0.05 if draft == "mtp" else 0.01  # random drafts are accepted less
     assert low < at_least[1] < at_least[0] < 0.995, at_least  # not vacuous

@@ -486,5 +486,26 @@ def test_hybrid_is_lossless_and_falls_back_to_the_neural_draft(model):
     assert hybrid.stats["acceptance_length"] >= 0.95 * max(
         mtp.stats["acceptance_length"], suffix.stats["acceptance_length"]
     ), (hybrid.stats["acceptance_length"], mtp.stats["acceptance_length"], suffix.stats["acceptance_length"])
-    with pytest.raises(InvalidRequestError, match="proposes token trees"):
-        model.generate(prompts, draft="suffix_mtp", speculative_tree=TREE, max_new_tokens=4)
+
+
+def test_a_hybrid_verifies_either_tree_per_row(model):
+    """suffix_mtp with a dynamic tree: each row verifies its suffix tree or the MTP layer's EAGLE-2
+    tree of the same budget; greedy tokens are plain decoding's, both kinds were verified and
+    accepted, and with an unreachable threshold the run is the MTP tree's step for step; a static
+    tree (sampled siblings) is refused by name."""
+    prompts = [encode(model, REPEATING), encode(model, "import os\n")]
+    settings = dict(max_new_tokens=40, ignore_eos=True, speculative_tree=TREE)
+    plain = model.generate(prompts, max_new_tokens=40, ignore_eos=True).tokens
+    mtp = model.generate(prompts, draft="mtp", **settings)
+    hybrid = model.generate(prompts, draft="suffix_mtp", **settings)
+    never = model.generate(prompts, draft="suffix_mtp", draft_options={"threshold": 1e9}, **settings)
+    assert mtp.tokens == hybrid.tokens == never.tokens == plain
+    for key in ("steps", "num_draft_tokens", "num_accepted_tokens"):
+        assert never.stats[key] == mtp.stats[key], key  # the neural tree alone: the MTP run's
+    check_sources(never, ("neural",))
+    check_sources(hybrid, ("text", "neural"))
+    by_source = hybrid.stats["drafts_by_source"]
+    assert by_source["text"]["accepted"] > 0 and by_source["neural"]["accepted"] > 0, by_source
+    static = {key: TREE[key] for key in ("depth", "topk", "nodes")}
+    with pytest.raises(InvalidRequestError, match="chooses each row's tree"):
+        model.generate(prompts, draft="suffix_mtp", speculative_tree=static, max_new_tokens=4)

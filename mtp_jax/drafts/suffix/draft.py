@@ -118,32 +118,46 @@ def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width
     return tokens, parent, jnp.where(pick, g_score, score), source
 
 
-def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
-    """Write the committed tokens into the row's buffer, then propose from its text and the index."""
-    b = page_table.shape[0]
-    cfg = _config(ctx)
+def look_up(ctx, cfg: SuffixConfig, state: dict, page_table, rows: Rows, first_pos, tenant):
+    """Write the committed tokens into the rows' buffer (``state["tokens"]``), then look each row's
+    proposal up in its text and the index (``state["index"]``). Returns ((tokens [b, nodes]; parent
+    [b, nodes]; score [b]; source [b], -1 where the row has no proposal), the new buffer). With a
+    dynamic tree (``ctx.tree``) a node the row has no continuation for holds its newest token (a
+    tree is verified whole); for a chain of ``ctx.k`` it is -1."""
     nodes, width, depth = _shape(ctx) if ctx.k else (0, 1, 0)
 
     def look(history, n, tenant, index):
+        b = history.shape[0]
         if ctx.k == 0:
-            empty = jnp.zeros((history.shape[0], 0), jnp.int32)
-            return empty, empty, jnp.full((history.shape[0],), -1, jnp.int32)
-        tokens, parent, _, source = propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
-        if ctx.tree is not None:  # a row without a node proposes its newest token in its place
+            empty = jnp.zeros((b, 0), jnp.int32)
+            return empty, empty, jnp.zeros((b,)), jnp.full((b,), -1, jnp.int32)
+        tokens, parent, score, source = propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
+        if ctx.tree is not None:
             tokens = jnp.where(tokens >= 0, tokens, at_rows(history, jnp.maximum(n - 1, 0))[:, None])
-        return tokens, parent, source
+        return tokens, parent, score, source
 
-    tenant = sampling.tenant
-    (tokens, parent, source), buffer = buffer_and_look_up(
-        ctx, state["tokens"], page_table, rows, first_pos, look, 3, by_row=(tenant,), shared=(state["index"],)
+    return buffer_and_look_up(
+        ctx, state["tokens"], page_table, rows, first_pos, look, 4, by_row=(tenant,), shared=(state["index"],)
+    )
+
+
+def tree_drafts(tokens: jax.Array, parent: jax.Array) -> TreeDrafts:
+    """A proposal of ``tokens`` [b, nodes] whose ``parent`` [b, nodes] counts from the root (0)."""
+    root = jnp.full((tokens.shape[0], 1), -1, jnp.int32)
+    return TreeDrafts(tokens, jnp.concatenate([root, parent], axis=1))
+
+
+def _extend_and_propose(params, ctx, state, page_table, rows: Rows, active, sampling, first_pos):
+    """Write the committed tokens into the row's buffer, then propose from its text and the index."""
+    b = page_table.shape[0]
+    (tokens, parent, _, source), buffer = look_up(
+        ctx, _config(ctx), state, page_table, rows, first_pos, sampling.tenant
     )
     state = {**state, "tokens": buffer}
     if ctx.k == 0:
         return no_drafts(b) + (state, source)
     if ctx.tree is not None:
-        root = jnp.full((b, 1), -1, jnp.int32)
-        tree = TreeDrafts(tokens, jnp.concatenate([root, parent], axis=1))
-        return tree, jnp.zeros((b, nodes, 0)), state, source
+        return tree_drafts(tokens, parent), jnp.zeros((b, tokens.shape[1], 0)), state, source
     if ctx.sampled:  # fixed drafts: q is one-hot (acceptance min(1, p(d)), exact residual)
         return tokens, jax.nn.one_hot(tokens, ctx.cfg.vocab_size, dtype=jnp.float32), state, source
     return tokens, jnp.zeros((b, ctx.k, 0), jnp.float32), state, source

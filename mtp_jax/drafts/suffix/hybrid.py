@@ -10,7 +10,12 @@ accepted: the sum of its nodes' empirical probabilities) verifies the suffix cha
 neural chain. The choice depends only on the row's text and the index, never on the neural
 draft's draws, so each row's drafts follow one law (the neural draft's q, or one-hot for the fixed
 suffix candidates) and acceptance stays exact. A suffix chain shorter than K marks the rest -1
-(the step verifies only its leading drafts). Chains only (no token trees).
+(the step verifies only its leading drafts).
+
+With a dynamic ``speculative_tree`` (a neural draft that proposes trees: EAGLE-3, MTP, a draft
+model) both propose a tree of the budget and a row verifies the suffix tree or the neural draft's
+EAGLE-2 tree by the same rule; a dynamic tree's drafts are fixed candidates either way (argmax
+drafting), so every row's law is one-hot and no per-row choice of laws is needed.
 """
 
 from __future__ import annotations
@@ -22,12 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.drafts.base import Draft, Rows, StepReads
-from mtp_jax.drafts.ngram.draft import buffer_and_look_up, token_buffer_reads
+from mtp_jax.drafts.base import Draft, Rows, StepReads, TreeDrafts
+from mtp_jax.drafts.ngram.draft import token_buffer_reads
 from mtp_jax.drafts.suffix.config import OPTIONS, SuffixConfig, suffix_config
 from mtp_jax.drafts.suffix.draft import DRAFT as SUFFIX
 from mtp_jax.drafts.suffix.draft import SOURCES as SUFFIX_SOURCES
-from mtp_jax.drafts.suffix.draft import propose_rows
+from mtp_jax.drafts.suffix.draft import look_up, tree_drafts
 from mtp_jax.drafts.suffix.index import Learner
 
 SOURCES = (*SUFFIX_SOURCES, "neural")
@@ -38,19 +43,6 @@ def _config(ctx) -> SuffixConfig:
     return ctx.draft_cfg
 
 
-def _look(cfg: SuffixConfig, k: int):
-    """Each row's suffix chain of ``k``, its score and its source, from its text (and the index)."""
-
-    def look(history, n, tenant, index):
-        b = history.shape[0]
-        if k == 0:
-            return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,)), jnp.full((b,), -1, jnp.int32)
-        tokens, _, score, source = propose_rows(history, n, tenant, index, cfg, k, 1, k)
-        return tokens, score, source
-
-    return look
-
-
 @dataclasses.dataclass(frozen=True)
 class _Hybrid:
     """The functions of ``suffix_<neural>`` (see the module docstring)."""
@@ -58,9 +50,11 @@ class _Hybrid:
     neural: Draft
 
     def inner(self, ctx):
-        """The neural draft's view of the step: its own config, its own K."""
+        """The neural draft's view of the step: its own config, its own K (a dynamic tree's
+        nodes with a tree: both propose a tree of that budget)."""
         cfg = _config(ctx)
-        return dataclasses.replace(ctx, draft_cfg=cfg.fallback, k=min(ctx.k, cfg.neural_k))
+        k = ctx.k if ctx.tree is not None else min(ctx.k, cfg.neural_k)
+        return dataclasses.replace(ctx, draft_cfg=cfg.fallback, k=k)
 
     def init_state(self, ctx, num_pages: int, dtype) -> dict:
         return {
@@ -77,23 +71,27 @@ class _Hybrid:
         drafts, q, neural_state, *_ = self.neural.extend_and_propose(
             params, self.inner(ctx), state["neural"], page_table, rows, active, sampling, first_pos
         )
-        short = k - drafts.shape[1]  # the neural draft proposes fewer: the rest unproposed (-1)
-        drafts = jnp.pad(drafts, ((0, 0), (0, short)), constant_values=-1)
-        q = jnp.pad(q, ((0, 0), (0, short), (0, 0)))
         suffix = state["suffix"]
-        (tokens, score, source), buffer = buffer_and_look_up(
-            ctx, suffix["tokens"], page_table, rows, first_pos, _look(cfg, k), 3,
-            by_row=(sampling.tenant,), shared=(suffix["index"],),
-        )  # fmt: skip
+        (tokens, parent, score, source), buffer = look_up(
+            ctx, cfg, suffix, page_table, rows, first_pos, sampling.tenant
+        )
         state = {"suffix": {**suffix, "tokens": buffer}, "neural": neural_state}
         if k == 0:
             return drafts, q, state, source
-        use = (score >= cfg.threshold) & (tokens[:, 0] >= 0)
+        use = (score >= cfg.threshold) & (source >= 0)
+        neural = SOURCES.index("neural")
+        if isinstance(drafts, TreeDrafts):  # two trees of the budget, both fixed candidates
+            own = tree_drafts(tokens, parent)
+            chosen = jax.tree.map(lambda a, b: jnp.where(use[:, None], a, b), own, drafts)
+            return chosen, q, state, jnp.where(use, source, neural)
+        short = k - drafts.shape[1]  # the neural draft proposes fewer: the rest unproposed (-1)
+        drafts = jnp.pad(drafts, ((0, 0), (0, short)), constant_values=-1)
+        q = jnp.pad(q, ((0, 0), (0, short), (0, 0)))
         drafts = jnp.where(use[:, None], tokens, drafts)
         if ctx.sampled:  # the fixed suffix candidates' law is one-hot
             fixed = jax.nn.one_hot(tokens, q.shape[-1], dtype=q.dtype)
             q = jnp.where(use[:, None, None], fixed, q)
-        neural = SOURCES.index("neural") if short < k else -1  # the neural draft proposed some
+        neural = neural if short < k else -1  # the neural draft proposed some
         return drafts, q, state, jnp.where(use, source, neural)
 
     def configure(
@@ -146,5 +144,6 @@ def hybrid(neural: Draft) -> Draft:
         default_k=neural.default_k,
         weights=False,  # asked for by name
         cache_lookahead=neural.cache_lookahead,
+        trees=neural.trees,
         learner=lambda cfg: Learner(cfg, at="suffix") if cfg.indexed else None,
     )
