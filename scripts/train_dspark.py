@@ -23,10 +23,14 @@ Calibration (paper section 3.2.1): the trained draft runs speculative sampling (
 whole block) on the first half of the target's held-out prompts (``--acceptance-prompts`` of them
 when given), ``--calibration-seeds`` seeds
 each, recording every step's confidence logits and how many of its drafts were accepted
-(``Model.generate(on_verified=...)``); one temperature per slot is fitted left to right
-(:func:`mtp_jax.drafts.dspark.calibration.fit_temperatures`) and stored in config.json as
-``confidence_temperatures``. The second half measures it: the expected accepted length the
-calibrated confidences give against the observed one, in eval.json and the card.
+(``Model.generate(on_verified=...)``); per slot, left to right, a temperature and a shift by the
+log-loss (``--calibration scaling``, the default:
+:func:`mtp_jax.drafts.dspark.calibration.fit_scaling`) or the paper's temperature alone by the ECE
+(``--calibration temperature``: ``fit_temperatures``), stored in config.json as
+``confidence_temperatures`` (and ``confidence_shifts``). The second half measures it: the expected
+accepted length the calibrated confidences give against the observed one (and the paper's
+temperatures' beside it), in eval.json and the card. ``--recalibrate DIR`` does only this for a
+shipped draft (its config.json, eval.json and card rewritten in place).
 
 Everything else (optimizer, resumable orbax state, ``--export-every``, the target cache, the
 progress line, the shipped checkpoint with eval.json and a card) is :mod:`mtp_jax.train.frozen`'s.
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -53,6 +58,7 @@ from mtp_jax.drafts.dflash.config import dflash_default_layers
 from mtp_jax.drafts.dflash.training import PAD, anchors_for
 from mtp_jax.drafts.dspark.calibration import (
     expected_calibration_error,
+    fit_scaling,
     fit_temperatures,
     prefix_labels,
 )
@@ -65,6 +71,7 @@ from mtp_jax.drafts.dspark.config import HEAD_TYPES
 from mtp_jax.drafts.dspark.draft import dspark_features
 from mtp_jax.drafts.dspark.losses import LossWeights
 from mtp_jax.drafts.dspark.training import FIXED, draft_config, draft_losses, evaluate, init_draft
+from mtp_jax.embedded import resolve_model_path
 from mtp_jax.train.cards import (
     acceptance_setup,
     data_sentence,
@@ -72,6 +79,7 @@ from mtp_jax.train.cards import (
     rewrite_card,
     usage_line,
 )
+from mtp_jax.train.data import BOS
 from mtp_jax.train.frozen import (
     add_run_arguments,
     attach_target_cache,
@@ -128,13 +136,16 @@ def record_rollouts(
     return rollouts
 
 
-def calibration_report(logits: np.ndarray, verified: np.ndarray, accepted: np.ndarray, temps) -> dict:
+def calibration_report(
+    logits: np.ndarray, verified: np.ndarray, accepted: np.ndarray, temps, shifts=None
+) -> dict:
     """On recorded steps: the ECE of each slot's cumulative confidence against its prefix label
-    (under the temperatures ``temps``, None: uncalibrated), and the mean accepted drafts per step
-    the confidences expect (sum over the verified drafts of the running products) against the
-    observed mean."""
+    (under the temperatures ``temps`` and ``shifts``, None: uncalibrated), and the mean accepted
+    drafts per step the confidences expect (sum over the verified drafts of the running products)
+    against the observed mean."""
     slots = logits.shape[1]
     scaled = logits if temps is None else logits / np.asarray(temps[:slots])[None, :]
+    scaled = scaled if shifts is None else scaled + np.asarray(shifts[:slots])[None, :]
     a = np.cumprod(1 / (1 + np.exp(-scaled)), axis=1)
     labels, observed = prefix_labels(accepted, verified, slots)
     ece = [expected_calibration_error(a[observed[:, k], k], labels[observed[:, k], k]) for k in range(slots)]
@@ -147,38 +158,120 @@ def calibration_report(logits: np.ndarray, verified: np.ndarray, accepted: np.nd
     }
 
 
-def calibrate(run, raw: dict, tensors: dict, seeds: int, new_tokens: int) -> tuple[dict, dict]:
-    """Fit the temperatures on rollouts of the first half of the held-out prompts and measure them on
-    the second half. Returns (config.json with ``confidence_temperatures``, the report)."""
-    prompts = run.prompt_ids(run.args.acceptance_prompts)
+CALIBRATION_FIELDS = ("confidence_temperatures", "confidence_shifts")
+
+
+def calibrate(
+    target: str, draft: str, prompts: list[list[int]], block: int, seeds: int, new_tokens: int, method: str
+) -> tuple[dict, dict]:
+    """Fit the calibration of the uncalibrated draft at ``draft`` (``method``: "scaling" or
+    "temperature") on rollouts of the first half of ``prompts`` and measure it on the second half.
+    Returns (the config.json fields, the report)."""
     if len(prompts) < 2:
-        raise SystemExit("calibration needs at least two held-out prompts in the target's eval.json")
+        raise SystemExit("calibration needs at least two held-out prompts")
     fit, check = prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "uncalibrated")
-        write_hub_checkpoint(path, raw, tensors)
-        fitted = record_rollouts(run.args.target, path, fit, seeds, new_tokens).arrays()
-        held = record_rollouts(run.args.target, path, check, seeds, new_tokens).arrays()
+    fitted = record_rollouts(target, draft, fit, seeds, new_tokens).arrays()
+    held = record_rollouts(target, draft, check, seeds, new_tokens).arrays()
     labels, observed = prefix_labels(fitted[2], fitted[1], fitted[0].shape[1])
-    temps = fit_temperatures(fitted[0], labels, observed)
-    block = raw["block_size"]
-    temps = tuple(temps) + (1.0,) * (block - len(temps))
+    paper = fit_temperatures(fitted[0], labels, observed)
+    temps, shifts = fit_scaling(fitted[0], labels, observed) if method == "scaling" else (paper, None)
+
+    def full(values, fill):  # slots no rollout reached keep the identity
+        return None if values is None else tuple(values) + (fill,) * (block - len(values))
+
+    temps, shifts, paper = full(temps, 1.0), full(shifts, 0.0), full(paper, 1.0)
     report = {
+        "method": method,
         "seeds_per_prompt": seeds,
         "new_tokens": new_tokens,
         "temperatures": [round(t, 4) for t in temps],
-        "fit": {"prompts": len(fit), **calibration_report(*fitted, temps)},
+        **({} if shifts is None else {"shifts": [round(x, 4) for x in shifts]}),
+        "fit": {"prompts": len(fit), **calibration_report(*fitted, temps, shifts)},
         "heldout_uncalibrated": {"prompts": len(check), **calibration_report(*held, None)},
-        "heldout": {"prompts": len(check), **calibration_report(*held, temps)},
+        "heldout": {"prompts": len(check), **calibration_report(*held, temps, shifts)},
     }
+    if shifts is not None:  # the paper's temperatures on the same rollouts, for comparison
+        report["heldout_temperature_only"] = {"prompts": len(check), **calibration_report(*held, paper)}
     h = report["heldout"]
     print(
-        f"calibration: temperatures {report['temperatures']}; held-out expected "
-        f"{h['expected_accepted_per_step']:.3f} against observed {h['observed_accepted_per_step']:.3f} "
-        f"accepted drafts per step ({h['steps']} steps)",
+        f"calibration ({method}): temperatures {report['temperatures']}"
+        + ("" if shifts is None else f", shifts {report['shifts']}")
+        + f"; held-out expected {h['expected_accepted_per_step']:.3f} against observed "
+        f"{h['observed_accepted_per_step']:.3f} accepted drafts per step ({h['steps']} steps)",
         file=sys.stderr,
     )
-    return {**raw, "confidence_temperatures": list(temps)}, report
+    fields = {"confidence_temperatures": list(temps)}
+    if shifts is not None:
+        fields["confidence_shifts"] = list(shifts)
+    return fields, report
+
+
+def held_prompt_ids(report: dict, target: str) -> list[list[int]]:
+    """A shipped draft's held-out prompts (its eval.json) as the target sees them: chat data's user
+    turns rendered with the target's template, a corpus's already rendered, stdlib's after BOS."""
+    codec = mtp_jax.load(target, "float32").text
+    kind = report.get("data", {}).get("kind")
+    if kind == "chat":
+        return [codec.encode_chat([{"role": "user", "content": t}]) for t in report["prompts"]]
+    ids = [codec.tokenizer.encode(t, add_special_tokens=False).ids for t in report["prompts"]]
+    return ids if kind == "corpus" else [[BOS, *x] for x in ids]
+
+
+def recalibrate(directory: str, args: argparse.Namespace) -> int:
+    """Calibrate a shipped draft again (``--recalibrate``): its rollouts with the calibration
+    removed, then config.json, eval.json's "calibration" and the card rewritten (each atomically)."""
+    paths = {name: os.path.join(directory, name) for name in ("config.json", "eval.json")}
+    if not all(os.path.isfile(p) for p in paths.values()):
+        raise SystemExit(
+            f"--recalibrate {directory}: not a draft written by this script (config.json, eval.json)"
+        )
+    with open(paths["config.json"], encoding="utf-8") as f:
+        raw = json.load(f)
+    with open(paths["eval.json"], encoding="utf-8") as f:
+        report = json.load(f)
+    if not raw.get("enable_confidence_head"):
+        raise SystemExit(f"--recalibrate {directory}: the draft has no confidence head")
+    report["draft"]["frozen_copies"] = "lm_head.weight" in CheckpointReader(directory).keys()
+    given = args.target or report.get("target_path") or report["target"]
+    try:
+        target = resolve_model_path(given)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--recalibrate {directory}: its target {given!r}: {e} (give --target)") from None
+    if not os.path.exists(target):
+        raise SystemExit(f"--recalibrate {directory}: its target {given!r} is not found here (give --target)")
+    before = report.get("calibration", {})
+    count = args.acceptance_prompts  # default: the prompts its calibration had
+    if count is None and "fit" in before:
+        count = before["fit"]["prompts"] + before["heldout"]["prompts"]
+    prompts = held_prompt_ids(report, target)[:count]
+    seeds = before.get("seeds_per_prompt", args.calibration_seeds)
+    with tempfile.TemporaryDirectory() as tmp:  # the weights beside a config without the calibration
+        for name in os.listdir(directory):
+            if name.endswith(".safetensors"):
+                os.symlink(os.path.abspath(os.path.join(directory, name)), os.path.join(tmp, name))
+        plain = {k: v for k, v in raw.items() if k not in CALIBRATION_FIELDS}
+        write_json(os.path.join(tmp, "config.json"), plain)
+        fields, report["calibration"] = calibrate(
+            target,
+            tmp,
+            prompts,
+            raw["block_size"],
+            seeds,
+            before.get("new_tokens", CALIBRATION_TOKENS),
+            args.calibration,
+        )
+    write_json(paths["config.json"], {**plain, **fields})
+    write_json(paths["eval.json"], report)
+    rewrite_card(directory, card)
+    return 0
+
+
+def write_json(path: str, value: dict) -> None:
+    """``value`` to ``path`` through a temporary name (never half-written)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -207,6 +300,19 @@ def main() -> int:
     parser.add_argument("--l1-weight", type=float, default=0.9)
     parser.add_argument("--confidence-weight", type=float, default=1.0)
     parser.add_argument("--calibration-seeds", type=int, default=8, help="rollouts per held-out prompt")
+    parser.add_argument(
+        "--calibration",
+        choices=("scaling", "temperature"),
+        default="scaling",
+        help="scaling: a temperature and a shift per slot by the log-loss (removes a bias); "
+        "temperature: the paper's temperature alone by the ECE",
+    )
+    parser.add_argument(
+        "--recalibrate",
+        metavar="DIR",
+        help="only calibrate the shipped draft DIR again (its target: --target, else its eval.json's; "
+        "its prompts, seeds and tokens: those of its calibration; --acceptance-prompts another count)",
+    )
     parser.add_argument("--mask-token-id", type=int, help="the mask token (default as train_dflash.py's)")
     parser.add_argument(
         "--draft-vocab",
@@ -224,6 +330,10 @@ def main() -> int:
     if args.card:
         rewrite_card(args.card, card)
         return 0
+    if args.recalibrate:
+        if args.calibration_seeds < 1:
+            parser.error("--calibration-seeds must be >= 1")
+        return recalibrate(args.recalibrate, args)
     if args.layers < 1 or args.block_size < 2 or args.anchors < 1 or args.decay <= 0:
         parser.error("--layers and --anchors must be >= 1, --block-size >= 2, --decay > 0")
     if args.markov_rank < 0 or args.calibration_seeds < 1:
@@ -347,7 +457,20 @@ def main() -> int:
     calibration = None
     if dcfg.confidence_head:
         new_tokens = 16 if args.preset == "smoke" else CALIBRATION_TOKENS
-        raw, calibration = calibrate(run, raw, tensors, args.calibration_seeds, new_tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "uncalibrated")
+            write_hub_checkpoint(path, raw, tensors)
+            prompts = run.prompt_ids(args.acceptance_prompts)
+            fields, calibration = calibrate(
+                args.target,
+                path,
+                prompts,
+                raw["block_size"],
+                args.calibration_seeds,
+                new_tokens,
+                args.calibration,
+            )
+        raw = {**raw, **fields}
     draft = {
         "layers": args.layers,
         "layer_ids": layer_ids,
@@ -357,6 +480,7 @@ def main() -> int:
         "confidence_head": dcfg.confidence_head,
         "draft_vocab_size": dcfg.draft_vocab_size or cfg.vocab_size,
         "parameters": int(n_params),
+        "frozen_copies": not args.no_frozen_copies,
     }
     training = {"anchors": args.anchors, "loss_weights": dataclasses.asdict(weights)}
     report = report_for(run, draft, training, held, start, seconds)
@@ -386,23 +510,16 @@ def card(raw: dict, r: dict) -> str:
             f", over a draft vocabulary of the {dr['draft_vocab_size']:,} most frequent training tokens "
             "(`d2t`; the block's head is the target's columns for them)"
         )
+    copies = (
+        ", and copied into the checkpoint as DeepSpec's layout has them"
+        if dr.get("frozen_copies", True)
+        else "; DeepSpec's layout stores frozen copies of them, left out of this shipped checkpoint to "
+        "keep it small, as the loader checks them only when present"
+    )
     calibration = "No confidence head."
     c = r.get("calibration")
     if c is not None:
-        hh, hu = c["heldout"], c["heldout_uncalibrated"]
-        temps = ", ".join(f"{x:g}" for x in c["temperatures"])
-        ece = {name: " / ".join(f"{e:.3f}" for e in x["ece_per_slot"]) for name, x in (("u", hu), ("c", hh))}
-        seen = hh["observed_accepted_per_step"]
-        expected = f"{hu['expected_accepted_per_step']:.3f} | {hh['expected_accepted_per_step']:.3f}"
-        calibration = f"""Sequential temperature scaling on speculative-sampling rollouts (temperature 1, the
-whole block, {c["seeds_per_prompt"]} seeds x {c["new_tokens"]} new tokens per prompt): fitted on
-{c["fit"]["prompts"]} held-out prompts ({c["fit"]["steps"]} steps), measured on the other
-{hh["prompts"]} ({hh["steps"]} steps). Temperatures per slot: {temps}.
-
-| on the measuring prompts | uncalibrated | calibrated |
-|---|---|---|
-| ECE of the cumulative confidence, per slot | {ece["u"]} | {ece["c"]} |
-| expected accepted drafts per step (observed {seen:.3f}) | {expected} |"""
+        calibration = calibration_section(c)
     return f"""# DSpark draft for `{r["target"]}`
 
 A DSpark draft for the `{r["target"]}` target of mtp-jax, written by `scripts/train_dspark.py`:
@@ -411,8 +528,8 @@ heads, q/k norms) over target layer outputs {dr["layer_ids"]} (-1: the embedding
 `[anchor, MASK x {dr["block_size"] - 1}]`; every slot's logits are the target's head plus {head},
 sampled left to right, so one forward proposes up to {dr["block_size"]} drafts;
 {"a confidence head" if dr["confidence_head"] else "no confidence head"}. {dr["parameters"] / 1e6:.2f}M
-parameters of its own (the target's embedding and head are used, and copied into the checkpoint as
-DeepSpec's layout has them). DeepSpec's layout (`Qwen3DSparkModel`), bf16.
+parameters of its own (the target's embedding and head are used{copies}).
+DeepSpec's layout (`Qwen3DSparkModel`), bf16.
 
 {usage_line(r, "dspark")}
 
@@ -445,6 +562,48 @@ Greedy acceptance length (tokens per step; {acceptance_setup(r)}):
 
 Speed against plain decoding and the other drafts is in the repository's BENCHMARKS.md.
 """
+
+
+def calibration_section(c: dict) -> str:
+    """The card's calibration paragraph and table from eval.json's "calibration"."""
+    hh, hu, hp = c["heldout"], c["heldout_uncalibrated"], c.get("heldout_temperature_only")
+    scaling = c.get("method", "temperature") == "scaling"
+    columns = [("uncalibrated", hu)] + ([("temperature alone (the paper's)", hp)] if hp else [])
+    columns.append(("calibrated", hh))
+
+    def row(name: str, cell) -> str:
+        return f"| {name} | " + " | ".join(cell(x) for _, x in columns) + " |"
+
+    fitted = "Temperatures per slot: " + ", ".join(f"{x:g}" for x in c["temperatures"])
+    if scaling:
+        fitted += "; shifts: " + ", ".join(f"{x:g}" for x in c["shifts"])
+    how = (
+        "A temperature and a shift per slot, sigmoid(z / T + s), fitted left to right by the log-loss\n"
+        "of the cumulative confidence (mtp-jax's extension of the paper's sequential temperature\n"
+        "scaling: a temperature alone cannot remove a bias)"
+        if scaling
+        else "Sequential temperature scaling (the paper's: one temperature per slot by the ECE of the\n"
+        "cumulative confidence)"
+    )
+    return "\n".join(
+        [
+            f"""{how}, on speculative-sampling rollouts (temperature 1, the whole block,
+{c["seeds_per_prompt"]} seeds x {c["new_tokens"]} new tokens per prompt): fitted on
+{c["fit"]["prompts"]} held-out prompts ({c["fit"]["steps"]} steps), measured on the other
+{hh["prompts"]} ({hh["steps"]} steps). {fitted}.
+""",
+            "| on the measuring prompts | " + " | ".join(name for name, _ in columns) + " |",
+            "|---" * (len(columns) + 1) + "|",
+            row(
+                "ECE of the cumulative confidence, per slot",
+                lambda x: " / ".join(f"{e:.3f}" for e in x["ece_per_slot"]),
+            ),
+            row(
+                f"expected accepted drafts per step (observed {hh['observed_accepted_per_step']:.3f})",
+                lambda x: f"{x['expected_accepted_per_step']:.3f}",
+            ),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -47,31 +47,61 @@ def test_smoke_run_resumes_from_its_exported_draft_and_ships_a_calibrated_draft(
     second = finish(start(out, "--export-every", "2", "--no-frozen-copies"))
     assert second.returncode == 0, second.stderr
     assert "starting from the draft at step 2" in second.stderr and "step 4/4" in second.stderr
-    assert "calibration: temperatures" in second.stderr
+    assert "calibration (scaling): temperatures" in second.stderr
     assert sorted(os.listdir(tmp_path)) == ["draft"]  # the training state and the partial cleaned up
 
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["block_size"] == 4
     assert raw["markov_rank"] == 8 and raw["markov_head_type"] == "vanilla" and raw["enable_confidence_head"]
-    temps = raw["confidence_temperatures"]
-    assert len(temps) == 4 and all(t > 0 for t in temps)
+    temps, shifts = raw["confidence_temperatures"], raw["confidence_shifts"]
+    assert len(temps) == 4 and all(t > 0 for t in temps) and len(shifts) == 4
     keys = set(CheckpointReader(str(out)).keys())
     assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight"} <= keys
     assert not keys & {"lm_head.weight", "embed_tokens.weight"}  # --no-frozen-copies
     report = json.loads((out / "eval.json").read_text())
     c = report["calibration"]
     assert c["fit"]["prompts"] == 4 and c["heldout"]["prompts"] == 4 and c["heldout"]["steps"] > 0
+    assert c["method"] == "scaling" and c["heldout_temperature_only"]["steps"] == c["heldout"]["steps"]
     assert len(c["heldout"]["ece_per_slot"]) == 4 and set(report["acceptance"]) == {"2"}
     assert len(report["heldout"]["level_acceptance"]) == 4
     card = (out / "README.md").read_text()
-    assert "DSpark draft for `tiny-llama3-stdlib`" in card and "Sequential temperature scaling" in card
+    assert "DSpark draft for `tiny-llama3-stdlib`" in card and "A temperature and a shift per slot" in card
+    assert "temperature alone (the paper's)" in card and "left out of this shipped checkpoint" in card
 
     model = mtp_jax.load(LLAMA, "float32", strict=True, draft_model=str(out))
     assert model.draft_config.confidence_temperatures == tuple(temps)
+    assert model.draft_config.confidence_shifts == tuple(shifts)
     prompt = [[0, 5, 9, 17, 3, 40]]
     plain = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
     spec = model.generate(prompt, max_new_tokens=8, ignore_eos=True, draft="dspark", num_speculative_tokens=4)
     assert spec.tokens == plain.tokens
+
+    # --recalibrate: the paper's temperatures instead, fitted on the draft's rollouts without its
+    # calibration; the weights and the rest of eval.json untouched
+    weights = (out / "model.safetensors").read_bytes()
+    argv = [sys.executable, SCRIPT, "--recalibrate", str(out), "--calibration", "temperature"]
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr
+    assert "calibration (temperature): temperatures" in again.stderr
+    raw = json.loads((out / "config.json").read_text())
+    assert "confidence_shifts" not in raw and len(raw["confidence_temperatures"]) == 4
+    redone = json.loads((out / "eval.json").read_text())
+    assert (
+        redone["calibration"]["method"] == "temperature"
+        and "heldout_temperature_only" not in redone["calibration"]
+    )
+    assert (
+        redone["calibration"]["heldout_uncalibrated"] == c["heldout_uncalibrated"]
+    )  # rollouts of the same draft
+    assert {k: v for k, v in redone.items() if k != "calibration"} == {
+        **{k: v for k, v in report.items() if k != "calibration"},
+        "draft": {**report["draft"], "frozen_copies": False},
+    }
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert "Sequential temperature scaling (the paper's" in (out / "README.md").read_text()
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "eval.json", "model.safetensors"]
+    bad = subprocess.run([*argv[:2], "--recalibrate", str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode != 0 and "not a draft written by this script" in bad.stderr
 
 
 @pytest.mark.slow

@@ -151,7 +151,9 @@ def load_dspark(
     head = {0: "no sequential head"}.get(
         cfg.markov_rank, f"a {cfg.markov_head_type} head of rank {cfg.markov_rank}"
     )
-    conf = "a confidence head" + ("" if cfg.confidence_temperatures is None else " (calibrated)")
+    conf = "a confidence head" + (
+        "" if cfg.confidence_temperatures is None and cfg.confidence_shifts is None else " (calibrated)"
+    )
     if ids is not None:
         head += f", a draft vocabulary of {draft_vocab} of the target's {vocab} tokens"
     note = (
@@ -199,6 +201,8 @@ def dspark_config_dict(cfg: DSparkConfig, target_raw: dict) -> dict:
         raw["confidence_head_with_markov"] = cfg.confidence_with_markov
     if cfg.confidence_temperatures is not None:
         raw["confidence_temperatures"] = list(cfg.confidence_temperatures)
+    if cfg.confidence_shifts is not None:
+        raw["confidence_shifts"] = list(cfg.confidence_shifts)
     if cfg.draft_vocab_size is not None:
         raw["draft_vocab_size"] = cfg.draft_vocab_size
     else:

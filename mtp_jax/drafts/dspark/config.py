@@ -6,6 +6,7 @@ is DeepSpec's DFlash) and the confidence head.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,8 @@ class DSparkConfig:
     ``confidence_head`` and whether its features include W1[x_{k-1}] (``confidence_with_markov``).
     ``confidence_temperatures``: the sequential temperature scaling fitted on held-out rollouts (one
     per block slot; an mtp-jax field, absent from DeepSpec's configs: None until calibrated).
+    ``confidence_shifts``: added to each slot's logit after its temperature (mtp-jax's extension:
+    :func:`mtp_jax.drafts.dspark.calibration.fit_scaling`; None: no shift).
     """
 
     backbone: DFlashConfig
@@ -40,6 +43,7 @@ class DSparkConfig:
     confidence_head: bool = False
     confidence_with_markov: bool = True
     confidence_temperatures: tuple[float, ...] | None = None
+    confidence_shifts: tuple[float, ...] | None = None
     architecture: str = "Qwen3DSparkModel"
     capture: tuple[int, ...] = ()
 
@@ -77,11 +81,12 @@ class DSparkConfig:
 
     def resized(self, block_size: int) -> DSparkConfig:
         """The same draft run on a smaller block (its first ``block_size`` slots)."""
-        temps = self.confidence_temperatures
+        temps, shifts = self.confidence_temperatures, self.confidence_shifts
         return dataclasses.replace(
             self,
             backbone=dataclasses.replace(self.backbone, block_size=block_size),
             confidence_temperatures=None if temps is None else temps[:block_size],
+            confidence_shifts=None if shifts is None else shifts[:block_size],
         )
 
     @classmethod
@@ -113,7 +118,8 @@ def parse_dspark_config(raw: Mapping[str, Any]) -> DSparkConfig:
     """A DSpark draft's config.json as DeepSpec writes it: the target's text config with
     ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``num_target_layers``,
     ``markov_rank`` / ``markov_head_type`` and ``enable_confidence_head`` /
-    ``confidence_head_with_markov`` added (and mtp-jax's ``confidence_temperatures``)."""
+    ``confidence_head_with_markov`` added (and mtp-jax's ``confidence_temperatures`` and
+    ``confidence_shifts``)."""
     if not is_dspark_config(raw):
         raise ConfigError(f"not a DSpark draft config (architectures {raw.get('architectures')!r})")
     if raw.get("model_type") == "gemma4" or any("gemma" in str(a).lower() for a in raw["architectures"]):
@@ -137,18 +143,10 @@ def parse_dspark_config(raw: Mapping[str, Any]) -> DSparkConfig:
     head = get_field(raw, "markov_head_type", str, "vanilla")
     if head not in HEAD_TYPES:
         raise ConfigError(f"markov_head_type {head!r} is not one of {', '.join(HEAD_TYPES)}")
-    temps = raw.get("confidence_temperatures")
-    if temps is not None:
-        if (
-            not isinstance(temps, list)
-            or len(temps) != backbone.block_size
-            or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0 for t in temps)
-        ):
-            raise ConfigError(
-                f"confidence_temperatures must be {backbone.block_size} positive numbers (one per block "
-                f"slot), got {temps!r}"
-            )
-        temps = tuple(float(t) for t in temps)
+    temps = _per_slot(
+        raw, "confidence_temperatures", backbone.block_size, "positive numbers", lambda t: t > 0
+    )
+    shifts = _per_slot(raw, "confidence_shifts", backbone.block_size, "finite numbers", math.isfinite)
     n = get_field(raw, "num_target_layers", int, None)
     if n is not None and ids[-1] >= n - 1:
         raise ConfigError(
@@ -164,6 +162,7 @@ def parse_dspark_config(raw: Mapping[str, Any]) -> DSparkConfig:
         confidence_head=get_field(raw, "enable_confidence_head", bool, False),
         confidence_with_markov=get_field(raw, "confidence_head_with_markov", bool, True),
         confidence_temperatures=temps,
+        confidence_shifts=shifts,
         architecture=str(raw["architectures"][0]),
     )
 
@@ -193,3 +192,17 @@ def parse_dspark_draft(
         return None
     cfg = parse_dspark_config(raw)
     return dataclasses.replace(cfg, capture=dspark_capture(cfg, num_target_layers))
+
+
+def _per_slot(raw: Mapping[str, Any], name: str, block_size: int, what: str, ok) -> tuple[float, ...] | None:
+    """``raw[name]``: None, or one number per block slot each passing ``ok`` (ConfigError naming it)."""
+    values = raw.get(name)
+    if values is None:
+        return None
+    if (
+        not isinstance(values, list)
+        or len(values) != block_size
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and ok(v) for v in values)
+    ):
+        raise ConfigError(f"{name} must be {block_size} {what} (one per block slot), got {values!r}")
+    return tuple(float(v) for v in values)

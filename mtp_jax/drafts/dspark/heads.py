@@ -62,15 +62,16 @@ def markov_step(
 
 def confidence_logit(p: dict, cfg: DSparkConfig, h: jax.Array, prev: jax.Array, slot: int) -> jax.Array:
     """The confidence head's float32 logit [...] at block slot ``slot`` (0-based), calibrated by
-    the slot's temperature when the draft has one: sigmoid of it is the probability that the slot's
-    draft is accepted given that the slots before it were."""
+    the slot's temperature and shift when the draft has them: sigmoid of it is the probability
+    that the slot's draft is accepted given that the slots before it were."""
     c = p["confidence"]
     x = _f32(h)
     if cfg.markov_rank > 0 and cfg.confidence_with_markov:
         x = jnp.concatenate([x, _f32(p["markov"]["w1"][prev])], -1)
     z = x @ _f32(c["w"]) + _f32(c["b"])
-    temps = cfg.confidence_temperatures
-    return z if temps is None else z / temps[slot]
+    temps, shifts = cfg.confidence_temperatures, cfg.confidence_shifts
+    z = z if temps is None else z / temps[slot]
+    return z if shifts is None else z + shifts[slot]
 
 
 def teacher_forced_heads(
