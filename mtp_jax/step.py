@@ -220,7 +220,8 @@ class DecodeState:
     most what the last step proposed: a step may speculate less than K); thinking [B]: inside a
     thinking phase after the committed tokens before next_token; active [B]; sampling: per-row
     parameters; tree_parent [B, N]: with a :class:`~mtp_jax.tree.DynamicTree`, each row's proposed
-    tree's parents (the drafts are its nodes 1..N-1), else [B, 0]; draft_source [B]: with a draft
+    tree's parents (the drafts are its nodes 1..N-1; -1 at the root and at a node a per-row draft
+    did not propose, which is then inert), else [B, 0]; draft_source [B]: with a draft
     of several :attr:`~mtp_jax.drafts.Draft.sources`, the index of the one each row's drafts came
     from (-1: none; the scheduler counts drafts by it), else -1.
     """
@@ -632,6 +633,9 @@ def _commit_and_draft(
         if new_source is not None:
             source = jnp.where(state.active, new_source, source)
         new_drafts, new_parent = _split_tree(new_drafts, parent)
+        if new_parent.shape[1] and sc.drafter.proposes_per_row:  # a node not proposed (-1) is inert:
+            # its own root, no node's child, never on a path; the rest are the row's tree (its size)
+            new_parent = new_parent.at[:, 1:].set(jnp.where(new_drafts >= 0, new_parent[:, 1:], -1))
         parent = jnp.where(state.active[:, None], new_parent, parent)
         new_drafts, count = _proposed(sc, new_drafts, state.sampling.num_speculative_tokens, new_next)
         drafts = jnp.where(state.active[:, None], _room(drafts, new_drafts), drafts)

@@ -101,7 +101,7 @@ class Scheduler:
         self.pages_of: dict[int, list[int]] = {}
         self.proposed = np.zeros(slots, np.int64)  # drafts standing for each slot (the state's num_drafts)
         self.pending = None
-        self.counters = SpecCounters(self.depth)
+        self.counters = SpecCounters(self.depth, self.sc.k)
         self.counts = {"steps": 0, "prefills": 0, "prefill_chunks": 0}
         self.widths: collections.Counter[int] = collections.Counter()  # steps by tokens verified per row
         self.first_step_seconds = 0.0
@@ -129,7 +129,7 @@ class Scheduler:
         if req.id < 0:
             req.id = self._next_id
         self._next_id = max(self._next_id, req.id + 1)
-        req.counters = SpecCounters(self.depth)
+        req.counters = SpecCounters(self.depth, self.sc.k)
         if req.submitted_at is None:  # an engine's request is timed from its own submit
             req.submitted_at = time.perf_counter()
         req.sampling = jax.tree.map(np.asarray, req.sampling)

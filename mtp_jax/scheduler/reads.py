@@ -1,6 +1,7 @@
 """What the scheduler reads of each row's standing proposal beside a step's tokens: the drafts'
 calibrated confidences (a draft with a confidence head), each row's own draft count (a draft that
-proposes per row) and each row's source (a draft of several :attr:`~mtp_jax.drafts.Draft.sources`).
+proposes per row; with a dynamic tree, the nodes of its own: its tree's size) and each row's
+source (a draft of several :attr:`~mtp_jax.drafts.Draft.sources`).
 Each is copied from the decode state before the step takes (donates) it, and read with the step's
 tokens one step later, so the host never waits for it. Single-process only: in a multi-host run the
 rows' arrays are split over processes (the counts then stay K per drafting row, an upper bound)."""
@@ -29,7 +30,7 @@ class RowReads:
     def of(cls, sc: StepConfig) -> RowReads:
         one = jax.process_count() == 1
         method = sc.draft_method
-        counts = method is not None and method.proposes_per_row and sc.tree is None and one
+        counts = method is not None and method.proposes_per_row and one  # a tree's: its real nodes
         return cls(sc.confident and one, counts, method.sources if method is not None and one else ())
 
     def before_step(self, state, sc: StepConfig, proposed: np.ndarray) -> tuple:
@@ -37,7 +38,10 @@ class RowReads:
         device copies where read, else the host's count (each slot's cap)."""
         drafted, sources = np.minimum(proposed, sc.k), None
         if sc.k and not sc.draft_idle:
-            if self.counts:  # fewer than K where the row's text had no match
+            if self.counts and state.tree_parent.shape[1]:  # a dynamic tree's size: its proposed nodes
+                nodes = jnp.sum(state.tree_parent[:, 1:] >= 0, axis=1, dtype=jnp.int32)
+                drafted = jnp.where(state.num_drafts > 0, nodes, 0)  # none for a request of K = 0
+            elif self.counts:  # fewer than K where the row's text had no match
                 drafted = jnp.minimum(state.num_drafts, sc.k)  # a new buffer: read before the step
             if self.sources:
                 sources = jnp.copy(state.draft_source)

@@ -59,7 +59,8 @@ class SpecCounters:
     steps (verification steps), num_drafts (steps that verified at least one draft),
     num_draft_tokens, num_accepted_tokens and num_accepted_tokens_per_pos[j] (steps that accepted
     draft j, 0-based: with a token tree, a node of depth j + 1); steps_per_verified_drafts[n]: steps
-    that verified n drafts (the lengths a confidence schedule chose, or the caps);
+    that verified n drafts (the lengths a confidence schedule chose, the caps, or with suffix
+    decoding's dynamic trees the sizes of the rows' trees);
     expected_accepted_tokens: with a draft that estimates its confidence (in a single-process run),
     the accepted drafts its calibrated confidences expected (the sum over verified drafts of their
     running products: set against num_accepted_tokens, the calibration's check);
@@ -67,10 +68,12 @@ class SpecCounters:
     decoding, the hybrid; a single-process run), for each source ("none": no proposal) the
     row-steps whose drafts came from it, their drafts verified and their drafts accepted."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, drafts: int | None = None) -> None:
+        """``k``: the drafts a step can accept (a tree's depth); ``drafts``: that it can verify (a
+        tree's nodes; default ``k``)."""
         self.steps = self.emitted = self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.per_pos = np.zeros(k, np.int64)
-        self.per_length = np.zeros(k + 1, np.int64)
+        self.per_length = np.zeros((k if drafts is None else drafts) + 1, np.int64)
         self.expected = 0.0
         self.by_source: dict[str, list[int]] = {}
 

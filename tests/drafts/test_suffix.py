@@ -224,6 +224,10 @@ def test_greedy_is_lossless_with_drafts_accepted(model, tree):
     )
     assert spec.tokens == plain.tokens
     assert spec.stats["acceptance_length"] > 1.3, spec.stats  # drafts were proposed and accepted
+    if tree:  # each row's tree counted at its own size (its proposed nodes), some below the budget
+        sizes = spec.stats["steps_per_verified_drafts"]  # row-steps by the drafts they verified
+        assert len(sizes) == TREE["nodes"] + 1 and sum(sizes[1:-1]) > 0, sizes
+        assert spec.stats["num_draft_tokens"] < TREE["nodes"] * spec.stats["num_drafts"], spec.stats
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

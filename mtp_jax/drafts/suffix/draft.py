@@ -120,10 +120,10 @@ def propose_rows(history, n, tenant, index, cfg: SuffixConfig, nodes: int, width
 
 def look_up(ctx, cfg: SuffixConfig, state: dict, page_table, rows: Rows, first_pos, tenant):
     """Write the committed tokens into the rows' buffer (``state["tokens"]``), then look each row's
-    proposal up in its text and the index (``state["index"]``). Returns ((tokens [b, nodes]; parent
-    [b, nodes]; score [b]; source [b], -1 where the row has no proposal), the new buffer). With a
-    dynamic tree (``ctx.tree``) a node the row has no continuation for holds its newest token (a
-    tree is verified whole); for a chain of ``ctx.k`` it is -1."""
+    proposal up in its text and the index (``state["index"]``). Returns ((tokens [b, nodes], -1
+    past the row's own; parent [b, nodes]; score [b]; source [b], -1 where the row has no
+    proposal), the new buffer). The step puts the row's newest token in a -1 node's place (a tree
+    is verified whole) and counts only the nodes before it."""
     nodes, width, depth = _shape(ctx) if ctx.k else (0, 1, 0)
 
     def look(history, n, tenant, index):
@@ -131,10 +131,7 @@ def look_up(ctx, cfg: SuffixConfig, state: dict, page_table, rows: Rows, first_p
         if ctx.k == 0:
             empty = jnp.zeros((b, 0), jnp.int32)
             return empty, empty, jnp.zeros((b,)), jnp.full((b,), -1, jnp.int32)
-        tokens, parent, score, source = propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
-        if ctx.tree is not None:
-            tokens = jnp.where(tokens >= 0, tokens, at_rows(history, jnp.maximum(n - 1, 0))[:, None])
-        return tokens, parent, score, source
+        return propose_rows(history, n, tenant, index, cfg, nodes, width, depth)
 
     return buffer_and_look_up(
         ctx, state["tokens"], page_table, rows, first_pos, look, 4, by_row=(tenant,), shared=(state["index"],)
