@@ -330,6 +330,11 @@ def start_chat_run(args: argparse.Namespace, workdir: str, t0: float, target_raw
         raise SystemExit(f"--target {args.target} has no chat template: chat data needs one")
     train, held = distill.build_prompts(args.max_files)
     train = train[: args.max_prompts]
+    if not train or not held:
+        raise SystemExit(
+            f"chat data: {len(train)} training and {len(held)} held-out prompts from --max-files "
+            f"{args.max_files}; both need some (give more files)"
+        )
     evaluation = distill.heldout_prompts(args.eval_prompts, args.max_files)
     streams = []
     for name, prompts in (("train", train), ("heldout", held)):

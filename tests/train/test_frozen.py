@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from mtp_jax.train.frozen import draft_vocabulary
 
@@ -13,3 +14,74 @@ def test_draft_vocabulary_is_the_most_frequent_tokens_ascending():
     np.testing.assert_array_equal(draft_vocabulary(streams, 10, 3), [5, 7, 9])
     np.testing.assert_array_equal(draft_vocabulary(streams, 10, 4), [1, 5, 7, 9])
     assert draft_vocabulary(streams, 10, 4).dtype == np.int32
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_a_chat_run_trains_on_the_targets_own_greedy_replies(tmp_path):
+    """``--data chat``: the target (a tiny Llama given a chat template) answers the standard-library
+    prompts greedily once (replies kept in --replies-dir, read back by the next run, not
+    regenerated); the training stream is each rendered prompt followed by its reply, the held-out
+    prompts are rendered the same way, and a target without a chat template is refused by name."""
+    import argparse
+    import json
+    import shutil
+
+    import mtp_jax
+    from mtp_jax.train.frozen import add_run_arguments, start_run
+    from tests.conftest import REPO
+
+    target = tmp_path / "tiny-chat"
+    shutil.copytree(f"{REPO}/checkpoints/tiny-llama3-stdlib", target)
+    (target / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    argv = ["--target", str(target), "--out", str(tmp_path / "draft"), "--data", "chat", "--max-files", "5"]
+    argv += [
+        "--max-prompts",
+        "3",
+        "--reply-tokens",
+        "6",
+        "--eval-prompts",
+        "1",
+        "--replies-dir",
+        str(tmp_path),
+    ]
+    run = start_run(parser.parse_args(argv), parser)
+    assert run.data["kind"] == "chat" and run.data["train_prompts"] == 3
+    train_file = tmp_path / "replies-tiny-chat-train-6.jsonl"
+    rows = [json.loads(line) for line in train_file.read_text().splitlines()]
+    assert len(rows) == 3 and (tmp_path / "replies-tiny-chat-heldout-6.jsonl").is_file()
+
+    model = mtp_jax.load(str(target), "float32")
+    codec = model.text
+    expected = []
+    for row in rows:  # each reply is the target's own greedy continuation of the rendered prompt
+        ids = codec.encode_chat([{"role": "user", "content": row["prompt"]}])
+        assert row["reply"] == model.generate([ids], max_new_tokens=6, temperature=0.0).tokens[0]
+        expected += ids + row["reply"]
+    np.testing.assert_array_equal(run.train_stream, expected)
+    np.testing.assert_array_equal(
+        run.train_starts, [0, *np.cumsum([len(x) for x in expected_parts(rows, codec)])[:-1]]
+    )
+    held = run.prompt_ids()
+    assert held and held[0] == codec.encode_chat([{"role": "user", "content": run.target_eval["prompts"][0]}])
+
+    train_file.write_text("".join(json.dumps({**r, "reply": r["reply"][:2]}) + "\n" for r in rows))
+    again = start_run(parser.parse_args(argv), parser)  # the kept replies are read, not generated again
+    assert len(again.train_stream) == len(expected) - sum(len(r["reply"]) - 2 for r in rows)
+
+    few = [("2" if a == "5" else a) for a in argv]  # --max-files 2: no held-out prompt
+    with pytest.raises(SystemExit, match="0 held-out prompts from --max-files 2"):
+        start_run(parser.parse_args(few), parser)
+    (target / "tokenizer_config.json").unlink()
+    with pytest.raises(SystemExit, match="has no chat template"):
+        start_run(parser.parse_args(argv), parser)
+
+
+def expected_parts(rows: list[dict], codec) -> list[list[int]]:
+    return [codec.encode_chat([{"role": "user", "content": r["prompt"]}]) + r["reply"] for r in rows]
