@@ -200,9 +200,9 @@ def calibrate(
         f"{h['observed_accepted_per_step']:.3f} accepted drafts per step ({h['steps']} steps)",
         file=sys.stderr,
     )
-    fields = {"confidence_temperatures": list(temps)}
+    fields = {"confidence_temperatures": [round(t, 6) for t in temps]}
     if shifts is not None:
-        fields["confidence_shifts"] = list(shifts)
+        fields["confidence_shifts"] = [round(x, 6) for x in shifts]
     return fields, report
 
 
@@ -587,10 +587,11 @@ def calibration_section(c: dict) -> str:
     )
     return "\n".join(
         [
-            f"""{how}, on speculative-sampling rollouts (temperature 1, the whole block,
-{c["seeds_per_prompt"]} seeds x {c["new_tokens"]} new tokens per prompt): fitted on
-{c["fit"]["prompts"]} held-out prompts ({c["fit"]["steps"]} steps), measured on the other
-{hh["prompts"]} ({hh["steps"]} steps). {fitted}.
+            f"""{how}.
+On speculative-sampling rollouts (temperature 1, the whole block, {c["seeds_per_prompt"]} seeds x
+{c["new_tokens"]} new tokens per prompt): fitted on {c["fit"]["prompts"]} held-out prompts
+({c["fit"]["steps"]} steps), measured on the other {hh["prompts"]} ({hh["steps"]} steps).
+{fitted}.
 """,
             "| on the measuring prompts | " + " | ".join(name for name, _ in columns) + " |",
             "|---" * (len(columns) + 1) + "|",

@@ -64,6 +64,9 @@ def test_is_a_published_layout_draft(shipped):
         assert list(cfg.confidence_temperatures) == pytest.approx(
             report["calibration"]["temperatures"], abs=1e-4
         )
+        assert list(cfg.confidence_shifts or ()) == pytest.approx(
+            report["calibration"].get("shifts", []), abs=1e-4
+        )
         held = report["calibration"]["heldout"]
         assert held["expected_accepted_per_step"] == pytest.approx(
             held["observed_accepted_per_step"], rel=0.05

@@ -69,6 +69,25 @@ SHIPPED_DRAFTS = {
 }
 
 
+def test_the_shipped_dspark_expects_the_drafts_it_gets():
+    """The SmolLM2 DSpark's calibration (a temperature and a shift per slot, in its config.json) is
+    the one its report fitted, and on the held-out half of its rollouts the accepted drafts its
+    confidences expect are within 5% of those accepted (the paper's temperatures alone: 33% over)."""
+    from mtp_jax.drafts.dspark.config import parse_dspark_config
+
+    draft = os.path.join(REPO, "checkpoints", SHIPPED_DRAFTS["dspark"][0])
+    with open(os.path.join(draft, "config.json"), encoding="utf-8") as f:
+        cfg = parse_dspark_config(json.load(f))
+    with open(os.path.join(draft, "eval.json"), encoding="utf-8") as f:
+        c = json.load(f)["calibration"]
+    assert c["method"] == "scaling"
+    assert list(cfg.confidence_temperatures) == pytest.approx(c["temperatures"], abs=1e-4)
+    assert list(cfg.confidence_shifts) == pytest.approx(c["shifts"], abs=1e-4)
+    held, paper = c["heldout"], c["heldout_temperature_only"]
+    assert held["expected_accepted_per_step"] == pytest.approx(held["observed_accepted_per_step"], rel=0.05)
+    assert paper["expected_accepted_per_step"] > 1.2 * paper["observed_accepted_per_step"]
+
+
 @pytest.fixture(scope="module", params=sorted(SHIPPED_DRAFTS))
 def smollm2_draft(request):
     """(SmolLM2 with one of the drafts trained here, its method): checkpoints/smollm2-135m-instruct-*."""
