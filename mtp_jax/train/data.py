@@ -95,6 +95,48 @@ def window_starts(size: int, seed: int, step: int, batch: int, length: int) -> n
     return np.random.default_rng([seed, step]).integers(0, size - length, batch)
 
 
+class SourceWindows:
+    """Window offsets drawn source by source: each window's source with probability ``weights``
+    (normalised), then a uniform offset among that source's tokens (its documents' spans in the
+    stream; a window may run on into the next document, as the plain draw's do). Drawn from (seed,
+    step): resumable. A source's share of the training windows is then its weight, whatever its
+    share of the tokens."""
+
+    def __init__(self, starts: np.ndarray, sources: list[str], size: int, weights: dict[str, float]):
+        """``starts`` [n]: where each document starts in a stream of ``size`` tokens, ``sources``
+        [n]: its source; ``weights``: {source: weight >= 0}, every source present named, some > 0."""
+        names = sorted(set(sources))
+        unknown = sorted(set(weights) - set(names))
+        missing = [n for n in names if n not in weights]
+        if unknown or missing or not any(weights[n] > 0 for n in names) or min(weights.values()) < 0:
+            raise ValueError(
+                f"source weights {weights} must give each of the data's sources {names} a weight >= 0, "
+                "some above 0" + (f" (not in the data: {unknown})" if unknown else "")
+            )
+        ends = np.append(np.asarray(starts, np.int64)[1:], size)
+        self.names = [n for n in names if weights[n] > 0]
+        total = sum(weights[n] for n in self.names)
+        self.shares = np.asarray([weights[n] / total for n in self.names])
+        which = np.asarray(sources)
+        self.spans = []  # per source: (document starts, cumulative token counts)
+        for name in self.names:
+            mine = which == name
+            self.spans.append(
+                (np.asarray(starts, np.int64)[mine], np.cumsum(ends[mine] - np.asarray(starts)[mine]))
+            )
+
+    def offsets(self, size: int, seed: int, step: int, batch: int, length: int) -> np.ndarray:
+        """[batch] offsets of windows of ``length`` tokens (all inside the stream)."""
+        rng = np.random.default_rng([seed, step])
+        out = np.empty(batch, np.int64)
+        for i, s in enumerate(rng.choice(len(self.names), batch, p=self.shares)):
+            begin, cumulative = self.spans[s]
+            u = int(rng.integers(0, cumulative[-1]))
+            doc = int(np.searchsorted(cumulative, u, side="right"))
+            out[i] = begin[doc] + u - (cumulative[doc - 1] if doc else 0)
+        return np.minimum(out, size - length - 1)
+
+
 def batch_at(stream: np.ndarray, seed: int, step: int, batch: int, length: int) -> np.ndarray:
     """Windows [batch, length] of the stream at offsets drawn from (seed, step): resumable."""
     return np.stack([stream[s : s + length] for s in window_starts(len(stream), seed, step, batch, length)])

@@ -37,6 +37,7 @@ from mtp_jax.train import distill, shards, target_cache
 from mtp_jax.train.cards import ACCEPTANCE_TOKENS, report_command
 from mtp_jax.train.data import (
     BOS,
+    SourceWindows,
     continuations_path,
     data_report,
     load_or_make_continuations,
@@ -85,6 +86,13 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="corpus data: the share of conversations held out, chosen by a hash of their id",
     )
+    parser.add_argument(
+        "--source-weights",
+        type=source_weights,
+        metavar="NAME=W,...",
+        help="corpus data: draw each window's source in these shares, e.g. chat=2,math=1,code=1 "
+        "(default: in proportion to each source's tokens)",
+    )
     parser.add_argument("--reply-tokens", type=int, default=160, help="chat data: longest target reply")
     parser.add_argument(
         "--max-prompts", type=int, help="chat data: train on the first N prompts (a fair sample) only"
@@ -94,6 +102,20 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="chat data: where the target's replies are kept (default: beside --workdir; commit it to "
         "carry them to another machine)",
     )
+
+
+def source_weights(text: str) -> dict[str, float]:
+    """``--source-weights`` as {source: weight}: NAME=W pairs joined by commas."""
+    out = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=WEIGHT,... (e.g. chat=2,code=1), got {text!r}"
+            ) from None
+    return out
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,17 +208,27 @@ class Run:
     """Where each conversation starts in the train stream (chat data; None: one text)."""
     cache: Any = None
     """The target cache (:class:`target_cache.TargetCache`) when ``--target-cache`` is given."""
+    sources: SourceWindows | None = None
+    """Windows drawn source by source (corpus data with ``--source-weights``; None: uniformly)."""
 
     def batch(self, step: int) -> dict:
         """Step ``step``'s batch: its windows [b, seq + 1] and, with a target cache, the cached rows
         of their first seq tokens (features, top_ids, top_logp)."""
-        args = self.args
-        window = training_window(args, self.train_stream, self.own_windows if self.own else None, step)
+        args, starts = self.args, self.window_offsets(step)
+        own = self.own_windows if self.own else None
+        window = training_window(args, self.train_stream, own, step, starts if self.sources else None)
         out = {"window": jnp.asarray(window)}
         if self.cache is not None:
-            starts = window_starts(len(self.train_stream), args.seed, step, args.batch, args.seq + 1)
             out.update({k: jnp.asarray(v) for k, v in self.cache.rows(starts, args.seq).items()})
         return out
+
+    def window_offsets(self, step: int) -> np.ndarray:
+        """Where step ``step``'s windows start in the training stream: drawn from (seed, step),
+        uniformly or (``sources``) source by source."""
+        args, size = self.args, len(self.train_stream)
+        if self.sources is not None:
+            return self.sources.offsets(size, args.seed, step, args.batch, args.seq + 1)
+        return window_starts(size, args.seed, step, args.batch, args.seq + 1)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A held-out prompt as the target sees it: BOS + text (stdlib), or the chat-rendered user turn."""
@@ -250,6 +282,8 @@ def _check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         args.own_text = 0.0  # the data already is the target's own text
     if not 0.0 < args.corpus_heldout < 1.0:
         parser.error(f"--corpus-heldout is a fraction in (0, 1), got {args.corpus_heldout}")
+    if args.source_weights is not None and data != "corpus":
+        parser.error(f"--source-weights weighs a corpus's sources: it needs --data corpus, not {data}")
     if args.preset == "smoke":  # a few seconds end to end
         args.max_files, args.batch, args.seq = args.max_files or 8, 2, 32
         args.own_text_windows, args.eval_windows = min(args.own_text_windows, 2), min(args.eval_windows, 4)
@@ -459,6 +493,16 @@ def start_corpus_run(args: argparse.Namespace, workdir: str, t0: float, target_r
         args, workdir, target_raw, model, (split.train_stream, split.held_stream),
         start=t0, held_prompts=prompts, data=data, train_starts=split.train_starts,
     )  # fmt: skip
+    if args.source_weights is not None:
+        try:
+            run.sources = SourceWindows(
+                split.train_starts, split.train_sources, len(split.train_stream), args.source_weights
+            )
+        except ValueError as e:
+            raise SystemExit(f"--source-weights: {e}") from None
+        data["source_weights"] = dict(
+            zip(run.sources.names, run.sources.shares.round(4).tolist(), strict=True)
+        )
     run.target_eval = {"prompts": [model.text.decode(p, skip_special_tokens=False) for p in prompts]}
     return run
 

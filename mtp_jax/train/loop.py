@@ -87,12 +87,20 @@ class Meter:
 
 
 def training_window(
-    args: argparse.Namespace, stream: np.ndarray, own_windows: np.ndarray | None, step: int
+    args: argparse.Namespace,
+    stream: np.ndarray,
+    own_windows: np.ndarray | None,
+    step: int,
+    starts: np.ndarray | None = None,
 ) -> np.ndarray:
     """Step ``step``'s batch [batch, seq + 1]: windows of the stream at offsets drawn from (seed,
-    step), the last ``own_text`` fraction picked from ``own_windows`` (the model's own text)."""
+    step) (or at ``starts``), the last ``own_text`` fraction picked from ``own_windows`` (the
+    model's own text)."""
     own = 0 if own_windows is None else round(args.own_text * args.batch)
-    window = batch_at(stream, args.seed, step, args.batch - own, args.seq + 1)
+    if starts is None:
+        window = batch_at(stream, args.seed, step, args.batch - own, args.seq + 1)
+    else:
+        window = np.stack([stream[s : s + args.seq + 1] for s in starts[: args.batch - own]])
     if own:
         pick = np.random.default_rng([args.seed, step, 1]).integers(0, len(own_windows), own)
         window = np.concatenate([window, own_windows[pick]])

@@ -244,6 +244,7 @@ class CorpusSplit:
     shards: list[str]
     train_stream: np.ndarray
     train_starts: np.ndarray  # where each training conversation starts in the stream
+    train_sources: list[str]  # each training conversation's source
     held_stream: np.ndarray
     held_prompts: list[list[int]]  # held-out first turns, the sources taken in turn
     held_sources: list[str]  # each prompt's source
@@ -279,6 +280,7 @@ def split_corpus(directory: str, fraction: float, shards: Sequence[str] | None =
     if not names:
         raise ValueError(f"{directory} has no finished shard yet")
     train: list[np.ndarray] = []
+    train_sources: list[str] = []
     held: list[np.ndarray] = []
     prompts: dict[str, list[list[int]]] = {}
     counts: dict[str, dict[str, dict[str, int]]] = {"train": {}, "heldout": {}}
@@ -288,6 +290,8 @@ def split_corpus(directory: str, fraction: float, shards: Sequence[str] | None =
                 continue
             side = "heldout" if held_out(c.id, fraction) else "train"
             (held if side == "heldout" else train).append(c.tokens)
+            if side == "train":
+                train_sources.append(c.source)
             if side == "heldout":
                 prompts.setdefault(c.source, []).append(first_turn(c).tolist())
             row = counts[side].setdefault(c.source, {"conversations": 0, "tokens": 0, "reply_tokens": 0})
@@ -311,6 +315,7 @@ def split_corpus(directory: str, fraction: float, shards: Sequence[str] | None =
         names,
         np.concatenate(train).astype(np.int32),
         np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64),
+        train_sources,
         np.concatenate(held).astype(np.int32),
         [p for p, _ in interleaved],
         [s for _, s in interleaved],

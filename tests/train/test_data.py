@@ -25,3 +25,41 @@ def test_own_continuations_are_a_training_prompt_then_the_models_greedy_text(tin
         greedy = np.argmax(tiny_model.logits([w.tolist()])[0], axis=-1)
         np.testing.assert_array_equal(greedy[cut_max - 1 : -1], w[cut_max:])
         assert not np.array_equal(greedy[:15], w[1:16])  # the prompt is the stream's, not greedy
+
+
+def test_windows_drawn_source_by_source_follow_the_weights():
+    """Three sources holding 77% / 15% / 8% of the tokens, weighed equally: each draws a third of
+    the windows (within 5 standard deviations over 6,000), every window inside the stream, the same
+    offsets again for the same (seed, step); bad weights are refused by name."""
+    import pytest
+
+    from mtp_jax.train.data import SourceWindows
+
+    rng = np.random.default_rng(0)
+    sources = list(rng.choice(["chat", "code", "math"], 300, p=[0.5, 0.3, 0.2]))
+    length = {"chat": 400, "code": 120, "math": 60}
+    sizes = np.asarray([length[s] + int(rng.integers(0, 20)) for s in sources])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    size = int(sizes.sum())
+    windows = SourceWindows(starts, sources, size, {"chat": 1, "code": 1, "math": 1})
+    offsets = np.concatenate([windows.offsets(size, 7, step, 60, 33) for step in range(100)])
+    assert offsets.min() >= 0 and offsets.max() <= size - 34
+    doc = np.searchsorted(starts, offsets, side="right") - 1
+    drawn = np.asarray(sources)[doc]
+    token_share = {s: sizes[np.asarray(sources) == s].sum() / size for s in length}
+    assert token_share["chat"] > 0.7 and token_share["math"] < 0.1  # far from equal by tokens
+    for name in length:
+        share = np.mean(drawn == name)
+        assert abs(share - 1 / 3) < 5 * np.sqrt(2 / 9 / len(drawn)), (name, share)
+    np.testing.assert_array_equal(windows.offsets(size, 7, 3, 60, 33), windows.offsets(size, 7, 3, 60, 33))
+    assert not np.array_equal(windows.offsets(size, 7, 3, 60, 33), windows.offsets(size, 7, 4, 60, 33))
+    only = SourceWindows(starts, sources, size, {"chat": 0, "code": 1, "math": 0})
+    doc = np.searchsorted(starts, only.offsets(size, 1, 0, 500, 33), side="right") - 1
+    assert set(np.asarray(sources)[doc]) == {"code"}
+    for bad in (
+        {"chat": 1, "code": 1},
+        {"chat": 1, "code": 1, "math": 1, "poetry": 1},
+        dict.fromkeys(length, 0),
+    ):
+        with pytest.raises(ValueError, match="must give each of the data's sources"):
+            SourceWindows(starts, sources, size, bad)

@@ -85,3 +85,49 @@ def test_a_chat_run_trains_on_the_targets_own_greedy_replies(tmp_path):
 
 def expected_parts(rows: list[dict], codec) -> list[list[int]]:
     return [codec.encode_chat([{"role": "user", "content": r["prompt"]}]) + r["reply"] for r in rows]
+
+
+def test_a_corpus_run_draws_its_windows_in_the_sources_weights(tmp_path):
+    """``--source-weights chat=0,math=1,code=1`` on a corpus: no window of any step starts in a chat
+    conversation (and they do without it), the shares are in the run's data record, and the option
+    is refused for data that is not a corpus and for a source the corpus lacks."""
+    import argparse
+
+    from mtp_jax.train.frozen import add_run_arguments, start_run
+    from mtp_jax.train.shards import split_corpus
+    from tests.conftest import REPO
+    from tests.train.test_corpus import write_fake_corpus
+
+    corpus = tmp_path / "corpus"
+    write_fake_corpus(corpus, "tiny-llama3-stdlib", 2048, 24)
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    argv = [
+        "--target",
+        f"{REPO}/checkpoints/tiny-llama3-stdlib",
+        "--out",
+        str(tmp_path / "d"),
+        "--data",
+        "corpus",
+    ]
+    argv += ["--corpus", str(corpus), "--corpus-heldout", "0.3", "--batch", "8", "--seq", "16"]
+
+    sources = split_corpus(str(corpus), 0.3).train_sources
+
+    def chat_windows(run) -> int:
+        ends = np.append(run.train_starts[1:], len(run.train_stream))
+        chat = [(a, b) for a, b, s in zip(run.train_starts, ends, sources, strict=True) if s == "chat"]
+        starts = np.concatenate([run.window_offsets(step) for step in range(20)])
+        np.testing.assert_array_equal(
+            run.batch(3)["window"], [run.train_stream[x : x + 17] for x in run.window_offsets(3)]
+        )
+        return sum(a <= x < b for x in starts for a, b in chat)
+
+    plain = start_run(parser.parse_args(argv), parser)
+    weighed = start_run(parser.parse_args([*argv, "--source-weights", "chat=0,math=1,code=1"]), parser)
+    assert chat_windows(plain) > 0 and chat_windows(weighed) == 0
+    assert weighed.data["source_weights"] == {"code": 0.5, "math": 0.5}
+    with pytest.raises(SystemExit):
+        start_run(parser.parse_args([*argv[:5], "stdlib", "--source-weights", "code=1"]), parser)
+    with pytest.raises(SystemExit, match="not in the data: \\['poetry'\\]"):
+        start_run(parser.parse_args([*argv, "--source-weights", "chat=1,math=1,code=1,poetry=1"]), parser)
