@@ -352,7 +352,7 @@ def main() -> int:
         if args.seq <= args.block_size:
             parser.error(f"--seq {args.seq} is not longer than a block of {args.block_size}")
         if args.mask_token_id is None:
-            args.mask_token_id = 0 if data == "chat" else PAD  # chat conversations never contain id 0
+            args.mask_token_id = 0 if data in ("chat", "corpus") else PAD  # chat text never holds id 0
         if not 0 <= args.mask_token_id < cfg.vocab_size:
             parser.error(f"--mask-token-id {args.mask_token_id} is not a token id of the target")
         if args.draft_vocab is not None and not 1 <= args.draft_vocab <= cfg.vocab_size:
