@@ -847,6 +847,30 @@ def small_vocab_dspark(small_vocab_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def small_vocab_dspark_vocab(small_vocab_model, tmp_path_factory):
+    """The same DSpark draft over EAGLE-3's 6-token draft vocabulary: the block's head and the
+    Markov head's W2 over those ids only, so every slot's law, the bias of the token drawn before
+    included, is exactly zero at target ids 1 and 5."""
+    from mtp_jax.drafts.dspark.config import DSparkConfig
+    from mtp_jax.drafts.dspark.synthetic import dspark_hub_tensors
+
+    model = small_vocab_model
+    raw = {**SMALL_DSPARK, "draft_vocab_size": len(EAGLE3_VOCAB_IDS)}
+    embed, head = np.asarray(model.params["embed"]), np.asarray(model.params["lm_head"]).T
+    ids = np.array(EAGLE3_VOCAB_IDS)
+    tensors = dspark_hub_tensors(
+        DSparkConfig.from_dict(raw), embed, head, 7, 0.3, head_std=1.0, draft_ids=ids
+    )
+    path = tmp_path_factory.mktemp("vocab8-dspark-vocab") / "draft"
+    write_hub_checkpoint(path, raw, tensors)
+    drafted = mtp_jax.load(model.path, "float32", page_size=4, draft_model=str(path))
+    logits = drafted.draft_logits([PROMPT + [a] for a in range(VOCAB)])[:, len(PROMPT) - 1]
+    outside = np.setdiff1d(np.arange(VOCAB), ids)
+    assert np.all(np.isneginf(logits[..., outside]))  # not vacuous: the restriction is in force
+    return drafted
+
+
+@pytest.fixture(scope="module")
 def small_vocab_draft_model(small_vocab_model, tmp_path_factory):
     """The same target drafted by a separate model: its own checkpoint with the head's scale
     halved (a flatter distribution with the same argmax): K chained passes of another model."""
@@ -978,6 +1002,8 @@ E2E_CASES = [
     ("dflash_vocab", 2, "sampled", "truncated"),
     # a block with a sequential head: the second draft's law depends on the first one drawn
     ("dspark", 2, "sampled", "truncated"),
+    # ... over a draft vocabulary (the head and the Markov bias over 6 of the 8 ids)
+    ("dspark_vocab", 2, "sampled", "truncated"),
     # deterministic drafts copied from the row's own text (q one-hot in sampled mode)
     ("ngram", 2, "argmax", "truncated"),
     ("ngram", 2, "sampled", "truncated"),
