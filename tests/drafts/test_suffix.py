@@ -390,6 +390,11 @@ SHARDED_CHILD = textwrap.dedent(
             # the second wave repeats the first: drafted from the index, on every shard alike
             assert out.stats["num_accepted_tokens"] == want.stats["num_accepted_tokens"] > 40, (
                 out.stats, want.stats)
+    # the hybrid's trees (the suffix tree or the MTP layer's, per row) under expert parallelism
+    hybrid = dict(tree, draft="suffix_mtp")
+    want, out = one.generate(prompts, **hybrid), model.generate(prompts, **hybrid)
+    assert out.tokens == want.tokens and out.stats["drafts_by_source"] == want.stats["drafts_by_source"]
+    assert set(want.stats["drafts_by_source"]) >= {"index", "neural"}, want.stats["drafts_by_source"]
     print("SUFFIX-SHARDED-OK")
     """
 )
