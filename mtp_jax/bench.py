@@ -413,6 +413,8 @@ def _bench_batch(
             row["auto_k"] = True
         if mode == "confidence":  # the widths the schedule chose: row-steps by drafts verified
             row["schedule"] = "confidence"
+            # the table said no width could beat plain decoding at this batch: it decoded plainly
+            row["scheduled_plain"] = fused["stats"]["num_speculative_tokens"] == 0
             row["steps_per_verified_drafts"] = fused["stats"]["steps_per_verified_drafts"]
             row["expected_accepted_tokens"] = fused["stats"]["expected_accepted_tokens"]
             row["num_accepted_tokens"] = fused["stats"]["num_accepted_tokens"]
@@ -452,7 +454,9 @@ def label(row: dict) -> str:
     name = row.get("draft") or "plain"
     if row.get("auto_k"):
         return f"{name} (auto K)"
-    if row.get("schedule") == "confidence":
+    if row.get("scheduled_plain"):
+        name = f"{name}, confidence schedule: plain (no width pays)"
+    elif row.get("schedule") == "confidence":
         name = f"{name}, confidence schedule"
     return f"{name} (block {row['block_size']})" if "block_size" in row else name
 

@@ -132,20 +132,39 @@ def test_bench_writes_the_speeds_of_the_confidence_scheduled_step(tmp_path, caps
     assert [(r["batch"], r["draft"], r["k"], r.get("schedule")) for r in rows] == [
         (b, "dspark", 4, s) for b in (1, 2) for s in (None, "confidence")
     ]
-    for r in rows[1::2]:  # every row-step's verified length counted; its expected acceptance reported
-        lengths = np.asarray(r["steps_per_verified_drafts"])
-        assert len(lengths) == 5 and lengths.sum() > 0 and r["expected_accepted_tokens"] >= 0
     printed = capsys.readouterr()
     assert "confidence schedule" in printed.out and "SPS: batch 2, width 5" in printed.err
     sps = SpsTable.load(table)
     assert sps.k == 4 and sorted(sps.tables) == [1, 2] and all(len(r) == 5 for r in sps.tables.values())
     assert sps.meta["draft"] == "dspark"
+    for r in rows[1::2]:  # where the measured table says no width pays, the row decoded plainly
+        lengths = np.asarray(r["steps_per_verified_drafts"])
+        pays = sps.speculation_can_pay(r["batch"], 4)
+        assert r["scheduled_plain"] is (not pays) and len(lengths) == (5 if pays else 1) and lengths.sum() > 0
+    assert ("plain (no width pays)" in printed.out) is any(r["scheduled_plain"] for r in rows[1::2])
     # a later run schedules on that table without measuring it again
     again = tmp_path / "again.json"
     argv = [a for a in argv if a not in ("--sps-table", str(table))] + ["--batch", "2"]
     assert main([*argv, "--json", str(again), "--schedule", "--sps-from", str(table)]) == 0
     assert "SPS: batch" not in capsys.readouterr().err
     assert [r.get("schedule") for r in json.loads(again.read_text())["results"]] == [None, "confidence"]
+    # on a table without plain decoding's speed (no opinion on it), every row-step's verified length
+    # is counted and its expected acceptance reported
+    no_plain = tmp_path / "no-plain.json"
+    no_plain.write_text(json.dumps({k: v for k, v in json.loads(table.read_text()).items() if k != "plain"}))
+    assert main([*argv, "--json", str(again), "--schedule", "--sps-from", str(no_plain)]) == 0
+    scheduled = json.loads(again.read_text())["results"][1]
+    lengths = np.asarray(scheduled["steps_per_verified_drafts"])
+    assert not scheduled["scheduled_plain"] and len(lengths) == 5 and lengths[1:].sum() > 0
+    assert scheduled["expected_accepted_tokens"] > 0
+    # where plain decoding outruns every width even with every draft accepted, it decodes plainly
+    fast_plain = tmp_path / "fast-plain.json"
+    fast_plain.write_text(json.dumps({**json.loads(table.read_text()), "plain": {"1": 1e9, "2": 1e9}}))
+    assert main([*argv, "--json", str(again), "--schedule", "--sps-from", str(fast_plain)]) == 0
+    scheduled = json.loads(again.read_text())["results"][1]
+    assert scheduled["scheduled_plain"] and scheduled["steps_per_verified_drafts"][0] > 0
+    assert len(scheduled["steps_per_verified_drafts"]) == 1 and scheduled["num_accepted_tokens"] == 0
+    assert "confidence schedule: plain (no width pays)" in capsys.readouterr().out
     assert main([*argv, "--schedule", "--sps-from", str(tmp_path / "none.json")]) == 2
     err = capsys.readouterr().err
     assert "--sps-from" in err and "no such file" in err
