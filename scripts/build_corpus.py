@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct", help="the model that answers (name or path)")
-    p.add_argument("--out", default=os.path.join(REPO, "training", "corpus-smollm2-135m-instruct"))
+    p.add_argument("--out", help="the corpus directory (default: training/corpus-TARGET)")
     p.add_argument("--limit", type=int, help="only the first N conversations of the plan")
     p.add_argument("--slots", type=int, default=16, help="the engine's batch (continuous batching)")
     p.add_argument("--target-tokens", type=int, help="stop once this many reply tokens are written")
@@ -31,8 +31,11 @@ def main() -> int:
     p.add_argument("--shard-size", type=int, default=16, help="conversations per shard (a few minutes each)")
     p.add_argument("--math-count", type=int, default=9000, help="reasoning-gym questions offered")
     p.add_argument("--seed", type=int, default=0, help="the mix's and the sampling's seed")
-    p.add_argument("--temperature", type=float, default=0.2)
-    p.add_argument("--top-p", type=float, default=0.9)
+    sampling = "(default: as the target's own documentation recommends for a packaged model, "
+    p.add_argument("--temperature", type=float, help=sampling + "else 0.2)")
+    p.add_argument("--top-p", type=float, help=sampling + "else 0.9)")
+    p.add_argument("--top-k", type=int, help=sampling + "else 0: off)")
+    p.add_argument("--min-p", type=float, help=sampling + "else 0: off)")
     p.add_argument("--dtype", default="float32", help="float32 on a CPU (16-bit caches are slow there)")
     p.add_argument(
         "--measure-slots",
@@ -46,6 +49,8 @@ def main() -> int:
         help="JAX's persistent compilation cache: a resumed run skips recompiling ('' disables)",
     )
     args = p.parse_args()
+    name = os.path.basename(os.path.normpath(args.target)).removesuffix(".gguf")
+    args.out = args.out or os.path.join(REPO, "training", f"corpus-{name}")
     if args.jit_cache and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         # set before JAX starts; a 30-layer model's programs take minutes to compile on a busy CPU
         os.environ["JAX_COMPILATION_CACHE_DIR"] = args.jit_cache
@@ -62,15 +67,17 @@ def main() -> int:
         generate_corpus,
         math_prompts,
         measure_slots,
+        sampling_for,
     )
 
     command = "python scripts/build_corpus.py " + shlex.join(sys.argv[1:])
     t0 = time.perf_counter()
     model = mtp_jax.load(args.target, args.dtype)
     codec = model.text
+    given = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p")}
+    chosen, sampling_source = sampling_for(args.target, {k: v for k, v in given.items() if v is not None})
     settings = Settings(
-        temperature=args.temperature,
-        top_p=args.top_p,
+        **chosen,
         max_new_tokens=args.max_new_tokens,
         context_cap=args.context_cap,
         seed=args.seed,
@@ -117,7 +124,7 @@ def main() -> int:
             json.dump({"command": command, "settings": vars(args), "results": rows}, f, indent=1)
         print(f"slot measurement written to {path}", file=sys.stderr)
         return 0
-    extra = {}
+    extra = {"sampling_source": sampling_source}
     measured = os.path.join(args.out, "slot-measurement.json")
     if os.path.isfile(measured):
         import json

@@ -92,6 +92,7 @@ from mtp_jax.train.frozen import (
     start_run,
 )
 from mtp_jax.train.loop import make_optimizer
+from mtp_jax.train.shards import write_json
 
 CALIBRATION_TOKENS = 64
 """New tokens per calibration rollout."""
@@ -250,7 +251,7 @@ def recalibrate(directory: str, args: argparse.Namespace) -> int:
             if name.endswith(".safetensors"):
                 os.symlink(os.path.abspath(os.path.join(directory, name)), os.path.join(tmp, name))
         plain = {k: v for k, v in raw.items() if k not in CALIBRATION_FIELDS}
-        write_json(os.path.join(tmp, "config.json"), plain)
+        write_json(os.path.join(tmp, "config.json"), plain, indent=2)
         fields, report["calibration"] = calibrate(
             target,
             tmp,
@@ -260,18 +261,10 @@ def recalibrate(directory: str, args: argparse.Namespace) -> int:
             before.get("new_tokens", CALIBRATION_TOKENS),
             args.calibration,
         )
-    write_json(paths["config.json"], {**plain, **fields})
-    write_json(paths["eval.json"], report)
+    write_json(paths["config.json"], {**plain, **fields}, indent=2)
+    write_json(paths["eval.json"], report, indent=2)
     rewrite_card(directory, card)
     return 0
-
-
-def write_json(path: str, value: dict) -> None:
-    """``value`` to ``path`` through a temporary name (never half-written)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ from mtp_jax.train.corpus import (
     mix,
     parse_sharegpt,
 )
-from mtp_jax.train.regenerate import Renderer, Settings, generate_corpus, measure_slots
+from mtp_jax.train.regenerate import Renderer, Settings, generate_corpus, measure_slots, sampling_for
 from mtp_jax.train.shards import Conversation, finished_shards, iter_conversations, read_shard
 
 __all__ = [
@@ -44,4 +44,5 @@ __all__ = [
     "mix",
     "parse_sharegpt",
     "read_shard",
+    "sampling_for",
 ]

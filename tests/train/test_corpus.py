@@ -26,6 +26,7 @@ from mtp_jax.train import (
     mix,
     parse_sharegpt,
     read_shard,
+    sampling_for,
 )
 from mtp_jax.train.corpus import follow_plan, window_hashes
 from tests.conftest import REPO
@@ -386,3 +387,30 @@ def test_the_corpus_split_is_a_function_of_the_ids_and_pins_its_shards(tmp_path)
         split_corpus(str(tmp_path / "c"), 1e-9)
     with pytest.raises(ValueError, match=r"in \(0, 1\)"):
         split_corpus(str(tmp_path / "c"), 1.0)
+
+
+def test_sampling_follows_the_models_own_recommendation_and_the_card_says_where_from():
+    """A packaged model samples as its documentation says (Gemma 3: top-k 64, top-p 0.95 at
+    temperature 1), a value from the command line over it is named as such, and the committed
+    SmolLM2 corpus's card is what ``card`` writes from its manifest (begun before the manifest
+    named the source)."""
+    from mtp_jax.train.regenerate import card
+
+    chosen, source = sampling_for("gemma-3-270m", {})
+    assert chosen == {"temperature": 1.0, "top_p": 0.95, "top_k": 64, "min_p": 0.0}
+    assert "generation_config.json" in source
+    assert sampling_for("gemma-3-270m", {"top_k": 64})[1] == source  # the same value: still its own
+    chosen, source = sampling_for("gemma-3-270m", {"temperature": 0.7})
+    assert chosen["temperature"] == 0.7 and chosen["top_k"] == 64 and source == "set on the command line"
+    assert sampling_for("some/dir", {})[0] == {} and "no recommendation" in sampling_for("some/dir", {})[1]
+    assert sampling_for("some/dir", {"top_p": 0.9})[1] != "set on the command line"  # the default
+    with pytest.raises(ValueError, match="not a sampling setting"):
+        sampling_for("gemma-3-270m", {"temprature": 1.0})
+    corpus = os.path.join(REPO, "training", "corpus-smollm2-135m-instruct")
+    manifest = json.loads(Path(corpus, "manifest.json").read_text())
+    progress = json.loads(Path(corpus, "progress.json").read_text())
+    written = Path(corpus, "CARD.md").read_text()
+    assert card({k: v for k, v in manifest.items() if k != "sampling_source"}, progress) == written
+    assert "model card example: `temperature=0.2, top_p=0.9" in written
+    gemma = card({**manifest, "sampling_source": source}, progress)
+    assert "(set on the command line), at most" in gemma
