@@ -340,6 +340,10 @@ class Target:
     describe: Callable[[Any], list[str]] | None = None
     """``describe(cfg)``: lines summing the architecture up for ``mtp-jax inspect`` (None: its
     model type and title)."""
+    norm_scale: Callable[[Any], Any] = lambda weight: weight
+    """``norm_scale(weight)``: the per-channel factor one of its RMSNorm weights multiplies by, as
+    stored in its parameters (Gemma's stored w: 1 + w), for a draft whose plain RMSNorm starts from
+    the target's."""
     logit_softcap: Callable[[Any], float | None] = lambda cfg: None
     """``logit_softcap(cfg)``: c when the target's logits are soft-capped, ``c * tanh(logits / c)``
     (Gemma's ``final_logit_softcapping``); None: raw."""

@@ -201,3 +201,29 @@ def test_a_card_is_rewritten_without_a_target_and_a_run_needs_one(tmp_path, monk
     with pytest.raises(SystemExit) as exit_:
         script.main()
     assert exit_.value.code == 2 and "--target is required" in capsys.readouterr().err
+
+
+def test_a_gemma_target_gets_a_draft_of_its_rope_base_and_norm_factor():
+    """Gemma 3's hub config spells its rope bases in ``rope_parameters`` (no top-level
+    ``rope_theta``) and stores RMSNorm weights as w for a 1 + w factor: the draft (Llama-style
+    attention, a plain RMSNorm) gets the global base and starts its final norm at 1 + w."""
+    from mtp_jax.config import parse_config
+
+    script = load_script()
+    fixture = os.path.join(REPO, "tests", "fixtures", "parity_gemma3", "pattern6_tied")
+    with open(os.path.join(fixture, "config.json")) as f:
+        target_raw = json.load(f)
+    assert "rope_theta" not in target_raw
+    cfg = parse_config(target_raw)
+    params = load_params(fixture, cfg)
+    ids = np.arange(0, cfg.vocab_size, 2, dtype=np.int32)
+    layer_ids = script.spread_layer_ids(cfg.num_hidden_layers)
+    raw = script.draft_config(target_raw, cfg, "gqa", layer_ids, len(ids))
+    assert raw["rope_theta"] == 1e6 and raw["head_dim"] == 16
+    _, tree = script.init_draft(raw, cfg, params, ids, seed=0)
+    final = np.asarray(params["final_norm"])
+    assert np.abs(final).max() > 0.01  # the fixture's w is not zero: w and 1 + w differ
+    np.testing.assert_allclose(np.asarray(tree["norm"]), 1.0 + final, rtol=1e-6)
+    np.testing.assert_allclose(  # the head: the tied embedding's rows of the draft vocabulary
+        np.asarray(tree["lm_head"]), np.asarray(params["embed"])[ids].T, rtol=1e-6
+    )

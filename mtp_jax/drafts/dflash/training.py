@@ -47,7 +47,7 @@ def draft_config(
         "head_dim": cfg.hidden_size // heads,
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": target["rope_theta"],
+        "rope_theta": cfg.rope_theta,  # the global base (Gemma: also spelled in rope_parameters)
         "rope_scaling": target.get("rope_scaling") if target["model_type"] == "llama" else None,
         "max_position_embeddings": target["max_position_embeddings"],
         "vocab_size": cfg.vocab_size,

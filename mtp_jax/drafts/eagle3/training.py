@@ -48,7 +48,7 @@ def draft_config(target: dict, cfg: ModelConfig, attention: str, layer_ids: list
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": target["max_position_embeddings"],
-        "rope_theta": target["rope_theta"],
+        "rope_theta": cfg.rope_theta,  # the global base (Gemma: also spelled in rope_parameters)
         "tie_word_embeddings": False,
         "bos_token_id": target.get("bos_token_id"),
         "eos_token_id": target.get("eos_token_id"),
@@ -98,7 +98,8 @@ def init_draft(
             tensors[name] = tensors[name] / math.sqrt(2.0)
     head = np.asarray(lm_head(params, jnp.eye(cfg.hidden_size)))  # [d, V] whether tied or not
     tensors["lm_head.weight"] = np.ascontiguousarray(head[:, ids].T)
-    tensors["norm.weight"] = np.asarray(params["final_norm"], np.float32)
+    # the target's final norm as a plain RMSNorm weight (Gemma stores w for a 1 + w factor)
+    tensors["norm.weight"] = np.asarray(target_for(cfg).norm_scale(params["final_norm"]), np.float32)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "init")
         write_hub_checkpoint(path, raw, tensors)

@@ -269,6 +269,7 @@ TARGET = dataclasses.replace(
     abstract_groups=abstract_groups,
     lora_sites=lambda cfg: (),
     describe=_describe,
+    norm_scale=lambda weight: 1.0 + weight,
     logit_softcap=lambda cfg: cfg.final_logit_softcapping,
 )
 """Llama's cache, mesh checks and tensor-parallel layout (the same projections split the same way);
