@@ -78,10 +78,15 @@ def usage_line(r: dict, method: str) -> str:
     """How to run the draft with its target."""
     if r["data"].get("kind") in ("chat", "corpus"):
         model = r.get("target_path", r["target"])
+        ask = (  # a base model (no chat template) continues a text
+            '--chat "Write a Python function that reverses a string."'
+            if r["data"].get("chat_template", True)
+            else '--prompt "def reverse_string(s):"'
+        )
         return (
             f"    mtp-jax generate --model {model} --draft {method} \\\n"
             f"        --draft-model checkpoints/{r['name']} \\\n"
-            '        --chat "Write a Python function that reverses a string."'
+            f"        {ask}"
         )
     return (
         f"    mtp-jax generate --model checkpoints/{r['target']} --draft {method} --draft-model "

@@ -488,6 +488,7 @@ def start_corpus_run(args: argparse.Namespace, workdir: str, t0: float, target_r
         "heldout_tokens": int(len(split.held_stream)),
         "by_source": split.counts,
         "acceptance_sources": dict(sorted(taken.items())),
+        "chat_template": bool(ident.get("chat_template", True)),  # False: a base model's completions
     }
     run = _model_run(
         args, workdir, target_raw, model, (split.train_stream, split.held_stream),

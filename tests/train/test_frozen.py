@@ -131,3 +131,17 @@ def test_a_corpus_run_draws_its_windows_in_the_sources_weights(tmp_path):
         start_run(parser.parse_args([*argv[:5], "stdlib", "--source-weights", "code=1"]), parser)
     with pytest.raises(SystemExit, match="not in the data: \\['poetry'\\]"):
         start_run(parser.parse_args([*argv, "--source-weights", "chat=1,math=1,code=1,poetry=1"]), parser)
+
+
+def test_a_cards_usage_line_asks_a_base_model_for_a_completion():
+    """A draft trained on a base model's corpus (no chat template) is shown with ``--prompt``;
+    a chat model's with ``--chat``; a draft of a tiny target trained here with its checkpoint."""
+    from mtp_jax.train.cards import usage_line
+
+    chat = {"data": {"kind": "corpus", "chat_template": True}, "target": "t", "name": "d"}
+    base = {**chat, "data": {"kind": "corpus", "chat_template": False}, "target_path": "gemma-3-270m"}
+    assert "--chat " in usage_line(chat, "eagle3") and "--prompt" not in usage_line(chat, "eagle3")
+    line = usage_line(base, "dflash")
+    assert "--model gemma-3-270m" in line and '--prompt "def' in line and "--chat" not in line
+    tiny = usage_line({"data": {"kind": "stdlib"}, "target": "tiny", "name": "d"}, "eagle3")
+    assert "--model checkpoints/tiny" in tiny and "--chat" not in tiny
