@@ -793,10 +793,9 @@ def _card_sources(ident: dict, plan: dict) -> list[str]:
 
 def _card_method(ident: dict, plan: dict, sampling_source: str | None = None) -> list[str]:
     s = ident["settings"]
-    if sampling_source is None:  # a corpus begun before the manifest named it: SmolLM2's card
-        smollm2, note = RECOMMENDED_SAMPLING["smollm2-135m-instruct"]
-        chosen = {k: s[k] for k in smollm2}
-        sampling_source = note if chosen == smollm2 else "set on the command line"
+    if sampling_source is None:  # a corpus begun before the manifest named where they came from
+        chosen = {k: s[k] for k in ("temperature", "top_p", "top_k", "min_p")}
+        sampling_source = sampling_for(ident.get("target", ""), chosen)[1]
     d = plan.get("decontamination", {})
     eval_sets = ", ".join(f"{k}: {v}" for k, v in d.get("eval_sets", {}).items())
     return [

@@ -78,11 +78,16 @@ def target_layer_leaves(cfg: Gemma3Config) -> tuple[LayerLeaf, ...]:
     )
 
 
+def norm_factor(weight: Any) -> Any:
+    """The per-channel factor of a stored Gemma norm weight w: 1 + w (``Target.norm_scale``)."""
+    return 1.0 + weight
+
+
 def gemma_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)`` in float32, cast back to x's dtype."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return (y * norm_factor(weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def _rope_tables(cfg: Gemma3Config, positions: jax.Array) -> tuple[tuple[jax.Array, jax.Array], ...]:
@@ -269,7 +274,7 @@ TARGET = dataclasses.replace(
     abstract_groups=abstract_groups,
     lora_sites=lambda cfg: (),
     describe=_describe,
-    norm_scale=lambda weight: 1.0 + weight,
+    norm_scale=norm_factor,
     logit_softcap=lambda cfg: cfg.final_logit_softcapping,
 )
 """Llama's cache, mesh checks and tensor-parallel layout (the same projections split the same way);
