@@ -371,6 +371,19 @@ def greedy_reference(ref) -> tuple[list[list[int]], int, list[list[int]]]:
     return [[int(t) for t in row[:p]] for row in ref["input_ids"]], n, ref["greedy"][:, p:].tolist()
 
 
+def cli_run(capsys, *argv: str) -> tuple[int, str]:
+    """``mtp-jax ARGV`` in this process (the console script itself is run by
+    tests/test_cli.py): its exit status (argparse's refusals included) and its stdout + stderr."""
+    from mtp_jax.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
 def assert_speculated(stats: dict, label: object = None) -> None:
     """Drafts were proposed and some accepted (``stats``: a result's ``stats`` or one request's):
     a losslessness check over a run that never proposed, or rejected every draft, proves nothing

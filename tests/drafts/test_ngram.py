@@ -6,8 +6,6 @@ by auto); the CLI. Its exactness under sampling is in tests/test_acceptance.py."
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -17,7 +15,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax.drafts.ngram.draft import MAX_N, MIN_N, lookup
-from tests.conftest import EMBEDDED_MODEL, REPO, check_per_request_k
+from tests.conftest import EMBEDDED_MODEL, REPO, check_per_request_k, cli_run
 
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
 
@@ -153,24 +151,12 @@ def test_teacher_forced_logits_are_the_lookup(models):
 
 
 @pytest.mark.spawns
-def test_the_cli_takes_any_registered_draft_and_refuses_others():
-    base = [
-        sys.executable,
-        "-m",
-        "mtp_jax.cli",
-        "generate",
-        "--model",
-        LLAMA,
-        "--prompt",
-        "def f(x):\n    return x\n\n\ndef f(x):",
-    ]
-    run = subprocess.run(
-        [*base, "--draft", "ngram", "-k", "3", "--max-new-tokens", "8"], capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr
-    assert "acceptance" in run.stderr + run.stdout
-    bad = subprocess.run([*base, "--draft", "lookahead"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "'lookahead' is not a draft method" in bad.stderr and "ngram" in bad.stderr
+def test_the_cli_takes_any_registered_draft_and_refuses_others(capsys):
+    base = ["generate", "--model", LLAMA, "--prompt", "def f(x):\n    return x\n\n\ndef f(x):"]
+    code, err = cli_run(capsys, *base, "--draft", "ngram", "-k", "3", "--max-new-tokens", "8")
+    assert code == 0 and "acceptance" in err, err
+    code, err = cli_run(capsys, *base, "--draft", "lookahead")
+    assert code != 0 and "'lookahead' is not a draft method" in err and "ngram" in err
 
 
 SHARDED_CHILD = textwrap.dedent(

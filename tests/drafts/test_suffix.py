@@ -7,8 +7,6 @@ exactness under sampling (with the index proposing) is in tests/test_acceptance.
 from __future__ import annotations
 
 import collections
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -28,7 +26,7 @@ from mtp_jax.drafts.suffix.tree import (
 )
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.server import prometheus_text
-from tests.conftest import EMBEDDED_MODEL
+from tests.conftest import EMBEDDED_MODEL, cli_run
 
 # -- the rules, in plain Python ------------------------------------------------------------------
 
@@ -407,7 +405,7 @@ def test_sharded_like_one_device(child_output):
 
 
 @pytest.mark.spawns
-def test_the_command_line_takes_its_options():
+def test_the_command_line_takes_its_options(capsys):
     from mtp_jax.cli import _draft_option
 
     assert _draft_option("max_match=16") == ("max_match", 16)
@@ -415,28 +413,13 @@ def test_the_command_line_takes_its_options():
     assert _draft_option(" name = text") == ("name", " text")
     with pytest.raises(Exception, match="KEY=VALUE"):
         _draft_option("max_match")
-    base = [
-        sys.executable,
-        "-m",
-        "mtp_jax.cli",
-        "generate",
-        "--model",
-        EMBEDDED_MODEL,
-        "--prompt",
-        "import os",
-    ]
-    run = subprocess.run(
-        [*base, "--draft", "suffix", "-k", "4", "--draft-option", "max_match=6", "--max-new-tokens", "6"],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr
-    bad = subprocess.run(
-        [*base, "--draft", "suffix", "--draft-option", "index_slots=1000", "--max-new-tokens", "2"],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "index_slots must be 0 or a power of two" in bad.stderr
+    base = ["generate", "--model", EMBEDDED_MODEL, "--prompt", "import os"]
+    code, err = cli_run(capsys, *base, "--draft", "suffix", "-k", "4", "--draft-option", "max_match=6",
+                        "--max-new-tokens", "6")  # fmt: skip
+    assert code == 0, err
+    code, err = cli_run(capsys, *base, "--draft", "suffix", "--draft-option", "index_slots=1000",
+                        "--max-new-tokens", "2")  # fmt: skip
+    assert code != 0 and "index_slots must be 0 or a power of two" in err
 
 
 def test_the_index_starts_from_a_seed_file(model, tmp_path):

@@ -16,7 +16,7 @@ from tests.scripts.test_train_tiny import import_script
 @pytest.mark.slow
 def test_the_workloads_run_and_report(tmp_path, monkeypatch, capsys):
     out = tmp_path / "suffix.json"
-    argv = ["bench_suffix.py", "--workload", "rollout", "code-edit", "mix", "--batch", "2"]
+    argv = ["bench_suffix.py", "--workload", "rollout", "code-edit", "mix", "--batch", "1"]
     argv += [
         "--prompts",
         "2",
