@@ -247,3 +247,19 @@ def page_table_array(rows: list[list[int]], width: int) -> np.ndarray:
     for i, pages in enumerate(rows):
         table[i, : len(pages)] = pages
     return table
+
+
+def ring_pages(window: int, page_size: int, span: int) -> int:
+    """Pages of a sliding-window layer's ring per row (:func:`ring_table`): enough that a call
+    writing up to ``span`` positions past the oldest query it attends for (a chunk of a prompt, a
+    step's verified tokens and any scratch rows after them) never overwrites a page that query's
+    window still reads: ceil((window + span) / page) + 1."""
+    return -(-(window + span) // page_size) + 1
+
+
+def ring_table(rows: jax.Array, ring: int, width: int) -> jax.Array:
+    """The page table [b, width] through which rows in slots ``rows`` [b] read and write a
+    sliding-window layer's ring: slot s owns ring pages s·ring .. s·ring + ring - 1, and a row's
+    page j (positions j·page ..) is ring page j mod ``ring``. Pages further back than the ring
+    alias newer ones; the window's mask never reads them (:func:`ring_pages` sizes the ring)."""
+    return rows[:, None] * ring + (jnp.arange(width, dtype=rows.dtype) % ring)[None, :]

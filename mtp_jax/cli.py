@@ -142,6 +142,7 @@ def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
         "decoding (no weights, any model); none = plain",
     )
     g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
+    _add_window_cache(g)
     g.add_argument(
         "--lora",
         metavar="DIR",
@@ -248,6 +249,7 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument(
         "--draft-model", help="a separately trained draft's directory (EAGLE-3, DFlash, or a draft model)"
     )
+    _add_window_cache(sv)
     sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     sv.add_argument("--draft-sampling", choices=["argmax", "sampled"], default="argmax")
     _add_draft_option(sv)
@@ -489,6 +491,16 @@ def check_draft_name(name: str, error: type[Exception]) -> None:
         )
 
 
+def _add_window_cache(parser) -> None:
+    parser.add_argument(
+        "--window-cache",
+        choices=["pages", "ring"],
+        default="pages",
+        help="how sliding-window layers (Gemma 3) keep their keys: every page (default), or a ring of "
+        "the window's pages per slot (one device, no prefix caching yet)",
+    )
+
+
 def needs_draft_model(name: str) -> bool:
     """Whether the draft ``name`` is loaded from a directory of its own (--draft-model)."""
     from mtp_jax.drafts import DRAFTS
@@ -511,6 +523,7 @@ def _load_with_draft(args: argparse.Namespace):
         dtype=args.dtype,
         draft_model=args.draft_model,
         draft_layer_ids=layer_ids,
+        window_cache=getattr(args, "window_cache", "pages"),
         **lora_load_kwargs(args),
     )
     draft = args.draft
@@ -547,9 +560,9 @@ def add_server_args(parser) -> None:
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="requests whose prompts start alike share those cache pages and prefill only the rest "
-        "(default: on)",
+        "(default: on, except with --window-cache ring)",
     )
     parser.add_argument(
         "--chunked-prefill-size",
@@ -692,7 +705,7 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         max_len=args.max_len,
         max_queue=args.max_queue,
         grammar_masks=getattr(args, "grammar_masks", "host"),
-        prefix_caching=getattr(args, "enable_prefix_caching", True),
+        prefix_caching=getattr(args, "enable_prefix_caching", None),
         chunked_prefill_size=getattr(args, "chunked_prefill_size", 2048) or None,
         peer_timeout_s=getattr(args, "peer_timeout", PEER_TIMEOUT_S),
     )

@@ -122,6 +122,7 @@ class Model(TeacherForced):
         draft_config: Any = None,
         layer_buffers: bool | None = None,
         gguf: GGUFCheckpoint | None = None,
+        window_cache: str = "pages",
     ) -> None:
         """``params``: the target's parameter groups and any draft's (a group named by a registered
         draft's ``params_group``), kept apart as :attr:`target_params` and :attr:`draft_params`.
@@ -130,9 +131,12 @@ class Model(TeacherForced):
         separately loaded draft (EAGLE-3, DFlash, a draft model), whose weights are in ``params``.
         ``layer_buffers``: keep each layer's weights in buffers of their own (read in place by the
         unrolled layers) instead of the loaded stacks (sliced, i.e. copied, by a scan every step);
-        None: :func:`resolve_layer_buffers` decides (on for real models on one device)."""
+        None: :func:`resolve_layer_buffers` decides (on for real models on one device).
+        ``window_cache``: :func:`load`'s."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        check_window_cache(config, window_cache, mesh)
+        self.window_cache = window_cache
         self.config = config
         self.layer_buffers = resolve_layer_buffers(params, config, mesh, layer_buffers)
         params = with_layer_buffers(params, config) if self.layer_buffers else params
@@ -305,7 +309,18 @@ class Model(TeacherForced):
             draft_config=draft_config,
             layer_buffers=self.layer_buffers,
             gguf=self._gguf,
+            window_cache=self.window_cache,
         )
+        if self.lora is not None:  # the same adapters, in a table of its own from now on
+            model.lora = copy.deepcopy(self.lora)
+        return model
+
+    def with_window_cache(self, window_cache: str) -> Model:
+        """This model with its sliding-window layers' keys kept as ``window_cache`` says
+        (:func:`load`'s option), sharing its weights on device (nothing is copied or reloaded)."""
+        check_window_cache(self.config, window_cache, self.mesh)
+        model = copy.copy(self)
+        model.window_cache = window_cache
         if self.lora is not None:  # the same adapters, in a table of its own from now on
             model.lora = copy.deepcopy(self.lora)
         return model
@@ -399,6 +414,30 @@ def _prompt_logprobs_of(model: Model, c: Any) -> list | None:
     return None if n is None else model.prompt_logprobs(c.prompt, n, c.params.lora)
 
 
+WINDOW_CACHES = ("pages", "ring")
+"""How a model's sliding-window layers (Gemma 3) keep their keys and values (:func:`load`'s
+``window_cache``): ``"pages"`` (the default), every page of the context as its global layers do;
+``"ring"``, a ring of each slot's window (and one prompt chunk or one step's tokens past it)
+recycled as the sequence moves on, so a local layer's cache stays the window's size however long
+the context (:func:`mtp_jax.cache.ring_table`). For now one device, without prefix caching."""
+
+
+def check_window_cache(config: ModelConfig, window_cache: str, mesh: jax.sharding.Mesh | None) -> None:
+    """ValueError unless ``window_cache`` is one of :data:`WINDOW_CACHES` that this model can keep."""
+    if window_cache not in WINDOW_CACHES:
+        raise ValueError(f"window_cache must be one of {WINDOW_CACHES}, got {window_cache!r}")
+    if window_cache == "pages":
+        return
+    target = target_for(config)
+    if target.init_ring_cache is None or target.sliding_window(config) is None:
+        raise ValueError(
+            f"window_cache='ring' keeps sliding-window layers' keys in a ring: {target.title or target.name} "
+            "(this config) has no sliding-window layers"
+        )
+    if mesh is not None:
+        raise ValueError("window_cache='ring' runs on one device for now: load without a mesh")
+
+
 def load(
     path: str | os.PathLike[str],
     dtype: str = "bfloat16",
@@ -415,6 +454,7 @@ def load(
     lora_adapters: Mapping[str, str | os.PathLike[str]] | None = None,
     max_loras: int | None = None,
     max_lora_rank: int | None = None,
+    window_cache: str = "pages",
 ) -> Model:
     """Load a checkpoint: a directory in Hugging Face layout (config.json + *.safetensors, one file
     or index-sharded), one written by ``mtp-jax convert`` (orbax), or a GGUF file (llama.cpp's
@@ -452,6 +492,8 @@ def load(
     ``generate(..., lora=name)``); ``max_loras`` adapters of rank up to ``max_lora_rank`` fit on
     device at once (defaults: as many as given, at least 1, and their largest rank, at least 16);
     more are loaded and unloaded at run time with ``Model.load_lora`` / ``unload_lora``.
+
+    ``window_cache``: how sliding-window layers (Gemma 3) keep their keys (:data:`WINDOW_CACHES`).
     """
     path = resolve_model_path(os.fspath(path))
     if dtype not in DTYPES:
@@ -468,6 +510,7 @@ def load(
         path, ckpt, config, DTYPES[dtype], weights=weights, mtp=mtp, strict=strict, mesh=mesh
     )
     layout = {"page_size": page_size, "mesh": mesh, "layer_buffers": layer_buffers}
+    layout["window_cache"] = window_cache
     model = Model(config, params, dtype=dtype, path=path, eos_token_ids=eos, gguf=ckpt, **layout)
     del params  # with per-layer buffers, the loaded stacks are freed before the draft is read
     if draft_model is not None:

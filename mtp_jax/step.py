@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from mtp_jax.cache import ring_pages, ring_table
 from mtp_jax.drafts import DRAFTS, Draft, Rows, draft_for
 from mtp_jax.drafts.base import DraftContext, TreeDrafts, at_rows
 from mtp_jax.grammar import in_step_masks, mask_logits
@@ -61,6 +62,7 @@ from mtp_jax.tree import (
     node_mask,
     node_positions,
 )
+from pallas_kernels.paged import QUERY_CHUNK
 
 __all__ = ["DRAFT_SAMPLING", "DecodeState", "StepConfig", "at_rows", "prefill", "prefill_chunk", "step"]
 
@@ -112,6 +114,11 @@ class StepConfig:
     (:func:`mtp_jax.sampling.greedy_only`), a smaller program giving the same tokens. For callers
     that know every request up front (:func:`mtp_jax.scheduler.generate`); a scheduler with it refuses
     requests that sample."""
+    local_ring: int = 0
+    """Pages per slot of a ring that keeps a sliding-window layer's keys and values (a target with
+    :attr:`~mtp_jax.targets.base.Target.init_ring_cache`, loaded with ``window_cache="ring"``):
+    those layers then hold only their window's pages (:func:`mtp_jax.cache.ring_table`), the global
+    layers every page. 0: every layer keeps every page."""
 
     def __post_init__(self) -> None:
         if self.k > 0 and (self.draft is None or self.draft_idle):
@@ -142,6 +149,24 @@ class StepConfig:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
         if self.schedule is not None:
             self._check_schedule()
+        if self.local_ring:
+            self._check_ring()
+
+    def _check_ring(self) -> None:
+        target = self.target
+        window = target.sliding_window(self.cfg)
+        if target.init_ring_cache is None or window is None:
+            raise ValueError(
+                f"a ring cache keeps sliding-window layers' pages: {target.title or target.name} has none"
+            )
+        if self.mesh is not None:
+            raise ValueError("a sliding-window ring cache runs on one device for now, not on a mesh")
+        need = ring_pages(window, self.page_size, ring_span(self))
+        if self.local_ring < need:
+            raise ValueError(
+                f"a ring of {self.local_ring} pages per slot is too short for this step: a window of "
+                f"{window} positions and {ring_span(self)} written per call need {need}"
+            )
 
     def _check_schedule(self) -> None:
         if self.k == 0 or not self.confident:
@@ -247,7 +272,7 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
     q_shape = (batch, sc.k, sc.cfg.vocab_size) if sc.sampled else (batch, 0, 0)
     method = sc.draft_method
     return DecodeState(
-        target_pages=sc.target.init_cache(sc.cfg, num_pages, sc.page_size, dtype),
+        target_pages=_init_target_cache(sc, batch, num_pages, dtype),
         draft_state={} if method is None else method.init_state(sc.draft_context, num_pages, dtype),
         page_table=jnp.zeros((batch, width), jnp.int32),
         seq_len=jnp.zeros((batch,), jnp.int32),  # every leaf its own buffer: the state is donated
@@ -262,6 +287,43 @@ def init_state(sc: StepConfig, batch: int, num_pages: int, width: int, dtype) ->
         tree_parent=jnp.zeros((batch, _dynamic_size(sc)), jnp.int32),
         draft_source=jnp.full((batch,), -1, jnp.int32),
     )
+
+
+def _init_target_cache(sc: StepConfig, batch: int, num_pages: int, dtype) -> dict:
+    """The target's zeroed cache: every layer's ``num_pages`` pages, or with ``sc.local_ring`` its
+    sliding-window layers' rings (``batch`` slots of ``sc.local_ring`` pages) beside them."""
+    if not sc.local_ring:
+        return sc.target.init_cache(sc.cfg, num_pages, sc.page_size, dtype)
+    return sc.target.init_ring_cache(sc.cfg, num_pages, batch * sc.local_ring, sc.page_size, dtype)
+
+
+def ring_span(sc: StepConfig) -> int:
+    """The positions one call may write past the oldest query it attends for: a chunk of a prompt
+    (:data:`pallas_kernels.paged.QUERY_CHUNK`) or a step's verified tokens and scratch rows."""
+    return max(QUERY_CHUNK, sc.k + 1 + sc.overshoot)
+
+
+def _ring_of(sc: StepConfig, rows: jax.Array | None, batch: int, width: int) -> jax.Array | None:
+    """The ring table [batch, width] of the slots ``rows`` [batch] (default: slots 0..batch-1, a
+    step's rows), or None without a ring."""
+    if not sc.local_ring:
+        return None
+    rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else rows
+    return ring_table(rows, sc.local_ring, width)
+
+
+def commit_tree_path(sc: StepConfig, pages: dict, page_table: jax.Array, *args) -> dict:
+    """:func:`mtp_jax.tree.commit_path` over the target's cache: the ring leaves (``ring_*``,
+    :attr:`~mtp_jax.targets.base.Target.init_ring_cache`) through the slots' ring tables."""
+    if not sc.local_ring:
+        return commit_path(pages, page_table, *args, sc.page_size)
+    ring = {name: leaf for name, leaf in pages.items() if name.startswith("ring_")}
+    rest = {name: leaf for name, leaf in pages.items() if name not in ring}
+    table = _ring_of(sc, None, page_table.shape[0], page_table.shape[1])
+    return {
+        **commit_path(rest, page_table, *args, sc.page_size),
+        **commit_path(ring, table, *args, sc.page_size),
+    }
 
 
 def _dynamic_size(sc: StepConfig) -> int:
@@ -312,18 +374,20 @@ def forward_paged(
     capture: tuple[int, ...] = (),
     lora_slots: jax.Array | None = None,
     tree: TreeMask | None = None,
+    ring_table: jax.Array | None = None,
 ):
     """Write tokens [b, t] at positions [b, t] (only where valid) and run the target of ``cfg`` over
     its cache, capturing the outputs of layers ``capture`` (``mesh`` as in the target's forward),
     each row with its LoRA adapter slot of ``lora_slots`` [b] when the parameters hold adapters.
     ``tree``: the tokens are a token tree's nodes (:class:`mtp_jax.targets.base.TreeMask`: written
     at its cache positions, under tree attention; ``positions`` are then rotary positions).
+    ``ring_table``: the rows' table into the sliding-window layers' rings (a ring cache).
 
     Returns (Hidden [b, t, d] each, float32 logits [b, t, V], pages); the logits are None with
     ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
     """
     target = target_for(cfg)
-    paged = PagedAttention.at(pages, page_table, positions, valid, page_size, tree)
+    paged = PagedAttention.at(pages, page_table, positions, valid, page_size, tree, ring_table)
     extra = {"lora_slots": lora_slots} if "lora" in params and lora_slots is not None else {}
     hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh, **extra)
     return hidden, target.lm_head(params, hidden.post_norm, cfg) if logits else None, pages
@@ -350,10 +414,11 @@ def _traced_sampling(fn: Callable) -> Callable:
 
 
 def _target_pass(
-    params, state, sc, tokens, positions, valid, page_table, lora_slots, logits: bool, tree=None
+    params, state, sc, tokens, positions, valid, page_table, lora_slots, logits: bool, tree=None, rows=None
 ):
     """:func:`forward_paged` over the state's target caches with the configuration's capture:
-    (hidden, float32 logits or None, the target's pages)."""
+    (hidden, float32 logits or None, the target's pages). ``rows`` [b]: the slots of the rows
+    (default 0..b-1), whose rings a ring cache reads."""
     return forward_paged(
         params,
         state.target_pages,
@@ -368,14 +433,15 @@ def _target_pass(
         capture=sc.capture,
         lora_slots=lora_slots,
         tree=tree,
+        ring_table=_ring_of(sc, rows, tokens.shape[0], page_table.shape[1]),
     )
 
 
-def _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots):
-    """The target over prompt pieces, writing its caches; no head (prefill runs it at one row per
-    prompt: :func:`at_rows` first). Returns (hidden, the target's pages)."""
+def _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots, rows=None):
+    """The target over prompt pieces of the slots ``rows``, writing its caches; no head (prefill
+    runs it at one row per prompt: :func:`at_rows` first). Returns (hidden, the target's pages)."""
     hidden, _, target_pages = _target_pass(
-        params, state, sc, tokens, positions, valid, page_table, lora_slots, logits=False
+        params, state, sc, tokens, positions, valid, page_table, lora_slots, logits=False, rows=rows
     )
     return hidden, target_pages
 
@@ -442,8 +508,9 @@ def prefill(
     real = rows < state.active.shape[0]
     valid = (positions < lengths[:, None]) & real[:, None]
     # no head here: it runs at each prompt's last row below
+    slots = jnp.minimum(rows, state.active.shape[0] - 1)  # a padding row writes nothing
     hidden, target_pages = _write_prompts(
-        params, state, sc, tokens, positions, valid, page_table, sampling.lora_slot
+        params, state, sc, tokens, positions, valid, page_table, sampling.lora_slot, slots
     )
     last = lengths - 1 - starts  # each prompt's last row in ``tokens``
     raw_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last), sc.cfg)
@@ -499,17 +566,24 @@ def prefill_chunk(
     after: jax.Array,
     page_table: jax.Array,
     lora_slots: jax.Array,
+    rows: jax.Array | None = None,
 ) -> DecodeState:
     """Write a piece of prompts that are not whole yet (chunked prefill): ``tokens`` [R, T] at
     positions ``starts`` [R] on, ``counts`` [R] of them (0: a padding row), each followed by the
-    prompt's token ``after`` [R]; page-table rows [R, W], LoRA slots [R]. Fills the target's caches
+    prompt's token ``after`` [R]; page-table rows [R, W], LoRA slots [R]; ``rows`` [R]: their
+    slots (needed by a ring cache, ``sc.local_ring``). Fills the target's caches
     there and lets the draft consume the rows (its caches; nothing proposed). Nothing else of the
     state changes: the slots stay inactive until :func:`prefill` admits them with the prompts'
     rest."""
     r, t = tokens.shape
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     valid = jnp.arange(t)[None, :] < counts[:, None]
-    hidden, target_pages = _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots)
+    if sc.local_ring and rows is None:
+        raise ValueError("a ring cache (sc.local_ring) needs the chunk's slots: prefill_chunk(..., rows=)")
+    slots = None if rows is None else jnp.minimum(rows, state.active.shape[0] - 1)
+    hidden, target_pages = _write_prompts(
+        params, state, sc, tokens, positions, valid, page_table, lora_slots, slots
+    )
     draft_state = state.draft_state
     if sc.drafter is not None:
         last = jnp.maximum(counts - 1, 0)
@@ -691,7 +765,7 @@ def _tree_verified(params: dict, state: DecodeState, sc: StepConfig, bitmask: ja
     path, emitted, n_acc = accept_tree(
         judged, tokens, tree, state.sampling, seq + 1, q, state.num_drafts, rows
     )
-    target_pages = commit_path(target_pages, state.page_table, seq, path, n_acc, state.active, sc.page_size)
+    target_pages = commit_tree_path(sc, target_pages, state.page_table, seq, path, n_acc, state.active)
     hidden = Hidden(
         *(None if x is None else along_path(x, path, axis=x.ndim - 2) for x in hidden[:3]), *hidden[3:]
     )

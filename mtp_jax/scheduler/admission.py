@@ -150,9 +150,9 @@ class Admissions:
         r, i = sched.shards, a.shard  # one row per shard, the request's on its own shard's
         tokens = np.zeros((r, sched.chunk), np.int32)
         tokens[i] = a.req.prompt[a.start : a.start + sched.chunk]
-        counts, starts, after, lora = (np.zeros(r, np.int32) for _ in range(4))
+        counts, starts, after, lora, slots = (np.zeros(r, np.int32) for _ in range(5))
         counts[i], starts[i], after[i] = sched.chunk, a.start, a.req.prompt[a.start + sched.chunk]
-        lora[i] = lora_slot(a.req)
+        lora[i], slots[i] = lora_slot(a.req), a.slot
         tables = [a.pages if j == i else [] for j in range(r)]
         sched.state = prefill_chunk(
             sched.params,
@@ -164,6 +164,7 @@ class Admissions:
             jnp.asarray(after),
             jnp.asarray(page_table_array(tables, sched.width)),
             jnp.asarray(lora),
+            jnp.asarray(slots),
         )
         a.start += sched.chunk
         sched.counts["prefill_chunks"] += 1

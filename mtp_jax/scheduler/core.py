@@ -90,8 +90,7 @@ class Scheduler:
         self.row_buckets = row_buckets and fused and self.shards == 1
         self.programs: set[tuple[int, int]] = set()
         self.allocator = ShardedPageAllocator(slots * width, self.shards)  # slot b's pages: its shard
-        lookahead = 0 if sc.draft_method is None else sc.draft_method.cache_lookahead
-        self.prefix = PrefixCache(self.allocator, sc.page_size, lookahead) if prefix_caching else None
+        self.prefix = _prefix_cache(self.allocator, sc) if prefix_caching else None
         state = init_state(sc, slots, self.allocator.num_pages, width, cache_dtype)
         if sc.mesh is not None:
             state = jax.device_put(state, state_shardings(sc, state))
@@ -327,6 +326,17 @@ class Scheduler:
             self._read_pending()
         self.pending = (emitted, n_emit, logprobs, running, drafted, conf, sources)
         return True
+
+
+def _prefix_cache(allocator: ShardedPageAllocator, sc: StepConfig) -> PrefixCache:
+    """The scheduler's prefix cache over ``allocator``'s pages (keyed with the draft's lookahead)."""
+    if sc.local_ring:
+        raise ValueError(
+            "prefix caching is not kept with window_cache='ring' yet (a cached prefix would need "
+            "its sliding-window layers' last window too): prefix_caching=False"
+        )
+    lookahead = 0 if sc.draft_method is None else sc.draft_method.cache_lookahead
+    return PrefixCache(allocator, sc.page_size, lookahead)
 
 
 def occupancy(sched: Scheduler) -> dict:

@@ -99,6 +99,7 @@ def warmup_job(sched: Scheduler, kind: str, a: int, b: int) -> None:
             zeros,
             jnp.asarray(np.zeros((r, sched.width), np.int32)),
             zeros,
+            zeros,
         )
     elif kind == "release":
         sched.state = deactivate(sched.state, np.full(a, sched.slots, np.int32))

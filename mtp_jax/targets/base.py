@@ -135,13 +135,18 @@ class PagedAttention(NamedTuple):
     slots: flat cache slot [b, t] of each new token (>= P·page: not written);
     page_table: [b, n] page ids of each row, in position order;
     tree: a token tree's attention (:class:`TreeMask`; the tokens' ``positions`` are then rotary
-    positions only), or None: causal by position.
+    positions only), or None: causal by position;
+    ring_table: [b, n] each row's page table into a sliding-window layers' ring
+    (:func:`mtp_jax.cache.ring_table`; a cache made by :attr:`Target.init_ring_cache`), else None;
+    valid: [b, t] which new tokens are written (with ``ring_table``: its own slots come from it).
     """
 
     pages: Any
     slots: jax.Array
     page_table: jax.Array
     tree: TreeMask | None = None
+    ring_table: jax.Array | None = None
+    valid: jax.Array | None = None
 
     @classmethod
     def at(
@@ -152,11 +157,18 @@ class PagedAttention(NamedTuple):
         valid: jax.Array,
         page_size: int,
         tree: TreeMask | None = None,
+        ring_table: jax.Array | None = None,
     ) -> PagedAttention:
         """New tokens at ``positions`` [b, t] (written where ``valid``) of rows with ``page_table``,
-        or, with ``tree``, at the tree's cache positions under its tree attention."""
+        or, with ``tree``, at the tree's cache positions under its tree attention; ``ring_table``:
+        the rows' table into a sliding-window ring (:attr:`Target.init_ring_cache`)."""
         written = positions if tree is None else tree.positions
-        return cls(pages, slots_for(page_table, written, valid, page_size), page_table, tree)
+        slots = slots_for(page_table, written, valid, page_size)
+        return cls(pages, slots, page_table, tree, ring_table, None if ring_table is None else valid)
+
+    def written(self, positions: jax.Array) -> jax.Array:
+        """The cache positions [b, t] the tokens at rotary ``positions`` are written at."""
+        return positions if self.tree is None else self.tree.positions
 
     def attention(self, positions: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """(the positions attention masks by, the tree mask (base, nodes) or None) for tokens at
@@ -347,6 +359,15 @@ class Target:
     logit_softcap: Callable[[Any], float | None] = lambda cfg: None
     """``logit_softcap(cfg)``: c when the target's logits are soft-capped, ``c * tanh(logits / c)``
     (Gemma's ``final_logit_softcapping``); None: raw."""
+    sliding_window: Callable[[Any], int | None] = lambda cfg: None
+    """``sliding_window(cfg)``: how many positions its sliding-window layers see (each query the
+    last ``window`` keys, itself included); None when every layer attends globally."""
+    init_ring_cache: Callable[..., dict] | None = None
+    """``init_ring_cache(cfg, num_pages, ring_pages, page_size, dtype)``: a zeroed cache whose
+    sliding-window layers keep their keys and values in a pool of ``ring_pages`` pages (each slot's
+    ring, :func:`mtp_jax.cache.ring_table`) and whose other layers keep ``num_pages`` as
+    :attr:`init_cache` does; its ``forward`` then reads :attr:`PagedAttention.ring_table`. None: no
+    ring (every layer keeps every page)."""
 
     def lm_head(self, params: dict, h: jax.Array, cfg: Any) -> jax.Array:
         """The target's float32 logits [..., V] from post-norm states ``h`` [..., d] of a model of

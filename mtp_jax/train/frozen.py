@@ -513,7 +513,9 @@ def attach_target_cache(
 ) -> None:
     """With ``--target-cache DIR``: build (or finish, or open) the cache of the target's
     ``features(hidden)`` over the training stream, one conversation per context, and make every
-    step read it (:meth:`Run.batch`)."""
+    step read it (:meth:`Run.batch`). ``kind`` names what the features are, not which draft reads
+    them: drafts whose features are the same (DFlash and DSpark, unless DFlash captures the last
+    layer, which it reads final-normed) share one cache."""
     args = run.args
     if not args.target_cache:
         return

@@ -7,6 +7,7 @@ refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -341,3 +342,101 @@ def test_a_missing_tensor_is_named(tmp_path):
     save_safetensors(str(path / "model.safetensors"), tensors, {"format": "pt"})
     with pytest.raises(mtp_jax.CheckpointError, match=key.replace(".", r"\.")):
         mtp_jax.load(path, "float32")
+
+
+# --- window_cache="ring": the sliding-window layers keep each slot's window, not every page ---
+
+LONG = [[int(x) for x in np.random.default_rng(1).integers(1, 120, n)] for n in (150, 40, 97, 5)]
+"""Prompts past the ring (70 positions at pages of 2 and a window of 4: the window and a 64-token
+chunk), so every later chunk and step writes over pages the window no longer reads."""
+
+
+def _same_logprobs(got: list, want: list) -> None:
+    """Rows of TokenLogprobs equal but for float rounding (top tokens and their log-probabilities):
+    the tiny models are too sure of themselves for their tokens alone to show a wrong key."""
+    for row_got, row_want in zip(got, want, strict=True):
+        for a, b in zip(row_got, row_want, strict=True):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            np.testing.assert_allclose([lp for _, lp in a.top], [lp for _, lp in b.top], rtol=1e-4, atol=1e-4)
+
+
+def test_a_ring_holds_the_window_and_decodes_as_every_page_does(fixtures):
+    """Greedy and sampled rows, prompts prefilled in chunks of 64 across the ring and decoded past
+    it, and n-gram speculation: the same tokens as the cache of every page (itself transformers'),
+    from a cache whose local layers hold 2 x 35 pages per slot instead of every page."""
+    from mtp_jax.cache import ring_pages
+    from mtp_jax.step import StepConfig, init_state
+
+    path = os.path.join(FIXTURES, "pattern6_tied")
+    pages = mtp_jax.load(path, "float32", page_size=2)
+    ring = mtp_jax.load(path, "float32", page_size=2, window_cache="ring")
+    kw = dict(max_new_tokens=40, ignore_eos=True)
+    want = pages.generate(LONG, logprobs=5, **kw)
+    got = ring.generate(LONG, logprobs=5, **kw)
+    assert got.tokens == want.tokens
+    _same_logprobs(got.logprobs, want.logprobs)
+    want = want.tokens
+    sampled = dict(kw, temperature=[1.0, 0.7, 1.0, 0.0], seed=[1, 2, 3, 4], top_k=[0, 20, 0, 0])
+    assert ring.generate(LONG, **sampled).tokens == pages.generate(LONG, **sampled).tokens
+    spec = ring.generate(LONG, draft="ngram", num_speculative_tokens=4, **kw)
+    assert spec.tokens == want
+    assert_speculated(spec.stats)
+
+    cfg = ring.config  # 10 local layers (window 4), 2 global
+    sc = dataclasses.replace(StepConfig(cfg, 2), local_ring=ring_pages(4, 2, 64))
+    assert sc.local_ring == 35
+    state = init_state(sc, 4, 4 * 128, 128, jnp.float32)
+    shapes = {name: leaf.shape for name, leaf in state.target_pages.items()}
+    assert shapes == {
+        "k": (2, 4 * 128, 2, 1, 16),
+        "v": (2, 4 * 128, 2, 1, 16),
+        "ring_k": (10, 4 * 35, 2, 1, 16),
+        "ring_v": (10, 4 * 35, 2, 1, 16),
+    }
+
+
+def test_a_ring_serves_chunked_prompts_chains_and_trees(fixtures):
+    """Through the serving engine (prompts arriving 32 tokens a call, rows bucketed) and with the
+    model as its own draft (chains, static and dynamic trees whose accepted paths the step moves
+    inside the ring): plain decoding's tokens. The engine leaves prefix caching off with a ring
+    and refuses it asked for."""
+    path = os.path.join(FIXTURES, "mixed_softcap_linear_untied")
+    kw = dict(max_new_tokens=30, ignore_eos=True, logprobs=5)
+    want = mtp_jax.load(path, "float32", page_size=2).generate(LONG, **kw)
+    ring = mtp_jax.load(path, "float32", page_size=2, window_cache="ring", draft_model=path)
+    with mtp_jax.Engine(ring, slots=4, max_len=256, chunked_prefill_size=32) as engine:
+        done = [h.result(600) for h in [engine.submit(p, **kw) for p in LONG]]
+        assert [c.tokens for c in done] == want.tokens
+        _same_logprobs([c.logprobs for c in done], want.logprobs)
+        stats = engine.stats()
+        assert stats["prefill_chunks"] > 0 and not stats["prefix_caching"]
+    with pytest.raises(ValueError, match="prefix caching is not kept with window_cache='ring'"):
+        mtp_jax.Engine(ring, slots=4, max_len=256, prefix_caching=True)
+    path = os.path.join(FIXTURES, "pattern6_tied")  # a window of 4: trees of 3 drafted nodes
+    pages = mtp_jax.load(path, "float32", page_size=2, draft_model=path)
+    ring = mtp_jax.load(path, "float32", page_size=2, window_cache="ring", draft_model=path)
+    want = pages.generate(LONG, max_new_tokens=30, ignore_eos=True).tokens
+    kw = dict(max_new_tokens=30, ignore_eos=True, draft="draft_model")
+    wide = {"depth": 2, "topk": 2, "nodes": 3}
+    for tree in (None, wide, {**wide, "dynamic": True}):
+        out = ring.generate(LONG, num_speculative_tokens=None if tree else 3, speculative_tree=tree, **kw)
+        assert out.tokens == want, tree
+        assert out.stats["acceptance_length"] > 2.5, (tree, out.stats)
+    # rows sampled at temperature 3 often take the second child's path: its keys are moved inside the
+    # ring (the first child is the chain, consecutive already; without the move this differs)
+    sampled = dict(kw, speculative_tree=wide, temperature=3.0, seed=[5, 6, 7, 8])
+    assert ring.generate(LONG, **sampled).tokens == pages.generate(LONG, **sampled).tokens
+
+
+def test_a_ring_is_refused_where_it_cannot_hold():
+    from mtp_jax.sharding import make_mesh
+
+    path = os.path.join(FIXTURES, "pattern6_tied")
+    with pytest.raises(ValueError, match="window_cache='ring' runs on one device for now"):
+        mtp_jax.load(path, "float32", window_cache="ring", mesh=make_mesh(1, 1, devices=jax.devices()[:1]))
+    with pytest.raises(ValueError, match="window_cache must be one of"):
+        mtp_jax.load(os.path.join(FIXTURES, "pattern6_tied"), "float32", window_cache="window")
+    with pytest.raises(ValueError, match="has no sliding-window layers"):
+        mtp_jax.load(os.path.join(FIXTURES, "all_global_pattern1"), "float32", window_cache="ring")
+    with pytest.raises(ValueError, match="has no sliding-window layers"):
+        mtp_jax.load(os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib"), "float32", window_cache="ring")

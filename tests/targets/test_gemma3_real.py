@@ -56,6 +56,8 @@ def test_the_tokenizer_is_transformers_but_for_long_space_runs(gemma):
 
 @pytest.mark.slow
 def test_logits_and_greedy_text_match_transformers(gemma):
+    """Logits at chosen positions and greedy text equal transformers' on completion prompts past the
+    512-token window, with every page kept and with the sliding-window layers' ring."""
     for case in _load("gemma3_270m_reference.json")["cases"]:
         ids = np.asarray([case["ids"]], np.int32)
         logits = np.asarray(gemma.logits(ids))[0]
@@ -64,6 +66,12 @@ def test_logits_and_greedy_text_match_transformers(gemma):
             assert np.max(np.abs(got - top)) <= 1e-4 * np.max(np.abs(top)) + 1e-5, (len(ids[0]), pos)
             assert int(np.argmax(logits[pos])) == top_ids[0]
         out = gemma.generate([case["ids"]], max_new_tokens=len(case["greedy"]), ignore_eos=True)
+        assert out.tokens[0] == case["greedy"], len(case["ids"])
+    # the local layers' keys in a ring of 37 pages of 16 (the 512-token window and one 64-token
+    # chunk): the longest prompt (975 tokens) goes round it, and the text stays transformers'
+    ring = gemma.with_window_cache("ring")
+    for case in _load("gemma3_270m_reference.json")["cases"]:
+        out = ring.generate([case["ids"]], max_new_tokens=len(case["greedy"]), ignore_eos=True)
         assert out.tokens[0] == case["greedy"], len(case["ids"])
 
 

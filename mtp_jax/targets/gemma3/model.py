@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from mtp_jax.cache import slots_for
 from mtp_jax.gqa import gqa_dense, gqa_paged
 from mtp_jax.layers import apply_rope_half, llama3_frequencies, rope_cos_sin
 from mtp_jax.sharding import ACTIVATION, constrain
@@ -47,6 +48,7 @@ from mtp_jax.targets.base import CapturePlan, Hidden, HubTensor, PagedAttention,
 from mtp_jax.targets.gemma3.config import Gemma3Config
 from mtp_jax.targets.llama import model as llama
 from mtp_jax.targets.llama.model import LayerLeaf, layer_leaves, leaves_tree
+from pallas_kernels.paged import QUERY_CHUNK
 
 __all__ = ["TARGET", "forward", "gemma_norm", "target_layer_leaves"]
 
@@ -112,13 +114,13 @@ def _attention(
     cfg: Gemma3Config,
     cos: jax.Array,
     sin: jax.Array,
-    window: jax.Array,
+    window: jax.Array | int | None,
     positions: jax.Array,
     paged: PagedAttention | None,
-    pages: dict | None,
-    layer: jax.Array | int | None,
-    mesh: Mesh | None,
+    attend: Callable | None,
 ) -> tuple[jax.Array, dict | None]:
+    """The layer's attention over ``x``: dense and causal without ``paged``, else
+    ``attend(q, k, v, window)`` -> (out, pages) over the paged cache."""
     eps = cfg.rms_norm_eps
 
     def project(name: str) -> jax.Array:
@@ -127,26 +129,71 @@ def _attention(
     q = apply_rope_half(gemma_norm(project("q"), p["q_norm"], eps), cos, sin)
     k = apply_rope_half(gemma_norm(project("k"), p["k_norm"], eps), cos, sin)
     v = project("v")
-    scale = cfg.softmax_scale
+    pages = None
     if paged is None:
-        out = gqa_dense(q, k, v, scale, window)
+        out = gqa_dense(q, k, v, cfg.softmax_scale, window)
     else:
-        seen, tree = paged.attention(positions)
-        # with a tree the window is measured from each node's sequence (rotary) position
-        win = (window, None if tree is None else positions)
-        out, pages = gqa_paged(
-            q, k, v, pages, paged.slots, paged.page_table, seen, scale, layer, mesh, tree, win
-        )
+        out, pages = attend(q, k, v, window)
     return jnp.einsum("bthk,hkd->btd", out, p["o"]), pages
 
 
-def _decoder_layer(p, h, cfg, rope, is_local, window, positions, paged, pages, layer, mesh):
+def _paged(cfg, positions, paged, pages, layer, mesh) -> Callable:
+    """Attention over the layer's pages of the cache stacks ``pages`` (every page of every layer)."""
+
+    def attend(q, k, v, window):
+        seen, tree = paged.attention(positions)
+        # with a tree the window is measured from each node's sequence (rotary) position
+        win = None if window is None else (window, None if tree is None else positions)
+        return gqa_paged(
+            q, k, v, pages, paged.slots, paged.page_table, seen, cfg.softmax_scale, layer, mesh, tree, win
+        )
+
+    return attend
+
+
+def _ring(cfg, positions, paged, rings, layer) -> Callable:
+    """Attention of a sliding-window layer over its ring (layer ``layer`` of the ring stacks
+    ``rings`` {"k", "v"}, read through ``paged.ring_table``), a chunk of at most ``QUERY_CHUNK``
+    tokens at a time, each chunk's keys written before its queries read: a ring holds the window
+    and one chunk (:func:`mtp_jax.step.ring_span`), so a long prompt's later chunks may overwrite
+    what its earlier ones no longer need, never what they do."""
+    page = rings["k"].shape[2]
+    seen, tree = paged.attention(positions)
+    written, valid, table = paged.written(positions), paged.valid, paged.ring_table
+
+    def attend(q, k, v, window):
+        win = (window, None if tree is None else positions)
+
+        def one(rings, q, k, v, seen, written, valid):
+            slots = slots_for(table, written, valid, page)
+            return gqa_paged(q, k, v, rings, slots, table, seen, cfg.softmax_scale, layer, None, tree, win)
+
+        t = q.shape[1]
+        if t <= QUERY_CHUNK:
+            return one(rings, q, k, v, seen, written, valid)
+        n = -(-t // QUERY_CHUNK)
+        pad = n * QUERY_CHUNK - t
+
+        def chunks(x, fill=0):
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+            return jnp.moveaxis(x.reshape(x.shape[0], n, QUERY_CHUNK, *x.shape[2:]), 1, 0)
+
+        def body(rings, xs):
+            out, rings = one(rings, *xs)
+            return rings, out
+
+        xs = (chunks(q), chunks(k), chunks(v), chunks(seen, -1), chunks(written), chunks(valid, False))
+        after, out = jax.lax.scan(body, rings, xs)
+        out = jnp.moveaxis(out, 0, 1)
+        return out.reshape(out.shape[0], n * QUERY_CHUNK, *out.shape[3:])[:, :t], after
+
+    return attend
+
+
+def _decoder_layer(p, h, cfg, cos, sin, window, positions, paged, attend):
     eps = cfg.rms_norm_eps
-    (cos_l, sin_l), (cos_g, sin_g) = rope
-    cos = jnp.where(is_local, cos_l, cos_g)
-    sin = jnp.where(is_local, sin_l, sin_g)
     x = gemma_norm(h, p["input_norm"], eps)
-    out, pages = _attention(p["attn"], x, cfg, cos, sin, window, positions, paged, pages, layer, mesh)
+    out, pages = _attention(p["attn"], x, cfg, cos, sin, window, positions, paged, attend)
     h = h + gemma_norm(out, p["post_attn_norm"], eps)
     x = gemma_norm(h, p["pre_ffn_norm"], eps)
     m = p["mlp"]
@@ -193,10 +240,14 @@ def forward(
     h = constrain(h, mesh, ACTIVATION)
     captured = plan.start(h)
 
+    (cos_l, sin_l), (cos_g, sin_g) = rope
+
     def layer(carry, xs):
         h, captured, pages = carry
         p, slot, index, is_local, window = xs
-        h, pages = _decoder_layer(p, h, cfg, rope, is_local, window, positions, paged, pages, index, mesh)
+        cos, sin = jnp.where(is_local, cos_l, cos_g), jnp.where(is_local, sin_l, sin_g)
+        attend = None if paged is None else _paged(cfg, positions, paged, pages, index, mesh)
+        h, pages = _decoder_layer(p, h, cfg, cos, sin, window, positions, paged, attend)
         h = constrain(h, mesh, ACTIVATION)
         if captured is not None:
             captured = jax.lax.dynamic_update_index_in_dim(captured, h, slot, 0)
@@ -204,16 +255,63 @@ def forward(
 
     sliding, windows = _windows(cfg)
     n = cfg.num_hidden_layers
-    carry = (h, captured, None if paged is None else paged.pages)
-    (h, captured, pages), _ = scan_layers(
-        layer, carry, params["layers"], plan.slot_of, np.arange(n, dtype=np.int32), sliding, windows
-    )
+    if paged is not None and paged.ring_table is not None:
+        h, captured, pages = _ring_layers(params, cfg, h, captured, plan, rope, positions, paged)
+    else:
+        carry = (h, captured, None if paged is None else paged.pages)
+        (h, captured, pages), _ = scan_layers(
+            layer, carry, params["layers"], plan.slot_of, np.arange(n, dtype=np.int32), sliding, windows
+        )
     hidden = Hidden(
         post_norm=gemma_norm(h, params["final_norm"], cfg.rms_norm_eps),
         pre_norm=h,
         layers=plan.finish(captured),
     )
     return hidden, pages
+
+
+def _ring_layers(params, cfg, h, captured, plan, rope, positions, paged):
+    """The layers over a ring cache (:func:`init_ring_cache`), unrolled: each layer's kind is
+    static, its pages those of its own stack (the rings' or the global layers'). One device."""
+    stack = params["layers"]
+    layers = stack if isinstance(stack, tuple) else None
+    pages = dict(paged.pages)
+    rings = {"k": pages.pop("ring_k"), "v": pages.pop("ring_v")}
+    ordinal = {True: 0, False: 0}  # each kind's layers so far: the layer's index in its stack
+    for i, local in enumerate(cfg.sliding):
+        p = layers[i] if layers is not None else jax.tree.map(lambda x, i=i: x[i], stack)
+        index = ordinal[local]
+        ordinal[local] += 1
+        if local:
+            attend = _ring(cfg, positions, paged, rings, index)
+        else:
+            attend = _paged(cfg, positions, paged, pages, index, None)
+        cos, sin = rope[0] if local else rope[1]
+        window = cfg.sliding_window if local else None
+        h, updated = _decoder_layer(p, h, cfg, cos, sin, window, positions, paged, attend)
+        if local:
+            rings = updated
+        else:
+            pages = updated
+        if captured is not None:
+            captured = captured.at[int(plan.slot_of[i])].set(h)
+    return h, captured, {**pages, "ring_k": rings["k"], "ring_v": rings["v"]}
+
+
+def init_ring_cache(cfg: Gemma3Config, num_pages: int, ring_pages: int, page_size: int, dtype) -> dict:
+    """Zeroed pages: the global layers' K and V, each [Lg, num_pages, page, Hkv, hd] (``k``,
+    ``v``), and the sliding-window layers' rings, each [Ll, ring_pages, page, Hkv, hd]
+    (``ring_k``, ``ring_v``)."""
+    local = sum(cfg.sliding)
+    item = (page_size, cfg.num_key_value_heads, cfg.head_dim)
+    full = (cfg.num_hidden_layers - local, num_pages, *item)
+    ring = (local, ring_pages, *item)
+    return {
+        "k": jnp.zeros(full, dtype),
+        "v": jnp.zeros(full, dtype),
+        "ring_k": jnp.zeros(ring, dtype),
+        "ring_v": jnp.zeros(ring, dtype),
+    }
 
 
 def hub_tensors(cfg: Gemma3Config) -> Iterator[HubTensor]:
@@ -276,6 +374,8 @@ TARGET = dataclasses.replace(
     describe=_describe,
     norm_scale=norm_factor,
     logit_softcap=lambda cfg: cfg.final_logit_softcapping,
+    sliding_window=lambda cfg: cfg.sliding_window if any(cfg.sliding) else None,
+    init_ring_cache=init_ring_cache,
 )
 """Llama's cache, mesh checks and tensor-parallel layout (the same projections split the same way);
 Gemma's forward, layers and head."""
