@@ -141,8 +141,12 @@ def main() -> int:
     fixed = {name: tree.pop(name) for name in FIXED if name in tree}
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
+    last = cfg.num_hidden_layers - 1 in dcfg.capture  # read final-normed: not DSpark's features then
     attach_target_cache(
-        run, dcfg.capture, lambda hidden: dflash_features(dcfg, cfg.num_hidden_layers, hidden), "DFlash"
+        run,
+        dcfg.capture,
+        lambda hidden: dflash_features(dcfg, cfg.num_hidden_layers, hidden),
+        "layer outputs, the last final-normed" if last else "layer outputs",
     )
 
     @jax.jit

@@ -379,7 +379,7 @@ def main() -> int:
     weights = LossWeights(args.ce_weight, args.l1_weight, args.confidence_weight, args.decay)
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     optimizer = make_optimizer(args, tree)
-    attach_target_cache(run, dcfg.capture, lambda hidden: dspark_features(dcfg, hidden), "DSpark")
+    attach_target_cache(run, dcfg.capture, lambda hidden: dspark_features(dcfg, hidden), "layer outputs")
 
     @jax.jit
     def update(state: dict, batch: dict, anchors: jax.Array, target: dict) -> tuple[dict, dict]:
