@@ -70,9 +70,9 @@ def test_logits_and_greedy_text_match_transformers(gemma):
     # the local layers' keys in a ring of 37 pages of 16 (the 512-token window and one 64-token
     # chunk): the longest prompt (975 tokens) goes round it, and the text stays transformers'
     ring = gemma.with_window_cache("ring")
-    for case in _load("gemma3_270m_reference.json")["cases"]:
-        out = ring.generate([case["ids"]], max_new_tokens=len(case["greedy"]), ignore_eos=True)
-        assert out.tokens[0] == case["greedy"], len(case["ids"])
+    (case,) = [c for c in _load("gemma3_270m_reference.json")["cases"] if len(c["ids"]) > 37 * 16]
+    out = ring.generate([case["ids"]], max_new_tokens=len(case["greedy"]), ignore_eos=True)
+    assert out.tokens[0] == case["greedy"]
 
 
 @pytest.mark.slow
