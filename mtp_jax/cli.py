@@ -497,7 +497,7 @@ def _add_window_cache(parser) -> None:
         choices=["pages", "ring"],
         default="pages",
         help="how sliding-window layers (Gemma 3) keep their keys: every page (default), or a ring of "
-        "the window's pages per slot (one device, no prefix caching yet)",
+        "the window's pages per slot (one device)",
     )
 
 
@@ -560,9 +560,9 @@ def add_server_args(parser) -> None:
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=True,
         help="requests whose prompts start alike share those cache pages and prefill only the rest "
-        "(default: on, except with --window-cache ring)",
+        "(default: on)",
     )
     parser.add_argument(
         "--chunked-prefill-size",
@@ -705,7 +705,7 @@ def make_engine(args: argparse.Namespace, model, draft: str | None):
         max_len=args.max_len,
         max_queue=args.max_queue,
         grammar_masks=getattr(args, "grammar_masks", "host"),
-        prefix_caching=getattr(args, "enable_prefix_caching", None),
+        prefix_caching=getattr(args, "enable_prefix_caching", True),
         chunked_prefill_size=getattr(args, "chunked_prefill_size", 2048) or None,
         peer_timeout_s=getattr(args, "peer_timeout", PEER_TIMEOUT_S),
     )

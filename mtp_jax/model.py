@@ -419,7 +419,7 @@ WINDOW_CACHES = ("pages", "ring")
 ``window_cache``): ``"pages"`` (the default), every page of the context as its global layers do;
 ``"ring"``, a ring of each slot's window (and one prompt chunk or one step's tokens past it)
 recycled as the sequence moves on, so a local layer's cache stays the window's size however long
-the context (:func:`mtp_jax.cache.ring_table`). For now one device, without prefix caching."""
+the context (:func:`mtp_jax.cache.ring_table`). For now one device."""
 
 
 def check_window_cache(config: ModelConfig, window_cache: str, mesh: jax.sharding.Mesh | None) -> None:

@@ -375,19 +375,21 @@ def forward_paged(
     lora_slots: jax.Array | None = None,
     tree: TreeMask | None = None,
     ring_table: jax.Array | None = None,
+    ring_valid: jax.Array | None = None,
 ):
     """Write tokens [b, t] at positions [b, t] (only where valid) and run the target of ``cfg`` over
     its cache, capturing the outputs of layers ``capture`` (``mesh`` as in the target's forward),
     each row with its LoRA adapter slot of ``lora_slots`` [b] when the parameters hold adapters.
     ``tree``: the tokens are a token tree's nodes (:class:`mtp_jax.targets.base.TreeMask`: written
     at its cache positions, under tree attention; ``positions`` are then rotary positions).
-    ``ring_table``: the rows' table into the sliding-window layers' rings (a ring cache).
+    ``ring_table``: the rows' table into the sliding-window layers' rings (a ring cache), written
+    where ``ring_valid`` (default ``valid``).
 
     Returns (Hidden [b, t, d] each, float32 logits [b, t, V], pages); the logits are None with
     ``logits=False`` (prefill needs the head at one row per prompt: :func:`at_rows` first).
     """
     target = target_for(cfg)
-    paged = PagedAttention.at(pages, page_table, positions, valid, page_size, tree, ring_table)
+    paged = PagedAttention.at(pages, page_table, positions, valid, page_size, tree, ring_table, ring_valid)
     extra = {"lora_slots": lora_slots} if "lora" in params and lora_slots is not None else {}
     hidden, pages = target.forward(params, cfg, tokens, positions, paged, capture=capture, mesh=mesh, **extra)
     return hidden, target.lm_head(params, hidden.post_norm, cfg) if logits else None, pages
@@ -414,11 +416,23 @@ def _traced_sampling(fn: Callable) -> Callable:
 
 
 def _target_pass(
-    params, state, sc, tokens, positions, valid, page_table, lora_slots, logits: bool, tree=None, rows=None
+    params,
+    state,
+    sc,
+    tokens,
+    positions,
+    valid,
+    page_table,
+    lora_slots,
+    logits: bool,
+    tree=None,
+    rows=None,
+    ring_valid=None,
 ):
     """:func:`forward_paged` over the state's target caches with the configuration's capture:
     (hidden, float32 logits or None, the target's pages). ``rows`` [b]: the slots of the rows
-    (default 0..b-1), whose rings a ring cache reads."""
+    (default 0..b-1), whose rings a ring cache reads (written where ``ring_valid``, default
+    ``valid``)."""
     return forward_paged(
         params,
         state.target_pages,
@@ -434,16 +448,33 @@ def _target_pass(
         lora_slots=lora_slots,
         tree=tree,
         ring_table=_ring_of(sc, rows, tokens.shape[0], page_table.shape[1]),
+        ring_valid=ring_valid,
     )
 
 
-def _write_prompts(params, state, sc, tokens, positions, valid, page_table, lora_slots, rows=None):
+def _write_prompts(
+    params, state, sc, tokens, positions, valid, page_table, lora_slots, rows=None, fresh=None
+):
     """The target over prompt pieces of the slots ``rows``, writing its caches; no head (prefill
-    runs it at one row per prompt: :func:`at_rows` first). Returns (hidden, the target's pages)."""
+    runs it at one row per prompt: :func:`at_rows` first). ``fresh`` [b]: each row's first position
+    not in a cached prefix; the tokens before it (recomputed so that a ring cache holds the window
+    before it) fill the rings only, not the prefix's shared pages. Returns (hidden, the target's
+    pages, the tokens written to the pages: those the draft consumes)."""
+    written = valid if fresh is None else valid & (positions >= fresh[:, None])
     hidden, _, target_pages = _target_pass(
-        params, state, sc, tokens, positions, valid, page_table, lora_slots, logits=False, rows=rows
+        params,
+        state,
+        sc,
+        tokens,
+        positions,
+        written,
+        page_table,
+        lora_slots,
+        False,
+        rows=rows,
+        ring_valid=valid,
     )
-    return hidden, target_pages
+    return hidden, target_pages, written
 
 
 def _followed_by(tokens: jax.Array, last: jax.Array, after: jax.Array) -> jax.Array:
@@ -490,13 +521,16 @@ def prefill(
     bitmask: jax.Array | None = None,
     starts: jax.Array | None = None,
     thinking: jax.Array | None = None,
+    fresh: jax.Array | None = None,
 ) -> tuple[jax.Array, DecodeState, TokenLogprobs | None]:
     """Admit requests into slots ``rows`` [R] (an index >= B is a padding row, ignored): prompts of
     ``lengths`` [R] tokens with their page-table rows [R, W] and sampling [R] (``bitmask``
     [R, ceil(V/32)]: the tokens a grammar allows first). ``tokens`` [R, T] (right-padded) are each
     prompt's from position ``starts`` [R] on (default 0): the positions before are in the caches
     already (a cached prefix, :class:`mtp_jax.cache.PrefixCache`), with ``thinking`` [R] whether a
-    thinking phase is open there (default: not).
+    thinking phase is open there (default: not). ``fresh`` [R] (a ring cache after a cached
+    prefix): the first position not in the cached prefix; the tokens from ``starts`` to it are
+    recomputed into the sliding-window layers' rings only (the rest of the caches hold them).
 
     Fills the target cache, samples each request's first token and, with a draft, fills the draft's
     caches for the prompt and proposes the first K drafts. Returns (first tokens [R], state,
@@ -509,15 +543,15 @@ def prefill(
     valid = (positions < lengths[:, None]) & real[:, None]
     # no head here: it runs at each prompt's last row below
     slots = jnp.minimum(rows, state.active.shape[0] - 1)  # a padding row writes nothing
-    hidden, target_pages = _write_prompts(
-        params, state, sc, tokens, positions, valid, page_table, sampling.lora_slot, slots
+    hidden, target_pages, written = _write_prompts(
+        params, state, sc, tokens, positions, valid, page_table, sampling.lora_slot, slots, fresh
     )
     last = lengths - 1 - starts  # each prompt's last row in ``tokens``
     raw_logits = sc.target.lm_head(params, at_rows(hidden.post_norm, last), sc.cfg)
     first_logits = raw_logits if bitmask is None else mask_logits(raw_logits, bitmask)
     first = sample(first_logits, sampling, lengths)
     logprobs = token_logprobs(raw_logits, first, MAX_LOGPROBS) if sc.logprobs else None
-    prompt = Rows(tokens, _followed_by(tokens, last, first), positions, valid, hidden, last)
+    prompt = Rows(tokens, _followed_by(tokens, last, first), positions, written, hidden, last)
     drafts, q, conf, count, draft_state, parent, source = _first_drafts(
         params, state, sc, prompt, page_table, real, sampling, first, lengths
     )
@@ -567,11 +601,13 @@ def prefill_chunk(
     page_table: jax.Array,
     lora_slots: jax.Array,
     rows: jax.Array | None = None,
+    fresh: jax.Array | None = None,
 ) -> DecodeState:
     """Write a piece of prompts that are not whole yet (chunked prefill): ``tokens`` [R, T] at
     positions ``starts`` [R] on, ``counts`` [R] of them (0: a padding row), each followed by the
     prompt's token ``after`` [R]; page-table rows [R, W], LoRA slots [R]; ``rows`` [R]: their
-    slots (needed by a ring cache, ``sc.local_ring``). Fills the target's caches
+    slots (needed by a ring cache, ``sc.local_ring``), ``fresh`` [R] as :func:`prefill` takes
+    it. Fills the target's caches
     there and lets the draft consume the rows (its caches; nothing proposed). Nothing else of the
     state changes: the slots stay inactive until :func:`prefill` admits them with the prompts'
     rest."""
@@ -581,13 +617,13 @@ def prefill_chunk(
     if sc.local_ring and rows is None:
         raise ValueError("a ring cache (sc.local_ring) needs the chunk's slots: prefill_chunk(..., rows=)")
     slots = None if rows is None else jnp.minimum(rows, state.active.shape[0] - 1)
-    hidden, target_pages = _write_prompts(
-        params, state, sc, tokens, positions, valid, page_table, lora_slots, slots
+    hidden, target_pages, written = _write_prompts(
+        params, state, sc, tokens, positions, valid, page_table, lora_slots, slots, fresh
     )
     draft_state = state.draft_state
     if sc.drafter is not None:
         last = jnp.maximum(counts - 1, 0)
-        rows = Rows(tokens, _followed_by(tokens, last, after), positions, valid, hidden, last)
+        rows = Rows(tokens, _followed_by(tokens, last, after), positions, written, hidden, last)
         # only consume: nothing proposed mid-prompt (no chain, no tree)
         consume = dataclasses.replace(sc, k=0, schedule=None, tree=None)
         draft_state = propose(

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(eq=False)
 class Admission:
     """A request placed in a slot with its pages, not prefilled yet: positions before ``start`` are
-    in the caches already (a cached prefix, chunks written so far)."""
+    in the caches already (a cached prefix, chunks written so far). With a ring cache
+    (``sc.local_ring``) and a cached prefix, ``start`` is a window before the prefix's end,
+    ``fresh``: the positions from ``start`` to it are computed again for the sliding-window layers'
+    ring only (:func:`ring_restart`)."""
 
     req: Request
     slot: int
@@ -32,6 +35,16 @@ class Admission:
     pages: list[int]
     start: int
     digests: list[bytes] = dataclasses.field(default_factory=list)  # its pages' names (prefix caching)
+    fresh: int = 0
+
+
+def ring_restart(sc: StepConfig, fresh: int) -> int:
+    """Where the prefill of a prompt whose first ``fresh`` positions are a cached prefix begins
+    with a ring cache: at the page holding position ``fresh - window + 1``, the oldest key the
+    first new token's window reads (the prefix's pages hold every layer but the rings, which the
+    slot's last request filled)."""
+    window = sc.target.sliding_window(sc.cfg)
+    return max(0, (fresh - window + 1) // sc.page_size * sc.page_size)
 
 
 def check_fits(req: Request, sc: StepConfig, width: int) -> None:
@@ -102,7 +115,9 @@ class Admissions:
                 admission.pages = sched.allocator.allocate(need, shard=s)
             else:
                 admission.pages, hit = sched.prefix.take(digests, need, s)
-                admission.start = hit * sched.sc.page_size
+                admission.start = admission.fresh = hit * sched.sc.page_size
+                if hit and sched.sc.local_ring:
+                    admission.start = ring_restart(sched.sc, admission.fresh)
             sched.pages_of[req.id] = admission.pages
             sched.owner[b] = req
             if sched.chunk is not None and len(req.prompt) - admission.start > sched.chunk:
@@ -150,9 +165,9 @@ class Admissions:
         r, i = sched.shards, a.shard  # one row per shard, the request's on its own shard's
         tokens = np.zeros((r, sched.chunk), np.int32)
         tokens[i] = a.req.prompt[a.start : a.start + sched.chunk]
-        counts, starts, after, lora, slots = (np.zeros(r, np.int32) for _ in range(5))
+        counts, starts, after, lora, slots, fresh = (np.zeros(r, np.int32) for _ in range(6))
         counts[i], starts[i], after[i] = sched.chunk, a.start, a.req.prompt[a.start + sched.chunk]
-        lora[i], slots[i] = lora_slot(a.req), a.slot
+        lora[i], slots[i], fresh[i] = lora_slot(a.req), a.slot, a.fresh
         tables = [a.pages if j == i else [] for j in range(r)]
         sched.state = prefill_chunk(
             sched.params,
@@ -165,6 +180,7 @@ class Admissions:
             jnp.asarray(page_table_array(tables, sched.width)),
             jnp.asarray(lora),
             jnp.asarray(slots),
+            **({"fresh": jnp.asarray(fresh)} if sched.sc.local_ring else {}),  # else the warm-up's program
         )
         a.start += sched.chunk
         sched.counts["prefill_chunks"] += 1
@@ -180,6 +196,7 @@ class Admissions:
         rows = np.full(r, slots, np.int32)  # padding rows: an out-of-range slot, ignored
         lengths = np.ones(r, np.int32)
         starts = np.zeros(r, np.int32)  # where each prompt's prefill begins
+        fresh = np.zeros(r, np.int32)  # past its cached prefix (a ring cache recomputes before it)
         thinking = np.zeros(r, bool)
         tables: list[list[int]] = [[] for _ in range(r)]
         reqs: list[tuple[int, Request]] = []
@@ -189,7 +206,7 @@ class Admissions:
             i = a.shard * per + taken[a.shard]
             taken[a.shard] += 1
             req, b = a.req, a.slot
-            rows[i], lengths[i], starts[i] = b, len(req.prompt), a.start
+            rows[i], lengths[i], starts[i], fresh[i] = b, len(req.prompt), a.start, a.fresh
             thinking[i] = thinking_before(sched.sc.think_tokens, req.prompt, a.start)
             tables[i] = a.pages
             row_sampling[i] = dataclasses.replace(req.sampling, tenant=np.full(1, self.tenant(req), np.int32))
@@ -225,6 +242,7 @@ class Admissions:
             masks,
             starts,
             thinking,
+            **({"fresh": fresh} if sched.sc.local_ring else {}),  # else the warm-up's program
         )
         if sched.prefix is not None:
             for a in admissions:  # later prefills may read what this one writes

@@ -330,11 +330,6 @@ class Scheduler:
 
 def _prefix_cache(allocator: ShardedPageAllocator, sc: StepConfig) -> PrefixCache:
     """The scheduler's prefix cache over ``allocator``'s pages (keyed with the draft's lookahead)."""
-    if sc.local_ring:
-        raise ValueError(
-            "prefix caching is not kept with window_cache='ring' yet (a cached prefix would need "
-            "its sliding-window layers' last window too): prefix_caching=False"
-        )
     lookahead = 0 if sc.draft_method is None else sc.draft_method.cache_lookahead
     return PrefixCache(allocator, sc.page_size, lookahead)
 

@@ -80,6 +80,7 @@ def warmup_job(sched: Scheduler, kind: str, a: int, b: int) -> None:
             None,
             np.zeros(r, np.int32),
             np.zeros(r, bool),
+            **({"fresh": np.zeros(r, np.int32)} if sched.sc.local_ring else {}),
         )
         np.asarray(first)
     elif kind == "step":
@@ -100,6 +101,7 @@ def warmup_job(sched: Scheduler, kind: str, a: int, b: int) -> None:
             jnp.asarray(np.zeros((r, sched.width), np.int32)),
             zeros,
             zeros,
+            **({"fresh": zeros} if sched.sc.local_ring else {}),
         )
     elif kind == "release":
         sched.state = deactivate(sched.state, np.full(a, sched.slots, np.int32))

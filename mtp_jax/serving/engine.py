@@ -115,11 +115,10 @@ class Engine:
     rows are split over a data axis) a step covers only the slots up to the last occupied one,
     rounded up to a power of two: a few requests in many slots cost what they would alone, for a
     program per (K, power of two) that occurs (``stats()["step_programs"]``). With
-    ``prefix_caching`` (None, the default: on, except for a model loaded with
-    ``window_cache="ring"``, which does not keep it yet) requests whose prompts share a prefix
-    share its cache pages and prefill only the rest (:class:`mtp_jax.cache.PrefixCache`;
-    ``stats()`` counts the prompt tokens looked up and found: ``prefix_cache_queries``,
-    ``prefix_cache_hits``). A prompt longer
+    ``prefix_caching`` (the default) requests whose prompts share a prefix share its cache pages
+    and prefill only the rest (:class:`mtp_jax.cache.PrefixCache`; ``stats()`` counts the prompt
+    tokens looked up and found: ``prefix_cache_queries``, ``prefix_cache_hits``; with a ring cache
+    the sliding-window layers' last window before the prefix's end is computed again). A prompt longer
     than ``chunked_prefill_size`` tokens (after its cached prefix) is prefilled that many tokens
     per iteration, between the running requests' steps, so they keep producing tokens while it
     arrives (None: every prompt in one prefill). In a multi-process run, the engine fails (every
@@ -143,7 +142,7 @@ class Engine:
         max_queue: int = 256,
         grammar_masks: str = "host",
         row_buckets: bool = True,
-        prefix_caching: bool | None = None,
+        prefix_caching: bool = True,
         chunked_prefill_size: int | None = 2048,
         peer_timeout_s: float = PEER_TIMEOUT_S,
     ) -> None:
@@ -178,7 +177,7 @@ class Engine:
             cache_dtype=DTYPES[model.dtype],
             grammar_masks=grammar_masks,
             row_buckets=row_buckets,
-            prefix_caching=(not sc.local_ring) if prefix_caching is None else prefix_caching,
+            prefix_caching=prefix_caching,
             chunked_prefill=chunked_prefill_size,
         )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

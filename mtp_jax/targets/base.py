@@ -158,13 +158,18 @@ class PagedAttention(NamedTuple):
         page_size: int,
         tree: TreeMask | None = None,
         ring_table: jax.Array | None = None,
+        ring_valid: jax.Array | None = None,
     ) -> PagedAttention:
         """New tokens at ``positions`` [b, t] (written where ``valid``) of rows with ``page_table``,
         or, with ``tree``, at the tree's cache positions under its tree attention; ``ring_table``:
-        the rows' table into a sliding-window ring (:attr:`Target.init_ring_cache`)."""
+        the rows' table into a sliding-window ring (:attr:`Target.init_ring_cache`), written where
+        ``ring_valid`` (default ``valid``: a prompt's tokens recomputed after a cached prefix fill
+        the ring and are not written over the prefix's shared pages)."""
         written = positions if tree is None else tree.positions
         slots = slots_for(page_table, written, valid, page_size)
-        return cls(pages, slots, page_table, tree, ring_table, None if ring_table is None else valid)
+        if ring_table is None:
+            return cls(pages, slots, page_table, tree)
+        return cls(pages, slots, page_table, tree, ring_table, valid if ring_valid is None else ring_valid)
 
     def written(self, positions: jax.Array) -> jax.Array:
         """The cache positions [b, t] the tokens at rotary ``positions`` are written at."""

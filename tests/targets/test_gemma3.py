@@ -396,22 +396,23 @@ def test_a_ring_holds_the_window_and_decodes_as_every_page_does(fixtures):
 
 
 def test_a_ring_serves_chunked_prompts_chains_and_trees(fixtures):
-    """Through the serving engine (prompts arriving 32 tokens a call, rows bucketed) and with the
-    model as its own draft (chains, static and dynamic trees whose accepted paths the step moves
-    inside the ring): plain decoding's tokens. The engine leaves prefix caching off with a ring
-    and refuses it asked for."""
+    """Through the serving engine (prompts arriving 32 tokens a call, rows bucketed, cached prefixes
+    whose last window the ring computes again, in one prefill and in chunks) and with the model as
+    its own draft (chains, static and dynamic trees whose accepted paths the step moves inside the
+    ring): plain decoding's tokens and log-probabilities."""
     path = os.path.join(FIXTURES, "mixed_softcap_linear_untied")
     kw = dict(max_new_tokens=30, ignore_eos=True, logprobs=5)
-    want = mtp_jax.load(path, "float32", page_size=2).generate(LONG, **kw)
+    rng = np.random.default_rng(2)
+    again = [LONG[0][:120] + [int(x) for x in rng.integers(1, 120, 20)], LONG[0][:100] + LONG[2][:60]]
+    want = mtp_jax.load(path, "float32", page_size=2).generate(LONG + again, **kw)
     ring = mtp_jax.load(path, "float32", page_size=2, window_cache="ring", draft_model=path)
     with mtp_jax.Engine(ring, slots=4, max_len=256, chunked_prefill_size=32) as engine:
         done = [h.result(600) for h in [engine.submit(p, **kw) for p in LONG]]
+        done += [h.result(600) for h in [engine.submit(p, **kw) for p in again]]
         assert [c.tokens for c in done] == want.tokens
         _same_logprobs([c.logprobs for c in done], want.logprobs)
         stats = engine.stats()
-        assert stats["prefill_chunks"] > 0 and not stats["prefix_caching"]
-    with pytest.raises(ValueError, match="prefix caching is not kept with window_cache='ring'"):
-        mtp_jax.Engine(ring, slots=4, max_len=256, prefix_caching=True)
+        assert stats["prefill_chunks"] > 0 and stats["prefix_cache_hits"] >= 200, stats
     path = os.path.join(FIXTURES, "pattern6_tied")  # a window of 4: trees of 3 drafted nodes
     pages = mtp_jax.load(path, "float32", page_size=2, draft_model=path)
     ring = mtp_jax.load(path, "float32", page_size=2, window_cache="ring", draft_model=path)
@@ -440,3 +441,30 @@ def test_a_ring_is_refused_where_it_cannot_hold():
         mtp_jax.load(os.path.join(FIXTURES, "all_global_pattern1"), "float32", window_cache="ring")
     with pytest.raises(ValueError, match="has no sliding-window layers"):
         mtp_jax.load(os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib"), "float32", window_cache="ring")
+
+
+def test_a_ring_warms_up_the_programs_its_requests_run():
+    """The warm-up compiles the ring's prefill and chunk programs (they take the cached prefix's
+    end): a prompt in chunks and one hitting its prefix then compile nothing new."""
+    from mtp_jax.request import SpeculativeConfig, step_config
+    from mtp_jax.sampling import RowSampling
+    from mtp_jax.scheduler import Request, Scheduler, pages_needed
+    from mtp_jax.step import prefill, prefill_chunk
+
+    ring = mtp_jax.load(os.path.join(FIXTURES, "pattern6_tied"), "float32", page_size=2, window_cache="ring")
+    sc = step_config(ring, SpeculativeConfig())
+    sched = Scheduler(
+        ring.params, sc, slots=2, width=pages_needed(128, 0, sc), eos_token_ids=(),
+        cache_dtype=jnp.float32, chunked_prefill=32, prefix_caching=True,
+    )  # fmt: skip
+    sched.warmup(64, [0])
+    sizes = prefill._cache_size(), prefill_chunk._cache_size()
+    first = sched.submit(Request(LONG[1], 4, RowSampling.build(1)))
+    while sched.advance():
+        pass
+    second = sched.submit(Request(LONG[1][:30] + LONG[3], 4, RowSampling.build(1)))
+    while sched.advance():
+        pass
+    assert len(first.tokens) == len(second.tokens) == 4 and sched.prefix.hits == 30
+    assert sched.counts["prefill_chunks"] == 1
+    assert (prefill._cache_size(), prefill_chunk._cache_size()) == sizes
