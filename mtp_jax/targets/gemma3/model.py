@@ -156,17 +156,24 @@ def _ring(cfg, positions, paged, rings, layer) -> Callable:
     ``rings`` {"k", "v"}, read through ``paged.ring_table``), a chunk of at most ``QUERY_CHUNK``
     tokens at a time, each chunk's keys written before its queries read: a ring holds the window
     and one chunk (:func:`mtp_jax.step.ring_span`), so a long prompt's later chunks may overwrite
-    what its earlier ones no longer need, never what they do."""
+    what its earlier ones no longer need, never what they do. A chunk reads only the pages its
+    queries' windows span (:func:`_window_pages`), not the row's whole table."""
     page = rings["k"].shape[2]
     seen, tree = paged.attention(positions)
     written, valid, table = paged.written(positions), paged.valid, paged.ring_table
 
     def attend(q, k, v, window):
-        win = (window, None if tree is None else positions)
-
         def one(rings, q, k, v, seen, written, valid):
             slots = slots_for(table, written, valid, page)
-            return gqa_paged(q, k, v, rings, slots, table, seen, cfg.softmax_scale, layer, None, tree, win)
+            near, off = _window_pages(table, seen, valid, window + q.shape[1], page)
+            # every mask compares positions: moved by the same offset, queries and keys see the same
+            shifted = jnp.where(seen >= 0, seen - off[:, None], -1)
+            moved = None if tree is None else (tree[0] - off, tree[1])
+            win = (window, None if tree is None else positions - off[:, None])
+            out, rings = gqa_paged(
+                q, k, v, rings, slots, near, shifted, cfg.softmax_scale, layer, None, moved, win
+            )
+            return out, rings
 
         t = q.shape[1]
         if t <= QUERY_CHUNK:
@@ -188,6 +195,19 @@ def _ring(cfg, positions, paged, rings, layer) -> Callable:
         return out.reshape(out.shape[0], n * QUERY_CHUNK, *out.shape[3:])[:, :t], after
 
     return attend
+
+
+def _window_pages(table: jax.Array, seen: jax.Array, valid: jax.Array, span: int, page: int):
+    """(the pages [b, n] of ``table`` [b, W] holding the last ``span`` positions up to each row's
+    furthest valid query in ``seen`` [b, t], n = ceil(span / page) + 1 (at most W), and the
+    position [b] of the first of them): the keys a chunk of queries within ``span - window`` of each
+    other reads through a window."""
+    width = table.shape[1]
+    n = min(width, -(-span // page) + 1)
+    top = jnp.max(jnp.where(valid, seen, 0), axis=1) // page
+    first = jnp.clip(top - n + 1, 0, width - n)
+    index = first[:, None] + jnp.arange(n, dtype=first.dtype)[None, :]
+    return jnp.take_along_axis(table, index, axis=1), first * page
 
 
 def _decoder_layer(p, h, cfg, cos, sin, window, positions, paged, attend):
