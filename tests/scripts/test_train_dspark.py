@@ -180,6 +180,25 @@ def test_the_loss_over_a_draft_vocabulary_is_the_restricted_one(small_draft):
         draft_logits, target, np.maximum(to_draft[labels], 0), np.ones(labels.shape, bool), conf, weights
     )
     assert abs(float(wrong["ce"]) - float(got["ce"])) > 1e-3
+    # from a target cache whose kept tokens at one position all lie outside the draft vocabulary
+    # (Gemma 3's 262k head against 8,192 kept): nothing there to renormalise; the loss stays finite
+    # (it was NaN) and that slot counts as rejected (acceptance 0), its neighbours as before
+    logp = jax.nn.log_softmax(lm_head(params, hidden.post_norm), axis=-1)
+    top_logp, top_ids = jax.lax.top_k(logp, 4)
+    cached = {"features": dspark_features(dcfg, hidden), "top_logp": top_logp}
+    whole = script.draft_losses(
+        tree, params, cfg, dcfg, window, anchors, weights, {**cached, "top_ids": top_ids}
+    )
+    blind = top_ids.at[0, int(rows[0, 0, 1])].set(
+        jnp.asarray(np.setdiff1d(np.arange(cfg.vocab_size), ids)[:4])
+    )
+    loss, aux = script.draft_losses(
+        tree, params, cfg, dcfg, window, anchors, weights, {**cached, "top_ids": blind}
+    )
+    assert np.isfinite(float(loss)) and np.isfinite(float(whole[0]))
+    assert float(aux["acceptance"]) < float(whole[1]["acceptance"])
+    assert float(aux["level_acceptance"][1]) < float(whole[1]["level_acceptance"][1])
+    np.testing.assert_allclose(aux["level_acceptance"][2:], whole[1]["level_acceptance"][2:], rtol=1e-6)
 
 
 def load_script():

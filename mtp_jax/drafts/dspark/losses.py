@@ -43,6 +43,7 @@ def dspark_losses(
     confidence_logits: jax.Array | None,
     weights: LossWeights = LossWeights(),
     ce_valid: jax.Array | None = None,
+    target_mass: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """The weighted mean losses over every counted slot of blocks [..., B]: ``draft_logits`` and
     ``target_logits`` [..., B, V] (slot k predicting the same token, the target's distribution
@@ -50,7 +51,11 @@ def dspark_losses(
     Returns {"loss", "ce", "l1", "confidence" (0 without a head), "acceptance": the mean analytic
     acceptance sum(min(p_d, p_t)) over the counted slots}; the targets of the confidence term are
     not differentiated (as DeepSpec detaches them). ``ce_valid`` [..., B]: where False the slot's
-    cross-entropy is not counted (a draft vocabulary without the true token: the other terms are)."""
+    cross-entropy is not counted (a draft vocabulary without the true token: the other terms are).
+    ``target_mass`` [..., B]: the target's probability on the draft's vocabulary where it is known
+    to be none (0: a cached teacher whose kept tokens all lie outside a draft vocabulary), the
+    target's distribution there all zeros (every draft token rejected: an acceptance of 0), else 1
+    (an extension: DeepSpec's drafts use the whole vocabulary, where it never happens)."""
     f32 = jnp.float32
     slots = labels.shape[-1]
     w = jnp.exp(-jnp.arange(slots, dtype=f32) / weights.decay) * valid_slots(labels_valid)
@@ -58,6 +63,8 @@ def dspark_losses(
     logp_d = jax.nn.log_softmax(draft_logits.astype(f32), axis=-1)
     p_d = jnp.exp(logp_d)
     p_t = jax.nn.softmax(target_logits.astype(f32), axis=-1)
+    if target_mass is not None:
+        p_t = p_t * target_mass.astype(f32)[..., None]
     ce = -jnp.take_along_axis(logp_d, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
     l1 = jnp.sum(jnp.abs(p_d - p_t), axis=-1)
     accept = jax.lax.stop_gradient(jnp.clip(jnp.sum(jnp.minimum(p_d, p_t), axis=-1), 0.0, 1.0))

@@ -152,6 +152,7 @@ def draft_losses(
     ids = tree.get("draft_to_target")
     base = lm_head(params, h) if ids is None else head_logits(tree["lm_head"], h)
     draft_logits, conf = teacher_forced_heads(tree, dcfg, h, base, prev, None, ids)  # over V or Vd
+    mass = None  # the teacher's mass on the draft vocabulary where it has none (a cached top-k)
     if cached is None:  # the target's distribution, over the draft vocabulary renormalised
         teacher = jnp.take_along_axis(logits, flat[..., None], axis=1).reshape(*block_pos.shape, -1)
         greedy = jnp.argmax(teacher, -1)
@@ -160,12 +161,18 @@ def draft_losses(
     else:
         top = [jnp.take_along_axis(cached[k], flat[..., None], axis=1) for k in ("top_ids", "top_logp")]
         teacher = top_k_teacher(*(x.reshape(*block_pos.shape, -1) for x in top), ids, cfg.vocab_size)
-        target_logp, greedy = jnp.log(teacher["probs"]), teacher["greedy"]
+        # every kept token outside the draft vocabulary: no distribution to renormalise (log 0
+        # everywhere would make the loss NaN); the target's there is taken as none at all
+        mass = teacher["covered"] > 0
+        target_logp = jnp.where(mass[..., None], jnp.log(teacher["probs"]), 0.0)
+        greedy = teacher["greedy"]
     labels, inside, to_target = _draft_labels(ids, cfg.vocab_size, labels)
     out = dspark_losses(
-        draft_logits, target_logp, labels, jnp.ones(labels.shape, bool), conf, weights, inside
+        draft_logits, target_logp, labels, jnp.ones(labels.shape, bool), conf, weights, inside, mass
     )
     p_d, p_t = jax.nn.softmax(draft_logits, -1), jnp.exp(target_logp)
+    if mass is not None:
+        p_t = p_t * mass[..., None]
     out["level_acceptance"] = jnp.minimum(p_d, p_t).sum(-1).mean((0, 1))
     out["level_agreement"] = (to_target(jnp.argmax(draft_logits, -1)) == greedy).mean((0, 1))
     return out["loss"], out
