@@ -398,8 +398,8 @@ def test_a_ring_holds_the_window_and_decodes_as_every_page_does(fixtures):
 def test_a_ring_serves_chunked_prompts_chains_and_trees(fixtures):
     """Through the serving engine (prompts arriving 32 tokens a call, rows bucketed, cached prefixes
     whose last window the ring computes again, in one prefill and in chunks) and with the model as
-    its own draft (chains, static and dynamic trees whose accepted paths the step moves inside the
-    ring): plain decoding's tokens and log-probabilities."""
+    its own draft (static and dynamic trees whose accepted paths the step moves inside the ring):
+    plain decoding's tokens and log-probabilities."""
     path = os.path.join(FIXTURES, "mixed_softcap_linear_untied")
     kw = dict(max_new_tokens=30, ignore_eos=True, logprobs=5)
     rng = np.random.default_rng(2)
@@ -419,8 +419,8 @@ def test_a_ring_serves_chunked_prompts_chains_and_trees(fixtures):
     want = pages.generate(LONG, max_new_tokens=30, ignore_eos=True).tokens
     kw = dict(max_new_tokens=30, ignore_eos=True, draft="draft_model")
     wide = {"depth": 2, "topk": 2, "nodes": 3}
-    for tree in (None, wide, {**wide, "dynamic": True}):
-        out = ring.generate(LONG, num_speculative_tokens=None if tree else 3, speculative_tree=tree, **kw)
+    for tree in (wide, {**wide, "dynamic": True}):  # chains: the n-gram's above
+        out = ring.generate(LONG, speculative_tree=tree, **kw)
         assert out.tokens == want, tree
         assert out.stats["acceptance_length"] > 2.5, (tree, out.stats)
     # rows sampled at temperature 3 often take the second child's path: its keys are moved inside the
