@@ -260,6 +260,7 @@ def time_step(
     logprobs: bool = False,
     tree: Any = None,
     host: dict | None = None,
+    window_cache: str = "pages",
     drafts: int | None = None,
 ) -> float:
     """Median seconds of one jitted speculative step (plain decoding for k = 0) of ``batch`` active
@@ -276,12 +277,20 @@ def time_step(
     ``dispatch_seconds``, the median host time of a timed call until it returns (the device runs on
     behind it): where it nears the step's time, the host's dispatch, not the device, sets the pace
     (it grows with the parameters' leaves: per-layer buffers have ~9 a layer)."""
-    from mtp_jax.step import StepConfig, step
+    from mtp_jax.cache import ring_pages
+    from mtp_jax.step import StepConfig, ring_span, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
     sc = StepConfig(
         cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None, logprobs=logprobs, tree=tree
     )
+    if window_cache == "ring":  # the sliding-window layers' rings (mtp_jax.load's window_cache)
+        window = sc.target.sliding_window(cfg)
+        if window is None:
+            raise ValueError(
+                f"--window-cache ring: {sc.target.title or sc.target.name} has no sliding-window layers"
+            )
+        sc = dataclasses.replace(sc, local_ring=ring_pages(window, page_size, ring_span(sc)))
     state = _timed_state(sc, batch, context, dtype, lora_slots)
     # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
     calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
@@ -434,6 +443,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--draft-config's, else the MTP layer",
     )
     parser.add_argument(
+        "--window-cache",
+        choices=["pages", "ring"],
+        default="pages",
+        help="a sliding-window model's local layers: every page, or each slot's ring (mtp_jax.load's "
+        "window_cache; the bytes and roofline columns still count every page)",
+    )
+    parser.add_argument(
         "--layer-buffers",
         choices=["auto", "on", "off"],
         default="auto",
@@ -505,6 +521,7 @@ def run(args: argparse.Namespace) -> dict:
         "read_bandwidth_gb_s": read / 1e9,
         "bandwidth_limit_gb_s": bandwidth / 1e9,
         "layer_buffers": buffered,
+        "window_cache": args.window_cache,
         **machine_info(),
         "results": rows,
     }
@@ -616,7 +633,9 @@ def _time_k(
     memory: dict = {}
     host: dict = {}
     kw = dict(k=k, batch=args.batch, context=args.context, page_size=args.page_size, dtype=dtype)
-    kw.update(iters=args.iters, draft_cfg=draft_cfg, draft=args.draft, tree=tree)
+    kw.update(
+        iters=args.iters, draft_cfg=draft_cfg, draft=args.draft, tree=tree, window_cache=args.window_cache
+    )
     try:
         profile_dir = None if args.profile is None else os.path.join(args.profile, f"k{k}")
         seconds = time_step(params, cfg, profile_dir=profile_dir, memory=memory, host=host, **kw)

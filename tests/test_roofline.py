@@ -273,3 +273,31 @@ def test_bench_step_argument_errors(tmp_path, capsys, args, message):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
+
+
+def test_bench_step_times_a_sliding_window_ring(tmp_path, capsys):
+    """--window-cache ring: a Gemma 3 config's step over its local layers' rings (random weights)."""
+    config = os.path.join(
+        REPO, "tests", "fixtures", "parity_gemma3", "mixed_softcap_linear_untied", "config.json"
+    )
+    out = tmp_path / "step.json"
+    argv = [
+        "--config",
+        config,
+        "--k",
+        "0",
+        "--context",
+        "40",
+        "--page-size",
+        "4",
+        "--iters",
+        "1",
+        "--copy-mb",
+        "1",
+    ]
+    assert roofline.main([*argv, "--window-cache", "ring", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["window_cache"] == "ring" and report["results"][0]["step_ms"] > 0
+    llama = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib", "config.json")
+    assert roofline.main(["--config", llama, "--k", "0", "--iters", "1", "--window-cache", "ring"]) == 2
+    assert "has no sliding-window layers" in capsys.readouterr().err
