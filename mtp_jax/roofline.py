@@ -277,20 +277,13 @@ def time_step(
     ``dispatch_seconds``, the median host time of a timed call until it returns (the device runs on
     behind it): where it nears the step's time, the host's dispatch, not the device, sets the pace
     (it grows with the parameters' leaves: per-layer buffers have ~9 a layer)."""
-    from mtp_jax.cache import ring_pages
-    from mtp_jax.step import StepConfig, ring_span, step
+    from mtp_jax.step import StepConfig, step
 
     draft = None if not k else (draft or draft_method(cfg, draft_cfg))
     sc = StepConfig(
         cfg, page_size, k, draft, draft_cfg=draft_cfg if k else None, logprobs=logprobs, tree=tree
     )
-    if window_cache == "ring":  # the sliding-window layers' rings (mtp_jax.load's window_cache)
-        window = sc.target.sliding_window(cfg)
-        if window is None:
-            raise ValueError(
-                f"--window-cache ring: {sc.target.title or sc.target.name} has no sliding-window layers"
-            )
-        sc = dataclasses.replace(sc, local_ring=ring_pages(window, page_size, ring_span(sc)))
+    sc = _with_window_cache(sc, window_cache)
     state = _timed_state(sc, batch, context, dtype, lora_slots)
     # The state is donated, seq_len with it: one committed-length buffer per call, made before timing
     calls = 2 + TIMED_ROUNDS * iters + PROFILED_STEPS
@@ -326,6 +319,20 @@ def time_step(
             for _ in range(PROFILED_STEPS):
                 jax.block_until_ready(one())
     return seconds
+
+
+def _with_window_cache(sc: Any, window_cache: str) -> Any:
+    """``sc`` with its sliding-window layers' rings for ``window_cache="ring"`` (mtp_jax.load's)."""
+    from mtp_jax.cache import ring_pages
+    from mtp_jax.step import ring_span
+
+    if window_cache != "ring":
+        return sc
+    window = sc.target.sliding_window(sc.cfg)
+    if window is None:
+        name = sc.target.title or sc.target.name
+        raise ValueError(f"--window-cache ring: {name} has no sliding-window layers")
+    return dataclasses.replace(sc, local_ring=ring_pages(window, sc.page_size, ring_span(sc)))
 
 
 PROFILED_STEPS = 3
@@ -399,6 +406,24 @@ def _read_overridden(path: str, overrides: Sequence[str], flag: str = "--set") -
     return raw
 
 
+def _add_layout_args(parser: argparse.ArgumentParser) -> None:
+    """--window-cache and --layer-buffers: how the model keeps its cache and weights."""
+    parser.add_argument(
+        "--window-cache",
+        choices=["pages", "ring"],
+        default="pages",
+        help="a sliding-window model's local layers: every page, or each slot's ring (mtp_jax.load's "
+        "window_cache; the bytes and roofline columns still count every page)",
+    )
+    parser.add_argument(
+        "--layer-buffers",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="one buffer per layer's weights (read in place by unrolled layers) or the scanned stacks "
+        "(auto: per-layer for layers of 4 MiB and more; mtp_jax.model.resolve_layer_buffers)",
+    )
+
+
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -442,20 +467,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="a registered draft method by name (e.g. ngram: no weights); default: the --draft-model's or "
         "--draft-config's, else the MTP layer",
     )
-    parser.add_argument(
-        "--window-cache",
-        choices=["pages", "ring"],
-        default="pages",
-        help="a sliding-window model's local layers: every page, or each slot's ring (mtp_jax.load's "
-        "window_cache; the bytes and roofline columns still count every page)",
-    )
-    parser.add_argument(
-        "--layer-buffers",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="one buffer per layer's weights (read in place by unrolled layers) or the scanned stacks "
-        "(auto: per-layer for layers of 4 MiB and more; mtp_jax.model.resolve_layer_buffers)",
-    )
+    _add_layout_args(parser)
     parser.add_argument(
         "--profile",
         metavar="DIR",
