@@ -23,12 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from mtp_jax.cache import ring_pages
 from mtp_jax.drafts import DRAFTS
 from mtp_jax.errors import InvalidRequestError
 from mtp_jax.sampling import MAX_DRAFTS, RowSampling, check_column, check_logprobs, check_value, per_row
 from mtp_jax.schedule import SCHEDULES
-from mtp_jax.step import DRAFT_SAMPLING, StepConfig, ring_span
+from mtp_jax.step import DRAFT_SAMPLING, StepConfig, with_ring
 from mtp_jax.text import check_stops
 from mtp_jax.tree import DynamicTree, TokenTree
 from pallas_kernels.paged import QUERY_CHUNK
@@ -246,10 +245,7 @@ def step_config(model, speculative: SpeculativeConfig, *, relaxed: bool = False)
     for relaxed acceptance) or explicit ``think_tokens`` the thinking phase's markers; with the
     model's ``window_cache="ring"`` its sliding-window layers' rings sized for it."""
     sc = _step_config(model, speculative, relaxed)
-    if getattr(model, "window_cache", "pages") != "ring":
-        return sc
-    window = sc.target.sliding_window(sc.cfg)
-    return dataclasses.replace(sc, local_ring=ring_pages(window, sc.page_size, ring_span(sc)))
+    return with_ring(sc) if getattr(model, "window_cache", "pages") == "ring" else sc
 
 
 def _step_config(model, speculative: SpeculativeConfig, relaxed: bool) -> StepConfig:

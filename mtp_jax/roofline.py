@@ -323,16 +323,14 @@ def time_step(
 
 def _with_window_cache(sc: Any, window_cache: str) -> Any:
     """``sc`` with its sliding-window layers' rings for ``window_cache="ring"`` (mtp_jax.load's)."""
-    from mtp_jax.cache import ring_pages
-    from mtp_jax.step import ring_span
+    from mtp_jax.step import with_ring
 
     if window_cache != "ring":
         return sc
-    window = sc.target.sliding_window(sc.cfg)
-    if window is None:
-        name = sc.target.title or sc.target.name
-        raise ValueError(f"--window-cache ring: {name} has no sliding-window layers")
-    return dataclasses.replace(sc, local_ring=ring_pages(window, sc.page_size, ring_span(sc)))
+    try:
+        return with_ring(sc)
+    except ValueError as e:
+        raise ValueError(f"--window-cache ring: {e}") from None
 
 
 PROFILED_STEPS = 3

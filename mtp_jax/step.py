@@ -303,6 +303,16 @@ def ring_span(sc: StepConfig) -> int:
     return max(QUERY_CHUNK, sc.k + 1 + sc.overshoot)
 
 
+def with_ring(sc: StepConfig) -> StepConfig:
+    """``sc`` with its target's sliding-window layers kept in rings sized for it (``local_ring``:
+    :func:`mtp_jax.cache.ring_pages` of the window and :func:`ring_span`)."""
+    window = sc.target.sliding_window(sc.cfg)
+    if window is None:
+        name = sc.target.title or sc.target.name
+        raise ValueError(f"{name} has no sliding-window layers to keep in a ring")
+    return dataclasses.replace(sc, local_ring=ring_pages(window, sc.page_size, ring_span(sc)))
+
+
 def _ring_of(sc: StepConfig, rows: jax.Array | None, batch: int, width: int) -> jax.Array | None:
     """The ring table [batch, width] of the slots ``rows`` [batch] (default: slots 0..batch-1, a
     step's rows), or None without a ring."""
