@@ -503,6 +503,13 @@ def run(args: argparse.Namespace) -> dict:
     _check_args(args)
     cfg, params, draft_cfg, buffered, name, dtype_name = _roofline_model(args)
     method = _check_draft(args, cfg, params, draft_cfg, name)
+    if args.window_cache == "ring":  # refused before the bandwidth runs, not after
+        from mtp_jax.model import check_window_cache
+
+        try:
+            check_window_cache(cfg, "ring", None)
+        except ValueError as e:
+            raise ValueError(f"--window-cache ring: {e}") from None
     dtype = DTYPES[dtype_name]
     copy = copy_bandwidth(args.copy_mb, min(args.iters, 20))
     read = read_bandwidth(args.copy_mb, min(args.iters, 20))

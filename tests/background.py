@@ -128,7 +128,10 @@ class SecondLane:
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.lane_worker", "-p", "no:cacheprovider"]
         env = dict(os.environ, PYTHONPATH=self.repo, **{WORKER_ENV: "1"})
         if self.worker_xla_flags is not None:
-            env["XLA_FLAGS"] = self.worker_xla_flags
+            # level 2 in its flags, but JAX's "disable most optimizations" (level 0, cheap LLVM
+            # passes) for every test but those marked ``optimized`` (tests/conftest.py), and for
+            # every process it starts
+            env.update(XLA_FLAGS=self.worker_xla_flags, JAX_DISABLE_MOST_OPTIMIZATIONS="1")
         with tempfile.TemporaryDirectory(prefix="mtp-jax-lane-") as tmp:
             report_path, log_path = os.path.join(tmp, "reports.jsonl"), os.path.join(tmp, "output.txt")
             open(report_path, "w").close()

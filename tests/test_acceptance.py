@@ -1021,9 +1021,26 @@ E2E_CASES = [
 ]
 
 
+def _cases(cases: list[tuple], optimized: set[tuple]) -> list:
+    """``cases`` as pytest params named by their fields, those in ``optimized`` marked so (the
+    worker compiles them at XLA's level 2: the cases measured faster there, the drafts copied from
+    text whose prompt takes the most seeds; tests/conftest.py)."""
+    marks = {c: [pytest.mark.optimized] if c in optimized else [] for c in cases}
+    return [pytest.param(*c, id="-".join(map(str, c)), marks=marks[c]) for c in cases]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("draft", "k", "draft_sampling", "which"), E2E_CASES, ids=["-".join(map(str, c)) for c in E2E_CASES]
+    ("draft", "k", "draft_sampling", "which"),
+    _cases(
+        E2E_CASES,
+        {
+            ("ngram", 2, "argmax", "truncated"),
+            ("ngram", 2, "sampled", "truncated"),
+            ("suffix", 2, "sampled", "truncated"),
+            ("hybrid", 2, "sampled", "truncated"),
+        },
+    ),
 )
 def test_generate_first_three_tokens_follow_the_target(request, draft, k, draft_sampling, which):
     """Many seeds of one prompt in one generate call (as many as the check's power needs): the
@@ -1177,7 +1194,8 @@ TREES = {"static": TREE, "dynamic": dict(TREE, dynamic=True)}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("draft", "draft_sampling", "which", "shape"), TREE_CASES, ids=["-".join(c) for c in TREE_CASES]
+    ("draft", "draft_sampling", "which", "shape"),
+    _cases(TREE_CASES, {("hybrid", "argmax", "truncated", "dynamic")}),
 )
 def test_token_trees_keep_the_first_three_tokens_exact(request, draft, draft_sampling, which, shape):
     """As :func:`test_generate_first_three_tokens_follow_the_target`, with a token tree verified

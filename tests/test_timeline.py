@@ -46,3 +46,31 @@ def test_the_runs_compilation_cache_is_on():
 
     assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
     assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+
+
+def test_the_worker_compiles_at_level_2_only_the_tests_marked_optimized(monkeypatch):
+    """The second lane's worker starts with JAX's "disable most optimizations" on (XLA's level 0
+    whatever its flags say) and turns it off for a test marked ``optimized``, dropping compiled
+    programs where the level changes; anywhere else nothing changes."""
+    import jax
+    from jax._src import compiler
+
+    from tests import conftest
+    from tests.background import WORKER_ENV
+
+    before = compiler._DISABLE_MOST_OPTIMIZATIONS.value
+    assert not conftest.set_optimisation_level(True)  # the main process: flags decide
+    monkeypatch.setenv(WORKER_ENV, "1")
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+    monkeypatch.setattr(conftest, "_LEVEL_ZERO", [True])
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
+    try:
+        jax.config.update("jax_disable_most_optimizations", True)
+        assert not conftest.set_optimisation_level(False) and compiler._DISABLE_MOST_OPTIMIZATIONS.value
+        assert conftest.set_optimisation_level(True) and not compiler._DISABLE_MOST_OPTIMIZATIONS.value
+        assert not conftest.set_optimisation_level(True) and len(cleared) == 1
+        assert conftest.set_optimisation_level(False) and compiler._DISABLE_MOST_OPTIMIZATIONS.value
+        assert len(cleared) == 2
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)

@@ -207,6 +207,7 @@ def load_or_make_continuations(
     if os.path.isfile(path):
         return np.load(path)
     data = own_continuations(cfg, params, stream, count, length, seed, num_speculative_tokens)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # --out's parent may not exist yet
     tmp = path + f".tmp-{os.getpid()}.npy"
     np.save(tmp, data)
     os.replace(tmp, path)

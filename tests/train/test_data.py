@@ -63,3 +63,20 @@ def test_windows_drawn_source_by_source_follow_the_weights():
     ):
         with pytest.raises(ValueError, match="must give each of the data's sources"):
             SourceWindows(starts, sources, size, bad)
+
+
+def test_continuations_are_kept_beside_a_run_whose_directory_does_not_exist_yet(tmp_path, monkeypatch):
+    """A run's --out inside a folder not made yet (the DSpark smoke run's first write): the
+    continuations are written there whole (no temporary left) and read back on a resume."""
+    from mtp_jax.train import data
+
+    made = np.arange(6, dtype=np.int32).reshape(2, 3)
+    calls = []
+    monkeypatch.setattr(data, "own_continuations", lambda *a: calls.append(a) or made)
+    workdir = str(tmp_path / "new" / "draft.train")
+    got = data.load_or_make_continuations(workdir, None, {}, np.zeros(9, np.int32), 2, 3, seed=0)
+    np.testing.assert_array_equal(got, made)
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["draft.train.continuations-2x3-seed0.npy"]
+    again = data.load_or_make_continuations(workdir, None, {}, np.zeros(9, np.int32), 2, 3, seed=0)
+    np.testing.assert_array_equal(again, made)
+    assert len(calls) == 1
