@@ -135,7 +135,7 @@ class Model(TeacherForced):
         ``window_cache``: :func:`load`'s."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        check_window_cache(config, window_cache, mesh)
+        check_window_cache(config, window_cache)
         self.window_cache = window_cache
         self.config = config
         self.layer_buffers = resolve_layer_buffers(params, config, mesh, layer_buffers)
@@ -318,7 +318,7 @@ class Model(TeacherForced):
     def with_window_cache(self, window_cache: str) -> Model:
         """This model with its sliding-window layers' keys kept as ``window_cache`` says
         (:func:`load`'s option), sharing its weights on device (nothing is copied or reloaded)."""
-        check_window_cache(self.config, window_cache, self.mesh)
+        check_window_cache(self.config, window_cache)
         model = copy.copy(self)
         model.window_cache = window_cache
         if self.lora is not None:  # the same adapters, in a table of its own from now on
@@ -419,10 +419,11 @@ WINDOW_CACHES = ("pages", "ring")
 ``window_cache``): ``"pages"`` (the default), every page of the context as its global layers do;
 ``"ring"``, a ring of each slot's window (and one prompt chunk or one step's tokens past it)
 recycled as the sequence moves on, so a local layer's cache stays the window's size however long
-the context (:func:`mtp_jax.cache.ring_table`). For now one device."""
+the context (:func:`mtp_jax.cache.ring_table`), on one device or a mesh (each slot's ring on the
+devices that hold its row)."""
 
 
-def check_window_cache(config: ModelConfig, window_cache: str, mesh: jax.sharding.Mesh | None) -> None:
+def check_window_cache(config: ModelConfig, window_cache: str) -> None:
     """ValueError unless ``window_cache`` is one of :data:`WINDOW_CACHES` that this model can keep."""
     if window_cache not in WINDOW_CACHES:
         raise ValueError(f"window_cache must be one of {WINDOW_CACHES}, got {window_cache!r}")
@@ -434,8 +435,6 @@ def check_window_cache(config: ModelConfig, window_cache: str, mesh: jax.shardin
             f"window_cache='ring' keeps sliding-window layers' keys in a ring: {target.title or target.name} "
             "(this config) has no sliding-window layers"
         )
-    if mesh is not None:
-        raise ValueError("window_cache='ring' runs on one device for now: load without a mesh")
 
 
 def load(

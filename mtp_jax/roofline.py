@@ -507,7 +507,7 @@ def run(args: argparse.Namespace) -> dict:
         from mtp_jax.model import check_window_cache
 
         try:
-            check_window_cache(cfg, "ring", None)
+            check_window_cache(cfg, "ring")
         except ValueError as e:
             raise ValueError(f"--window-cache ring: {e}") from None
     dtype = DTYPES[dtype_name]

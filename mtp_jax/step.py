@@ -159,8 +159,6 @@ class StepConfig:
             raise ValueError(
                 f"a ring cache keeps sliding-window layers' pages: {target.title or target.name} has none"
             )
-        if self.mesh is not None:
-            raise ValueError("a sliding-window ring cache runs on one device for now, not on a mesh")
         need = ring_pages(window, self.page_size, ring_span(self))
         if self.local_ring < need:
             raise ValueError(

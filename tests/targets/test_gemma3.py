@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -429,12 +430,67 @@ def test_a_ring_serves_chunked_prompts_chains_and_trees(fixtures):
     assert ring.generate(LONG, **sampled).tokens == pages.generate(LONG, **sampled).tokens
 
 
-def test_a_ring_is_refused_where_it_cannot_hold():
-    from mtp_jax.sharding import make_mesh
+RING_MESH_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    assert len(jax.devices()) == 8
+    import mtp_jax
+    from tests.targets.test_gemma3 import LONG, _same_logprobs
 
-    path = os.path.join(FIXTURES, "pattern6_tied")
-    with pytest.raises(ValueError, match="window_cache='ring' runs on one device for now"):
-        mtp_jax.load(path, "float32", window_cache="ring", mesh=make_mesh(1, 1, devices=jax.devices()[:1]))
+    path = sys.argv[1]
+    mesh = mtp_jax.make_mesh(data=2, tensor=2, devices=jax.devices()[:4])
+    one = mtp_jax.load(path, "float32", page_size=2, draft_model=path)
+    ring = mtp_jax.load(path, "float32", page_size=2, draft_model=path, window_cache="ring", mesh=mesh)
+    kw = dict(max_new_tokens=24, ignore_eos=True)
+    want = one.generate(LONG, logprobs=5, **kw)
+    got = ring.generate(LONG, logprobs=5, **kw)
+    assert got.tokens == want.tokens
+    _same_logprobs(got.logprobs, want.logprobs)
+    spec = ring.generate(LONG, draft="ngram", num_speculative_tokens=4, **kw)
+    assert spec.tokens == want.tokens and spec.stats["num_accepted_tokens"] > 0
+    # a token tree whose sampled rows take second children: accepted paths moved inside sharded rings
+    tree = dict(kw, draft="draft_model", speculative_tree={"depth": 2, "topk": 2, "nodes": 3})
+    tree.update(temperature=3.0, seed=[5, 6, 7, 8])
+    assert ring.generate(LONG, **tree).tokens == one.generate(LONG, **tree).tokens
+    # the serving engine: prompts in chunks of 32, cached prefixes whose last window is recomputed
+    # into the slot's ring on its own devices
+    again = [LONG[0][:120] + LONG[3], LONG[0][:100] + LONG[2][:60]]
+    want = one.generate(LONG + again, **kw).tokens
+    with mtp_jax.Engine(ring, slots=4, max_len=256, chunked_prefill_size=32) as engine:
+        done = [h.result(600) for h in [engine.submit(p, **kw) for p in LONG]]
+        done += [h.result(600) for h in [engine.submit(p, **kw) for p in again]]
+        stats = engine.stats()
+    assert [c.tokens for c in done] == want
+    # a hit reuses pages of its own shard only: one of the two here (the slots alternate shards)
+    assert stats["prefill_chunks"] > 0 and stats["prefix_cache_hits"] >= 100, stats
+    # each data shard holds its own slots' rings (no collective needed to attend)
+    from mtp_jax.request import SpeculativeConfig, step_config
+    from mtp_jax.sharding import state_shardings
+    from mtp_jax.step import init_state
+    sc = step_config(ring, SpeculativeConfig())
+    state = init_state(sc, 4, 4 * 128, 128, np.float32)
+    state = jax.device_put(state, state_shardings(sc, state))
+    leaf = state.target_pages["ring_k"]
+    assert tuple(leaf.sharding.spec)[1] == "data", leaf.sharding.spec
+    assert leaf.addressable_shards[0].data.shape[1] == 2 * sc.local_ring == leaf.shape[1] // 2
+    print("RING-MESH-OK")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.child(RING_MESH_CHILD, os.path.join(FIXTURES, "pattern6_tied"))
+def test_a_ring_on_a_mesh_decodes_as_one_device_does(child_output):
+    """Rows and their rings split over data = 2, heads over tensor = 2 (one KV head, replicated):
+    greedy rows with log-probabilities, n-gram chains, sampled token trees and the serving engine's
+    chunked prompts and prefix hits give one device's every-page tokens; each shard holds its own
+    slots' rings."""
+    assert "RING-MESH-OK" in child_output
+
+
+def test_a_ring_is_refused_where_it_cannot_hold():
     with pytest.raises(ValueError, match="window_cache must be one of"):
         mtp_jax.load(os.path.join(FIXTURES, "pattern6_tied"), "float32", window_cache="window")
     with pytest.raises(ValueError, match="has no sliding-window layers"):

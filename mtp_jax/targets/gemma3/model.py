@@ -151,13 +151,15 @@ def _paged(cfg, positions, paged, pages, layer, mesh) -> Callable:
     return attend
 
 
-def _ring(cfg, positions, paged, rings, layer) -> Callable:
+def _ring(cfg, positions, paged, rings, layer, mesh) -> Callable:
     """Attention of a sliding-window layer over its ring (layer ``layer`` of the ring stacks
     ``rings`` {"k", "v"}, read through ``paged.ring_table``), a chunk of at most ``QUERY_CHUNK``
     tokens at a time, each chunk's keys written before its queries read: a ring holds the window
     and one chunk (:func:`mtp_jax.step.ring_span`), so a long prompt's later chunks may overwrite
     what its earlier ones no longer need, never what they do. A chunk reads only the pages its
-    queries' windows span (:func:`_window_pages`), not the row's whole table."""
+    queries' windows span (:func:`_window_pages`), not the row's whole table. With ``mesh``: rows
+    and rings split over the row axes (a slot's ring lies in its shard's range of ring pages:
+    :func:`mtp_jax.cache.ring_table` numbers them by slot, and the slots are split in blocks)."""
     page = rings["k"].shape[2]
     seen, tree = paged.attention(positions)
     written, valid, table = paged.written(positions), paged.valid, paged.ring_table
@@ -171,7 +173,7 @@ def _ring(cfg, positions, paged, rings, layer) -> Callable:
             moved = None if tree is None else (tree[0] - off, tree[1])
             win = (window, None if tree is None else positions - off[:, None])
             out, rings = gqa_paged(
-                q, k, v, rings, slots, near, shifted, cfg.softmax_scale, layer, None, moved, win
+                q, k, v, rings, slots, near, shifted, cfg.softmax_scale, layer, mesh, moved, win
             )
             return out, rings
 
@@ -276,7 +278,7 @@ def forward(
     sliding, windows = _windows(cfg)
     n = cfg.num_hidden_layers
     if paged is not None and paged.ring_table is not None:
-        h, captured, pages = _ring_layers(params, cfg, h, captured, plan, rope, positions, paged)
+        h, captured, pages = _ring_layers(params, cfg, h, captured, plan, rope, positions, paged, mesh)
     else:
         carry = (h, captured, None if paged is None else paged.pages)
         (h, captured, pages), _ = scan_layers(
@@ -290,9 +292,9 @@ def forward(
     return hidden, pages
 
 
-def _ring_layers(params, cfg, h, captured, plan, rope, positions, paged):
+def _ring_layers(params, cfg, h, captured, plan, rope, positions, paged, mesh):
     """The layers over a ring cache (:func:`init_ring_cache`), unrolled: each layer's kind is
-    static, its pages those of its own stack (the rings' or the global layers'). One device."""
+    static, its pages those of its own stack (the rings' or the global layers')."""
     stack = params["layers"]
     layers = stack if isinstance(stack, tuple) else None
     pages = dict(paged.pages)
@@ -303,12 +305,13 @@ def _ring_layers(params, cfg, h, captured, plan, rope, positions, paged):
         index = ordinal[local]
         ordinal[local] += 1
         if local:
-            attend = _ring(cfg, positions, paged, rings, index)
+            attend = _ring(cfg, positions, paged, rings, index, mesh)
         else:
-            attend = _paged(cfg, positions, paged, pages, index, None)
+            attend = _paged(cfg, positions, paged, pages, index, mesh)
         cos, sin = rope[0] if local else rope[1]
         window = cfg.sliding_window if local else None
         h, updated = _decoder_layer(p, h, cfg, cos, sin, window, positions, paged, attend)
+        h = constrain(h, mesh, ACTIVATION)
         if local:
             rings = updated
         else:
