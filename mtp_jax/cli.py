@@ -142,7 +142,7 @@ def _add_generate_speculation_args(g: argparse.ArgumentParser) -> None:
         "decoding (no weights, any model); none = plain",
     )
     g.add_argument("--draft-model", help="a separately trained draft's directory (EAGLE-3 or DFlash)")
-    _add_window_cache(g)
+    add_window_cache(g)
     g.add_argument(
         "--lora",
         metavar="DIR",
@@ -249,7 +249,7 @@ def _add_serve_parser(sub) -> None:
     sv.add_argument(
         "--draft-model", help="a separately trained draft's directory (EAGLE-3, DFlash, or a draft model)"
     )
-    _add_window_cache(sv)
+    add_window_cache(sv)
     sv.add_argument("-k", "--num-speculative-tokens", type=int, default=None, help="drafts per step (3)")
     sv.add_argument("--draft-sampling", choices=["argmax", "sampled"], default="argmax")
     _add_draft_option(sv)
@@ -491,13 +491,14 @@ def check_draft_name(name: str, error: type[Exception]) -> None:
         )
 
 
-def _add_window_cache(parser) -> None:
+def add_window_cache(parser) -> None:
+    """--window-cache (generate, serve, scripts/launch.py)."""
     parser.add_argument(
         "--window-cache",
         choices=["pages", "ring"],
         default="pages",
         help="how sliding-window layers (Gemma 3) keep their keys: every page (default), or a ring of "
-        "the window's pages per slot (one device)",
+        "the window's pages per slot",
     )
 
 

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="mesh over all devices of the run, e.g. data=2,expert=4 or data=2,tensor=4 (default: all "
         "devices on expert for DeepSeek-V3, on tensor for Llama)",
     )
+    from mtp_jax.cli import add_window_cache
+
+    add_window_cache(m)
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeat for a batch)")
     g.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids (repeatable)")
@@ -214,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         mesh=mesh,
         draft_model=args.draft_model,
         draft_layer_ids=args.draft_layer_ids,
+        window_cache=args.window_cache,
         **(lora_load_kwargs(args) if args.serve else {}),
     )
     load_s = time.perf_counter() - t0

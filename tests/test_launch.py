@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from mtp_jax.distributed import (
@@ -90,6 +91,27 @@ def test_two_processes_run_a_tensor_parallel_llama_like_one():
         draft="eagle3",
         num_speculative_tokens=3,
     )
+    assert got["tokens"] == want.tokens
+
+
+@pytest.mark.spawns
+@pytest.mark.slow
+def test_two_processes_keep_gemmas_window_in_rings_like_one_device():
+    """--window-cache ring over 2 processes x 2 devices (rows and their rings over data, heads over
+    tensor): a prompt that goes round the ring (150 tokens, rings of 96 positions) decodes as one
+    process with every page does."""
+    import mtp_jax
+
+    model_dir = os.path.join(REPO, "tests", "fixtures", "parity_gemma3", "pattern6_tied")
+    prompts = [[int(x) for x in np.random.default_rng(1).integers(1, 120, n)] for n in (150, 40)]
+    out = _launch(
+        "--local", "2", "--mesh", "data=2,tensor=2", "--model", model_dir, "--window-cache", "ring",
+        *(f"--prompt-ids={','.join(map(str, p))}" for p in prompts), "--draft", "none",
+        "--max-new-tokens", "12", "--ignore-eos", "--json", "--timeout", "500",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = mtp_jax.load(model_dir, "float32").generate(prompts, max_new_tokens=12, ignore_eos=True)
     assert got["tokens"] == want.tokens
 
 

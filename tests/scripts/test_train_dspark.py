@@ -24,6 +24,7 @@ from tests.scripts.test_train_tiny import finish, import_script
 SCRIPT = os.path.join(REPO, "scripts", "train_dspark.py")
 LLAMA = os.path.join(REPO, "checkpoints", "tiny-llama3-stdlib")
 SMOKE = ["--target", LLAMA, "--preset", "smoke", "--steps", "4", "--save-every", "2", "--acceptance-k", "2"]
+SMOKE += ["--calibration-seeds", "2"]  # 16 rollouts of 16 tokens a calibration: a smoke run
 
 
 def start(out, *extra: str) -> subprocess.Popen:
