@@ -311,7 +311,6 @@ SECOND_LANE_MODULES = {  # seconds in the worker at level 2 / chosen per test (f
     "tests/test_grammar.py",  # 235 / 167 (its child check runs in the worker)
     "tests/test_embedded_drafts.py",  # 83 / 64
     "tests/targets/test_gemma3.py",  # 83 in the main lane (compiling: level 0 in the worker too)
-    "tests/test_roofline.py",  # 38 in the main lane, before its ring test's 15 s went
 }
 # Back in the main lane since f578e6e's run, where the worker (started after the 8-device children,
 # 1,620 s in) ended 11 minutes after the main lane: test_prefill.py 126 s, test_serving.py 150 s,
